@@ -1,0 +1,93 @@
+"""``parallelize(pipe, config)``: the one entry point.
+
+Dimensions are applied in a fixed, logged order: tensor -> sequence -> cfg/data -> (compile).
+The pipeline object is changed in place through hooks and attention processors; no pipeline class is
+forked. Every rank calls ``pipe(...)`` with the same arguments and gets the same result.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import models as _models  # noqa: F401  (registers adapters)
+from .config import ConfigError, ParallelConfig
+from .mesh import ParallelMesh
+from .models.base import adapter_for
+from .parallel import sequence
+
+log = logging.getLogger("ditmesh")
+
+#: degree name -> what is missing while that dimension has not landed
+_NOT_YET = {
+    "tp": "tensor parallelism (tp > 1) is not implemented yet",
+    "cfg": "CFG parallelism (cfg > 1) is not implemented yet",
+    "dp": "data parallelism (dp > 1) is not implemented yet",
+    "pp": "PipeFusion (pp > 1) is not implemented yet",
+    "ring": "ring attention (ring > 1) is not implemented yet; use ulysses for sequence parallelism",
+}
+
+
+@dataclass
+class ParallelRuntime:
+    """What :func:`parallelize` did to a pipeline: the mesh, and how to undo it."""
+
+    config: ParallelConfig
+    mesh: ParallelMesh
+    applied: list[str] = field(default_factory=list)
+    _undo: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Restore the pipeline's original forward behaviour."""
+        for fn in reversed(self._undo):
+            fn()
+        self._undo.clear()
+
+
+def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
+    """Validate ``config`` against a transformer (head counts); raises :class:`ConfigError`."""
+    adapter = adapter_for(transformer)
+    config.check_heads(adapter.num_heads(transformer), type(transformer).__name__)
+
+
+def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None) -> ParallelRuntime:
+    """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
+
+    Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
+    process) and after moving the pipeline to this rank's device.
+
+    Args:
+        pipe: a diffusers pipeline with a ``transformer`` (e.g. ``FluxPipeline``).
+        config: the degrees; their product must equal the world size.
+        check_consistency: debug mode: before every transformer call, verify that timestep, latents
+            and text embeddings are bit-identical on every rank (raises on the first mismatch).
+        device: this rank's device (default: ``cuda:LOCAL_RANK`` or CPU).
+    """
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
+    for axis, message in _NOT_YET.items():
+        if getattr(config, axis) > 1:
+            raise NotImplementedError(f"{message}; this build supports: ulysses")
+    check_model(config, transformer)
+    if device is None:
+        device = next(transformer.parameters()).device
+    mesh = ParallelMesh.build(config, torch.device(device))
+    runtime = ParallelRuntime(config=config, mesh=mesh)
+    adapter = adapter_for(transformer)
+
+    if check_consistency and dist.is_initialized() and dist.get_world_size() > 1:
+        from .runtime.consistency import attach_consistency_check
+
+        runtime._undo += attach_consistency_check(transformer)
+        runtime.applied.append("consistency-check")
+    undo = sequence.apply(transformer, mesh, adapter)
+    if undo:
+        runtime._undo += undo
+        runtime.applied.append(f"sequence(ulysses={config.ulysses})")
+    log.info("ditmesh: %s applied to %s: %s", config.describe(), type(transformer).__name__, runtime.applied or ["nothing"])
+    pipe._ditmesh = runtime
+    return runtime

@@ -1,0 +1,113 @@
+"""Every collective ditmesh issues, in one place.
+
+All collectives go through the functional API (``torch.distributed._functional_collectives``) so a
+compiled region traces them without a graph break. Each call bumps a counter in :data:`COUNTS`, which
+tests read to assert the exact number of collectives per denoising step (an extra all-gather is a bug).
+
+Cross-rank rule: a collective on a group must be called by every rank of that group, in the same order,
+with split sizes that every rank computes identically (they are derived from global shapes only).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+#: Number of collectives issued per kind since the last reset (eager calls; a compiled graph counts
+#: when it is traced). Debug-only consistency checks are counted under ``"check"``.
+COUNTS: collections.Counter = collections.Counter()
+
+
+def reset_counts() -> None:
+    """Zero :data:`COUNTS`."""
+    COUNTS.clear()
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Context manager yielding a Counter of the collectives issued inside the block."""
+    before = collections.Counter(COUNTS)
+    delta: collections.Counter = collections.Counter()
+    try:
+        yield delta
+    finally:
+        for key, value in COUNTS.items():
+            if value - before.get(key, 0):
+                delta[key] = value - before.get(key, 0)
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous chunks of ``length`` items; the first ``length % parts`` get one extra.
+
+    Every rank derives the same sizes from the global length, so no sizes need to be exchanged.
+    """
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def offsets(sizes: list[int]) -> list[int]:
+    """Start offset of each chunk given chunk sizes."""
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def all_to_all_single(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+    """All-to-all of a 1-D buffer with per-peer element counts (even or uneven)."""
+    COUNTS["all_to_all"] += 1
+    out = funcol.all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+    return _waited(out)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    # Eager funcol results are AsyncCollectiveTensors; waiting here keeps callers simple. Traced
+    # (compiled) results are plain tensors and the compiler places the wait itself.
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, where rank ``j`` holds ``sizes[j]`` items on ``dim``.
+
+    Chunks are padded to the largest size for the transfer and trimmed after it.
+    """
+    COUNTS["all_gather"] += 1
+    longest = max(sizes)
+    local = x.size(dim)
+    if local < longest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - local
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    gathered = _waited(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
+    if longest * len(sizes) == sum(sizes):
+        return gathered
+    chunks = gathered.split(longest, dim=dim)
+    return torch.cat([c.narrow(dim, 0, s) for c, s in zip(chunks, sizes)], dim=dim)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Gather a picklable object from every rank (host-side, for reports; not for hot paths)."""
+    if not dist.is_initialized():
+        return [obj]
+    COUNTS["object"] += 1
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def check_identical(t: torch.Tensor, group=None) -> bool:
+    """True when ``t`` is bit-identical on every rank of ``group`` (compares a float64 digest)."""
+    COUNTS["check"] += 1
+    flat = t.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    digest = torch.stack([flat.sum(), (flat * weights).sum(), flat.abs().max() if flat.numel() else flat.sum()])
+    digest = torch.cat([digest, torch.tensor([float(flat.numel())], dtype=torch.float64, device=flat.device)])
+    hi, lo = digest.clone(), digest.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    return bool(torch.equal(hi, lo))

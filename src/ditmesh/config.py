@@ -1,0 +1,109 @@
+"""`ParallelConfig`: the degrees of every parallel dimension, validated once.
+
+The config is a frozen value object: it never carries runtime state (ranks, groups, meshes).
+Runtime state lives in :class:`ditmesh.mesh.ParallelMesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+#: Mesh axis order, outermost first. The innermost axes get the closest ranks (consecutive ranks share
+#: a node / NVLink island), so the most communication-hungry dimensions sit last: tensor parallelism
+#: (two all-reduces per block), then Ulysses (two all-to-alls per attention), then ring (overlappable
+#: point-to-point), then PipeFusion, CFG and data parallelism (one exchange per step or less).
+AXIS_ORDER = ("dp", "cfg", "pp", "ring", "ulysses", "tp")
+
+#: One-line help per degree, used by the CLI and the docs.
+AXIS_HELP = {
+    "dp": "data parallelism: each group runs whole prompts",
+    "cfg": "CFG parallelism: conditional and unconditional branches on different ranks (1 or 2)",
+    "pp": "PipeFusion: patch-level pipeline over transformer blocks",
+    "ring": "ring attention: K/V chunks passed around the ring of ranks",
+    "ulysses": "Ulysses sequence parallelism: all-to-all over attention heads",
+    "tp": "tensor parallelism: Megatron-style sharded linears",
+}
+
+
+class ConfigError(ValueError):
+    """A parallel configuration that cannot run; the message says what would work."""
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n`` in increasing order."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of the parallel dimensions. Their product is the number of processes (world size).
+
+    Every degree defaults to 1, and a degree of 1 creates no process group and costs nothing.
+    """
+
+    dp: int = 1
+    cfg: int = 1
+    pp: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{f.name}={value!r} is not an integer; degrees are positive integers such as 1, 2, 4")
+            if value < 1:
+                raise ConfigError(f"{f.name}={value} must be >= 1; use 1 to switch the dimension off")
+        if self.cfg > 2:
+            raise ConfigError(f"cfg={self.cfg} is not supported: classifier-free guidance has 2 branches; use cfg=1 or cfg=2")
+
+    @property
+    def world_size(self) -> int:
+        """Product of all degrees: the number of processes this configuration needs."""
+        n = 1
+        for axis in AXIS_ORDER:
+            n *= getattr(self, axis)
+        return n
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree (ring x ulysses)."""
+        return self.ring * self.ulysses
+
+    def degrees(self) -> dict[str, int]:
+        """Degrees by axis name, in mesh order."""
+        return {axis: getattr(self, axis) for axis in AXIS_ORDER}
+
+    def active_axes(self) -> list[str]:
+        """Axes with degree > 1, in mesh order."""
+        return [axis for axis in AXIS_ORDER if getattr(self, axis) > 1]
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``ulysses2 x tp2`` (``single`` when nothing is parallel)."""
+        active = self.active_axes()
+        return " x ".join(f"{a}{getattr(self, a)}" for a in active) if active else "single"
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless the product of degrees equals ``world_size``."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"the degrees {self.describe()} multiply to {self.world_size}, but there are {world_size} processes; "
+                f"make the product of --dp --cfg --pp --ring --ulysses --tp equal the process count"
+            )
+
+    def check_heads(self, num_heads: int, model_name: str) -> None:
+        """Validate degrees that split attention heads against a model's head count."""
+        if self.ulysses > num_heads:
+            valid = ", ".join(str(d) for d in range(1, num_heads + 1))
+            raise ConfigError(
+                f"ulysses={self.ulysses} exceeds the {num_heads} attention heads of {model_name}; valid: {valid}"
+            )
+        if num_heads % self.tp:
+            valid = ", ".join(str(d) for d in divisors(num_heads))
+            raise ConfigError(
+                f"tp={self.tp} does not divide the {num_heads} attention heads of {model_name}; valid: {valid}"
+            )

@@ -1,0 +1,73 @@
+"""Turn a :class:`ParallelConfig` into ONE ``torch.distributed`` DeviceMesh with named axes.
+
+Only axes of degree > 1 become mesh dimensions: a degree-1 axis creates no process group.
+``ParallelMesh`` is the runtime object (ranks, groups); nothing here is module-global.
+
+Cross-rank rule: every rank must build the mesh with the same config, in the same order
+(``init_device_mesh`` is a collective call over the default group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import AXIS_ORDER, ParallelConfig
+
+
+def default_device() -> torch.device:
+    """The device this rank should use: ``cuda:LOCAL_RANK`` when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelMesh:
+    """The runtime side of a config: the DeviceMesh (None when nothing is parallel) and this rank's place."""
+
+    config: ParallelConfig
+    device: torch.device
+    device_mesh: object | None = None
+    _groups: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, config: ParallelConfig, device: torch.device | None = None) -> "ParallelMesh":
+        """Build the mesh for ``config`` over the initialized default process group."""
+        device = device or default_device()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        config.check_world_size(world)
+        active = config.active_axes()
+        if not active:
+            return cls(config=config, device=device)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(config, a) for a in active)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(active))
+        return cls(config=config, device=device, device_mesh=mesh)
+
+    def size(self, axis: str) -> int:
+        """Degree of ``axis`` (1 for axes that are off)."""
+        return getattr(self.config, axis)
+
+    def group(self, axis: str):
+        """Process group of ``axis``; None when the axis has degree 1."""
+        if self.size(axis) == 1:
+            return None
+        if axis not in self._groups:
+            self._groups[axis] = self.device_mesh[axis].get_group()
+        return self._groups[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis`` (0 for axes that are off)."""
+        if self.size(axis) == 1:
+            return 0
+        return self.device_mesh[axis].get_local_rank()
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every axis, in mesh order."""
+        return {axis: self.rank(axis) for axis in AXIS_ORDER}

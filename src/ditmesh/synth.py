@@ -1,0 +1,293 @@
+"""Synthetic checkpoints: complete diffusers pipeline folders with seeded random weights in real architectures.
+
+``ditmesh synth --arch flux-dev --out DIR`` writes a folder that loads through the ordinary
+``FluxPipeline.from_pretrained(DIR)``: the named model's transformer and VAE, small text encoders with the
+right output widths, and tokenizers built locally (no download).
+
+Weights: every parameter is drawn from a generator seeded by ``(seed, parameter name)``, normal with
+std ``1/sqrt(fan_in)`` for matrices (so activations keep their scale through deep stacks), ones for norm
+scales, zeros for biases. Same seed and device type -> same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+#: Words the synthetic tokenizers know as whole tokens (anything else falls back to characters).
+WORDS = (
+    "a an the of on at in with and or to is are this that photo picture image painting drawing "
+    "red green blue yellow white black gray grey orange purple pink brown "
+    "circle square triangle shape top bottom left right center middle background "
+    "cat dog man woman city street mountain sea sky tree house car flower portrait landscape "
+    "big small large tiny bright dark light night day sunset forest river lake"
+).split()
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A synthetic architecture: the pipeline class and the config of each component."""
+
+    name: str
+    description: str
+    pipeline: str
+    transformer_class: str
+    transformer: dict
+    vae: dict
+    clip: dict
+    t5: dict
+    scheduler: dict
+    default_dtype: str = "float32"
+    default_size: tuple[int, int] = (1024, 1024)
+    max_sequence_length: int = 512
+    extra: dict = field(default_factory=dict)
+
+
+_FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+_FLUX_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    force_upcast=True,
+)
+
+ARCHS: dict[str, Arch] = {}
+
+
+def _add(arch: Arch) -> Arch:
+    ARCHS[arch.name] = arch
+    return arch
+
+
+_add(
+    Arch(
+        name="flux-tiny",
+        description="FLUX.1 architecture shrunk for CPU tests: 2 double + 2 single blocks, 6 heads x 16",
+        pipeline="FluxPipeline",
+        transformer_class="FluxTransformer2DModel",
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=6,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=[4, 6, 6],
+        ),
+        vae=dict(_FLUX_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+        clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, projection_dim=32),
+        t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
+        scheduler=_FLUX_SCHEDULER,
+        default_size=(64, 64),
+        max_sequence_length=32,
+    )
+)
+
+_add(
+    Arch(
+        name="flux-dev",
+        description="FLUX.1-dev transformer (19 double + 38 single blocks, 24 heads x 128, 11.9B params), full VAE",
+        pipeline="FluxPipeline",
+        transformer_class="FluxTransformer2DModel",
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=[16, 56, 56],
+        ),
+        vae=_FLUX_VAE,
+        clip=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=12, projection_dim=768),
+        t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
+        scheduler=_FLUX_SCHEDULER,
+        default_dtype="bfloat16",
+        default_size=(1024, 1024),
+        max_sequence_length=512,
+    )
+)
+
+
+class UnknownArchError(ValueError):
+    """An architecture name ``ditmesh synth`` does not know."""
+
+
+def get_arch(name: str) -> Arch:
+    """The architecture called ``name``; the error lists the known ones."""
+    if name not in ARCHS:
+        raise UnknownArchError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHS))}")
+    return ARCHS[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizers, built locally
+# ---------------------------------------------------------------------------------------------------
+def build_clip_tokenizer(words=WORDS, max_length: int = 77):
+    """A CLIP BPE tokenizer over bytes, with merges that make each of ``words`` one token."""
+    from tokenizers import pre_tokenizers
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    for c in alphabet:
+        vocab[c] = len(vocab)
+    for c in alphabet:
+        vocab[c + "</w>"] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    seen = set()
+    for word in words:
+        pieces = list(word)
+        pieces[-1] += "</w>"
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            if pair not in seen:
+                seen.add(pair)
+                merges.append(pair)
+            joined = pieces[0] + pieces[1]
+            vocab.setdefault(joined, len(vocab))
+            pieces = [joined] + pieces[2:]
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def build_t5_tokenizer(words=WORDS, max_length: int = 512):
+    """A T5 (Unigram) tokenizer whose pieces are ``words`` plus single characters."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    for word in words:
+        pieces.append(("\u2581" + word, -1.0))
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-"
+    pieces.append(("\u2581", -5.0))
+    for c in chars:
+        pieces.append((c, -8.0))
+        pieces.append(("\u2581" + c, -8.0))
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+# ---------------------------------------------------------------------------------------------------
+# seeded weights
+# ---------------------------------------------------------------------------------------------------
+def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Overwrite every parameter with values drawn from a generator seeded by ``(seed, name)``."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            gen = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            leaf = name.rsplit(".", 1)[-1]
+            if p.ndim >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(fan_in**-0.5))
+            elif leaf == "bias" or "bias" in leaf:
+                p.zero_()
+            elif "norm" in name.lower() or leaf in ("weight", "scale", "gamma"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(0.02))
+    return module
+
+
+def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Build the diffusers pipeline of ``arch`` in memory with seeded random weights."""
+    import diffusers
+    import transformers
+
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    dtype = dtype or getattr(torch, arch.default_dtype)
+    device = torch.device(device)
+    clip_tok = build_clip_tokenizer()
+    t5_tok = build_t5_tokenizer(max_length=arch.max_sequence_length)
+
+    def make(cls, cfg, offset):
+        with torch.device(device):
+            model = cls(**cfg) if not isinstance(cfg, transformers.PretrainedConfig) else cls(cfg)
+        seeded_init_(model, seed + offset)
+        return model.to(dtype).eval()
+
+    clip_cfg = transformers.CLIPTextConfig(
+        vocab_size=len(clip_tok),
+        max_position_embeddings=77,
+        bos_token_id=clip_tok.bos_token_id,
+        eos_token_id=clip_tok.eos_token_id,
+        pad_token_id=clip_tok.pad_token_id,
+        **arch.clip,
+    )
+    t5_cfg = transformers.T5Config(
+        vocab_size=len(t5_tok), feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, **arch.t5
+    )
+    transformer = make(getattr(diffusers, arch.transformer_class), arch.transformer, 0)
+    vae = make(diffusers.AutoencoderKL, arch.vae, 1)
+    text_encoder = make(transformers.CLIPTextModel, clip_cfg, 2)
+    text_encoder_2 = make(transformers.T5EncoderModel, t5_cfg, 3)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(**arch.scheduler)
+    pipe_cls = getattr(diffusers, arch.pipeline)
+    return pipe_cls(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+
+
+def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, device: str | None = None, dtype: str | None = None) -> Path:
+    """Write the synthetic pipeline folder for ``arch_name`` to ``out_dir`` and return its path.
+
+    The folder is written to a temporary sibling and renamed at the end, so an interrupted run leaves
+    nothing half-written under ``out_dir``.
+    """
+    import shutil
+    import tempfile
+
+    arch = get_arch(arch_name)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    pipe = build_pipeline(arch, seed=seed, device=device, dtype=torch_dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        meta = {"arch": arch.name, "seed": seed, "dtype": dtype or arch.default_dtype, "default_size": list(arch.default_size),
+                "max_sequence_length": arch.max_sequence_length, "generator": "ditmesh synth"}
+        (tmp / "ditmesh_synth.json").write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
