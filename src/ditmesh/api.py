@@ -47,6 +47,13 @@ class ParallelRuntime:
         self._undo.clear()
 
 
+def check_supported(config: ParallelConfig) -> None:
+    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
+    for axis, message in _NOT_YET.items():
+        if getattr(config, axis) > 1:
+            raise NotImplementedError(f"{message}; this build supports: ulysses")
+
+
 def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
     """Validate ``config`` against a transformer (head counts); raises :class:`ConfigError`."""
     adapter = adapter_for(transformer)
@@ -69,9 +76,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
-    for axis, message in _NOT_YET.items():
-        if getattr(config, axis) > 1:
-            raise NotImplementedError(f"{message}; this build supports: ulysses")
+    check_supported(config)
     check_model(config, transformer)
     if device is None:
         device = next(transformer.parameters()).device

@@ -98,9 +98,10 @@ class ParallelConfig:
     def check_heads(self, num_heads: int, model_name: str) -> None:
         """Validate degrees that split attention heads against a model's head count."""
         if self.ulysses > num_heads:
-            valid = ", ".join(str(d) for d in range(1, num_heads + 1))
+            even = ", ".join(str(d) for d in divisors(num_heads))
             raise ConfigError(
-                f"ulysses={self.ulysses} exceeds the {num_heads} attention heads of {model_name}; valid: {valid}"
+                f"ulysses={self.ulysses} exceeds the {num_heads} attention heads of {model_name}; valid: 1 to "
+                f"{num_heads} (even head split: {even})"
             )
         if num_heads % self.tp:
             valid = ", ".join(str(d) for d in divisors(num_heads))

@@ -1,0 +1,7 @@
+"""``python -m ditmesh`` = the ``ditmesh`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""The ``ditmesh`` command: ``generate``, ``synth`` (and the commands of later issues as they land).
+
+Errors a user can fix are printed as ONE line on stderr (``ditmesh: error: ...``) with exit code 2;
+nothing is half-written (outputs are written to temporary files and renamed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from .config import AXIS_HELP, AXIS_ORDER, ConfigError
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def add_degree_flags(parser: argparse.ArgumentParser) -> None:
+    """The degree flags --dp --cfg --pp --ring --ulysses --tp, one line of help each."""
+    group = parser.add_argument_group(
+        "parallel degrees", "their product must equal the number of processes (--nproc, or torchrun's world size)"
+    )
+    for axis in AXIS_ORDER:
+        group.add_argument(f"--{axis}", type=int, default=1, metavar="N", help=f"{AXIS_HELP[axis]} (default 1)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ditmesh", description="Run diffusers DiT pipelines across many GPUs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate an image with a (parallel) diffusers pipeline",
+                       description="Generate with a diffusers pipeline on one or more processes. Without --nproc, "
+                                   "runs as one rank of an outer torchrun (multi-node included).")
+    g.add_argument("--model", default=None, help="pipeline folder, hub id, or synthetic architecture name "
+                                                 "(default: the embedded tiny pipeline)")
+    g.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
+    g.add_argument("--negative-prompt", default=None, help="negative prompt (enables true CFG on FLUX)")
+    g.add_argument("--true-cfg-scale", type=float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
+    g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
+    g.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
+    g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
+    g.add_argument("--guidance", type=float, default=3.5, help="guidance scale (default 3.5)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
+    add_degree_flags(g)
+    g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+                   help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
+    g.add_argument("--out", default="out/image.png", help="output image path (default out/image.png)")
+    g.add_argument("--report", default=None, help="JSON report path (default: the image path with .json)")
+    g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
+    g.add_argument("--check-consistency", action="store_true",
+                   help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
+
+    s = sub.add_parser("synth", help="write a synthetic checkpoint (random weights, real architecture)")
+    s.add_argument("--arch", required=True, help="architecture name (e.g. flux-tiny, flux-dev)")
+    s.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None, help="device to initialize on (default: cuda if present, else cpu)")
+    s.add_argument("--dtype", default=None, help="weights dtype (default: the architecture's; float32 for tiny ones)")
+    s.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
+
+    for hook in _EXTRA_COMMANDS:
+        hook(sub)
+    return parser
+
+
+def _extra_commands():
+    hooks = []
+    try:
+        from .planner.cli import add_plan_parser
+
+        hooks.append(add_plan_parser)
+    except ImportError:
+        pass
+    try:
+        from .tiny import add_eval_parser, add_train_parser
+
+        hooks += [add_train_parser, add_eval_parser]
+    except ImportError:
+        pass
+    return hooks
+
+
+_EXTRA_COMMANDS = _extra_commands()
+
+
+def _cmd_generate(args, argv: list[str]) -> int:
+    from .runtime import generate
+
+    if not args.prompt:
+        args.prompt = ["a red circle at the top left on a white background"]
+    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    generate.validate(args, world)
+    if args.nproc and "RANK" not in os.environ:
+        from .runtime.launch import launch_local
+
+        child = _strip_option(argv, "--nproc")
+        return launch_local(args.nproc, child)
+    return generate.run(args)
+
+
+def _strip_option(argv: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == name:
+            skip = True
+            continue
+        if a.startswith(name + "="):
+            continue
+        out.append(a)
+    return out
+
+
+def _cmd_synth(args) -> int:
+    from .synth import ARCHS, write_checkpoint
+
+    path = write_checkpoint(args.arch, args.out, seed=args.seed, device=args.device, dtype=args.dtype)
+    print(f"ditmesh: wrote {ARCHS[args.arch].name} checkpoint to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ditmesh`` command; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_libraries()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args, argv)
+        if args.command == "synth":
+            return _cmd_synth(args)
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, FileExistsError, NotImplementedError, ValueError) as exc:
+        print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001
+        from .runtime.launch import LaunchError
+
+        if isinstance(exc, LaunchError):
+            print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

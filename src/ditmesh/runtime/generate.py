@@ -1,0 +1,171 @@
+"""``ditmesh generate`` on one rank: load, parallelize, run, report.
+
+Every rank runs this same function with the same arguments. Rank 0 shows the progress bar and writes
+the outputs (image, JSON report, optional latents); every rank contributes its latency and memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ParallelConfig
+from ..mesh import default_device
+from .models import local_model_path, read_defaults, read_transformer_config, resolve_model
+from .report import atomic_write_bytes, device_name, peak_memory_bytes, versions, write_json
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parallel_config_from_args(args) -> ParallelConfig:
+    return ParallelConfig(dp=args.dp, cfg=args.cfg, pp=args.pp, ring=args.ring, ulysses=args.ulysses, tp=args.tp)
+
+
+def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
+    """Check everything that can be checked before any process starts; raises ConfigError with one line."""
+    from ..api import check_supported
+
+    config = parallel_config_from_args(args)
+    config.check_world_size(world_size)
+    check_supported(config)
+    model = resolve_model(args.model)
+    tcfg = read_transformer_config(model)
+    if tcfg and "num_attention_heads" in tcfg:
+        config.check_heads(int(tcfg["num_attention_heads"]), tcfg.get("_class_name", "the transformer"))
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and (value <= 0 or value % 16):
+            raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be >= 1")
+    if args.dtype not in DTYPES and args.dtype != "auto":
+        raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPES))}")
+    return config, model
+
+
+def _init_distributed(device: torch.device) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call_kwargs(pipe, args, defaults: dict) -> dict:
+    """Keyword arguments for ``pipe(...)`` from the CLI options, keeping only those the pipeline accepts."""
+    size = defaults.get("default_size") or [None, None]
+    kwargs = dict(
+        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        height=args.height or size[0],
+        width=args.width or size[1],
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        max_sequence_length=args.max_sequence_length or defaults.get("max_sequence_length"),
+        generator=torch.Generator("cpu").manual_seed(args.seed),
+    )
+    if args.negative_prompt is not None:
+        kwargs["negative_prompt"] = args.negative_prompt
+        kwargs["true_cfg_scale"] = args.true_cfg_scale
+    accepted = inspect.signature(pipe.__call__).parameters
+    return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
+
+
+def run(args) -> int:
+    """Run one rank of ``ditmesh generate``; returns the exit code."""
+    from diffusers import DiffusionPipeline
+
+    from ..api import parallelize
+    from ..comm import all_gather_object
+
+    device = default_device()
+    _init_distributed(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    config, model = validate(args, world)
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    t_load = time.perf_counter()
+    path = local_model_path(model) if rank == 0 else None
+    if world > 1:
+        path = all_gather_object(path)[0]  # rank 0 synthesizes a named architecture once
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
+    defaults = read_defaults(path)
+    parallelize(pipe, config, check_consistency=args.check_consistency, device=device)
+    load_s = time.perf_counter() - t_load
+    pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
+
+    marks: list[float] = []
+    final: dict = {}
+
+    def on_step_end(p, i, t, kw):
+        _sync(device)
+        marks.append(time.perf_counter())
+        if i == args.steps - 1 or i == len(p.scheduler.timesteps) - 1:
+            final["latents"] = kw["latents"].detach().float().cpu()
+        return kw
+
+    call = _call_kwargs(pipe, args, defaults)
+    _sync(device)
+    t0 = time.perf_counter()
+    result = pipe(**call, callback_on_step_end=on_step_end)
+    _sync(device)
+    total_s = time.perf_counter() - t0
+    step_s = [b - a for a, b in zip([t0] + marks[:-1], marks)]
+    peaks = all_gather_object(peak_memory_bytes(device))
+    devices = all_gather_object(device_name(device))
+
+    if rank == 0:
+        out = Path(args.out)
+        images = result.images if hasattr(result, "images") else result.frames
+        paths = []
+        for i, image in enumerate(images):
+            p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+            buf = io.BytesIO()
+            image.save(buf, format=(p.suffix.lstrip(".") or "png").upper().replace("JPG", "JPEG"))
+            atomic_write_bytes(p, buf.getvalue())
+            paths.append(str(p))
+        if args.save_latents:
+            from safetensors.torch import save as st_save
+
+            atomic_write_bytes(args.save_latents, st_save({"latents": final["latents"].contiguous()}))
+        report = {
+            "model": model,
+            "config": config.as_dict(),
+            "world_size": world,
+            "devices": devices,
+            "dtype": str(dtype).replace("torch.", ""),
+            "height": call.get("height"),
+            "width": call.get("width"),
+            "steps": args.steps,
+            "prompt": args.prompt,
+            "seed": args.seed,
+            "versions": versions(),
+            "load_s": round(load_s, 4),
+            "step_latency_s": [round(s, 6) for s in step_s],
+            "total_latency_s": round(total_s, 6),
+            "peak_memory_bytes": peaks,
+            "outputs": paths,
+        }
+        report_path = args.report or str(out.with_suffix(".json"))
+        write_json(report_path, report)
+        print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
+              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,96 @@
+"""Resolving ``--model``: a pipeline folder, a synthetic architecture name, a hub id, or the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+def cache_dir() -> Path:
+    """Where synthesized checkpoints are kept (``$DITMESH_CACHE`` or ``~/.cache/ditmesh``)."""
+    return Path(os.environ.get("DITMESH_CACHE", Path.home() / ".cache" / "ditmesh"))
+
+
+def default_model() -> str:
+    """The model used when ``--model`` is omitted: the shipped tiny trained pipeline, else synthetic flux-tiny."""
+    try:
+        from ..tiny import default_model_path
+
+        path = default_model_path()
+        if path and (Path(path) / "model_index.json").is_file():
+            return str(path)
+    except ImportError:
+        pass
+    return "flux-tiny"
+
+
+def synthesize_cached(arch_name: str, seed: int = 0) -> str:
+    """Path of the cached synthetic checkpoint of ``arch_name``, writing it on first use.
+
+    Safe when several ranks call it at once: the checkpoint is written to a temporary folder and renamed.
+    """
+    from ..synth import write_checkpoint
+
+    path = cache_dir() / f"{arch_name}-seed{seed}"
+    if (path / "model_index.json").is_file():
+        return str(path)
+    try:
+        write_checkpoint(arch_name, path, seed=seed)
+    except (FileExistsError, OSError):
+        if not (path / "model_index.json").is_file():
+            raise
+    return str(path)
+
+
+def resolve_model(model: str | None) -> str:
+    """Turn the user's ``--model`` into something ``from_pretrained`` loads; raises ConfigError if it can't be."""
+    from ..synth import ARCHS
+
+    model = model or default_model()
+    if model in ARCHS:
+        return model  # synthesized lazily by local_model_path, once per machine
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "model_index.json").is_file():
+            raise ConfigError(f"--model {model}: folder has no model_index.json; give a diffusers pipeline folder "
+                              f"(e.g. one written by `ditmesh synth`)")
+        return str(path)
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ConfigError(f"--model {model}: no such folder; give a pipeline folder, a hub id (org/name) "
+                          f"or a synthetic architecture ({', '.join(sorted(ARCHS))})")
+    return model
+
+
+def local_model_path(model: str) -> str:
+    """Folder (or hub id) to load: synthesizes an architecture name into the cache."""
+    from ..synth import ARCHS
+
+    return synthesize_cached(model) if model in ARCHS else model
+
+
+def read_transformer_config(model: str) -> dict | None:
+    """The transformer's config.json of a local pipeline folder or synthetic architecture (None for hub ids)."""
+    from ..synth import ARCHS
+
+    if model in ARCHS:
+        return dict(ARCHS[model].transformer, _class_name=ARCHS[model].transformer_class)
+    cfg = Path(model) / "transformer" / "config.json"
+    return json.loads(cfg.read_text()) if cfg.is_file() else None
+
+
+def read_defaults(model: str) -> dict:
+    """Per-checkpoint defaults ditmesh stored next to the pipeline (size, text length)."""
+    from ..synth import ARCHS
+
+    if model in ARCHS:
+        a = ARCHS[model]
+        return {"default_size": list(a.default_size), "max_sequence_length": a.max_sequence_length}
+    for name in ("ditmesh_tiny.json", "ditmesh_synth.json"):
+        f = Path(model) / name
+        if f.is_file():
+            return json.loads(f.read_text())
+    return {}

@@ -1,0 +1,100 @@
+"""Run functions on N gloo CPU processes and collect per-rank results (the multi-process test harness).
+
+Starting a process costs seconds (importing torch + diffusers), so a :class:`ProcessPool` starts its N
+workers once, initializes a real gloo process group in each, and then runs many cases: ``pool.run(fn,
+*args)`` calls the module-level function ``fn(*args)`` on every rank and returns the list of results,
+rank 0 first. Exceptions on any rank are re-raised in the caller with the rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+_STOP = "__stop__"
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on localhost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        task = tasks.get()
+        if task == _STOP:
+            break
+        module_name, fn_name, args, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001  (reported to the parent)
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """A function failed on one or more ranks."""
+
+
+class ProcessPool:
+    """``world_size`` long-lived gloo worker processes on this machine."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, timeout_s), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank; return results ordered by rank."""
+        task = (fn.__module__, fn.__name__, args, kwargs)
+        for q in self._tasks:
+            q.put(task)
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
+            except Exception as exc:  # queue.Empty
+                self.close(force=True)
+                raise RankError(f"{fn.__name__}: no result from all ranks within {self.timeout_s + 30:.0f}s") from exc
+            (out if ok else errors)[rank] = value
+        if errors:
+            first = min(errors)
+            raise RankError(f"{fn.__name__} failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first]}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers."""
+        if not force:
+            for q in self._tasks:
+                q.put(_STOP)
+            for p in self._procs:
+                p.join(timeout=30)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,76 @@
+"""Functions executed on every rank of a gloo worker pool (module-level so workers can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_info():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0):
+    """Ulysses attention on random shards vs full attention computed locally; returns max rel error."""
+    import torch.nn.functional as F
+
+    from ditmesh.attention.ulysses import ulysses_attention
+    from ditmesh.comm import count_collectives, split_sizes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, seq_len, heads, 8, generator=g) for _ in range(3))
+    sizes = split_sizes(seq_len, world)
+    start = sum(sizes[:rank])
+    shard = lambda t: t[:, start : start + sizes[rank]]  # noqa: E731
+
+    def local(q_, k_, v_):
+        return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2)).transpose(1, 2)
+
+    with count_collectives() as counts:
+        out = ulysses_attention(shard(q), shard(k), shard(v), sizes, rank, dist.group.WORLD, local)
+    ref = shard(local(q, k, v))
+    return float((out - ref).norm() / ref.norm()), dict(counts)
+
+
+def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, prompt: str = "a red circle",
+                  check_consistency: bool = False, count: bool = False):
+    """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call)."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+
+    torch.manual_seed(0)
+    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency)
+    final = {}
+
+    def grab(p, i, t, kw):
+        final["latents"] = kw["latents"].clone()
+        return kw
+
+    with count_collectives() as counts:
+        pipe(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=3.5,
+             generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="latent",
+             callback_on_step_end=grab)
+    return final["latents"], dict(counts)
+
+
+def diverging_ranks_case(model: str):
+    """Each rank uses a different seed: the consistency check must stop the run on every rank."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.runtime.consistency import RankDivergenceError
+
+    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(ulysses=dist.get_world_size()), check_consistency=True)
+    try:
+        pipe("a red circle", height=64, width=64, num_inference_steps=1, max_sequence_length=32, output_type="latent",
+             generator=torch.Generator().manual_seed(dist.get_rank()))
+    except RankDivergenceError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,75 @@
+"""Configuration validation and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditmesh import ConfigError, ParallelConfig
+from ditmesh.cli import main
+
+
+def test_config_defaults_and_product():
+    c = ParallelConfig(ulysses=2, tp=2, cfg=2)
+    assert c.world_size == 8 and c.sp == 2 and c.describe() == "cfg2 x ulysses2 x tp2"
+    assert ParallelConfig().describe() == "single" and ParallelConfig().active_axes() == []
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"ulysses": 0}, "ulysses=0 must be >= 1"),
+    ({"tp": -2}, "tp=-2 must be >= 1"),
+    ({"ring": 1.5}, "ring=1.5 is not an integer"),
+    ({"cfg": 3}, "cfg=3 is not supported"),
+])
+def test_config_rejects_bad_degrees(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        ParallelConfig().ulysses = 2
+
+
+def test_config_checks_world_size_and_heads():
+    with pytest.raises(ConfigError, match="multiply to 4, but there are 2 processes"):
+        ParallelConfig(ulysses=4).check_world_size(2)
+    with pytest.raises(ConfigError, match="ulysses=32 exceeds the 24 attention heads of Flux"):
+        ParallelConfig(ulysses=32).check_heads(24, "FluxTransformer2DModel")
+    with pytest.raises(ConfigError, match=r"tp=5 does not divide the 24 attention heads .* valid: 1, 2, 3, 4, 6, 8, 12, 24"):
+        ParallelConfig(tp=5).check_heads(24, "FluxTransformer2DModel")
+    ParallelConfig(ulysses=5).check_heads(24, "FluxTransformer2DModel")  # uneven head split is supported
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--nproc", "2", "--ulysses", "4"], "multiply to 4, but there are 2 processes"),
+    (["generate", "--ulysses", "0"], "ulysses=0 must be >= 1"),
+    (["generate", "--model", "/no/such/folder"], "--model /no/such/folder: no such folder"),
+    (["generate", "--model", "flux-dev", "--nproc", "32", "--ulysses", "32"], "exceeds the 24 attention heads"),
+    (["generate", "--nproc", "2", "--tp", "2"], "tensor parallelism (tp > 1) is not implemented yet"),
+    (["generate", "--height", "50"], "--height 50 must be a positive multiple of 16"),
+    (["generate", "--nproc", "two"], "argument --nproc"),
+    (["synth", "--arch", "flux-huge", "--out", "x"], "unknown architecture 'flux-huge'; known: flux-dev, flux-tiny"),
+])
+def test_cli_bad_input_gives_one_line_error_and_nonzero_exit(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) if "two" in argv else _nothing():
+        code = main(argv)
+        assert code != 0
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_cli_missing_model_folder_content(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--model", str(tmp_path / "empty")]) == 2
+    assert "has no model_index.json" in capsys.readouterr().err
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
