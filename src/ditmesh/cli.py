@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    hooks = []
+    from .bench import add_bench_parser
+
+    hooks = [add_bench_parser]
     try:
         from .planner.cli import add_plan_parser
 

@@ -216,6 +216,31 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
+def _make_model(cls, cfg, seed: int, device: torch.device, dtype: torch.dtype):
+    # Initialize directly in the target dtype on the target device: a 12B-parameter model never
+    # exists in float32 (48 GB) on the way.
+    import transformers
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg) if isinstance(cfg, transformers.PretrainedConfig) else cls(**cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    seeded_init_(model, seed)
+    return model.to(dtype).eval()
+
+
+def build_transformer(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Only the transformer of ``arch``, seeded exactly as in :func:`build_pipeline` (used by benchmarks)."""
+    import diffusers
+
+    arch = get_arch(arch) if isinstance(arch, str) else arch
+    dtype = dtype or getattr(torch, arch.default_dtype)
+    return _make_model(getattr(diffusers, arch.transformer_class), arch.transformer, seed, torch.device(device), dtype)
+
+
 def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Build the diffusers pipeline of ``arch`` in memory with seeded random weights."""
     import diffusers
@@ -228,10 +253,7 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
     t5_tok = build_t5_tokenizer(max_length=arch.max_sequence_length)
 
     def make(cls, cfg, offset):
-        with torch.device(device):
-            model = cls(**cfg) if not isinstance(cfg, transformers.PretrainedConfig) else cls(cfg)
-        seeded_init_(model, seed + offset)
-        return model.to(dtype).eval()
+        return _make_model(cls, cfg, seed + offset, device, dtype)
 
     clip_cfg = transformers.CLIPTextConfig(
         vocab_size=len(clip_tok),
@@ -244,7 +266,7 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
     t5_cfg = transformers.T5Config(
         vocab_size=len(t5_tok), feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, **arch.t5
     )
-    transformer = make(getattr(diffusers, arch.transformer_class), arch.transformer, 0)
+    transformer = build_transformer(arch, seed, device, dtype)
     vae = make(diffusers.AutoencoderKL, arch.vae, 1)
     text_encoder = make(transformers.CLIPTextModel, clip_cfg, 2)
     text_encoder_2 = make(transformers.T5EncoderModel, t5_cfg, 3)

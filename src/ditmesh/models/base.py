@@ -47,6 +47,8 @@ class ModelAdapter:
     sequence_plan: SequencePlan
     attention_class_names: tuple[str, ...]
     sequence_processor: Callable  # (sp_runtime, old_processor) -> processor
+    #: (model, height, width, batch, text_len, generator, device, dtype) -> forward kwargs, as the pipeline builds them
+    example_inputs: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def attention_modules(self, model: torch.nn.Module):
