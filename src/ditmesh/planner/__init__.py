@@ -1,0 +1,140 @@
+"""``ditmesh plan``: pick the parallel configuration from the model, the resolution and the hardware.
+
+Entry points: :func:`plan` (every valid configuration, ranked), :func:`recommend` (the best one as a
+:class:`~ditmesh.config.ParallelConfig`) and the closed forms :func:`ring_attention_cost`,
+:func:`ulysses_attention_cost`, :func:`tensor_parallel_cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import AXIS_ORDER, ParallelConfig
+from .closed_forms import ring_attention_cost, tensor_parallel_cost, ulysses_attention_cost
+from .cost import Calibration, Hardware, Prediction, Workload, enumerate_configs, predict, rank, spearman
+from .hardware import DEVICES, LINKS, get_device, get_link
+from .stats import ModelStats, PlannerError, model_stats, resolve_model
+
+__all__ = [
+    "ring_attention_cost", "ulysses_attention_cost", "tensor_parallel_cost", "plan", "recommend", "PlanResult",
+    "PlannerError", "model_stats", "resolve_model", "predict", "enumerate_configs", "Hardware", "Workload",
+    "Calibration", "DEVICES", "LINKS", "spearman",
+]
+
+
+@dataclass
+class PlanResult:
+    """Ranked predictions for every valid configuration, and the recommendation."""
+
+    stats: ModelStats
+    hardware: Hardware
+    workload: Workload
+    predictions: list[Prediction]  # ranked, best first
+    baseline: Prediction  # one GPU, everything off
+
+    @property
+    def best(self) -> Prediction:
+        return self.predictions[0]
+
+    def reason(self) -> str:
+        """One sentence on why the recommendation wins."""
+        best, hw = self.best, self.hardware
+        gib = hw.usable_gib
+        if best.fits == "no":
+            return (f"no configuration fits in {gib:.1f} GiB per GPU, even with weights offloaded; "
+                    f"{best.config.describe()} comes closest at {best.memory['total']:.1f} GiB")
+        faster = [p for p in self.predictions if p.step_ms < best.step_ms and p.fits != "yes"]
+        comm = best.comm_bytes["total"] / 1e6
+        head = (f"{best.config.describe()} is predicted fastest at {best.effective_ms:.1f} ms/step "
+                f"({best.speedup:.2f}x one GPU{', which must offload' if self.baseline.fits != 'yes' else ''}) in {best.memory['total']:.1f} of {gib:.1f} GiB per GPU")
+        if best.fits == "offload":
+            return head + f", streaming the weights that do not fit from host memory every step"
+        if faster:
+            f = min(faster, key=lambda p: p.step_ms)
+            return (head + f"; {f.config.describe()} would compute faster ({f.step_ms:.1f} ms) but needs "
+                    f"{f.memory['total']:.1f} GiB per GPU")
+        if best.config.world_size == 1:
+            return head
+        link = hw.intra.name
+        return head + (f", moving {comm:.0f} MB per GPU per step over {link} "
+                       f"({best.comm_ms:.1f} ms of it not hidden behind compute)")
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.stats.summary(),
+            "hardware": {"device": self.hardware.device.name, "link": self.hardware.intra.name,
+                         "inter_link": self.hardware.inter.name if self.hardware.inter else None,
+                         "gpus": self.hardware.gpus, "nodes": self.hardware.nodes,
+                         "memory_gib": self.hardware.usable_gib, "matmul_tflops": self.hardware.device.matmul_tflops},
+            "workload": {"height": self.stats.height, "width": self.stats.width, "frames": self.stats.frames,
+                         "batch": self.workload.batch, "cfg": self.workload.cfg_on, "mode": self.workload.mode},
+            "recommendation": {"config": self.best.config.describe(), "degrees": self.best.config.as_dict(),
+                               "reason": self.reason()},
+            "baseline_step_ms": round(self.baseline.step_ms, 2),
+            "configs": [p.as_dict() for p in self.predictions],
+        }
+
+
+def build_hardware(gpus: int, device: str | None = None, link: str | None = None, nodes: int = 1,
+                   inter_link: str | None = None, memory_gib: float | None = None, link_gbps: float | None = None,
+                   link_latency_us: float | None = None, tflops: float | None = None) -> Hardware:
+    """A :class:`Hardware` from preset names and optional numbers; the device defaults to the link's card."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise PlannerError(f"gpus={gpus!r} must be a positive integer such as 1, 2, 4 or 8")
+    if not isinstance(nodes, int) or nodes < 1 or gpus % nodes:
+        raise PlannerError(f"nodes={nodes!r} must be a positive divisor of gpus={gpus}")
+    if device is None:
+        suffix = (link or "").split("-", 1)[-1]
+        device = suffix if link and link.startswith("nvlink-") and suffix in DEVICES else "h100"
+    try:
+        dev = get_device(device, matmul_tflops=tflops)
+        intra = get_link(link or dev.default_link, link_gbps, link_latency_us)
+        inter = get_link(inter_link) if inter_link else (get_link("infiniband-ndr") if nodes > 1 else None)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
+    if memory_gib is not None and memory_gib <= 0:
+        raise PlannerError(f"memory_gib={memory_gib} must be positive (GiB per GPU, e.g. 16 or 80)")
+    return Hardware(dev, intra, inter, gpus_per_node=gpus // nodes, nodes=nodes, memory_gib=memory_gib)
+
+
+def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, batch: int = 1, cfg: bool = False,
+         device: str | None = None, link: str | None = None, nodes: int = 1, inter_link: str | None = None,
+         memory_gib: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
+         tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
+         calibration: Calibration | None = None) -> PlanResult:
+    """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
+
+    ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
+    ``{"ulysses"}`` while the runtime implements only Ulysses).
+    """
+    if mode not in ("compiled", "eager"):
+        raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
+    if not isinstance(batch, int) or batch < 1:
+        raise PlannerError(f"batch={batch!r} must be a positive integer")
+    if supported is not None:
+        unknown = set(supported) - set(AXIS_ORDER)
+        if unknown:
+            raise PlannerError(f"unknown axes {sorted(unknown)} in supported; known: {', '.join(AXIS_ORDER)}")
+    hw = build_hardware(gpus, device, link, nodes, inter_link, memory_gib, link_gbps, link_latency_us, tflops)
+    stats = model_stats(resolve_model(model), height, width, frames)
+    workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode)
+    cal = calibration or Calibration()
+    configs = enumerate_configs(gpus, stats, workload)
+    if supported is not None:
+        configs = [c for c in configs if set(c.active_axes()) <= set(supported)]
+    if not configs:
+        raise PlannerError(f"no valid configuration of {gpus} GPUs for {model}"
+                           + (f" using only {sorted(supported)}" if supported is not None else "")
+                           + "; try a GPU count that divides the attention heads")
+    single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
+    baseline = predict(ParallelConfig(), stats, single_hw, Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode), cal)
+    predictions = [predict(c, stats, hw, workload, cal) for c in configs]
+    for p in predictions:
+        p.speedup = baseline.effective_ms / p.effective_ms
+    return PlanResult(stats, hw, workload, rank(predictions), baseline)
+
+
+def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
+              **kwargs) -> ParallelConfig:
+    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments)."""
+    return plan(model, height, width, gpus, supported=supported, **kwargs).best.config

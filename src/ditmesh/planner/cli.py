@@ -1,0 +1,97 @@
+"""``ditmesh plan`` command line: ``add_plan_parser(subparsers)`` and ``run_plan(args) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``plan`` sub-command on an ``argparse`` subparsers object and return its parser."""
+    from .hardware import DEVICES, LINKS
+
+    p = subparsers.add_parser(
+        "plan", help="rank parallel configurations by predicted step latency and memory",
+        description="Predict step latency, per-GPU memory and communication of every valid parallel "
+                    "configuration (dp, cfg, pp, ring, ulysses, tp) and recommend one.")
+    p.add_argument("--model", required=True, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--frames", type=int, default=1, help="video frames (Wan: 4k+1)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per call")
+    p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--device", default=None, help=f"GPU preset: {', '.join(DEVICES)} (default: the link's card, else h100)")
+    p.add_argument("--link", default=None, help=f"link inside a node: {', '.join(LINKS)}, or custom")
+    p.add_argument("--link-gbps", type=float, default=None, help="override the link bandwidth (GB/s per GPU per direction)")
+    p.add_argument("--link-latency-us", type=float, default=None, help="override the latency per collective (us)")
+    p.add_argument("--inter-link", default=None, help="link between nodes (default infiniband-ndr when --nodes > 1)")
+    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU (default: the device's)")
+    p.add_argument("--tflops", type=float, default=None, help="measured bf16 matrix TFLOP/s per GPU (ditmesh bench)")
+    p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    p.add_argument("--steps", type=int, default=28, help="denoising steps (PipeFusion amortizes its fill over them)")
+    p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
+    p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def format_table(result, top: int = 20) -> str:
+    """The ranked table and the recommendation as text."""
+    s, hw = result.stats, result.hardware
+    lines = [
+        f"{s.spec.name} ({s.spec.transformer_class}, {s.params_total / 1e9:.2f}B params, "
+        f"{s.total_flops / 1e12:.1f} TFLOP/step) at {s.width}x{s.height}"
+        + (f"x{s.frames}f" if s.frames > 1 else "")
+        + f": {s.layout.split_tokens} tokens; {hw.gpus}x {hw.device.name} ({hw.usable_gib:.1f} GiB), {hw.intra.name}"
+        + (f", {hw.nodes} nodes over {hw.inter.name}" if hw.nodes > 1 and hw.inter else "")
+        + f", {result.workload.mode}",
+        "",
+        f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits",
+    ]
+    rows = result.predictions if top <= 0 else result.predictions[:top]
+    for i, p in enumerate(rows, 1):
+        ms = f"{p.effective_ms:9.1f}"
+        lines.append(f"{i:>3}  {p.config.describe():<28} {ms} {p.speedup:7.2f}x {p.memory['total']:8.1f} "
+                     f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits}")
+    if len(rows) < len(result.predictions):
+        lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
+    lines += ["", f"recommended: {result.best.config.describe()}  "
+              + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1),
+              f"why: {result.reason()}."]
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``ditmesh plan``; bad input prints one line to stderr and returns 2."""
+    from . import PlannerError, plan
+
+    supported = None
+    if args.only:
+        supported = {a.strip() for a in args.only.split(",") if a.strip()}
+    try:
+        result = plan(args.model, args.height, args.width, args.gpus, frames=args.frames, batch=args.batch,
+                      cfg=args.cfg, device=args.device, link=args.link, nodes=args.nodes, inter_link=args.inter_link,
+                      memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
+                      tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported)
+    except PlannerError as exc:
+        print(f"ditmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        print(format_table(result, args.top))
+    return 0
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (``python -m ditmesh.planner.cli``) until the main CLI wires the sub-command in."""
+    parser = argparse.ArgumentParser(prog="ditmesh")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

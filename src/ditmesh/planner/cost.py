@@ -1,0 +1,342 @@
+"""Enumerate parallel configurations and predict memory, communication and latency for each.
+
+The prediction for one configuration on one GPU of the mesh:
+
+* compute: every GEMM the trace recorded, scaled to the GPU's share (1/sp of the tokens, 1/tp of a
+  sharded linear, 1/pp of the blocks, its share of the batch), timed at the device's matrix rate times an
+  efficiency that falls for small GEMMs; attention the same at a lower efficiency; memory-bound ops by
+  their traffic over HBM (compiled graphs fuse most of it away); plus a fixed cost per kernel;
+* communication: the closed forms of :mod:`.closed_forms` per attention call (Ulysses all-to-alls, ring
+  K/V passes) and per row-parallel linear (TP all-reduces), over the link level the axis spans;
+  ring passes hide behind the attention of the previous chunk, the others are exposed;
+* memory: weights after sharding + the traced activation peak, scaled + attention and comm buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import AXIS_ORDER, ParallelConfig
+from .hardware import Device, Link
+from .stats import ModelStats
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Constants fitted to the FLUX-dev rows of ANCHORS.md (4x H200, 1024² and 2048²): see docs/planner.md."""
+
+    gemm_half_flops: float = 2.0e10  # a GEMM of this many FLOPs runs at half the large-GEMM rate
+    attention_efficiency: float = 0.70  # flash attention vs the matrix rate
+    hbm_efficiency: float = 0.85
+    fused_traffic: dict = field(default_factory=lambda: {"compiled": 0.20, "eager": 1.0})
+    kernel_us: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 2.0})  # GPU-side cost per kernel
+    # host (Python + launch) time per traced op: eager runs are launch-bound once the GPU share is small;
+    # compiled blocks launch a few fused kernels per block
+    host_us_per_op: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 16.0})
+    collective_host_us: dict = field(default_factory=lambda: {"compiled": 10.0, "eager": 60.0})
+    reserve_gib: float = 1.0  # CUDA context, NCCL buffers and allocator slack, outside torch's peak
+    pipefusion_patches_per_stage: int = 2  # PipeFusion splits the image into pp x this many patches
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine: one device kind, the link inside a node and (for several nodes) between nodes."""
+
+    device: Device
+    intra: Link
+    inter: Link | None = None
+    gpus_per_node: int = 1
+    nodes: int = 1
+    memory_gib: float | None = None  # overrides the device's memory
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_gib(self) -> float:
+        return self.memory_gib if self.memory_gib is not None else self.device.memory_gib
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is generated: resolution is in the stats; here the batch, CFG and the number of steps."""
+
+    batch: int = 1
+    cfg_on: bool = False
+    steps: int = 28
+    mode: str = "compiled"  # or "eager"
+
+
+@dataclass
+class Prediction:
+    config: ParallelConfig
+    step_ms: float
+    compute_ms: float
+    comm_ms: float  # exposed communication
+    overhead_ms: float
+    memory: dict  # GiB by part, and "total"
+    comm_bytes: dict  # bytes per step sent by one GPU, by collective and by link level
+    fits: str  # "yes" | "offload" | "no"
+    offload_step_ms: float | None = None
+    speedup: float = 1.0
+
+    @property
+    def effective_ms(self) -> float:
+        return self.offload_step_ms if self.fits == "offload" else self.step_ms
+
+    def as_dict(self) -> dict:
+        return {
+            "config": self.config.describe(), "degrees": self.config.as_dict(),
+            "step_ms": round(self.step_ms, 2), "compute_ms": round(self.compute_ms, 2),
+            "comm_ms": round(self.comm_ms, 2), "overhead_ms": round(self.overhead_ms, 2),
+            "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
+            "comm_bytes": self.comm_bytes, "fits": self.fits,
+            "offload_step_ms": None if self.offload_step_ms is None else round(self.offload_step_ms, 2),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# enumeration
+# ---------------------------------------------------------------------------------------------------
+def _factorizations(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, k - 1):
+                yield (d,) + rest
+
+
+def invalid_reason(config: ParallelConfig, stats: ModelStats, workload: Workload) -> str | None:
+    """Why ``config`` cannot run this model and workload, or None when it can."""
+    if config.cfg > 1 and not workload.cfg_on:
+        return "cfg=2 needs classifier-free guidance on (--cfg)"
+    if workload.batch % config.dp:
+        return f"dp={config.dp} does not divide the batch of {workload.batch}"
+    for size in stats.tp_divisible:
+        if size % config.tp:
+            return f"tp={config.tp} does not divide {size} (heads or a sharded linear's width)"
+    if (stats.num_heads // config.tp) % config.ulysses:
+        return f"ulysses={config.ulysses} does not divide the {stats.num_heads // config.tp} heads per tensor-parallel rank"
+    if config.sp > min(stats.layout.image_tokens, stats.layout.split_tokens):
+        return f"ring x ulysses = {config.sp} exceeds the {stats.layout.image_tokens} image tokens"
+    if config.pp > stats.num_blocks:
+        return f"pp={config.pp} exceeds the {stats.num_blocks} transformer blocks"
+    return None
+
+
+def enumerate_configs(gpus: int, stats: ModelStats, workload: Workload) -> list[ParallelConfig]:
+    """Every configuration of ``gpus`` processes that can run, in a stable order."""
+    configs = []
+    for degrees in _factorizations(gpus, len(AXIS_ORDER)):
+        if degrees[AXIS_ORDER.index("cfg")] > 2:
+            continue
+        config = ParallelConfig(**dict(zip(AXIS_ORDER, degrees)))
+        if invalid_reason(config, stats, workload) is None:
+            configs.append(config)
+    return configs
+
+
+# ---------------------------------------------------------------------------------------------------
+# prediction
+# ---------------------------------------------------------------------------------------------------
+def _axis_links(config: ParallelConfig, hw: Hardware) -> dict[str, Link]:
+    """The link each axis's collectives use: the inter-node link when its group spans nodes."""
+    links, stride = {}, 1
+    for axis in reversed(AXIS_ORDER):  # innermost (tp) first: consecutive ranks
+        degree = getattr(config, axis)
+        spans = hw.nodes > 1 and stride * degree > hw.gpus_per_node
+        links[axis] = (hw.inter or hw.intra) if spans else hw.intra
+        stride *= degree
+    return links
+
+
+def _level(link: Link, hw: Hardware) -> str:
+    return "inter" if hw.nodes > 1 and link is (hw.inter or hw.intra) and link is not hw.intra else "intra"
+
+
+def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: Workload,
+            cal: Calibration = Calibration()) -> Prediction:
+    """Predicted step latency, memory and communication of ``config`` on ``hw``."""
+    dev = hw.device
+    rate = dev.matmul_tflops * 1e12
+    mode = workload.mode
+    samples = workload.batch * (2 if workload.cfg_on else 1) / (config.dp * config.cfg)
+    tp, sp, pp = config.tp, config.sp, config.pp
+    split = stats.layout.split_tokens
+    token_frac = math.ceil(split / sp) / split  # uneven splits pad to the longest shard
+    bpe = stats.bytes_per_element
+    links = _axis_links(config, hw)
+    # PipeFusion runs every local block once per patch: smaller GEMMs and more kernel launches
+    patches = pp * cal.pipefusion_patches_per_stage if pp > 1 else 1
+    kernels = stats.op_count / pp * patches
+
+    def gemm_eff(flops: float) -> float:
+        return flops / (flops + cal.gemm_half_flops)
+
+    def in_block(name: str) -> bool:
+        return name.startswith(stats.block_prefixes)
+
+    # ---- compute -----------------------------------------------------------------------------------
+    gemm_s = 0.0
+    for lin in stats.linears:
+        per_call = lin.flops * samples * (token_frac if lin.tokenwise else 1) / (tp if lin.tp_sharded else 1)
+        per_kernel = per_call / (patches if lin.tokenwise and in_block(lin.name) else 1)
+        gemm_s += per_call / (rate * gemm_eff(per_kernel)) / (pp if in_block(lin.name) else 1)
+    attn_s = 0.0
+    for att in stats.attentions:
+        chunk = att.flops * samples * token_frac / tp / pp
+        per_kernel = chunk / (config.ring if att.self_attention else 1) / patches
+        attn_s += chunk / (rate * cal.attention_efficiency * gemm_eff(per_kernel))
+    traffic = (stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples + stats.mem_bytes_fixed
+    traffic *= cal.fused_traffic[mode] / pp
+    mem_s = traffic / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    # ring attention merges partial outputs with their log-sum-exp once per ring step (fp32 out + lse)
+    ring_merge = 0.0
+    if config.ring > 1:
+        for att in stats.attentions:
+            if att.self_attention:
+                ring_merge += (config.ring - 1) * 3 * att.q_len * att.heads * att.head_dim * 4 * token_frac * samples / tp / pp
+        mem_s += ring_merge / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    # PipeFusion: the pipeline fills and drains every step (the latents are synchronised between steps)
+    bubble = (patches + pp - 1) / patches
+    compute_s = (gemm_s + attn_s + mem_s) * bubble
+
+    # ---- communication -----------------------------------------------------------------------------
+    by_collective: dict[str, float] = {}
+    by_level: dict[str, float] = {}
+    comm_s = 0.0
+    calls = 0
+
+    def send(kind: str, axis: str, nbytes: float, count: int = 1, exposed: float | None = None):
+        nonlocal comm_s, calls
+        link = links[axis]
+        by_collective[kind] = by_collective.get(kind, 0) + nbytes
+        level = _level(link, hw)
+        by_level[level] = by_level.get(level, 0) + nbytes
+        calls += count
+        t = count * link.latency_us * 1e-6 + nbytes / (link.gbps * 1e9)
+        comm_s += t if exposed is None else exposed
+
+    for att in stats.attentions:
+        if not att.self_attention or sp == 1:
+            continue
+        local_tokens = math.ceil(att.q_len / sp) * att.batch * samples
+        width = att.heads * att.head_dim / tp
+        if config.ulysses > 1:
+            u = config.ulysses
+            send("all_to_all", "ulysses", 4 * local_tokens * width * bpe * (u - 1) / u / pp, count=2)
+        if config.ring > 1:
+            r = config.ring
+            chunk_bytes = 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe  # K+V after a2a
+            step_comm = links["ring"].latency_us * 1e-6 + chunk_bytes / (links["ring"].gbps * 1e9)
+            step_attn = att.flops * samples * token_frac / tp / config.ring / (rate * cal.attention_efficiency)
+            exposed = (r - 1) * max(0.0, step_comm - step_attn) + links["ring"].latency_us * 1e-6
+            send("ring_p2p", "ring", (r - 1) * chunk_bytes / pp, count=r - 1, exposed=exposed / pp)
+    if tp > 1:
+        for lin in stats.linears:
+            if lin.row_parallel:
+                tensor = lin.rows * samples * (token_frac if lin.tokenwise else 1) * lin.out_features * bpe
+                send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp)
+    latent = 1
+    for s in stats.layout.latent_shape[1:]:
+        latent *= s
+    if sp > 1:  # gather the model output once at the exit
+        send("all_gather", "ring" if config.ring > 1 else "ulysses", latent * bpe * samples * (sp - 1) / sp)
+    if config.cfg > 1:
+        send("all_gather", "cfg", latent * bpe * samples)
+    if pp > 1:  # each stage passes its patches' hidden states to the next one; overlapped with compute
+        hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
+        send("pp_p2p", "pp", hidden, count=patches, exposed=patches * links["pp"].latency_us * 1e-6)
+    gpu_s = compute_s + comm_s + kernels * cal.kernel_us[mode] * 1e-6
+    host_s = (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
+    step_s = max(gpu_s, host_s)  # the host enqueues ahead of the GPU; whichever is slower sets the pace
+    overhead_s = step_s - compute_s - comm_s
+
+    # ---- memory ------------------------------------------------------------------------------------
+    replicated_block = stats.params_in_blocks - stats.params_tp_sharded
+    weights = ((stats.params_tp_sharded / tp + replicated_block) / pp + stats.params_total - stats.params_in_blocks) * bpe
+    act_peak = ((stats.act_peak_bytes - stats.act_peak_sharded_bytes) + stats.act_peak_sharded_bytes / tp) * token_frac * samples
+    largest = max(stats.attentions, key=lambda a: a.q_len, default=None)
+    attn_buf = comm_buf = 0.0
+    if largest is not None:
+        local_tokens = math.ceil(largest.q_len / sp) * samples
+        width = largest.heads * largest.head_dim / tp
+        if config.ring > 1:  # double-buffered K/V chunks + fp32 output accumulator + lse
+            attn_buf = 2 * 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe
+            attn_buf += local_tokens * config.ulysses * (width / config.ulysses) * 4 + local_tokens * largest.heads * 4
+        if config.ulysses > 1:  # send and receive buffers of the fused QKV all-to-all
+            comm_buf = 2 * 3 * local_tokens * width * bpe
+    kv_cache = 0.0
+    if pp > 1:  # PipeFusion keeps last step's K/V of the full sequence for its own blocks
+        kv_cache = pipefusion_kv_bytes(stats, config, samples)
+    memory = {
+        "weights": weights / GIB, "activations": act_peak / GIB, "attention": attn_buf / GIB,
+        "comm_buffers": comm_buf / GIB, "kv_cache": kv_cache / GIB,
+    }
+    memory["total"] = sum(memory.values())
+    need = memory["total"] + cal.reserve_gib
+    offload_ms = None
+    if need <= hw.usable_gib:
+        fits = "yes"
+    elif memory["total"] - memory["weights"] + cal.reserve_gib + 0.1 * memory["weights"] <= hw.usable_gib:
+        fits = "offload"  # weights that do not fit stream from host memory every step
+        streamed = (need - hw.usable_gib) * GIB
+    else:
+        fits = "no"
+    if fits == "offload":
+        offload_ms = (step_s + streamed / (dev.host_gbps * 1e9)) * 1e3
+    return Prediction(
+        config=config, step_ms=step_s * 1e3, compute_ms=compute_s * 1e3, comm_ms=comm_s * 1e3,
+        overhead_ms=overhead_s * 1e3, memory=memory,
+        comm_bytes={"by_collective": {k: int(v) for k, v in by_collective.items()},
+                    "by_level": {k: int(v) for k, v in by_level.items()},
+                    "total": int(sum(by_collective.values()))},
+        fits=fits, offload_step_ms=offload_ms,
+    )
+
+
+def pipefusion_kv_bytes(stats: ModelStats, config: ParallelConfig, samples: float) -> float:
+    """Bytes of the stale K/V PipeFusion keeps for the attention layers of one stage."""
+    total = 0.0
+    for att in stats.attentions:
+        total += 2 * att.kv_len * att.heads * att.head_dim / config.tp * stats.bytes_per_element * samples
+    return total / config.pp / (config.sp if config.sp > 1 else 1)
+
+
+_FITS_ORDER = {"yes": 0, "offload": 1, "no": 2}
+
+
+def rank(predictions: list[Prediction]) -> list[Prediction]:
+    """Fitting configurations first (fastest first), then offloading ones, then the rest."""
+    return sorted(predictions, key=lambda p: (_FITS_ORDER[p.fits], p.effective_ms, len(p.config.active_axes()),
+                                              [getattr(p.config, a) for a in AXIS_ORDER]))
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError("spearman needs two sequences of the same length >= 2")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0

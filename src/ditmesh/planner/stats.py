@@ -1,0 +1,505 @@
+"""Model statistics measured from the model itself, on the meta device.
+
+The transformer is built from its diffusers class and config under ``torch.device("meta")`` (no memory,
+no weights) and run forward once at the requested resolution with three observers:
+
+* ``FlopCounterMode`` counts the FLOPs of every GEMM, attributed to the module that ran it;
+* a ``TorchFunctionMode`` catches ``scaled_dot_product_attention`` (recording batch, heads, query and key
+  lengths) and answers with an empty tensor, as a fused flash kernel would, instead of materialising the
+  score matrix;
+* a ``TorchDispatchMode`` records the bytes every other (memory-bound) op reads and writes and the peak
+  of live activation bytes.
+
+Nothing here is specific to one model except :data:`FAMILIES`, which says how a resolution becomes the
+transformer's inputs (and so its sequence length) for each model family.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class PlannerError(ValueError):
+    """Input the planner cannot plan for; the message names the value and what would work."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# model families: resolution -> transformer inputs
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Token counts of one sample. ``split_tokens`` is the sequence that sequence parallelism divides."""
+
+    image_tokens: int
+    text_tokens: int
+    split_tokens: int
+    latent_shape: tuple[int, ...]
+
+
+def _spatial(height: int, width: int, multiple: int, what: str) -> tuple[int, int]:
+    for name, value in (("height", height), ("width", width)):
+        if value < multiple or value % multiple:
+            raise PlannerError(f"{name}={value} is not a positive multiple of {multiple}, which {what} needs; "
+                               f"try {', '.join(str(v) for v in sorted({max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple}))}")
+    return height // 8, width // 8
+
+
+def _flux(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
+    lh, lw = _spatial(height, width, 16, "FLUX (8x VAE, 2x2 packing)")
+    image = (lh // 2) * (lw // 2)
+    layout = Layout(image, text_tokens, image + text_tokens, (batch, image, cfg.get("in_channels", 64)))
+    inputs = dict(
+        hidden_states=torch.empty(batch, image, cfg.get("in_channels", 64)),
+        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("joint_attention_dim", 4096)),
+        pooled_projections=torch.empty(batch, cfg.get("pooled_projection_dim", 768)),
+        timestep=torch.ones(batch),
+        img_ids=torch.zeros(image, 3),
+        txt_ids=torch.zeros(text_tokens, 3),
+    )
+    if cfg.get("guidance_embeds", False):
+        inputs["guidance"] = torch.ones(batch)
+    return layout, inputs
+
+
+def _sd3(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
+    patch = cfg.get("patch_size", 2)
+    lh, lw = _spatial(height, width, 8 * patch, f"SD3 (8x VAE, patch {patch})")
+    image = (lh // patch) * (lw // patch)
+    channels = cfg.get("in_channels", 16)
+    layout = Layout(image, text_tokens, image + text_tokens, (batch, channels, lh, lw))
+    inputs = dict(
+        hidden_states=torch.empty(batch, channels, lh, lw),
+        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("joint_attention_dim", 4096)),
+        pooled_projections=torch.empty(batch, cfg.get("pooled_projection_dim", 2048)),
+        timestep=torch.ones(batch),
+    )
+    return layout, inputs
+
+
+def _wan(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
+    pt, ph, pw = cfg.get("patch_size", (1, 2, 2))
+    lh, lw = _spatial(height, width, 8 * max(ph, pw), "Wan (8x VAE, 2x2 patches)")
+    if frames < 1 or (frames - 1) % 4:
+        raise PlannerError(f"frames={frames} must be 4k+1 for Wan's 4x temporal VAE; try {max(1, (frames - 1) // 4 * 4 + 1)}")
+    latent_frames = (frames - 1) // 4 + 1
+    image = (latent_frames // pt) * (lh // ph) * (lw // pw)
+    channels = cfg.get("in_channels", 16)
+    layout = Layout(image, text_tokens, image, (batch, channels, latent_frames, lh, lw))
+    inputs = dict(
+        hidden_states=torch.empty(batch, channels, latent_frames, lh, lw),
+        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("text_dim", 4096)),
+        timestep=torch.ones(batch),
+    )
+    if cfg.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = torch.empty(batch, 257, cfg["image_dim"])
+    return layout, inputs
+
+
+#: class-name prefix -> (default text tokens, input builder). Text tokens: FLUX's T5 length (512 unless the
+#: checkpoint says otherwise), SD3's 77 CLIP + 256 T5 = 333, Wan's umT5 512 (cross-attention only).
+FAMILIES = {
+    "Flux": (512, _flux),
+    "SD3": (333, _sd3),
+    "Wan": (512, _wan),
+}
+
+
+def family_of(class_name: str) -> str:
+    """The family prefix of a diffusers transformer class name."""
+    for prefix in FAMILIES:
+        if class_name.startswith(prefix):
+            return prefix
+    raise PlannerError(f"no sequence-length rule for {class_name}; the planner knows the families "
+                       f"{', '.join(p + '*' for p in FAMILIES)} (add one to ditmesh.planner.stats.FAMILIES)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# model specs: a synth architecture name or a checkpoint folder
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner needs to build a model on the meta device."""
+
+    name: str
+    transformer_class: str
+    config_json: str  # the transformer config, as sorted JSON (hashable)
+    text_tokens: int
+    dtype: str = "bfloat16"
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.config_json)
+
+
+def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` for a ``ditmesh synth`` architecture name or a diffusers checkpoint folder."""
+    from ..synth import ARCHS
+
+    if model in ARCHS:
+        arch = ARCHS[model]
+        family_of(arch.transformer_class)
+        return ModelSpec(model, arch.transformer_class, json.dumps(arch.transformer, sort_keys=True),
+                         arch.max_sequence_length, dtype or "bfloat16")
+    folder = Path(model)
+    config_path = folder / "transformer" / "config.json"
+    if not config_path.is_file():
+        raise PlannerError(f"model {model!r} is neither a ditmesh synth architecture ({', '.join(sorted(ARCHS))}) "
+                           f"nor a folder with transformer/config.json")
+    config = json.loads(config_path.read_text())
+    class_name = config.get("_class_name")
+    if not class_name:
+        raise PlannerError(f"{config_path} has no _class_name; cannot tell which diffusers model it is")
+    family = family_of(class_name)
+    text_tokens = FAMILIES[family][0]
+    synth_meta = folder / "ditmesh_synth.json"
+    if synth_meta.is_file():
+        text_tokens = json.loads(synth_meta.read_text()).get("max_sequence_length", text_tokens)
+    index = folder / "model_index.json"
+    if family == "Flux" and index.is_file():
+        # FLUX.1-schnell pipelines are driven with 256 text tokens, dev with 512.
+        if "schnell" in json.loads(index.read_text()).get("_name_or_path", ""):
+            text_tokens = 256
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    return ModelSpec(str(folder), class_name, json.dumps(config, sort_keys=True), text_tokens, dtype or "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------------
+#: Linear layers whose output is summed over tensor-parallel ranks (row-parallel): the projections that
+#: write back into the residual stream. Every other linear inside a block is column-parallel, except
+#: those under a norm (adaLN modulation), which stay replicated, as in the Megatron-style FLUX TP that
+#: ANCHORS.md measured (its 10.4 GiB at tp4 is only reached with replicated modulation weights).
+ROW_PARALLEL = re.compile(r"(to_out\.0|to_add_out|proj_out|net\.2)$")
+
+
+@dataclass(frozen=True)
+class LinearStat:
+    name: str
+    rows: int  # tokens (x batch) the linear ran on
+    in_features: int
+    out_features: int
+    flops: int
+    tp_sharded: bool
+    row_parallel: bool
+    tokenwise: bool
+
+
+@dataclass(frozen=True)
+class AttentionStat:
+    name: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    flops: int
+    self_attention: bool  # keys come from the split sequence (needs sequence-parallel exchange)
+
+
+@dataclass
+class ModelStats:
+    """Everything the cost model needs, measured at one resolution and batch size."""
+
+    spec: ModelSpec
+    height: int
+    width: int
+    frames: int
+    batch: int
+    layout: Layout
+    hidden_dim: int
+    num_heads: int
+    head_dim: int
+    num_blocks: int
+    block_prefixes: tuple[str, ...]
+    params_total: int
+    params_tp_sharded: int
+    params_in_blocks: int
+    bytes_per_element: int
+    linears: list[LinearStat]
+    attentions: list[AttentionStat]
+    total_flops: int  # FlopCounterMode total (GEMMs) + attention
+    mem_bytes_sharded: int  # memory-bound traffic in tensors split by tensor parallelism
+    mem_bytes_replicated: int  # ... in token-wise tensors TP leaves whole
+    mem_bytes_fixed: int  # ... in tensors without a sequence dimension
+    op_count: int
+    act_peak_bytes: int
+    act_peak_sharded_bytes: int
+    tp_divisible: tuple[int, ...] = field(default=())  # sizes tensor parallelism must divide
+    trace_seconds: float = 0.0
+
+    @property
+    def gemm_flops(self) -> int:
+        return sum(lin.flops for lin in self.linears)
+
+    @property
+    def attention_flops(self) -> int:
+        return sum(a.flops for a in self.attentions)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params_total * self.bytes_per_element
+
+    def summary(self) -> dict:
+        return {
+            "model": self.spec.name, "class": self.spec.transformer_class, "params": self.params_total,
+            "params_tp_sharded": self.params_tp_sharded, "weight_gib": round(self.weight_bytes / 2**30, 2),
+            "hidden_dim": self.hidden_dim, "heads": self.num_heads, "blocks": self.num_blocks,
+            "image_tokens": self.layout.image_tokens, "text_tokens": self.layout.text_tokens,
+            "split_tokens": self.layout.split_tokens, "tflop_per_step": round(self.total_flops / 1e12, 2),
+            "attention_tflop": round(self.attention_flops / 1e12, 2),
+            "activation_peak_gib": round(self.act_peak_bytes / 2**30, 3),
+        }
+
+
+class _AttentionCatcher(TorchFunctionMode):
+    """Records every SDPA call and answers with an empty output, as a fused kernel would."""
+
+    def __init__(self, stack: list[str], out: list):
+        super().__init__()
+        self.stack, self.out = stack, out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k, v = (list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]])
+            *lead, q_len, dim = q.shape
+            kv_len, dim_v = k.shape[-2], v.shape[-1]
+            batch = lead[0] if lead else 1
+            heads = 1
+            for n in lead[1:]:
+                heads *= n
+            self.out.append((self.stack[-1] if self.stack else "", batch, heads, q_len, kv_len, dim, dim_v))
+            return torch.empty(*lead, q_len, dim_v, dtype=q.dtype, device=q.device)
+        return func(*args, **kwargs)
+
+
+class _TrafficCounter(TorchDispatchMode):
+    """Bytes moved by memory-bound ops and the peak of live activation bytes."""
+
+    GEMMS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "linear"}
+
+    def __init__(self, classify):
+        super().__init__()
+        self.classify = classify  # tensor -> "sharded" | "replicated" | "fixed"
+        self.bytes = {"sharded": 0, "replicated": 0, "fixed": 0}
+        self.ops = 0
+        self.live = {"sharded": 0, "replicated": 0, "fixed": 0}
+        self.peak = 0
+        self.peak_sharded = 0
+
+    def _alloc(self, t: torch.Tensor, kind: str):
+        n = t.numel() * t.element_size()
+        self.live[kind] += n
+        weakref.finalize(t, self._free, kind, n)
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak, self.peak_sharded = total, self.live["sharded"]
+
+    def _free(self, kind: str, n: int):
+        self.live[kind] -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        is_view = func.is_view or name.endswith("_")  # views and in-place ops allocate nothing
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor)]
+        if name not in self.GEMMS and name not in ("empty", "zeros", "ones", "full", "empty_strided", "detach"):
+            if not func.is_view:
+                ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+                moved = sum(t.numel() * t.element_size() for t in ins + outs)
+                kind = self.classify(outs[0]) if outs else "fixed"
+                self.bytes[kind] += moved
+        if not is_view:
+            for o in outs:
+                self._alloc(o, self.classify(o))
+        return out
+
+
+def _block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """Top-level ModuleLists of repeated transformer blocks (e.g. FLUX's double and single blocks)."""
+    found = []
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) > 0:
+            params = sum(p.numel() for p in child.parameters())
+            if params > 0:
+                found.append((name, child))
+    return found
+
+
+def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
+    heads = config.get("num_attention_heads") or config.get("num_heads")
+    head_dim = config.get("attention_head_dim") or config.get("head_dim")
+    if isinstance(head_dim, (list, tuple)):
+        head_dim = head_dim[0]
+    if not heads or not head_dim:
+        for module in model.modules():
+            if hasattr(module, "heads") and hasattr(module, "inner_dim"):
+                return int(module.heads), int(module.inner_dim // module.heads)
+        raise PlannerError("cannot find the attention head count in the model config")
+    return int(heads), int(head_dim)
+
+
+def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: int) -> Path | None:
+    """Where traced statistics are kept between runs (``DITMESH_PLAN_CACHE``; ``off`` disables)."""
+    import hashlib
+    import os
+
+    import diffusers
+
+    root = os.environ.get("DITMESH_PLAN_CACHE", str(Path.home() / ".cache" / "ditmesh" / "plan"))
+    if root == "off":
+        return None
+    key = json.dumps([spec.transformer_class, spec.config_json, spec.text_tokens, spec.dtype, height, width, frames,
+                      batch, torch.__version__, diffusers.__version__, _STATS_VERSION])
+    return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+
+
+_STATS_VERSION = 1
+
+
+@functools.lru_cache(maxsize=16)
+def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1) -> ModelStats:
+    """Statistics of ``spec`` at one resolution: from the on-disk cache, else traced (:func:`trace_stats`)."""
+    from dataclasses import asdict
+
+    path = _cache_path(spec, height, width, frames, batch)
+    if path is not None and path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            d["spec"] = ModelSpec(**d["spec"])
+            d["layout"] = Layout(**{**d["layout"], "latent_shape": tuple(d["layout"]["latent_shape"])})
+            d["linears"] = [LinearStat(**x) for x in d["linears"]]
+            d["attentions"] = [AttentionStat(**x) for x in d["attentions"]]
+            d["block_prefixes"] = tuple(d["block_prefixes"])
+            d["tp_divisible"] = tuple(d["tp_divisible"])
+            return ModelStats(**d)
+        except (ValueError, TypeError, KeyError):
+            pass  # stale or damaged: trace again
+    stats = trace_stats(spec, height, width, frames, batch)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(asdict(stats)))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home is fine: we just trace every time
+    return stats
+
+
+def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1) -> ModelStats:
+    """Trace ``spec``'s transformer on the meta device at one resolution and return its statistics."""
+    import time
+
+    import diffusers
+
+    start = time.perf_counter()
+    family = family_of(spec.transformer_class)
+    cls = getattr(diffusers, spec.transformer_class, None)
+    if cls is None:
+        raise PlannerError(f"diffusers {diffusers.__version__} has no class {spec.transformer_class}")
+    dtype = getattr(torch, spec.dtype)
+    config = spec.config
+    with torch.device("meta"):
+        model = cls(**config).eval()
+        # nn.Module._apply, not ModelMixin.to: same cast on meta tensors, without diffusers' fp32-module warning
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+        layout, inputs = FAMILIES[family][1](config, height, width, frames, spec.text_tokens, batch)
+    inputs = {k: (v.to(dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v) for k, v in inputs.items()}
+    inputs = {k: v.to("meta") for k, v in inputs.items()}
+    heads, head_dim = _heads(model, config)
+    hidden = heads * head_dim
+
+    blocks = _block_lists(model)
+    prefixes = tuple(name + "." for name, _ in blocks)
+    names = {m: n for n, m in model.named_modules()}
+    token_sizes = {layout.image_tokens, layout.text_tokens, layout.split_tokens, layout.image_tokens + layout.text_tokens}
+    token_sizes.discard(0)
+
+    def tokenwise(shape) -> bool:
+        return any(s in token_sizes for s in shape[:-1]) if len(shape) > 1 else False
+
+    def classify(t: torch.Tensor) -> str:
+        if not tokenwise(t.shape):
+            return "fixed"
+        return "replicated" if t.shape[-1] == hidden or t.dim() < 3 else "sharded"
+
+    def is_sharded_linear(name: str) -> bool:
+        return name.startswith(prefixes) and not any("norm" in part for part in name.split("."))
+
+    stack: list[str] = []
+    linear_shapes: dict[str, list] = {}
+    handles = []
+    for module, name in names.items():
+        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: stack.append(n) and None))
+        handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_hook(
+                lambda m, a, o, n=name: linear_shapes.setdefault(n, []).append(tuple(a[0].shape)) and None))
+    attention_calls: list = []
+    flop_counter = FlopCounterMode(display=False)
+    traffic = _TrafficCounter(classify)
+    try:
+        with torch.no_grad(), flop_counter, _AttentionCatcher(stack, attention_calls), traffic:
+            model(**inputs, return_dict=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    root = type(model).__name__
+    counts = flop_counter.get_flop_counts()
+    linears = []
+    for name, shapes in linear_shapes.items():
+        module = model.get_submodule(name)
+        module_flops = sum(counts.get(f"{root}.{name}", {}).values())
+        per_call = module_flops // max(1, len(shapes))
+        sharded = is_sharded_linear(name)
+        for shape in shapes:
+            rows = 1
+            for s in shape[:-1]:
+                rows *= s
+            linears.append(LinearStat(name, rows, module.in_features, module.out_features, per_call, sharded,
+                                      sharded and bool(ROW_PARALLEL.search(name)), tokenwise(shape)))
+    gemm_total = sum(sum(v.values()) for k, v in counts.items() if k == "Global")
+    conv_flops = gemm_total - sum(lin.flops for lin in linears)
+    if conv_flops > 0:  # patch-embedding convolutions and any other non-Linear GEMM: token-wise, replicated
+        linears.append(LinearStat("<other gemms>", layout.image_tokens * batch, 0, 0, conv_flops, False, False, True))
+    attentions = []
+    for name, b, h, q_len, kv_len, d, dv in attention_calls:
+        attentions.append(AttentionStat(name, b, h, q_len, kv_len, d, 2 * b * h * q_len * kv_len * (d + dv),
+                                        self_attention=(q_len == kv_len == layout.split_tokens)))
+
+    params = dict(model.named_parameters())
+    sharded_params = sum(p.numel() for n, p in params.items()
+                         if is_sharded_linear(n.rsplit(".", 1)[0]) and isinstance(model.get_submodule(n.rsplit(".", 1)[0]), torch.nn.Linear))
+    divisible = {heads}
+    for lin in linears:
+        if lin.tp_sharded:
+            divisible.add(lin.in_features if lin.row_parallel else lin.out_features)
+    return ModelStats(
+        spec=spec, height=height, width=width, frames=frames, batch=batch, layout=layout,
+        hidden_dim=hidden, num_heads=heads, head_dim=head_dim,
+        num_blocks=sum(len(b) for _, b in blocks), block_prefixes=prefixes,
+        params_total=sum(p.numel() for p in params.values()), params_tp_sharded=sharded_params,
+        params_in_blocks=sum(p.numel() for n, p in params.items() if n.startswith(prefixes)),
+        bytes_per_element=torch.empty(0, dtype=dtype).element_size(),
+        linears=linears, attentions=attentions,
+        total_flops=gemm_total + sum(a.flops for a in attentions),
+        mem_bytes_sharded=traffic.bytes["sharded"], mem_bytes_replicated=traffic.bytes["replicated"],
+        mem_bytes_fixed=traffic.bytes["fixed"], op_count=traffic.ops,
+        act_peak_bytes=traffic.peak, act_peak_sharded_bytes=traffic.peak_sharded,
+        tp_divisible=tuple(sorted(divisible)), trace_seconds=time.perf_counter() - start,
+    )

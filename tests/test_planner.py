@@ -1,0 +1,258 @@
+"""ditmesh plan: closed forms, enumeration rules, model statistics, memory and ranking sanity."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DITMESH_PLAN_CACHE", "off")
+
+from ditmesh.config import ParallelConfig  # noqa: E402
+from ditmesh.planner import (  # noqa: E402
+    PlannerError,
+    Workload,
+    enumerate_configs,
+    model_stats,
+    plan,
+    recommend,
+    resolve_model,
+    ring_attention_cost,
+    spearman,
+    tensor_parallel_cost,
+    ulysses_attention_cost,
+)
+from ditmesh.planner.cli import add_plan_parser, run_plan  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------
+# closed forms
+# ---------------------------------------------------------------------------------------------------
+def test_ring_attention_cost_matches_the_issue_formulas():
+    c = ring_attention_cost(4608, 4, 3072, 24)
+    assert c["chunk_length"] == 1152
+    assert c["ring_steps"] == 4
+    assert c["memory_per_gpu_bytes"] == 1152 * 3072 * 2 * 3 == 21_233_664
+    assert c["memory_per_gpu_mb"] == 20.25
+    assert c["full_kv_memory_bytes"] == 4608 * 3072 * 2 * 2 == 56_623_104
+    assert c["per_step_comm_bytes"] == 1152 * 3072 * 2 * 2 == 14_155_776
+    assert c["total_comm_bytes"] == 14_155_776 * 3 == 42_467_328
+    assert c["total_comm_mb"] == 40.5
+    assert c["memory_savings_fraction"] == 0.75
+
+
+def test_ring_attention_cost_uneven_and_fp32():
+    c = ring_attention_cost(1000, 3, 64, 4, bytes_per_element=4)
+    assert c["chunk_length"] == 333
+    assert c["memory_per_gpu_bytes"] == 333 * 64 * 4 * 3
+    assert c["total_comm_bytes"] == 333 * 64 * 4 * 2 * 2
+    assert c["total_comm_mb"] == round(333 * 64 * 4 * 2 * 2 / MIB, 2)
+    assert c["memory_savings_fraction"] == round(1 - 333 * 3 / (1000 * 3), 4) == 0.667
+
+
+def test_ring_attention_cost_one_gpu_sends_nothing():
+    c = ring_attention_cost(4096, 1, 128, 2)
+    assert c["total_comm_bytes"] == 0 and c["memory_savings_fraction"] == 0.0
+
+
+def test_ulysses_attention_cost_all_to_all_volumes():
+    c = ulysses_attention_cost(4608, 4, 3072, 24)
+    local = 1152 * 3072 * 2
+    assert c["heads_per_gpu"] == 6 and c["all_to_all_count"] == 4
+    assert c["per_all_to_all_send_bytes"] == local * 3 // 4 == 5_308_416
+    assert c["total_comm_bytes"] == 4 * 5_308_416 == 21_233_664
+    assert c["total_comm_mb"] == 20.25
+    assert c["memory_per_gpu_bytes"] == 4608 * 768 * 2 * 3
+
+
+def test_ulysses_needs_whole_heads():
+    with pytest.raises(ValueError, match="num_heads=24"):
+        ulysses_attention_cost(4608, 5, 3072, 24)
+
+
+def test_tensor_parallel_cost_all_reduce_volumes():
+    c = tensor_parallel_cost(4608, 4, 3072, 24)
+    tensor = 4608 * 3072 * 2
+    assert c["allreduce_tensor_bytes"] == tensor == 28_311_552
+    assert c["per_allreduce_send_bytes"] == 2 * tensor * 3 // 4 == 42_467_328
+    assert c["total_comm_bytes"] == 2 * 42_467_328
+    assert c["total_comm_mb"] == 81.0
+    assert c["weight_fraction_per_gpu"] == 0.25
+    assert tensor_parallel_cost(4608, 2, 3072, 24, allreduces=1)["total_comm_bytes"] == tensor
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
+
+
+# ---------------------------------------------------------------------------------------------------
+# model statistics (meta device)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def flux_dev():
+    return model_stats(resolve_model("flux-dev"), 1024, 1024)
+
+
+def test_flux_dev_statistics_come_from_the_model(flux_dev):
+    s = flux_dev
+    assert s.params_total == 11_901_408_320
+    assert s.layout.image_tokens == 4096 and s.layout.text_tokens == 512 and s.layout.split_tokens == 4608
+    assert (s.num_heads, s.head_dim, s.hidden_dim, s.num_blocks) == (24, 128, 3072, 57)
+    # ANCHORS.md: 74.3 TFLOP per step at 1024^2
+    assert s.total_flops / 1e12 == pytest.approx(74.3, rel=0.01)
+    assert len(s.attentions) == 57 and all(a.self_attention for a in s.attentions)
+    # FLUX rows: attention out (image + text), two MLP outs per double block, proj_out per single block
+    assert sum(lin.row_parallel for lin in s.linears) == 19 * 4 + 38
+
+
+def test_unknown_family_and_bad_resolution_errors(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel"}))
+    with pytest.raises(PlannerError, match="Flux\\*, SD3\\*, Wan\\*"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(PlannerError, match="flux-dev"):
+        resolve_model("no-such-model")
+    with pytest.raises(PlannerError, match="height=1000 .*try 992, 1008"):
+        model_stats(resolve_model("flux-tiny"), 1000, 64)
+
+
+def test_checkpoint_folder_of_another_family_is_planned_without_new_code(tmp_path):
+    config = {"_class_name": "SD3Transformer2DModel", "sample_size": 32, "patch_size": 2, "in_channels": 16,
+              "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 4, "joint_attention_dim": 32,
+              "caption_projection_dim": 64, "pooled_projection_dim": 32, "out_channels": 16, "pos_embed_max_size": 32}
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(config))
+    s = model_stats(resolve_model(str(tmp_path)), 128, 128)
+    assert s.layout.image_tokens == 64 and s.layout.text_tokens == 333 and s.num_heads == 4
+    assert s.attentions and s.attentions[0].kv_len == 64 + 333
+    assert recommend(str(tmp_path), 128, 128, 2, device="h100").world_size == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# enumeration
+# ---------------------------------------------------------------------------------------------------
+def test_enumeration_rules(flux_dev):
+    configs = enumerate_configs(8, flux_dev, Workload())
+    assert configs and all(c.world_size == 8 for c in configs)
+    assert all(c.cfg == 1 and c.dp == 1 for c in configs)  # no CFG, batch 1
+    assert ParallelConfig(ulysses=8) in configs  # 24 heads / 8 = 3
+    assert ParallelConfig(ulysses=2, tp=4) in configs  # 24 / 4 = 6 heads per TP rank, 6 / 2
+    assert ParallelConfig(tp=8) in configs and ParallelConfig(pp=8) in configs
+    assert len(set(configs)) == len(configs)
+    with_cfg = enumerate_configs(8, flux_dev, Workload(batch=2, cfg_on=True))
+    assert ParallelConfig(dp=2, cfg=2, ulysses=2) in with_cfg and ParallelConfig(dp=4, cfg=2) not in with_cfg
+
+
+def test_enumeration_respects_head_divisibility():
+    tiny = model_stats(resolve_model("flux-tiny"), 64, 64)  # 6 heads
+    configs = enumerate_configs(4, tiny, Workload())
+    assert ParallelConfig(tp=4) not in configs and ParallelConfig(ulysses=4) not in configs
+    assert ParallelConfig(ulysses=2, tp=2) not in configs  # 6 / 2 = 3 heads per TP rank: odd
+    assert ParallelConfig(ring=4) in configs and ParallelConfig(ring=2, ulysses=2) in configs
+
+
+# ---------------------------------------------------------------------------------------------------
+# memory and ranking
+# ---------------------------------------------------------------------------------------------------
+def test_memory_matches_anchors_on_one_gpu_and_tp4():
+    result = plan("flux-dev", 1024, 1024, 4, link="nvlink-h200")
+    by = {p.config: p for p in result.predictions}
+    assert result.baseline.memory["total"] == pytest.approx(22.7, rel=0.05)  # ANCHORS: 22.7 GiB
+    tp4 = by[ParallelConfig(tp=4)].memory
+    # block linears are split 4 ways; adaLN modulation, embedders and norms stay whole
+    assert 22.17 / 4 < tp4["weights"] < 22.17 / 2
+    assert tp4["total"] == pytest.approx(10.4, rel=0.15)  # ANCHORS: 10.4 GiB
+    assert by[ParallelConfig(ulysses=4)].memory["total"] == pytest.approx(22.3, rel=0.05)
+
+
+def test_nvlink_ranks_ulysses_above_ring_only():
+    result = plan("flux-dev", 1024, 1024, 4, link="nvlink-h100")
+    order = [p.config for p in result.predictions]
+    best_ulysses = min(i for i, c in enumerate(order) if c.ulysses > 1)
+    assert best_ulysses < order.index(ParallelConfig(ring=4))
+    assert result.best.config.ulysses > 1
+    assert order.index(ParallelConfig(ulysses=4)) < order.index(ParallelConfig(tp=4))
+
+
+def test_pcie_consumer_cards_rank_tensor_parallel_ahead_of_ring():
+    result = plan("flux-dev", 1024, 1024, 4, device="rx7800xt", link="pcie4")
+    by = {p.config: p for p in result.predictions}
+    order = [p.config for p in result.predictions]
+    assert order.index(ParallelConfig(tp=4)) < order.index(ParallelConfig(ring=4))
+    assert by[ParallelConfig(tp=4)].fits == "yes" and by[ParallelConfig(ring=4)].fits != "yes"
+    assert result.best.config.tp > 1
+
+
+def test_recommend_restricted_to_implemented_axes():
+    config = recommend("flux-dev", 1024, 1024, 4, link="nvlink-h100", supported={"ulysses"})
+    assert config == ParallelConfig(ulysses=4)
+    with pytest.raises(PlannerError, match="unknown axes"):
+        recommend("flux-dev", 1024, 1024, 4, supported={"sequence"})
+
+
+def test_comm_bytes_compose_the_closed_forms():
+    result = plan("flux-dev", 1024, 1024, 4, link="nvlink-h100")
+    by = {p.config: p for p in result.predictions}
+    ring = ring_attention_cost(4608, 4, 3072, 24)["total_comm_bytes"] * 57
+    assert by[ParallelConfig(ring=4)].comm_bytes["by_collective"]["ring_p2p"] == ring
+    uly = ulysses_attention_cost(4608, 4, 3072, 24)["total_comm_bytes"] * 57
+    assert by[ParallelConfig(ulysses=4)].comm_bytes["by_collective"]["all_to_all"] == pytest.approx(uly, rel=1e-6)
+
+
+def test_two_nodes_put_tensor_parallel_inside_a_node():
+    result = plan("flux-dev", 1024, 1024, 8, link="nvlink-h100", nodes=2, inter_link="ethernet-100g")
+    by = {p.config: p for p in result.predictions}
+    assert set(by[ParallelConfig(tp=4, ring=2)].comm_bytes["by_level"]) == {"intra", "inter"}
+    assert set(by[ParallelConfig(tp=8)].comm_bytes["by_level"]) == {"inter"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------
+def _run(*argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    return run_plan(parser.parse_args(["plan", *argv]))
+
+
+def test_cli_json(capsys):
+    assert _run("--model", "flux-dev", "--gpus", "2", "--link", "nvlink-h100", "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommendation"]["degrees"]["ulysses"] * out["recommendation"]["degrees"]["tp"] >= 1
+    assert {"config", "step_ms", "memory_gib", "comm_bytes", "fits", "speedup"} <= set(out["configs"][0])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "flux-dev", "--gpus", "4", "--link", "nvlink-x"], "unknown link 'nvlink-x'; known:"),
+    (["--model", "flux-dev", "--gpus", "4", "--device", "tpu"], "unknown device 'tpu'; known:"),
+    (["--model", "flux-dev", "--gpus", "0"], "gpus=0 must be a positive integer"),
+    (["--model", "flux-dev", "--gpus", "4", "--height", "1000"], "height=1000"),
+    (["--model", "nope", "--gpus", "4"], "model 'nope' is neither"),
+    (["--model", "flux-dev", "--gpus", "4", "--nodes", "3"], "nodes=3"),
+])
+def test_cli_bad_input_is_one_line_and_nonzero(capsys, argv, needle):
+    assert _run(*argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_ditmesh_plan_prints_the_table_in_under_10_seconds(tmp_path):
+    env = dict(os.environ, DITMESH_PLAN_CACHE=str(tmp_path))  # cold cache: the model is traced
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditmesh.planner.cli", "plan", "--model", "flux-dev", "--height", "1024", "--width",
+         "1024", "--gpus", "4", "--link", "nvlink-h100"],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parent, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended: ulysses4" in proc.stdout and "step ms" in proc.stdout
+    assert elapsed < 10, f"ditmesh plan took {elapsed:.1f} s"
