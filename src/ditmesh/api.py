@@ -31,6 +31,10 @@ _NOT_YET = {
 }
 
 
+#: dimensions this build runs
+SUPPORTED_AXES = ("ulysses",)
+
+
 @dataclass
 class ParallelRuntime:
     """What :func:`parallelize` did to a pipeline: the mesh, and how to undo it."""

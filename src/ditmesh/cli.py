@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
     add_degree_flags(g)
+    g.add_argument("--plan", choices=["auto"], default=None,
+                   help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
     g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                    help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
     g.add_argument("--out", default="out/image.png", help="output image path (default out/image.png)")
@@ -87,25 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, help="weights dtype (default: the architecture's; float32 for tiny ones)")
     s.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
 
-    for hook in _EXTRA_COMMANDS:
-        hook(sub)
+    for add, run in _EXTRA_COMMANDS:
+        before = set(sub.choices)
+        add(sub)
+        for name in set(sub.choices) - before:
+            sub.choices[name].set_defaults(func=run)
     return parser
 
 
 def _extra_commands():
-    from .bench import add_bench_parser
+    """Sub-commands contributed by other modules: (add_parser(subparsers) -> parser, run(args) -> int)."""
+    from .bench import add_bench_parser, run_bench
 
-    hooks = [add_bench_parser]
+    hooks = [(add_bench_parser, run_bench)]
     try:
-        from .planner.cli import add_plan_parser
+        from .planner.cli import add_plan_parser, run_plan
 
-        hooks.append(add_plan_parser)
+        hooks.append((add_plan_parser, run_plan))
     except ImportError:
         pass
     try:
-        from .tiny import add_eval_parser, add_train_parser
+        from .tiny import add_eval_parser, add_train_parser, run_eval, run_train
 
-        hooks += [add_train_parser, add_eval_parser]
+        hooks += [(add_train_parser, run_train), (add_eval_parser, run_eval)]
     except ImportError:
         pass
     return hooks
@@ -120,6 +126,12 @@ def _cmd_generate(args, argv: list[str]) -> int:
     if not args.prompt:
         args.prompt = ["a red circle at the top left on a white background"]
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.plan == "auto":
+        config = generate.planned_config(args, world)
+        print(f"ditmesh: --plan auto picked {config.describe()} for {world} process(es)", file=sys.stderr)
+        for axis, degree in config.degrees().items():
+            setattr(args, axis, degree)
+        argv = _strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch_local

@@ -50,12 +50,32 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     return config, model
 
 
+def planned_config(args, world_size: int) -> ParallelConfig:
+    """The configuration the planner recommends for this run, restricted to what this build implements."""
+    from ..api import SUPPORTED_AXES
+    from ..planner import recommend
+
+    if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
+        raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
+    model = resolve_model(args.model)
+    defaults = read_defaults(local_model_path(model) if model not in _archs() else model)
+    size = defaults.get("default_size") or [1024, 1024]
+    return recommend(model if model in _archs() else local_model_path(model), args.height or size[0],
+                     args.width or size[1], world_size, supported=set(SUPPORTED_AXES))
+
+
+def _archs():
+    from ..synth import ARCHS
+
+    return ARCHS
+
+
 def _init_distributed(device: torch.device) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # also for one process: memory statistics need the device set
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
 
 

@@ -1,0 +1,26 @@
+"""`ditmesh generate --plan auto` takes the planner's recommendation among implemented dimensions."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ditmesh import ConfigError
+from ditmesh.runtime.generate import planned_config
+
+
+def _args(**kw):
+    base = dict(model="flux-tiny", height=None, width=None, dp=1, cfg=1, pp=1, ring=1, ulysses=1, tp=1)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_plan_auto_picks_an_implemented_config_for_the_process_count():
+    config = planned_config(_args(), 2)
+    assert config.world_size == 2 and config.ulysses == 2
+
+
+def test_plan_auto_refuses_explicit_degrees():
+    with pytest.raises(ConfigError, match="--plan auto picks the degrees itself"):
+        planned_config(_args(ulysses=2), 2)
