@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import models as _models  # noqa: F401  (registers adapters)
-from .config import ConfigError, ParallelConfig
+from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .mesh import ParallelMesh
 from .models.base import adapter_for
 from .parallel import sequence
@@ -32,7 +32,7 @@ _NOT_YET = {
 
 
 #: dimensions this build runs
-SUPPORTED_AXES = ("ulysses",)
+SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
 
 
 @dataclass
@@ -55,7 +55,7 @@ def check_supported(config: ParallelConfig) -> None:
     """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
     for axis, message in _NOT_YET.items():
         if getattr(config, axis) > 1:
-            raise NotImplementedError(f"{message}; this build supports: ulysses")
+            raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")
 
 
 def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
@@ -93,10 +93,16 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
 
         runtime._undo += attach_consistency_check(transformer)
         runtime.applied.append("consistency-check")
-    undo = sequence.apply(transformer, mesh, adapter)
-    if undo:
-        runtime._undo += undo
-        runtime.applied.append(f"sequence(ulysses={config.ulysses})")
+    # The fixed order: tensor -> sequence -> cfg/data. Every step does nothing at degree 1 and returns
+    # the callables that undo it.
+    steps = [
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter)),
+    ]
+    for name, step in steps:
+        undo = step()
+        if undo:
+            runtime._undo += undo
+            runtime.applied.append(name)
     log.info("ditmesh: %s applied to %s: %s", config.describe(), type(transformer).__name__, runtime.applied or ["nothing"])
     pipe._ditmesh = runtime
     return runtime

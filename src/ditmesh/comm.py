@@ -117,3 +117,9 @@ def check_identical(t: torch.Tensor, group=None) -> bool:
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     return bool(torch.equal(hi, lo))
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``group`` (functional: returns a new tensor)."""
+    _count("all_reduce")
+    return _waited(funcol.all_reduce(x, "sum", group))
