@@ -17,17 +17,13 @@ from . import models as _models  # noqa: F401  (registers adapters)
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .mesh import ParallelMesh
 from .models.base import adapter_for
-from .parallel import sequence
+from .parallel import batch, sequence, tensor
 
 log = logging.getLogger("ditmesh")
 
 #: degree name -> what is missing while that dimension has not landed
 _NOT_YET = {
-    "tp": "tensor parallelism (tp > 1) is not implemented yet",
-    "cfg": "CFG parallelism (cfg > 1) is not implemented yet",
-    "dp": "data parallelism (dp > 1) is not implemented yet",
     "pp": "PipeFusion (pp > 1) is not implemented yet",
-    "ring": "ring attention (ring > 1) is not implemented yet; use ulysses for sequence parallelism",
 }
 
 
@@ -88,21 +84,24 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)
 
-    if check_consistency and dist.is_initialized() and dist.get_world_size() > 1:
-        from .runtime.consistency import attach_consistency_check
-
-        runtime._undo += attach_consistency_check(transformer)
-        runtime.applied.append("consistency-check")
     # The fixed order: tensor -> sequence -> cfg/data. Every step does nothing at degree 1 and returns
     # the callables that undo it.
     steps = [
+        (f"tensor(tp={config.tp})", lambda: tensor.apply(transformer, mesh, adapter) + tensor.encode_once(pipe, mesh)),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter)),
+        (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
     ]
     for name, step in steps:
         undo = step()
         if undo:
             runtime._undo += undo
             runtime.applied.append(name)
+    if check_consistency and dist.is_initialized() and dist.get_world_size() > 1:
+        # registered last with prepend=True, so it runs first and sees the full, replicated inputs
+        from .runtime.consistency import attach_consistency_check
+
+        runtime._undo += attach_consistency_check(transformer)
+        runtime.applied.append("consistency-check")
     log.info("ditmesh: %s applied to %s: %s", config.describe(), type(transformer).__name__, runtime.applied or ["nothing"])
     pipe._ditmesh = runtime
     return runtime

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="pipeline folder, hub id, or synthetic architecture name "
                                                  "(default: the embedded tiny pipeline)")
     g.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
+    g.add_argument("--images-per-prompt", type=_positive_int, default=1, metavar="N",
+                   help="images per prompt (default 1); with --dp they are spread over the data-parallel groups")
     g.add_argument("--negative-prompt", default=None, help="negative prompt (enables true CFG on FLUX)")
     g.add_argument("--true-cfg-scale", type=float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")

@@ -33,8 +33,32 @@ class SequencePlan:
 
     inputs: dict[str, SeqInput]
     streams: tuple[str, ...]
-    output_stream: str
+    #: stream gathered at the transformer's exit; None when the adapter's ``sequence_hooks`` gather inside
+    output_stream: str | None
     output_dim: int = 1
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How a transformer's linears are sharded over the tensor-parallel ranks (Megatron style), as data.
+
+    Keys are module-name patterns where ``*`` stands for one path segment (``transformer_blocks.*.attn.to_q``).
+    Any linear not named here stays replicated (e.g. AdaLN modulation, embedders, the final projection).
+
+    - ``colwise``: output features (weight rows, bias) split contiguously; the output stays sharded.
+    - ``rowwise``: input features (weight columns) split contiguously; the output is summed over the
+      tensor-parallel ranks with ONE all-reduce, and the bias (kept whole) is added once after it.
+    - ``packed_rowwise``: a row-parallel linear whose input is the concatenation of the outputs of
+      several column-parallel sibling linears (named relative to the linear's parent); its input columns
+      are split as one contiguous range per part, which is NOT a contiguous range of the whole input.
+    - ``per_rank_attrs``: integer attributes of matching modules that count heads and must be divided by
+      the degree on each rank (e.g. ``attn.heads``).
+    """
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    packed_rowwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -49,7 +73,27 @@ class ModelAdapter:
     sequence_processor: Callable  # (sp_runtime, old_processor) -> processor
     #: (model, height, width, batch, text_len, generator, device, dtype) -> forward kwargs, as the pipeline builds them
     example_inputs: Callable | None = None
+    #: (model, sp_runtime) -> removable hook handles, for models that patchify inside forward (SD3, Wan):
+    #: they split tokens where they first exist (``sp.split``) and gather before unpatchify (``sp.gather``)
+    sequence_hooks: Callable | None = None
+    #: Megatron-style sharding of the linears (None: the family has no tensor-parallel plan)
+    tensor_plan: TensorPlan | None = None
+    #: forward inputs that carry the batch in dim 0 (split by data/CFG parallelism); others are replicated
+    batch_inputs: tuple[str, ...] = ()
+    #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
+    #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
+    cfg_mode: str = "sequential"
+    #: the transformer's output sample has ``hidden_states``'s shape except this dim, which is ``out_channels(model)``
+    output_channel_dim: int = -1
+    out_channels: Callable | None = None
     notes: dict = field(default_factory=dict)
+
+    def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """An uninitialized tensor shaped like the model's output for input ``hidden_states``."""
+        shape = list(hidden_states.shape)
+        if self.out_channels is not None:
+            shape[self.output_channel_dim] = self.out_channels(model)
+        return hidden_states.new_empty(shape)
 
     def attention_modules(self, model: torch.nn.Module):
         """(name, module) of every attention layer the plan parallelizes."""

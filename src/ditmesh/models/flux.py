@@ -13,7 +13,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux
 
-from .base import ModelAdapter, SeqInput, SequencePlan, register
+from .base import ModelAdapter, SeqInput, SequencePlan, TensorPlan, register
 
 
 class FluxSequenceParallelProcessor:
@@ -76,6 +76,30 @@ def flux_example_inputs(model, height, width, batch, text_len, generator, device
     )
 
 
+#: Tensor plan. Double blocks: Q/K/V and the text-stream (added) Q/K/V column-parallel, both attention outputs
+#: row-parallel, both FFNs column -> row: 4 all-reduces per double block. Single blocks: Q/K/V and ``proj_mlp``
+#: column-parallel; ``proj_out`` reads ``cat([attention output, MLP output])`` and is packed row-parallel:
+#: 1 all-reduce per single block. AdaLN modulation (``norm1``, ``norm1_context``, ``norm``, ``norm_out``),
+#: the embedders and the final ``proj_out`` stay replicated; QK-norms act per head, so they run as-is on the
+#: local heads.
+FLUX_TENSOR_PLAN = TensorPlan(
+    colwise=(
+        "transformer_blocks.*.attn.to_q", "transformer_blocks.*.attn.to_k", "transformer_blocks.*.attn.to_v",
+        "transformer_blocks.*.attn.add_q_proj", "transformer_blocks.*.attn.add_k_proj",
+        "transformer_blocks.*.attn.add_v_proj",
+        "transformer_blocks.*.ff.net.0.proj", "transformer_blocks.*.ff_context.net.0.proj",
+        "single_transformer_blocks.*.attn.to_q", "single_transformer_blocks.*.attn.to_k",
+        "single_transformer_blocks.*.attn.to_v", "single_transformer_blocks.*.proj_mlp",
+    ),
+    rowwise=(
+        "transformer_blocks.*.attn.to_out.0", "transformer_blocks.*.attn.to_add_out",
+        "transformer_blocks.*.ff.net.2", "transformer_blocks.*.ff_context.net.2",
+    ),
+    packed_rowwise={"single_transformer_blocks.*.proj_out": ("attn.to_q", "proj_mlp")},
+    per_rank_attrs={"transformer_blocks.*.attn": ("heads",), "single_transformer_blocks.*.attn": ("heads",)},
+)
+
+
 FLUX = register(
     ModelAdapter(
         name="flux",
@@ -95,5 +119,10 @@ FLUX = register(
         attention_class_names=("FluxAttention",),
         sequence_processor=FluxSequenceParallelProcessor,
         example_inputs=flux_example_inputs,
+        tensor_plan=FLUX_TENSOR_PLAN,
+        batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
+        cfg_mode="sequential",  # FluxPipeline's true CFG calls the transformer twice per step
+        output_channel_dim=-1,
+        out_channels=lambda model: model.proj_out.out_features,
     )
 )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError, ParallelConfig
 from ..mesh import default_device
-from .models import local_model_path, read_defaults, read_transformer_config, resolve_model
+from .models import local_model_path, read_defaults, read_pipeline_class, read_transformer_config, resolve_model
 from .report import atomic_write_bytes, device_name, peak_memory_bytes, versions, write_json
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -47,7 +47,20 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
     if args.dtype not in DTYPES and args.dtype != "auto":
         raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPES))}")
+    if config.cfg > 1:
+        check_guidance_on(read_pipeline_class(model), args)
     return config, model
+
+
+def check_guidance_on(pipeline_class: str | None, args) -> None:
+    """``--cfg 2`` needs both CFG branches; say what to change when guidance is off."""
+    if pipeline_class and pipeline_class.startswith("Flux"):
+        if args.negative_prompt is None or args.true_cfg_scale <= 1:
+            raise ConfigError("--cfg 2 needs true CFG on FLUX: add --negative-prompt TEXT (and --true-cfg-scale > 1, "
+                              "default 4), or use --cfg 1")
+    elif args.guidance <= 1:
+        raise ConfigError(f"--cfg 2 needs classifier-free guidance, but --guidance {args.guidance} turns it off; "
+                          f"use --guidance > 1 (e.g. 5) or --cfg 1")
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
@@ -95,6 +108,7 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
         guidance_scale=args.guidance,
         max_sequence_length=args.max_sequence_length or defaults.get("max_sequence_length"),
         generator=torch.Generator("cpu").manual_seed(args.seed),
+        num_images_per_prompt=getattr(args, "images_per_prompt", 1),
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
@@ -123,10 +137,18 @@ def run(args) -> int:
     path = local_model_path(model) if rank == 0 else None
     if world > 1:
         path = all_gather_object(path)[0]  # rank 0 synthesizes a named architecture once
-    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
+    if config.tp > 1:
+        # Each rank materialises only its tensor-parallel shard of the transformer (tp is the innermost mesh axis).
+        from ..parallel.tensor import load_sharded_transformer
+
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, transformer=None).to(device)
+        pipe.register_modules(transformer=load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype))
+    else:
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
     parallelize(pipe, config, check_consistency=args.check_consistency, device=device)
     load_s = time.perf_counter() - t_load
+    load_peaks = all_gather_object(peak_memory_bytes(device))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 
     marks: list[float] = []
@@ -176,6 +198,7 @@ def run(args) -> int:
             "seed": args.seed,
             "versions": versions(),
             "load_s": round(load_s, 4),
+            "load_peak_memory_bytes": load_peaks,
             "step_latency_s": [round(s, 6) for s in step_s],
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,

@@ -82,6 +82,16 @@ def read_transformer_config(model: str) -> dict | None:
     return json.loads(cfg.read_text()) if cfg.is_file() else None
 
 
+def read_pipeline_class(model: str) -> str | None:
+    """The diffusers pipeline class name of a local folder or synthetic architecture (None for hub ids)."""
+    from ..synth import ARCHS
+
+    if model in ARCHS:
+        return ARCHS[model].pipeline
+    index = Path(model) / "model_index.json"
+    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+
+
 def read_defaults(model: str) -> dict:
     """Per-checkpoint defaults ditmesh stored next to the pipeline (size, text length)."""
     from ..synth import ARCHS
