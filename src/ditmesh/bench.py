@@ -108,8 +108,10 @@ def _worker(spec: dict) -> None:
         with open(Path(spec["tmp"]) / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     if dist.is_initialized():
+        from .runtime.generate import end_rank_process
+
         dist.barrier()
-        dist.destroy_process_group()
+        end_rank_process(0)
 
 
 def run_bench(args) -> int:

@@ -47,6 +47,10 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
     if args.dtype not in DTYPES and args.dtype != "auto":
         raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPES))}")
+    if getattr(args, "frames", None) is not None:
+        from .video import validate_frames
+
+        validate_frames(read_pipeline_class(model), args.frames)
     if config.cfg > 1:
         check_guidance_on(read_pipeline_class(model), args)
     return config, model
@@ -109,6 +113,7 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
         max_sequence_length=args.max_sequence_length or defaults.get("max_sequence_length"),
         generator=torch.Generator("cpu").manual_seed(args.seed),
         num_images_per_prompt=getattr(args, "images_per_prompt", 1),
+        num_frames=getattr(args, "frames", None) or defaults.get("default_frames"),  # video pipelines only
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
@@ -129,6 +134,10 @@ def run(args) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     config, model = validate(args, world)
+    if rank != 0:
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -172,9 +181,15 @@ def run(args) -> int:
     devices = all_gather_object(device_name(device))
 
     if rank == 0:
-        out = Path(args.out)
-        images = result.images if hasattr(result, "images") else result.frames
+        is_video = hasattr(result, "frames") and not hasattr(result, "images")
+        out = Path(args.out or ("out/video.mp4" if is_video else "out/image.png"))
+        images = [] if is_video else result.images
         paths = []
+        if is_video:
+            from .video import write_video
+
+            for i, video in enumerate(result.frames):
+                paths += write_video(out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}"), video)
         for i, image in enumerate(images):
             p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
             buf = io.BytesIO()
@@ -193,6 +208,7 @@ def run(args) -> int:
             "dtype": str(dtype).replace("torch.", ""),
             "height": call.get("height"),
             "width": call.get("width"),
+            "frames": call.get("num_frames"),
             "steps": args.steps,
             "prompt": args.prompt,
             "seed": args.seed,
@@ -210,5 +226,19 @@ def run(args) -> int:
               f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        end_rank_process(0)
     return 0
+
+
+def end_rank_process(code: int) -> None:
+    """End a rank process right after its last collective.
+
+    Destroying a gloo process group while its worker threads wind down can abort the interpreter
+    ("terminate called without an active exception") and fail a finished run; all outputs are written
+    and flushed by now, so the process leaves without running C++ destructors.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
