@@ -18,13 +18,19 @@ from pathlib import Path
 
 import torch
 
-#: method name -> degrees for g processes
+#: method name -> degrees for g processes. ``diffusers-*`` rows are diffusers' own context parallelism
+#: (``enable_parallelism``), measured on the same weights and inputs as a peer.
 METHODS = {
     "single": lambda g: {},
     "ulysses": lambda g: {"ulysses": g},
     "ring": lambda g: {"ring": g},
     "usp": lambda g: {"ulysses": g // 2, "ring": 2},
     "tp": lambda g: {"tp": g},
+    "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2},
+    "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
+    "diffusers-ulysses": lambda g: {"ulysses": g},
+    "diffusers-ring": lambda g: {"ring": g},
+    "diffusers-usp": lambda g: {"ulysses": g // 2, "ring": 2},
 }
 
 
@@ -33,13 +39,17 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--model", default=None, help="synthetic architecture (default flux-dev on GPU, flux-tiny on CPU)")
     b.add_argument("--height", type=int, default=None)
     b.add_argument("--width", type=int, default=None)
+    b.add_argument("--frames", type=int, default=None, help="video frames (video models)")
+    b.add_argument("--batch", type=int, default=1, help="batch of the transformer call (2 = a batched CFG step)")
     b.add_argument("--gpus", default=None, help="process counts, e.g. 1,2,4 (default: 1,2 on CPU, 1,2,4 up to the GPU count)")
     b.add_argument("--methods", default="ulysses", help=f"comma list of: {', '.join(m for m in METHODS if m != 'single')}")
     b.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
     b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--compile", action="store_true", help="torch.compile every transformer block")
+    b.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="torch.compile every transformer block (regional); both = eager and compiled rows")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    b.add_argument("--out", default=None, help="JSON results (default bench/results/<model>-<HxW>-<time>.json)")
+    b.add_argument("--out", default=None, help="JSON results (default bench/results/<model>-<HxW>-<time>.json); "
+                                               "a .md table and a .png plot are written next to it")
     b.add_argument("--worker", default=None, help=argparse_suppress())
     b.set_defaults(func=run_bench)
 
@@ -48,6 +58,24 @@ def argparse_suppress():
     import argparse
 
     return argparse.SUPPRESS
+
+
+def _compile_blocks(model: torch.nn.Module) -> int:
+    """Regional compilation: ``torch.compile`` each repeated block (diffusers lists their classes)."""
+    names = set(getattr(model, "_repeated_blocks", ()) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def _enable_peer(model, method: str, degrees: dict) -> None:
+    from diffusers import ContextParallelConfig
+
+    if degrees.get("ring", 1) > 1:
+        model.set_attention_backend("_native_cudnn")  # diffusers' ring needs an LSE-returning backend
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degrees.get("ulysses", 1) or None,
+                                                          ring_degree=degrees.get("ring", 1) or None))
 
 
 def _worker(spec: dict) -> None:
@@ -70,7 +98,11 @@ def _worker(spec: dict) -> None:
     model = build_transformer(arch, seed=0, device=device, dtype=dtype)
     adapter = adapter_for(model)
     gen = torch.Generator().manual_seed(1)
-    inputs = adapter.example_inputs(model, spec["height"], spec["width"], 1, arch.max_sequence_length, gen, device, dtype)
+    shape = dict(height=spec["height"], width=spec["width"])
+    if spec.get("frames"):
+        shape["frames"] = spec["frames"]
+    inputs = adapter.example_inputs(model, batch=spec.get("batch", 1), text_len=arch.max_sequence_length,
+                                    generator=gen, device=device, dtype=dtype, **shape)
 
     class _Pipe:  # parallelize() needs only `.transformer`
         transformer = model
@@ -78,13 +110,18 @@ def _worker(spec: dict) -> None:
     row = {"method": spec["method"], "gpus": spec["gpus"], "height": spec["height"], "width": spec["width"],
            "compiled": spec["compile"], "model": spec["model"], "dtype": spec["dtype"]}
     try:
-        parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device)
-    except (NotImplementedError, ValueError) as exc:
-        row["error"] = str(exc).splitlines()[0]
+        if spec["method"].startswith("diffusers-"):
+            _enable_peer(model, spec["method"], spec["degrees"])
+        else:
+            parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device)
+    except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # steady state: weights as placed + activations
     if "error" not in row:
         if spec["compile"]:
-            for block in list(model.transformer_blocks) + list(model.single_transformer_blocks):
-                block.compile()
+            row["compiled_blocks"] = _compile_blocks(model)
         times = []
         with torch.no_grad():
             for i in range(spec["warmup"] + spec["steps"]):
@@ -93,17 +130,22 @@ def _worker(spec: dict) -> None:
                 if dist.is_initialized():
                     dist.barrier()
                 t0 = time.perf_counter()
-                out = model(**inputs)[0]
+                try:
+                    out = model(**inputs)[0]
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                    break
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if i >= spec["warmup"]:
                     times.append(time.perf_counter() - t0)
+    if "error" not in row:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         peaks = all_gather_object(peak)
         row.update(step_ms=round(statistics.median(times) * 1e3, 3), step_ms_all=[round(t * 1e3, 3) for t in times],
                    peak_gib_per_gpu=round(max(peaks) / 2**30, 3), card=device_name(device))
         if rank == 0:
-            torch.save(out.float().cpu(), Path(spec["tmp"]) / f"{spec['method']}-{spec['gpus']}.pt")
+            torch.save(out.float().cpu(), Path(spec["tmp"]) / f"{_key(row)}.pt")
     if rank == 0:
         with open(Path(spec["tmp"]) / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -114,8 +156,12 @@ def _worker(spec: dict) -> None:
         end_rank_process(0)
 
 
+def _key(row: dict) -> str:
+    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}"
+
+
 def run_bench(args) -> int:
-    """Run every configuration, then print a Markdown table and write the JSON results."""
+    """Run every configuration, then print a Markdown table and write JSON, Markdown and a plot."""
     if args.worker:
         _worker(json.loads(args.worker))
         return 0
@@ -129,44 +175,102 @@ def run_bench(args) -> int:
     arch = get_arch(model)
     height = args.height or arch.default_size[0]
     width = args.width or arch.default_size[1]
-    available = torch.cuda.device_count() if on_gpu else (os.cpu_count() or 1)
-    gpus = [int(g) for g in (args.gpus or ("1,2,4" if on_gpu else "1,2")).split(",")]
-    if max(gpus) > max(available, 2 if not on_gpu else 0):
-        raise ConfigError(f"--gpus {args.gpus}: only {available} devices here")
+    available = torch.cuda.device_count() if on_gpu else 2
+    try:
+        gpus = [int(g) for g in (args.gpus or ",".join(str(g) for g in (1, 2, 4) if g <= available)).split(",")]
+    except ValueError:
+        raise ConfigError(f"--gpus {args.gpus}: give process counts like 1,2,4") from None
+    if max(gpus) > available:
+        raise ConfigError(f"--gpus {args.gpus}: only {available} {'GPUs' if on_gpu else 'CPU processes'} here")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
-    plan = [("single", 1)] + [(m, g) for g in gpus if g > 1 for m in methods]
-    for method, g in plan:
-        spec = dict(model=model, height=height, width=width, method=method, gpus=g, degrees=METHODS[method](g),
-                    steps=args.steps, warmup=args.warmup, compile=args.compile, dtype=dtype, tmp=tmp)
-        print(f"ditmesh bench: {method} on {g} process(es) ...", flush=True)
+    plan = [("single", 1, False)] + [("single", 1, True)] * (True in compiled)
+    plan += [(m, g, c) for c in compiled for g in gpus if g > 1 for m in methods]
+    for method, g, comp in plan:
+        degrees = METHODS[method](g)
+        spec = dict(model=model, height=height, width=width, frames=args.frames, batch=args.batch, method=method,
+                    gpus=g, degrees=degrees, steps=args.steps, warmup=args.warmup, compile=comp, dtype=dtype, tmp=tmp)
+        label = f"{method} on {g} process(es){' compiled' if comp else ''}"
+        product = 1
+        for d in degrees.values():
+            product *= d
+        if degrees and product != g:
+            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "error": f"{method} needs another GPU count"})
+            continue
+        print(f"ditmesh bench: {label} ...", flush=True)
         try:
             launch_local(g, ["bench", "--worker", json.dumps(spec)])
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
-            with open(Path(tmp) / "rows.jsonl", "a") as f:
-                f.write(json.dumps({"method": method, "gpus": g, "error": str(exc).splitlines()[0]}) + "\n")
+            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "error": str(exc).splitlines()[0]})
     rows = [json.loads(line) for line in open(Path(tmp) / "rows.jsonl")]
-    ref_path = Path(tmp) / "single-1.pt"
+    ref_path = Path(tmp) / "single-1-e.pt"
     ref = torch.load(ref_path) if ref_path.exists() else None
-    base = next((r["step_ms"] for r in rows if r.get("method") == "single" and "step_ms" in r), None)
+    base = {r.get("compiled"): r["step_ms"] for r in rows if r.get("method") == "single" and "step_ms" in r}
+    info = versions()
     for r in rows:
-        out = Path(tmp) / f"{r['method']}-{r['gpus']}.pt"
+        out = Path(tmp) / f"{_key(r)}.pt"
         if ref is not None and out.exists():
             r["rel_err_vs_1gpu"] = float((torch.load(out) - ref).norm() / ref.norm())
-        if base and "step_ms" in r:
-            r["speedup_vs_1gpu"] = round(base / r["step_ms"], 3)
-            r["efficiency"] = round(base / r["step_ms"] / r["gpus"], 3)
+        b = base.get(r.get("compiled"))
+        if b and "step_ms" in r:
+            r["speedup_vs_1gpu"] = round(b / r["step_ms"], 3)
+            r["efficiency"] = round(b / r["step_ms"] / r["gpus"], 3)
             r["e2e_28_steps_s"] = round(r["step_ms"] * 28 / 1e3, 3)
-        r["versions"] = versions()
-    out_path = args.out or f"bench/results/{model}-{height}x{width}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    write_json(out_path, {"model": model, "height": height, "width": width, "rows": rows})
-    print(markdown_table(rows))
-    print(f"ditmesh bench: wrote {out_path}")
+        r["versions"] = info
+        r.setdefault("height", height)
+        r.setdefault("width", width)
+    stem = f"{model}-{height}x{width}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_path = Path(args.out or f"bench/results/{stem}.json")
+    write_json(out_path, {"model": model, "height": height, "width": width, "frames": args.frames,
+                          "batch": args.batch, "rows": rows})
+    table = markdown_table(rows)
+    out_path.with_suffix(".md").write_text(table + "\n")
+    plotted = _plot(rows, out_path.with_suffix(".png"), f"{model} {height}x{width}")
+    print(table)
+    print(f"ditmesh bench: wrote {out_path}, {out_path.with_suffix('.md')}" + (f", {plotted}" if plotted else ""))
     return 0
+
+
+def _append(tmp: str, row: dict) -> None:
+    with open(Path(tmp) / "rows.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _plot(rows: list[dict], path: Path, title: str) -> str | None:
+    """Latency and speedup against GPU count, one line per method (needs matplotlib; skipped without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    series: dict[str, list] = {}
+    for r in rows:
+        if "step_ms" in r:
+            name = r["method"] + (" (compiled)" if r.get("compiled") else "")
+            series.setdefault(name, []).append((r["gpus"], r["step_ms"], r.get("speedup_vs_1gpu", 0)))
+    singles = {k: v for k, v in series.items() if k.startswith("single")}
+    for name, points in series.items():
+        if name.startswith("single"):
+            continue
+        base = singles.get("single" + (" (compiled)" if "compiled" in name else ""), [])
+        points = sorted(base + points)
+        ax1.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax2.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=name)
+    ax1.set(xlabel="GPUs", ylabel="ms per step", title=title)
+    ax2.set(xlabel="GPUs", ylabel="speedup vs 1 GPU", title="speedup")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def markdown_table(rows: list[dict]) -> str:
