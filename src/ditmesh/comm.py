@@ -123,3 +123,31 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``group`` (functional: returns a new tensor)."""
     _count("all_reduce")
     return _waited(funcol.all_reduce(x, "sum", group))
+
+
+def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send_to: int, recv_from: int, group) -> list:
+    """Post one ring round: send ``send`` to group rank ``send_to`` and receive ``recv`` from ``recv_from``.
+
+    Returns the pending work handles; pass them to :func:`ring_exchange_wait` after the compute this
+    transfer overlaps. Counted once per round as ``"ring_p2p"``, however many tensors travel together.
+    Peers are ranks *within* ``group`` (``group_peer``), so one ring works on any sub-mesh.
+    Zero-size tensors are left out (both sides know the sizes from global shapes, so both skip them).
+
+    Async on every backend: NCCL runs the batch on its own stream and ``wait`` only orders the current
+    stream after it (no host sync); gloo runs the sends and receives on its own threads.
+
+    Cross-rank rule: every rank of the ring posts the same rounds in the same order, and a rank's
+    receive sizes equal its predecessor's send sizes.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=send_to) for t in send if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=recv_from) for t in recv if t.numel()]
+    if not ops:
+        return []
+    _count("ring_p2p")
+    return dist.batch_isend_irecv(ops)
+
+
+def ring_exchange_wait(works: list) -> None:
+    """Wait for the work handles of :func:`ring_exchange_start` (on CUDA: a stream dependency, no host sync)."""
+    for work in works:
+        work.wait()

@@ -71,3 +71,29 @@ class ParallelMesh:
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every axis, in mesh order."""
         return {axis: self.rank(axis) for axis in AXIS_ORDER}
+
+    def flat_rank(self, *axes: str) -> int:
+        """This rank's index in the combined axes, row-major in mesh order (the outer axis varies slowest).
+
+        E.g. ``flat_rank("ring", "ulysses") == ring_rank * ulysses + ulysses_rank``, the rank order of
+        :meth:`group_of` for the same axes.
+        """
+        index = 0
+        for axis in (a for a in AXIS_ORDER if a in axes):
+            index = index * self.size(axis) + self.rank(axis)
+        return index
+
+    def group_of(self, *axes: str):
+        """One process group spanning several axes (ranks ordered as :meth:`flat_rank`).
+
+        None when every axis has degree 1; the axis's own group when only one is active; otherwise the
+        DeviceMesh's flattened sub-mesh, created once (a collective: every rank must call it, in order).
+        """
+        active = tuple(a for a in AXIS_ORDER if a in axes and self.size(a) > 1)
+        if not active:
+            return None
+        if len(active) == 1:
+            return self.group(active[0])
+        if active not in self._groups:
+            self._groups[active] = self.device_mesh[active]._flatten().get_group()
+        return self._groups[active]

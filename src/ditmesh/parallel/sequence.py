@@ -16,33 +16,60 @@ import inspect
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
+from ..attention.usp import usp_attention
 from ..comm import all_gather_uneven, split_sizes
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter
 
 
 class SequenceParallel:
-    """Runtime state of sequence parallelism for one model: group, degree, and the current split."""
+    """Runtime state of sequence parallelism for one model: groups, degrees, and the current split.
+
+    The sequence-parallel (sp) ranks are the ``ring x ulysses`` sub-mesh, ring-major:
+    ``rank = ring_rank * ulysses_degree + ulysses_rank``, the DeviceMesh's own row-major order (ulysses
+    is the inner axis). Chunk ``rank`` of every stream lives on this rank; ``group`` spans all sp ranks
+    in that order and gathers the output at the exit.
+    """
 
     def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter):
         self.adapter = adapter
         self.plan = adapter.sequence_plan
-        self.degree = mesh.size("ulysses")
-        self.rank = mesh.rank("ulysses")
-        self.group = mesh.group("ulysses")
-        #: tokens of each stream on each rank, set at every model entry
+        self.ring_degree = mesh.size("ring")
+        self.ulysses_degree = mesh.size("ulysses")
+        self.ring_rank = mesh.rank("ring")
+        self.ulysses_rank = mesh.rank("ulysses")
+        self.ring_group = mesh.group("ring")
+        self.ulysses_group = mesh.group("ulysses")
+        self.degree = self.ring_degree * self.ulysses_degree
+        self.rank = mesh.flat_rank("ring", "ulysses")
+        self.group = mesh.group_of("ring", "ulysses")
+        #: tokens of each stream on each sp rank, set at every model entry
         self.stream_sizes: dict[str, list[int]] = {}
-        #: local attention sequence length of each rank (sum over streams)
+        #: local attention sequence length of each sp rank (sum over streams)
         self.seq_sizes: list[int] = []
 
-    def attention(self, query, key, value, backend=None):
-        """Full-sequence attention from local shards ``[B, S_local, H, D]``."""
+    def attention(self, query, key, value, backend=None, streams=None):
+        """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
-        def local(q, k, v):
-            return dispatch_attention_fn(q, k, v, backend=backend)
+        Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
+        USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
+        flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
+        """
+        # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
+        # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
+        seq_sizes = self.seq_sizes if streams is None else self.local_lengths(streams)
+        if self.ring_degree == 1:
 
-        return ulysses_attention(query, key, value, self.seq_sizes, self.rank, self.group, local)
+            def local(q, k, v):
+                return dispatch_attention_fn(q, k, v, backend=backend)
+
+            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group, local)
+        if self.ulysses_degree == 1:
+            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
+        return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
+                             self.ring_group, self.ulysses_group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def split_inputs(self, kwargs: dict) -> dict:
@@ -68,11 +95,36 @@ class SequenceParallel:
         return out
 
     def gather_output(self, output):
+        if self.plan.output_stream is None:
+            return output  # the adapter's own hook gathered inside the model (before unpatchify)
         sizes = self.stream_sizes[self.plan.output_stream]
         if isinstance(output, tuple):
             return (all_gather_uneven(output[0], self.plan.output_dim, sizes, self.group),) + tuple(output[1:])
         output.sample = all_gather_uneven(output.sample, self.plan.output_dim, sizes, self.group)
         return output
+
+    # -- split points inside the model (``ModelAdapter.sequence_hooks``) ---------------------------
+    def local_lengths(self, streams) -> list[int]:
+        """Local attention length of each sp rank over ``streams`` (those split so far in this forward)."""
+        return [sum(self.stream_sizes[s][j] for s in streams if s in self.stream_sizes) for j in range(self.degree)]
+
+    def split(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        """This rank's chunk of ``tensor`` along ``dim``, for tokens that only exist inside the model.
+
+        For adapters whose model patchifies internally (SD3, Wan): their hooks split where the tokens
+        appear. The first split of a stream in a forward fixes its sizes (from the global length, so
+        every rank agrees); later splits of the same stream (e.g. its RoPE table) must match it.
+        """
+        n = tensor.shape[dim]
+        sizes = self.stream_sizes.setdefault(stream, split_sizes(n, self.degree))
+        if sum(sizes) != n:
+            raise ValueError(f"stream {stream!r} has {sum(sizes)} tokens but a split point sees {n}")
+        self.seq_sizes = self.local_lengths(self.plan.streams)
+        return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def gather(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        """Every rank's chunk of ``stream`` concatenated along ``dim`` (one all-gather)."""
+        return all_gather_uneven(tensor, dim, self.stream_sizes[stream], self.group)
 
 
 def _bind_kwargs(forward, args, kwargs):
@@ -83,14 +135,13 @@ def _bind_kwargs(forward, args, kwargs):
 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
-    """Make ``model`` sequence-parallel over the mesh's ulysses axis. Returns undo callables.
+    """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
-    Does nothing (and returns ``[]``) when the sequence-parallel degree is 1.
+    Ulysses alone, ring alone, or both (USP) follow from the degrees. Does nothing (and returns ``[]``)
+    when the sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
-    if mesh.config.ring > 1:
-        raise NotImplementedError("ring attention (ring > 1) is not implemented yet; use --ulysses for sequence parallelism")
     sp = SequenceParallel(mesh, adapter)
     forward = model.forward
 
@@ -104,6 +155,8 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         model.register_forward_pre_hook(pre_hook, with_kwargs=True),
         model.register_forward_hook(post_hook, with_kwargs=True),
     ]
+    if adapter.sequence_hooks is not None:  # split points inside the model, registered after the entry split
+        handles += adapter.sequence_hooks(model, sp)
     previous = {}
     for name, attn in adapter.attention_modules(model):
         previous[name] = attn.processor

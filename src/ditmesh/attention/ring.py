@@ -1,0 +1,84 @@
+"""Ring attention: every rank keeps its queries; K/V chunks travel around the ring of ranks.
+
+Rank ``r`` of ``N`` starts with its own K/V chunk. In round ``s`` it holds the chunk that rank
+``(r - s) % N`` started with; it posts the send of that chunk to rank ``r + 1`` and the receive of the
+next one from rank ``r - 1`` (one async batch), computes attention of its queries against the chunk in
+hand while the transfer runs, then waits and swaps. After ``N - 1`` exchange rounds every query has seen
+every key exactly once. At most two chunks are held by the ring on a rank at any time: the one in hand
+and the one arriving (the rank's own input chunk is the first "in hand").
+
+Partial results are merged through their log-sum-exp in float32 (:func:`merge_partial`), in the
+``logaddexp`` form, so logits of any size neither overflow nor underflow. Key order does not matter to
+softmax attention without a mask, so the result equals attention over the full sequence.
+
+Uneven chunks: ``seq_sizes[j]`` is the K/V length rank ``j`` started with. Every rank derives the list
+from global lengths, so a receiver allocates the arriving chunk from ``seq_sizes`` alone; no sizes are
+exchanged and there is no host sync in the loop.
+
+Cross-rank rule: all ranks of the ring group call :func:`ring_attention` for every attention layer, in
+the same order, with the same ``seq_sizes``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import ring_exchange_start, ring_exchange_wait
+from .local import attention_with_lse
+
+
+def merge_partial(
+    out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention over one more key block into a running result; all in float32.
+
+    ``out``/``block_out`` are ``[B, S, H, D]``, ``lse``/``block_lse`` ``[B, H, S]``; ``out is None`` starts
+    the merge. ``lse' = logaddexp(lse, block_lse)`` and each side is weighted by ``exp(its_lse - lse')``,
+    a number in [0, 1]: stable for any logit size.
+    """
+    block_out, block_lse = block_out.float(), block_lse.float()
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    block_weight = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    return out * weight + block_out * block_weight, new_lse
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_sizes: list[int],
+    rank: int,
+    group,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of local queries ``[B, S_rank, H, D]`` over the keys of every rank; returns ``[B, S_rank, H, D]``.
+
+    ``seq_sizes[j]`` is the K/V sequence length of ring rank ``j``; ``rank`` is this rank's index in
+    ``group``. Issues ``len(seq_sizes) - 1`` exchange rounds (each one async send + one receive of K and V).
+    """
+    world = len(seq_sizes)
+    if key.shape[1] != seq_sizes[rank]:
+        raise ValueError(f"ring rank {rank} holds {key.shape[1]} keys but seq_sizes says {seq_sizes[rank]}")
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    in_hand = [key.contiguous(), value.contiguous()]
+    out = lse = None
+    for step in range(world):
+        works = []
+        if step < world - 1:
+            # Allocate the arriving chunk from the globally known sizes and start its transfer now, so
+            # it overlaps the attention on the chunk in hand.
+            incoming_len = seq_sizes[(rank - step - 1) % world]
+            arriving = [t.new_empty(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
+            works = ring_exchange_start(in_hand, arriving, send_to, recv_from, group)
+        if in_hand[0].shape[1]:
+            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale)
+            out, lse = merge_partial(out, lse, block_out, block_lse)
+        if step < world - 1:
+            ring_exchange_wait(works)
+            in_hand = arriving
+    if out is None:  # no keys anywhere: attention over nothing is zero
+        return torch.zeros_like(query)
+    return out.to(query.dtype)
