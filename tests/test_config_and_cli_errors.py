@@ -45,7 +45,7 @@ def test_config_checks_world_size_and_heads():
     (["generate", "--ulysses", "0"], "ulysses=0 must be >= 1"),
     (["generate", "--model", "/no/such/folder"], "--model /no/such/folder: no such folder"),
     (["generate", "--model", "flux-dev", "--nproc", "32", "--ulysses", "32"], "exceeds the 24 attention heads"),
-    (["generate", "--nproc", "2", "--tp", "2"], "tensor parallelism (tp > 1) is not implemented yet"),
+    (["generate", "--model", "flux-tiny", "--nproc", "4", "--tp", "4"], "tp=4 does not divide the 6 attention heads"),
     (["generate", "--height", "50"], "--height 50 must be a positive multiple of 16"),
     (["generate", "--nproc", "two"], "argument --nproc"),
     (["synth", "--arch", "flux-huge", "--out", "x"], "unknown architecture 'flux-huge'; known: flux-dev, flux-tiny"),

@@ -151,3 +151,35 @@ def ring_exchange_wait(works: list) -> None:
     """Wait for the work handles of :func:`ring_exchange_start` (on CUDA: a stream dependency, no host sync)."""
     for work in works:
         work.wait()
+
+
+def broadcast_tensors(obj, src: int, group, device: torch.device):
+    """Broadcast ``obj`` (a tensor, or a tuple/list holding tensors and small picklable values) from global rank ``src``.
+
+    The structure and tensor shapes travel first as one pickled object, then each tensor in one broadcast;
+    non-source ranks pass anything (e.g. None) and get the source's value, tensors on ``device``. For
+    per-prompt data such as text embeddings, not for per-step hot paths.
+    """
+    is_src = dist.get_rank() == src
+    single = isinstance(obj, torch.Tensor)
+    items = [obj] if single else list(obj) if is_src else None
+    if is_src:
+        skeleton = [("tensor", tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", t) for t in items]
+        meta = [(single, type(obj).__name__ == "tuple", skeleton)]
+    else:
+        meta = [None]
+    COUNTS["broadcast"] += 1
+    dist.broadcast_object_list(meta, src=src, group=group)
+    single, as_tuple, skeleton = meta[0]
+    out = []
+    for i, entry in enumerate(skeleton):
+        if entry[0] == "value":
+            out.append(entry[1])
+            continue
+        t = items[i].contiguous() if is_src else torch.empty(entry[1], dtype=entry[2], device=device)
+        COUNTS["broadcast"] += 1
+        dist.broadcast(t, src=src, group=group)
+        out.append(t)
+    if single:
+        return out[0]
+    return tuple(out) if as_tuple else out

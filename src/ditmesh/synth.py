@@ -112,6 +112,22 @@ _add(
 
 _add(
     Arch(
+        name="flux-tiny-tp",
+        description="flux-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
+        pipeline="FluxPipeline",
+        transformer_class="FluxTransformer2DModel",
+        transformer=dict(ARCHS["flux-tiny"].transformer, num_attention_heads=4),
+        vae=ARCHS["flux-tiny"].vae,
+        clip=ARCHS["flux-tiny"].clip,
+        t5=ARCHS["flux-tiny"].t5,
+        scheduler=_FLUX_SCHEDULER,
+        default_size=(64, 64),
+        max_sequence_length=32,
+    )
+)
+
+_add(
+    Arch(
         name="flux-dev",
         description="FLUX.1-dev transformer (19 double + 38 single blocks, 24 heads x 128, 11.9B params), full VAE",
         pipeline="FluxPipeline",

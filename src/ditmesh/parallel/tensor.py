@@ -1,0 +1,421 @@
+"""Tensor parallelism: Megatron-style sharded linears, driven by the adapter's :class:`TensorPlan`.
+
+Implementation: plain sliced weights (gpt-fast style), not DTensor. A column-parallel linear keeps its
+rows ``[rank * out / tp, (rank + 1) * out / tp)`` and its output stays sharded; a row-parallel linear keeps
+the matching input columns, computes a partial product without bias, sums it over the tensor-parallel
+group with ONE functional all-reduce and adds its (whole, replicated) bias once after the sum. The
+module's parameter names do not change, so a rank can load its shard straight from a checkpoint
+(:func:`load_sharded_transformer`). docs/architecture.md says why this and not
+``torch.distributed.tensor.parallel``.
+
+Cross-rank rules:
+- every rank of a tensor-parallel group shards with the same plan and degree; rank ``r`` of the group
+  holds chunk ``r`` of every sharded dimension (chunk sizes from global shapes only, nothing exchanged);
+- every rank runs every row-parallel linear in the same order (one all-reduce each);
+- the tensor-parallel rank is the innermost mesh coordinate, ``global_rank % tp`` (see ``AXIS_ORDER``),
+  which is what lets a rank load its shard before the mesh exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..comm import all_gather_uneven, all_reduce_sum, broadcast_tensors
+from ..config import ConfigError
+from ..mesh import ParallelMesh
+from ..models.base import ModelAdapter, TensorPlan, adapter_for
+
+#: Attribute set on a transformer whose weights hold one tensor-parallel shard: ``(tp_rank, tp_size)``.
+SHARDED_ATTR = "_ditmesh_tp_shard"
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """How one linear is sharded: ``kind`` is colwise, rowwise or packed_rowwise.
+
+    ``parts`` are the sizes of the sharded dimension's parts (one part unless packed); each part is split
+    into ``tp`` equal contiguous chunks and a rank keeps chunk ``rank`` of every part.
+    """
+
+    kind: str
+    parts: tuple[int, ...]
+
+    @property
+    def dim(self) -> int:
+        """The weight dimension that is split: 0 (output rows) for colwise, 1 (input columns) otherwise."""
+        return 0 if self.kind == "colwise" else 1
+
+    def ranges(self, rank: int, size: int) -> list[tuple[int, int]]:
+        """``(start, length)`` of this rank's columns/rows in the full dimension, one range per part."""
+        out, start = [], 0
+        for part in self.parts:
+            chunk = part // size
+            out.append((start + rank * chunk, chunk))
+            start += part
+        return out
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    # ``*`` stands for exactly one path segment, so "transformer_blocks.*.attn" never matches
+    # "single_transformer_blocks.0.attn" or "transformer_blocks.0.x.attn".
+    return re.compile("^" + r"\.".join("[^.]+" if seg == "*" else re.escape(seg) for seg in pattern.split(".")) + "$")
+
+
+def _matching(model: torch.nn.Module, patterns) -> dict[str, list[tuple[str, torch.nn.Module]]]:
+    modules = list(model.named_modules())
+    found = {p: [(n, m) for n, m in modules if _pattern(p).match(n)] for p in patterns}
+    missing = [p for p, hits in found.items() if not hits]
+    if missing:
+        raise ValueError(f"tensor plan of {type(model).__name__} names modules that do not exist: {', '.join(missing)}")
+    return found
+
+
+def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[str, LinearShard]:
+    """Module name -> :class:`LinearShard` for every linear the plan shards; checks divisibility by ``size``.
+
+    Works on a meta-device model (only shapes are read).
+    """
+    shards: dict[str, LinearShard] = {}
+    for pattern, hits in _matching(model, plan.colwise).items():
+        shards.update({n: LinearShard("colwise", (m.out_features,)) for n, m in hits})
+    for pattern, hits in _matching(model, plan.rowwise).items():
+        shards.update({n: LinearShard("rowwise", (m.in_features,)) for n, m in hits})
+    for pattern, hits in _matching(model, plan.packed_rowwise).items():
+        for name, linear in hits:
+            parent = model.get_submodule(name.rpartition(".")[0])
+            parts = tuple(parent.get_submodule(p).out_features for p in plan.packed_rowwise[pattern])
+            if sum(parts) != linear.in_features:
+                raise ValueError(f"{name}: packed parts {plan.packed_rowwise[pattern]} have {sum(parts)} features, "
+                                 f"the linear reads {linear.in_features}")
+            shards[name] = LinearShard("packed_rowwise", parts)
+    for name, shard in shards.items():
+        if any(p % size for p in shard.parts):
+            raise ConfigError(f"tp={size} does not divide the {shard.kind} dimension {shard.parts} of {name}")
+    return shards
+
+
+def shard_slices(shard: LinearShard, param: str, rank: int, size: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """(dim, ranges) of the parameter ``param`` ("weight"/"bias") a rank keeps; None when it stays whole.
+
+    The bias of a row-parallel linear stays whole: it is added once, after the all-reduce.
+    """
+    if param == "weight":
+        return shard.dim, shard.ranges(rank, size)
+    if shard.kind == "colwise":
+        return 0, shard.ranges(rank, size)
+    return None
+
+
+def take(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The given ranges of ``t`` along ``dim``, concatenated into a new tensor (never a view of ``t``)."""
+    return torch.cat([t.narrow(dim, start, length) for start, length in ranges], dim=dim)
+
+
+def partition_bytes(model: torch.nn.Module, plan: TensorPlan, size: int) -> tuple[int, int]:
+    """``(replicated, sharded)`` parameter bytes of the full model under ``plan``.
+
+    Each tensor-parallel rank holds exactly ``replicated + sharded // size`` bytes of parameters.
+    """
+    shards = resolve_plan(model, plan, size)
+    replicated = sharded = 0
+    for name, p in model.named_parameters():
+        module, _, param = name.rpartition(".")
+        nbytes = p.numel() * p.element_size()
+        if module in shards and shard_slices(shards[module], param, 0, size) is not None:
+            sharded += nbytes
+        else:
+            replicated += nbytes
+    return replicated, sharded
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters on this rank."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _set_param(module: torch.nn.Module, param: str, value: torch.Tensor) -> None:
+    module._parameters[param] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _resize(module: torch.nn.Module, shard: LinearShard, factor_num: int, factor_den: int) -> None:
+    attr = "out_features" if shard.kind == "colwise" else "in_features"
+    setattr(module, attr, getattr(module, attr) * factor_num // factor_den)
+
+
+def _divide_attrs(model: torch.nn.Module, plan: TensorPlan, size: int) -> None:
+    for pattern, hits in _matching(model, plan.per_rank_attrs).items():
+        for _, module in hits:
+            for attr in plan.per_rank_attrs[pattern]:
+                value = getattr(module, attr)
+                if value % size:
+                    raise ConfigError(f"tp={size} does not divide {attr}={value} of {type(module).__name__}")
+                setattr(module, attr, value // size)
+
+
+def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, read=None) -> dict[str, LinearShard]:
+    """Turn ``model`` (in place) into tensor-parallel rank ``rank`` of ``size``: slice weights, patch head counts.
+
+    ``read(param_name, dim, ranges)`` supplies each sharded tensor (``ranges`` None: the whole tensor); by
+    default the slice is taken from the model's own full parameter. Installs no collective: see :func:`apply`.
+    """
+    shards = resolve_plan(model, plan, size)
+    for name, shard in shards.items():
+        module = model.get_submodule(name)
+        for param in ("weight", "bias"):
+            if module._parameters.get(param) is None:
+                continue
+            where = shard_slices(shard, param, rank, size)
+            if where is None:
+                continue
+            full_name = f"{name}.{param}"
+            if read is not None:
+                value = read(full_name, *where)
+            else:
+                value = take(module._parameters[param].detach(), *where)
+            _set_param(module, param, value)
+        _resize(module, shard, 1, size)
+    _divide_attrs(model, plan, size)
+    setattr(model, SHARDED_ATTR, (rank, size))
+    return shards
+
+
+def _row_parallel_forward(group):
+    def forward(self, x):
+        # Partial product of this rank's input columns; the bias is whole on every rank, so it goes in once,
+        # after the sum.
+        out = all_reduce_sum(F.linear(x, self.weight), group)
+        return out if self.bias is None else out + self.bias
+
+    return forward
+
+
+def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
+    """Make ``model`` tensor-parallel over the mesh's tp axis (shard it unless it is loaded sharded). Undo callables.
+
+    Does nothing (and returns ``[]``) when tp is 1. Raises :class:`ConfigError` when the family has no
+    tensor plan, or when the ulysses degree exceeds the heads left on a tensor-parallel rank.
+    """
+    size = mesh.size("tp")
+    if size == 1:
+        return []
+    if adapter.tensor_plan is None:
+        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan; use tp=1 and sequence parallelism")
+    rank, group, plan = mesh.rank("tp"), mesh.group("tp"), adapter.tensor_plan
+    loaded = getattr(model, SHARDED_ATTR, None)
+    if loaded is not None and loaded != (rank, size):
+        raise ConfigError(f"the transformer was loaded as tensor-parallel shard {loaded} (rank, degree) but this rank "
+                          f"is ({rank}, {size}) on the mesh; load with tp_rank = global rank % tp")
+    if loaded is None:
+        shards = shard_model(model, plan, rank, size)
+    else:
+        # Already sliced by load_sharded_transformer: the plan is resolved against the full shapes again.
+        shards = {n: LinearShard(s.kind, tuple(p * size for p in s.parts))
+                  for n, s in resolve_plan(model, plan, 1).items()}
+    local_heads = adapter.num_heads(model) // size
+    if mesh.size("ulysses") > local_heads:
+        raise ConfigError(f"ulysses={mesh.size('ulysses')} exceeds the {local_heads} heads a tp={size} rank holds; "
+                          f"use ulysses <= {local_heads} or a smaller tp")
+    remove_all_reduces = install_all_reduces(model, shards, group)
+
+    def undo():
+        remove_all_reduces()
+        unshard_model(model, plan, shards, rank, size, group)
+
+    return [undo]
+
+
+def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], group):
+    """Give every row-parallel linear of ``shards`` its all-reduce (bias added after it); returns the undo callable.
+
+    The forward is replaced on the instance (not through a hook) so that the parameter names stay those of
+    the checkpoint while ``F.linear`` runs without the bias.
+    """
+    row_modules = [model.get_submodule(n) for n, s in shards.items() if s.kind != "colwise"]
+    for module in row_modules:
+        module.forward = types.MethodType(_row_parallel_forward(group), module)
+
+    def undo():
+        for module in row_modules:
+            del module.forward
+
+    return undo
+
+
+def unshard_model(model, plan: TensorPlan, shards: dict[str, LinearShard], rank: int, size: int, group) -> None:
+    """Gather the full weights back on every rank (the inverse of :func:`shard_model`; one all-gather per tensor)."""
+    for name, shard in shards.items():
+        module = model.get_submodule(name)
+        for param in ("weight", "bias"):
+            where = shard_slices(shard, param, rank, size) if module._parameters.get(param) is not None else None
+            if where is None:
+                continue
+            dim = where[0]
+            local = module._parameters[param].detach()
+            gathered = all_gather_uneven(local, dim, [local.size(dim)] * size, group)
+            # gathered is rank-major [r0 part0, r0 part1, r1 part0, ...]; the model wants part-major.
+            chunks = gathered.split([p // size for _ in range(size) for p in shard.parts], dim=dim)
+            n = len(shard.parts)
+            _set_param(module, param, torch.cat([chunks[r * n + i] for i in range(n) for r in range(size)], dim=dim))
+        _resize(module, shard, size, 1)
+    for pattern, hits in _matching(model, plan.per_rank_attrs).items():
+        for _, module in hits:
+            for attr in plan.per_rank_attrs[pattern]:
+                setattr(module, attr, getattr(module, attr) * size)
+    delattr(model, SHARDED_ATTR)
+
+
+# -- loading only this rank's shard ---------------------------------------------------------------------------
+
+
+def _safetensors_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, for a single-file or index-sharded diffusers model folder."""
+    from safetensors import safe_open
+
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no .safetensors weights; tensor-parallel loading reads safetensors")
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: file for k in f.keys()})
+    return out
+
+
+def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: torch.dtype | None = None):
+    """Load a pipeline's transformer so that this rank materialises only its tensor-parallel shard.
+
+    The model is instantiated on the meta device; each parameter is then read from the safetensors files
+    with ``safe_open(...).get_slice`` (only this rank's rows/columns of a sharded linear, the whole tensor
+    otherwise), cast to ``dtype`` and placed on ``device``. Peak device memory stays at the shard size.
+    ``folder`` is a pipeline folder (with ``transformer/``) or the transformer folder itself. Pass the result to
+    ``pipe`` and call :func:`ditmesh.parallelize`; it installs the all-reduces without slicing again.
+    """
+    import diffusers
+    from safetensors import safe_open
+
+    if not Path(folder).exists():  # a hub id: fetch the transformer's files only
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(str(folder), allow_patterns=["transformer/*"])
+    folder = Path(folder)
+    if (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(diffusers, config["_class_name"])
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    adapter = adapter_for(model)
+    if adapter.tensor_plan is None:
+        raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan")
+    files = _safetensors_files(folder)
+    device = torch.device(device)
+    handles: dict[Path, object] = {}
+
+    def read(name: str, dim: int | None = None, ranges=None) -> torch.Tensor:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        view = handles[file].get_slice(name)
+        if ranges is None:
+            t = view[:]
+        else:
+            index = (slice(None),) * dim
+            t = torch.cat([view[index + (slice(s, s + n),)] for s, n in ranges], dim=dim)
+        return t.to(device=device, dtype=dtype or t.dtype)
+
+    shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=read)
+    sharded = {f"{n}.{p}" for n, s in shards.items() for p in ("weight", "bias")
+               if shard_slices(s, p, tp_rank, tp_size) is not None}
+    for name, param in list(model.named_parameters()):
+        if name not in sharded:
+            module, _, attr = name.rpartition(".")
+            _set_param(model.get_submodule(module), attr, read(name))
+    for name, buf in model.named_buffers():
+        if buf.is_meta:
+            raise NotImplementedError(f"{type(model).__name__} has a non-persistent buffer {name}; "
+                                      f"tensor-parallel loading cannot materialise it")
+    handles.clear()
+    return model.eval()
+
+
+# -- text encoders: encode once per tensor-parallel group, broadcast the embeddings ------------------------------
+
+#: Environment override of the automatic text-encoder choice: ``broadcast`` or ``replicate``.
+TEXT_ENCODERS_ENV = "DITMESH_TEXT_ENCODERS"
+#: Auto choice: broadcast when the text encoders take more than this share of one device's memory.
+BROADCAST_SHARE = 0.02
+
+
+def text_encoder_modules(pipe) -> dict[str, torch.nn.Module]:
+    """The pipeline's text encoders by component name (``text_encoder``, ``text_encoder_2``, ...)."""
+    return {k: v for k, v in pipe.components.items() if k.startswith("text_encoder") and isinstance(v, torch.nn.Module)}
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` (host RAM for CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_text_encoding(pipe, device: torch.device) -> str:
+    """``broadcast`` (tp rank 0 encodes, the others drop their encoders) or ``replicate`` (every rank encodes).
+
+    Decided from data every rank sees alike (parameter bytes and the device's total memory, identical
+    cards assumed), so every rank of a group agrees without exchanging anything. ``$DITMESH_TEXT_ENCODERS``
+    overrides it.
+    """
+    forced = os.environ.get(TEXT_ENCODERS_ENV)
+    if forced:
+        if forced not in ("broadcast", "replicate"):
+            raise ConfigError(f"${TEXT_ENCODERS_ENV}={forced!r}: use broadcast or replicate")
+        return forced
+    encoder_bytes = sum(parameter_bytes(m) for m in text_encoder_modules(pipe).values())
+    return "broadcast" if encoder_bytes > BROADCAST_SHARE * device_memory_bytes(device) else "replicate"
+
+
+def encode_once(pipe, mesh: ParallelMesh) -> list:
+    """Under tp > 1 with the ``broadcast`` choice, wrap ``pipe.encode_prompt`` so that rank 0 of the tp group
+    encodes and broadcasts every tensor it returns; the other ranks free their text encoders. Undo callables.
+
+    Cross-rank rule: every rank of the tp group calls ``encode_prompt`` with the same arguments (the pipeline
+    call does so), and the structure of the result (which entries are tensors, their shapes) comes from
+    the source rank.
+    """
+    if mesh.size("tp") == 1 or not hasattr(pipe, "encode_prompt") or not text_encoder_modules(pipe):
+        return []
+    if choose_text_encoding(pipe, mesh.device) != "broadcast":
+        return []
+    group = mesh.group("tp")
+    src = dist.get_global_rank(group, 0)
+    is_src = mesh.rank("tp") == 0
+    original = pipe.encode_prompt
+    if not is_src:
+        for name in text_encoder_modules(pipe):
+            setattr(pipe, name, None)  # the embeddings come from the source rank
+        if mesh.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def encode_prompt(*args, **kwargs):
+        result = original(*args, **kwargs) if is_src else None
+        return broadcast_tensors(result, src, group, mesh.device)
+
+    pipe.encode_prompt = encode_prompt
+
+    def undo():
+        del pipe.encode_prompt
+
+    return [undo]
