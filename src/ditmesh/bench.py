@@ -24,13 +24,13 @@ METHODS = {
     "single": lambda g: {},
     "ulysses": lambda g: {"ulysses": g},
     "ring": lambda g: {"ring": g},
-    "usp": lambda g: {"ulysses": g // 2, "ring": 2},
+    "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
     "tp": lambda g: {"tp": g},
-    "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2},
+    "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
     "diffusers-ulysses": lambda g: {"ulysses": g},
     "diffusers-ring": lambda g: {"ring": g},
-    "diffusers-usp": lambda g: {"ulysses": g // 2, "ring": 2},
+    "diffusers-usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},
 }
 
 
