@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--true-cfg-scale", type=float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
     g.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
+    g.add_argument("--frames", type=int, default=None, metavar="N",
+                   help="video pipelines (Wan): frames to generate, 4k+1 (default: the model's); writes a video")
     g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
     g.add_argument("--guidance", type=float, default=3.5, help="guidance scale (default 3.5)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -77,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
     g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                    help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
-    g.add_argument("--out", default="out/image.png", help="output image path (default out/image.png)")
+    g.add_argument("--out", default=None, help="output path (default out/image.png; out/video.mp4 for video: "
+                                               ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
     g.add_argument("--report", default=None, help="JSON report path (default: the image path with .json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
     g.add_argument("--check-consistency", action="store_true",

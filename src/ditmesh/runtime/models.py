@@ -98,7 +98,10 @@ def read_defaults(model: str) -> dict:
 
     if model in ARCHS:
         a = ARCHS[model]
-        return {"default_size": list(a.default_size), "max_sequence_length": a.max_sequence_length}
+        defaults = {"default_size": list(a.default_size), "max_sequence_length": a.max_sequence_length}
+        if a.default_frames:
+            defaults["default_frames"] = a.default_frames
+        return defaults
     for name in ("ditmesh_tiny.json", "ditmesh_synth.json"):
         f = Path(model) / name
         if f.is_file():

@@ -1,0 +1,43 @@
+"""Functions run on every rank of a gloo worker pool for the SD3 and Wan sequence-parallel tests.
+
+Each takes the parallel configuration as a dict of degrees (``{"ulysses": 2}``, ``{"ring": 2}``,
+``{"ring": 2, "ulysses": 2}``), so the test matrix grows by adding parameters, not functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
+                      max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle"):
+    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank.
+
+    Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
+    for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
+    """
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+
+    torch.manual_seed(0)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(**config))
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
+    final = {}
+
+    def grab(p, i, t, kw):
+        final["latents"] = kw["latents"].clone()
+        return kw
+
+    kwargs = dict(height=height, width=width, num_inference_steps=steps, guidance_scale=guidance_scale,
+                  generator=torch.Generator().manual_seed(42), max_sequence_length=max_sequence_length,
+                  output_type="latent", callback_on_step_end=grab)
+    if frames is not None:
+        kwargs["num_frames"] = frames
+    with count_collectives() as counts:
+        pipe(prompt, **kwargs)
+    return final["latents"], dict(counts), len(calls)
