@@ -15,14 +15,10 @@ if [ "${PART:-1}" = 1 ]; then
   run 240 $B --model flux-dev --height 1024 --width 1024 --gpus 1,4 --compile on \
       --methods ulysses,diffusers-ulysses --out $OUT/flux1024_compiled.json
 else
-  run 150 $B --model flux-dev --height 2048 --width 2048 --gpus 1,4 --methods ulysses,ring,usp,tp,diffusers-ulysses \
-      --out $OUT/flux2048_eager.json
-  run 150 $B --model sd3.5-large --height 1024 --width 1024 --batch 2 --gpus 1,2,4 --methods cfg,ulysses \
-      --out $OUT/sd35_cfg.json
   M=/tmp/flux-dev; python3 -m ditmesh synth --arch flux-dev --out $M 2>&1 | tail -1
   for cfg in "1" "2 --tp 2" "4 --tp 4" "4 --tp 2 --ulysses 2"; do
-    n=${cfg%% *}; tag=$(echo "$cfg" | tr -d ' -')
-    timeout 150 python3 -m ditmesh generate --model $M --nproc $cfg --height 1024 --width 1024 --steps 28 \
+    tag=$(echo "$cfg" | tr -d ' -')
+    timeout 120 python3 -m ditmesh generate --model $M --nproc $cfg --height 1024 --width 1024 --steps 28 \
       --out $OUT/tp_$tag.png --report $OUT/tp_$tag.json 2>&1 | grep -E "wrote|error"
   done
   python3 - <<'PY'
@@ -31,4 +27,11 @@ for p in sorted(glob.glob(os.environ["OUT"] + "/tp_*.json")):
     r = json.load(open(p)); s = sorted(r["step_latency_s"])
     print(f"| {r['config']} | {s[len(s)//2]*1e3:.1f} ms | peak {[round(m/2**30,2) for m in r['peak_memory_bytes']]} | load peak {[round(m/2**30,2) for m in r.get('load_peak_memory_bytes', [])]} |")
 PY
+  rm -rf $M
+  run 130 $B --model sd3.5-large --height 1024 --width 1024 --batch 2 --gpus 1,2,4 --methods cfg,ulysses \
+      --out $OUT/sd35_cfg.json
+  run 110 $B --model flux-dev --height 2048 --width 2048 --gpus 1,4 --methods ulysses,usp,tp,diffusers-ulysses \
+      --out $OUT/flux2048_eager.json
+  run 100 $B --model wan2.1-14b --height 480 --width 832 --frames 81 --gpus 1,4 --steps 3 --warmup 1 \
+      --methods ulysses,diffusers-ulysses --out $OUT/wan_video.json
 fi
