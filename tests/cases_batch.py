@@ -28,3 +28,25 @@ def flux_call(model: str, config: dict, call: dict, steps: int = 2):
     except ConfigError as exc:
         return "error: " + str(exc)
     return final["latents"], dict(counts)
+
+
+def pipe_call(model: str, config: dict, call: dict, steps: int = 2):
+    """Any DiffusionPipeline folder with ``call`` kwargs under ``config``; returns (final latents, collective counts)."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(**config))
+    final = {}
+
+    def grab(p, i, t, kw):
+        final["latents"] = kw["latents"].clone()
+        return kw
+
+    with count_collectives() as counts:
+        pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(7), output_type="latent",
+             callback_on_step_end=grab)
+    return final["latents"], dict(counts)

@@ -60,3 +60,10 @@ def test_cfg2_with_guidance_off_is_rejected_with_what_to_change(pools, flux_tiny
     results = pools(2).run(flux_call, flux_tiny, {"cfg": 2}, {"prompt": "a red circle"})
     for r in results:
         assert isinstance(r, str) and "cfg=2 needs classifier-free guidance" in r and "--negative-prompt" in r
+
+
+def test_flux_cfg2_x_tp2_hybrid_matches_single(pools, flux_tiny):
+    ref, _ = flux_call(flux_tiny, {}, TRUE_CFG)
+    for latents, counts in pools(4).run(flux_call, flux_tiny, {"cfg": 2, "tp": 2}, TRUE_CFG):
+        assert rel_err(latents, ref) <= 1e-5
+        assert counts["all_reduce"] == 2 * (2 * 4 + 2 * 1)  # 2 computed calls x (4 per double + 1 per single block)
