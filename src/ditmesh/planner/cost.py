@@ -26,10 +26,17 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Calibration:
-    """Constants fitted to the FLUX-dev rows of ANCHORS.md (4x H200, 1024² and 2048²): see docs/planner.md."""
+    """Constants of the cost model. The kernel-rate and launch constants were fitted to the FLUX-dev rows of
+    ANCHORS.md (peers' implementations, 4x H200) and left unchanged by a refit to ditmesh's own bench rows;
+    ``ring_attention_efficiency`` is fitted to ditmesh's own rows (``calibrate.fit``). See docs/planner.md
+    section 6 and ``scripts/validate_planner.py``."""
 
     gemm_half_flops: float = 2.0e10  # a GEMM of this many FLOPs runs at half the large-GEMM rate
-    attention_efficiency: float = 0.70  # flash attention vs the matrix rate
+    attention_efficiency: float = 0.70  # fused SDPA (flash/cuDNN) vs the matrix rate
+    # ring attention calls the LSE-returning flash kernel (aten._scaled_dot_product_flash_attention) once per
+    # ring round: slower per FLOP than the SDPA backend the unsplit and Ulysses attention dispatch to. Fitted
+    # to our rows: only usp4 at 2048² is GPU-bound enough to show it (1024² ring rows are launch-bound)
+    ring_attention_efficiency: float = 0.40
     hbm_efficiency: float = 0.85
     fused_traffic: dict = field(default_factory=lambda: {"compiled": 0.20, "eager": 1.0})
     kernel_us: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 2.0})  # GPU-side cost per kernel
@@ -37,6 +44,9 @@ class Calibration:
     # compiled blocks launch a few fused kernels per block
     host_us_per_op: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 16.0})
     collective_host_us: dict = field(default_factory=lambda: {"compiled": 10.0, "eager": 60.0})
+    # host ops one ring round adds (src/ditmesh/attention/ring.py: 2 receive buffers, the p2p batch, the
+    # LSE attention call with its transposes and LSE normalisation, the fp32 log-sum-exp merge, the wait)
+    ring_round_ops: int = 22
     reserve_gib: float = 1.0  # CUDA context, NCCL buffers and allocator slack, outside torch's peak
     pipefusion_patches_per_stage: int = 2  # PipeFusion splits the image into pp x this many patches
 
@@ -83,6 +93,8 @@ class Prediction:
     fits: str  # "yes" | "offload" | "no"
     offload_step_ms: float | None = None
     speedup: float = 1.0
+    gpu_ms: float = 0.0  # GPU-side time (compute + exposed comm + per-kernel cost)
+    host_ms: float = 0.0  # host-side time (Python + kernel launches + collective calls)
 
     @property
     def effective_ms(self) -> float:
@@ -191,18 +203,26 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     attn_s = 0.0
     for att in stats.attentions:
         chunk = att.flops * samples * token_frac / tp / pp
-        per_kernel = chunk / (config.ring if att.self_attention else 1) / patches
-        attn_s += chunk / (rate * cal.attention_efficiency * gemm_eff(per_kernel))
+        ringed = att.self_attention and config.ring > 1
+        per_kernel = chunk / (config.ring if ringed else 1) / patches
+        eff = cal.ring_attention_efficiency if ringed else cal.attention_efficiency
+        attn_s += chunk / (rate * eff * gemm_eff(per_kernel))
     traffic = (stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples + stats.mem_bytes_fixed
     traffic *= cal.fused_traffic[mode] / pp
     mem_s = traffic / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
-    # ring attention merges partial outputs with their log-sum-exp once per ring step (fp32 out + lse)
+    # ring attention merges partial outputs with their log-sum-exp (merge_partial, in fp32): each round
+    # after the first reads the running fp32 output and the bf16 block, upcasts it, weights both and adds:
+    # ~10 fp32 reads/writes per output element; the first round upcasts (6 B) and the end casts back (6 B)
     ring_merge = 0.0
+    ring_rounds = 0
     if config.ring > 1:
         for att in stats.attentions:
             if att.self_attention:
-                ring_merge += (config.ring - 1) * 3 * att.q_len * att.heads * att.head_dim * 4 * token_frac * samples / tp / pp
+                elems = att.q_len * att.batch * att.heads * att.head_dim * token_frac * samples / tp / pp
+                ring_merge += ((config.ring - 1) * 40 + 12) * elems
+                ring_rounds += config.ring
         mem_s += ring_merge / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    kernels += ring_rounds * cal.ring_round_ops / pp * patches
     # PipeFusion: the pipeline fills and drains every step (the latents are synchronised between steps)
     bubble = (patches + pp - 1) / patches
     compute_s = (gemm_s + attn_s + mem_s) * bubble
@@ -297,7 +317,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         comm_bytes={"by_collective": {k: int(v) for k, v in by_collective.items()},
                     "by_level": {k: int(v) for k, v in by_level.items()},
                     "total": int(sum(by_collective.values()))},
-        fits=fits, offload_step_ms=offload_ms,
+        fits=fits, offload_step_ms=offload_ms, gpu_ms=gpu_s * 1e3, host_ms=host_s * 1e3,
     )
 
 
