@@ -6,28 +6,13 @@ import torch
 
 
 def flux_call(model: str, config: dict, call: dict, steps: int = 2):
-    """Run FluxPipeline with ``call`` kwargs under ``config``; returns (final latents, collective counts) or an error."""
-    from diffusers import FluxPipeline
-
-    from ditmesh import ConfigError, ParallelConfig, parallelize
-    from ditmesh.comm import count_collectives
-
-    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(**config))
-    final = {}
-
-    def grab(p, i, t, kw):
-        final["latents"] = kw["latents"].clone()
-        return kw
+    """FluxPipeline at 64x64 with ``call`` kwargs under ``config``; returns (latents, counts) or "error: ..."."""
+    from ditmesh import ConfigError
 
     try:
-        with count_collectives() as counts:
-            pipe(**call, height=64, width=64, num_inference_steps=steps, max_sequence_length=32,
-                 generator=torch.Generator().manual_seed(7), output_type="latent", callback_on_step_end=grab)
+        return pipe_call(model, config, dict(call, height=64, width=64, max_sequence_length=32), steps)
     except ConfigError as exc:
         return "error: " + str(exc)
-    return final["latents"], dict(counts)
 
 
 def pipe_call(model: str, config: dict, call: dict, steps: int = 2):
