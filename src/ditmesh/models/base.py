@@ -53,12 +53,18 @@ class TensorPlan:
       are split as one contiguous range per part, which is NOT a contiguous range of the whole input.
     - ``per_rank_attrs``: integer attributes of matching modules that count heads and must be divided by
       the degree on each rank (e.g. ``attn.heads``).
+    - ``sharded_norms``: RMSNorms over the full (all-heads) output of a column-parallel linear, applied
+      before the head split (Wan's QK-norms): their weight is split like that output and their mean square
+      is summed over the tensor-parallel ranks (one all-reduce of ``[..., 1]`` per norm).
+
+    A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
 
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     packed_rowwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    sharded_norms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import ModelAdapter, SeqInput, SequencePlan, register
+from .base import ModelAdapter, SeqInput, SequencePlan, TensorPlan, register
 
 
 class SD3SequenceParallelProcessor:
@@ -40,8 +40,12 @@ class SD3SequenceParallelProcessor:
         if attention_mask is not None:
             raise NotImplementedError("ditmesh sequence parallelism does not support an attention_mask for SD3")
 
+        # By head_dim (a ratio tensor parallelism leaves unchanged), so the local heads of a tp rank unflatten
+        # right whatever width the projections have.
+        head_dim = attn.inner_dim // attn.heads
+
         def heads(t):
-            return t.unflatten(-1, (attn.heads, -1))  # [B, S, H, D]
+            return t.unflatten(-1, (-1, head_dim))  # [B, S, H, D]
 
         q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
         if attn.norm_q is not None:
@@ -106,6 +110,32 @@ def sd3_example_inputs(model, height, width, batch, text_len, generator, device,
     )
 
 
+#: Tensor plan (plain Megatron). Joint attention: image Q/K/V and the text-stream ``add_{q,k,v}_proj`` column-
+#: parallel, ``to_out.0`` and ``to_add_out`` row-parallel; both FFNs column -> row. SD3.5's dual-attention
+#: ``attn2`` (image-only) likewise. The last block is ``context_pre_only``: it has no ``to_add_out`` and no
+#: ``ff_context`` (its text output is dropped), so the patterns simply match nothing there, and its add_*
+#: projections stay column-parallel (text keys/values of the local heads). Per block: 4 all-reduces, 5 with
+#: ``attn2``, 2 for the ``context_pre_only`` block. AdaLN (``norm1``, ``norm1_context``, ``norm_out``), the
+#: embedders and ``proj_out`` stay replicated; SD3.5's QK-norms are per head. ``inner_dim`` is divided with
+#: ``heads`` so that ``inner_dim // heads`` stays the head dim. Patterns ending in ``?`` may match nothing
+#: (SD3 medium has no ``attn2``).
+SD3_TENSOR_PLAN = TensorPlan(
+    colwise=tuple(
+        f"transformer_blocks.*.{attn}.{proj}"
+        for attn, projs in (("attn", ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")),
+                            ("attn2", ("to_q?", "to_k?", "to_v?")))
+        for proj in projs
+    ) + ("transformer_blocks.*.ff.net.0.proj", "transformer_blocks.*.ff_context.net.0.proj"),
+    rowwise=(
+        "transformer_blocks.*.attn.to_out.0", "transformer_blocks.*.attn.to_add_out",
+        "transformer_blocks.*.attn2.to_out.0?",
+        "transformer_blocks.*.ff.net.2", "transformer_blocks.*.ff_context.net.2",
+    ),
+    per_rank_attrs={"transformer_blocks.*.attn": ("heads", "inner_dim"),
+                    "transformer_blocks.*.attn2?": ("heads", "inner_dim")},
+)
+
+
 SD3 = register(
     ModelAdapter(
         name="sd3",
@@ -120,6 +150,7 @@ SD3 = register(
         sequence_processor=SD3SequenceParallelProcessor,
         sequence_hooks=sd3_sequence_hooks,
         example_inputs=sd3_example_inputs,
+        tensor_plan=SD3_TENSOR_PLAN,
         batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
         cfg_mode="batched",  # StableDiffusion3Pipeline runs [uncond, cond] in one transformer call
         output_channel_dim=1,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_wan
 
-from .base import ModelAdapter, SequencePlan, register
+from .base import ModelAdapter, SequencePlan, TensorPlan, register
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,8 @@ class WanSequenceParallelProcessor:
             raise NotImplementedError("ditmesh sequence parallelism does not support an attention_mask for Wan")
         q, k, v = transformer_wan._get_qkv_projections(attn, hidden_states, None)
         q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+        head_dim = attn.inner_dim // attn.heads  # unchanged by tensor parallelism, which divides both
+        q, k, v = (t.unflatten(2, (-1, head_dim)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = rotate_pairs(q, *rotary_emb), rotate_pairs(k, *rotary_emb)
         out = self.sp.attention(q, k, v, backend=self._attention_backend)
@@ -108,6 +109,33 @@ def wan_example_inputs(model, height, width, batch, text_len, generator, device,
     )
 
 
+#: Tensor plan. Self-attention (``attn1``) and cross-attention (``attn2``, queries from the video tokens,
+#: keys/values from the replicated text context) Q/K/V column-parallel and ``to_out.0`` row-parallel; FFN
+#: up column / down row: 3 row-parallel all-reduces per block. Wan's QK-norms (``norm_q``, ``norm_k``) are
+#: RMSNorms over the whole inner dim, applied BEFORE the head split: under tp they are ``sharded_norms``
+#: (weight split like the projection's output, mean square summed over the tp group), one small all-reduce
+#: each, 4 per block, so 7 all-reduces per block. I2V checkpoints' image-context projections
+#: (``add_k_proj``, ``add_v_proj``) and their ``norm_added_k`` likewise (5 norms, 7 + 1 = 8 per block);
+#: the ``?`` patterns may match nothing (T2V). The condition embedder (time, text, image), the per-block
+#: ``scale_shift_table``, ``norm2`` and ``proj_out`` stay replicated. Fused projections (``fuse_projections``)
+#: are not covered by the plan.
+WAN_TENSOR_PLAN = TensorPlan(
+    colwise=(
+        "blocks.*.attn1.to_q", "blocks.*.attn1.to_k", "blocks.*.attn1.to_v",
+        "blocks.*.attn2.to_q", "blocks.*.attn2.to_k", "blocks.*.attn2.to_v",
+        "blocks.*.attn2.add_k_proj?", "blocks.*.attn2.add_v_proj?",
+        "blocks.*.ffn.net.0.proj",
+    ),
+    rowwise=("blocks.*.attn1.to_out.0", "blocks.*.attn2.to_out.0", "blocks.*.ffn.net.2"),
+    per_rank_attrs={"blocks.*.attn1": ("heads", "inner_dim", "kv_inner_dim"),
+                    "blocks.*.attn2": ("heads", "inner_dim", "kv_inner_dim")},
+    sharded_norms=(
+        "blocks.*.attn1.norm_q", "blocks.*.attn1.norm_k",
+        "blocks.*.attn2.norm_q", "blocks.*.attn2.norm_k", "blocks.*.attn2.norm_added_k?",
+    ),
+)
+
+
 WAN = register(
     ModelAdapter(
         name="wan",
@@ -118,6 +146,7 @@ WAN = register(
         sequence_processor=WanSequenceParallelProcessor,
         sequence_hooks=wan_sequence_hooks,
         example_inputs=wan_example_inputs,
+        tensor_plan=WAN_TENSOR_PLAN,
         batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         cfg_mode="sequential",  # WanPipeline calls the transformer once for cond, once for uncond
         output_channel_dim=1,

@@ -18,6 +18,7 @@ Cross-rank rules:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -40,7 +41,9 @@ SHARDED_ATTR = "_ditmesh_tp_shard"
 
 @dataclass(frozen=True)
 class LinearShard:
-    """How one linear is sharded: ``kind`` is colwise, rowwise or packed_rowwise.
+    """How one linear (or norm) is sharded: ``kind`` is colwise, rowwise, packed_rowwise or norm.
+
+    ``norm``: an RMSNorm over the output of a column-parallel linear; its weight is split like that output.
 
     ``parts`` are the sizes of the sharded dimension's parts (one part unless packed); each part is split
     into ``tp`` equal contiguous chunks and a rank keeps chunk ``rank`` of every part.
@@ -52,7 +55,7 @@ class LinearShard:
     @property
     def dim(self) -> int:
         """The weight dimension that is split: 0 (output rows) for colwise, 1 (input columns) otherwise."""
-        return 0 if self.kind == "colwise" else 1
+        return 0 if self.kind in ("colwise", "norm") else 1
 
     def ranges(self, rank: int, size: int) -> list[tuple[int, int]]:
         """``(start, length)`` of this rank's columns/rows in the full dimension, one range per part."""
@@ -66,14 +69,16 @@ class LinearShard:
 
 def _pattern(pattern: str) -> re.Pattern:
     # ``*`` stands for exactly one path segment, so "transformer_blocks.*.attn" never matches
-    # "single_transformer_blocks.0.attn" or "transformer_blocks.0.x.attn".
+    # "single_transformer_blocks.0.attn" or "transformer_blocks.0.x.attn". A trailing "?" (optional
+    # pattern, see _matching) is not part of the name.
+    pattern = pattern.removesuffix("?")
     return re.compile("^" + r"\.".join("[^.]+" if seg == "*" else re.escape(seg) for seg in pattern.split(".")) + "$")
 
 
 def _matching(model: torch.nn.Module, patterns) -> dict[str, list[tuple[str, torch.nn.Module]]]:
     modules = list(model.named_modules())
     found = {p: [(n, m) for n, m in modules if _pattern(p).match(n)] for p in patterns}
-    missing = [p for p, hits in found.items() if not hits]
+    missing = [p for p, hits in found.items() if not hits and not p.endswith("?")]
     if missing:
         raise ValueError(f"tensor plan of {type(model).__name__} names modules that do not exist: {', '.join(missing)}")
     return found
@@ -97,10 +102,23 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
                 raise ValueError(f"{name}: packed parts {plan.packed_rowwise[pattern]} have {sum(parts)} features, "
                                  f"the linear reads {linear.in_features}")
             shards[name] = LinearShard("packed_rowwise", parts)
+    for pattern, hits in _matching(model, plan.sharded_norms).items():
+        for name, norm in hits:
+            if type(norm).__name__ != "RMSNorm":
+                raise ValueError(f"{name}: sharded_norms handles RMSNorm, not {type(norm).__name__}")
+            shards[name] = LinearShard("norm", (_norm_width(norm),))
     for name, shard in shards.items():
         if any(p % size for p in shard.parts):
             raise ConfigError(f"tp={size} does not divide the {shard.kind} dimension {shard.parts} of {name}")
     return shards
+
+
+def _norm_width(norm: torch.nn.Module) -> int:
+    """Normalized width of a torch (``normalized_shape``) or diffusers (``dim``) RMSNorm."""
+    shape = norm.normalized_shape if hasattr(norm, "normalized_shape") else norm.dim
+    if len(shape) != 1:
+        raise ValueError(f"sharded_norms handles RMSNorm over one dimension, not {tuple(shape)}")
+    return shape[0]
 
 
 def shard_slices(shard: LinearShard, param: str, rank: int, size: int) -> tuple[int, list[tuple[int, int]]] | None:
@@ -112,7 +130,7 @@ def shard_slices(shard: LinearShard, param: str, rank: int, size: int) -> tuple[
         return shard.dim, shard.ranges(rank, size)
     if shard.kind == "colwise":
         return 0, shard.ranges(rank, size)
-    return None
+    return None  # row-parallel bias (a norm has no bias: RMSNorm)
 
 
 def take(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
@@ -147,6 +165,11 @@ def _set_param(module: torch.nn.Module, param: str, value: torch.Tensor) -> None
 
 
 def _resize(module: torch.nn.Module, shard: LinearShard, factor_num: int, factor_den: int) -> None:
+    if shard.kind == "norm":
+        attr = "normalized_shape" if hasattr(module, "normalized_shape") else "dim"
+        width = getattr(module, attr)[0] * factor_num // factor_den
+        setattr(module, attr, (width,) if attr == "normalized_shape" else torch.Size((width,)))
+        return
     attr = "out_features" if shard.kind == "colwise" else "in_features"
     setattr(module, attr, getattr(module, attr) * factor_num // factor_den)
 
@@ -198,6 +221,29 @@ def _row_parallel_forward(group):
     return forward
 
 
+class ShardedRMSNorm(torch.nn.Module):
+    """RMSNorm over a feature dimension split across the tensor-parallel ranks (Wan's QK-norms under tp).
+
+    This rank holds ``local`` of the ``full`` features (and the matching slice of the weight). The mean of
+    squares is over all ``full`` features: the sum of local squares, ``[..., 1]``, is summed over the group
+    with ONE all-reduce and divided by ``full``. Computed in float32 and cast back before the weight, as
+    ``torch.nn.functional.rms_norm`` does. It takes the place of the ``RMSNorm`` module under the same
+    attribute and shares its ``weight`` Parameter, so parameter names stay those of the checkpoint.
+    """
+
+    def __init__(self, norm: torch.nn.Module, full: int, group):
+        super().__init__()
+        self.weight = norm.weight  # None when not elementwise_affine
+        self.eps, self.full, self.group = norm.eps, full, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        square_sum = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.group)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        out = (xf * torch.rsqrt(square_sum / self.full + eps)).type_as(x)
+        return out if self.weight is None else out * self.weight
+
+
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
     """Make ``model`` tensor-parallel over the mesh's tp axis (shard it unless it is loaded sharded). Undo callables.
 
@@ -234,18 +280,29 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
 
 
 def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], group):
-    """Give every row-parallel linear of ``shards`` its all-reduce (bias added after it); returns the undo callable.
+    """Give every row-parallel linear of ``shards`` its all-reduce (bias added after it) and swap every sharded
+    norm for a :class:`ShardedRMSNorm`; returns the undo callable.
 
-    The forward is replaced on the instance (not through a hook) so that the parameter names stay those of
-    the checkpoint while ``F.linear`` runs without the bias.
+    A linear's forward is replaced on the instance (not through a hook) so that the parameter names stay
+    those of the checkpoint while ``F.linear`` runs without the bias. ``shards`` holds full sizes.
     """
-    row_modules = [model.get_submodule(n) for n, s in shards.items() if s.kind != "colwise"]
+    row_modules = [model.get_submodule(n) for n, s in shards.items() if s.kind in ("rowwise", "packed_rowwise")]
     for module in row_modules:
         module.forward = types.MethodType(_row_parallel_forward(group), module)
+    norms = []
+    for name, shard in shards.items():
+        if shard.kind == "norm":
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            original = getattr(parent, attr)
+            setattr(parent, attr, ShardedRMSNorm(original, shard.parts[0], group))
+            norms.append((parent, attr, original))
 
     def undo():
         for module in row_modules:
             del module.forward
+        for parent, attr, original in norms:
+            setattr(parent, attr, original)
 
     return undo
 
@@ -294,6 +351,35 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
     return out
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with their parameters on the meta device and their buffers real (on the CPU).
+
+    Non-persistent buffers (Wan's RoPE tables, SD3's position table) are not in the checkpoint, so the
+    constructor must compute them; parameters are replaced by meta tensors as they are registered, so no
+    weight is initialised or kept (like accelerate's ``init_empty_weights(include_buffers=False)``).
+    """
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None, keep_fp32: tuple[str, ...]) -> torch.dtype:
+    """The dtype tensor ``name`` gets: ``dtype`` for floating tensors (float32 inside a keep-fp32 module)."""
+    if dtype is None or not t.is_floating_point():
+        return t.dtype
+    return torch.float32 if any(m in name.split(".") for m in keep_fp32) else dtype
+
+
 def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: torch.dtype | None = None):
     """Load a pipeline's transformer so that this rank materialises only its tensor-parallel shard.
 
@@ -315,7 +401,7 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
         folder = folder / "transformer"
     config = json.loads((folder / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = cls.from_config(config)
     adapter = adapter_for(model)
     if adapter.tensor_plan is None:
@@ -334,8 +420,10 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
         else:
             index = (slice(None),) * dim
             t = torch.cat([view[index + (slice(s, s + n),)] for s, n in ranges], dim=dim)
-        return t.to(device=device, dtype=dtype or t.dtype)
+        return t.to(device=device, dtype=_load_dtype(name, t, dtype, keep_fp32))
 
+    # As diffusers' from_pretrained: the modules in _keep_in_fp32_modules stay float32 under a lower dtype.
+    keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
     shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=read)
     sharded = {f"{n}.{p}" for n, s in shards.items() for p in ("weight", "bias")
                if shard_slices(s, p, tp_rank, tp_size) is not None}
@@ -343,10 +431,13 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
         if name not in sharded:
             module, _, attr = name.rpartition(".")
             _set_param(model.get_submodule(module), attr, read(name))
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            raise NotImplementedError(f"{type(model).__name__} has a non-persistent buffer {name}; "
-                                      f"tensor-parallel loading cannot materialise it")
+    for name, buf in list(model.named_buffers()):  # computed by the constructor (RoPE tables, position tables)
+        module, _, attr = name.rpartition(".")
+        owner = model.get_submodule(module)
+        if buf.is_floating_point() and any(m in name.split(".") for m in keep_fp32):
+            owner._buffers[attr] = buf.to(device)
+        else:
+            owner._buffers[attr] = buf.to(device=device, dtype=_load_dtype(name, buf, dtype, ()))
     handles.clear()
     return model.eval()
 
