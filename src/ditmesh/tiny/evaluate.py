@@ -1,0 +1,193 @@
+"""Score a tiny pipeline: generate images for captions and read them back with the procedural checker.
+
+The default caption set is every phrasing of the scenes held out of training
+(:func:`ditmesh.tiny.data.split_scenes`), so the score measures composition, not memory. Accuracy is the
+share of images whose shape colour, shape class and position (an unnamed position is the center) match
+the caption.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import data as tiny_data
+from . import default_model_path, load_pipeline, read_meta
+
+TARGETS = {"colour": 0.95, "shape": 0.85, "position": 0.85}
+#: Captions of the sample grid in docs/img/tiny_samples.png (row by row, 6 per row).
+SAMPLE_CAPTIONS = [
+    "a red circle",
+    "a green square at the top left",
+    "a blue triangle at the bottom right",
+    "a yellow circle on a black background",
+    "a red square at the top right on a gray background",
+    "a green triangle at the bottom left on a black background",
+    "a blue circle at the top left on a gray background",
+    "a yellow square at the bottom left",
+    "a red triangle at the center on a black background",
+    "a green circle at the bottom right on a gray background",
+    "a blue square on a black background",
+    "a yellow triangle at the top right",
+]
+
+
+def eval_captions(split: str = "held-out", seed: int = 0) -> list[str]:
+    """Every phrasing of the scenes in ``split``: ``held-out`` (default), ``train`` or ``all``."""
+    train, held = tiny_data.split_scenes(seed)
+    scenes = {"held-out": held, "train": train, "all": train + held}[split]
+    return [c for s in scenes for c in s.captions()]
+
+
+@dataclass
+class EvalResult:
+    """Accuracies over ``n`` images, and per image (caption, what the checker read)."""
+
+    n: int
+    steps: int
+    accuracy: dict
+    rows: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def meets_targets(self) -> bool:
+        """Whether colour, shape and position reach :data:`TARGETS`."""
+        return all(self.accuracy[k] >= v for k, v in TARGETS.items())
+
+    def summary(self) -> str:
+        """One line: ``colour 98.8% shape 91.2% position 97.5% (80 images, 28 steps, 12.3 s)``."""
+        parts = " ".join(f"{k} {100 * self.accuracy[k]:.1f}%" for k in ("colour", "shape", "position", "all"))
+        return f"{parts} ({self.n} images, {self.steps} steps, {self.seconds:.1f} s)"
+
+
+def generate(pipe, captions: list[str], steps: int, seed: int, batch_size: int = 64, guidance_scale: float = 3.5) -> np.ndarray:
+    """uint8 ``[len(captions), H, W, 3]`` images; batch ``b`` draws its noise from generator ``seed + b``.
+
+    Size and ``max_sequence_length`` come from the folder's ``ditmesh_tiny.json``.
+    """
+    meta = read_meta(pipe.name_or_path)
+    height, width = meta["default_size"]
+    out = []
+    for b, i in enumerate(range(0, len(captions), batch_size)):
+        images = pipe(prompt=captions[i:i + batch_size], height=height, width=width, num_inference_steps=steps,
+                      guidance_scale=guidance_scale, max_sequence_length=meta["max_sequence_length"], output_type="np",
+                      generator=torch.Generator().manual_seed(seed + b)).images
+        out.append(np.clip(np.rint(images * 255), 0, 255).astype(np.uint8))
+    return np.concatenate(out)
+
+
+def score(images: np.ndarray, captions: list[str]) -> tuple[dict, list]:
+    """Checker accuracies (colour, shape, position, all three) of ``images`` against ``captions``."""
+    hits = {"colour": 0, "shape": 0, "position": 0, "all": 0}
+    rows = []
+    for image, text in zip(images, captions):
+        want, got = tiny_data.parse_caption(text), tiny_data.classify(image)
+        ok = {"colour": got.colour == want.colour, "shape": got.shape == want.shape, "position": got.position == want.position}
+        ok["all"] = all(ok.values())
+        for k, v in ok.items():
+            hits[k] += v
+        rows.append({"caption": text, "colour": got.colour, "shape": got.shape, "position": got.position,
+                     "background": got.background, "ok": ok["all"]})
+    return {k: v / max(1, len(captions)) for k, v in hits.items()}, rows
+
+
+def evaluate(model_path: str | None = None, captions: list[str] | None = None, steps: int = 28, seed: int = 0,
+             images_per_caption: int = 4, batch_size: int = 64, guidance_scale: float = 3.5, pipe=None,
+             grid: str | None = None) -> EvalResult:
+    """Generate ``images_per_caption`` images per caption at ``steps`` steps and score them."""
+    pipe = pipe or load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    captions = captions if captions is not None else eval_captions()
+    prompts = [c for c in captions for _ in range(images_per_caption)]
+    t0 = time.time()
+    images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+    seconds = time.time() - t0
+    accuracy, rows = score(images, prompts)
+    if grid:
+        save_grid(images, grid)
+    return EvalResult(n=len(prompts), steps=steps, accuracy=accuracy, rows=rows, seconds=seconds)
+
+
+def write_samples(path: str, model_path: str | None = None, steps: int = 28, seed: int = 0, pipe=None) -> list[str]:
+    """Draw :data:`SAMPLE_CAPTIONS` into one PNG grid (6 per row, 2x nearest upscale); returns the captions."""
+    pipe = pipe or load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    save_grid(generate(pipe, SAMPLE_CAPTIONS, steps, seed), path, cols=6, scale=2)
+    return SAMPLE_CAPTIONS
+
+
+def save_grid(images: np.ndarray, path: str, cols: int = 8, pad: int = 2, scale: int = 1) -> None:
+    """Save uint8 ``[N, H, W, 3]`` images as one PNG grid (gray gutters)."""
+    from PIL import Image
+
+    n, h, w, _ = images.shape
+    rows = -(-n // cols)
+    canvas = np.full((rows * (h + pad) + pad, cols * (w + pad) + pad, 3), 200, dtype=np.uint8)
+    for i, img in enumerate(images):
+        r, c = divmod(i, cols)
+        canvas[pad + r * (h + pad):pad + r * (h + pad) + h, pad + c * (w + pad):pad + c * (w + pad) + w] = img
+    out = Image.fromarray(canvas)
+    if scale != 1:
+        out = out.resize((out.width * scale, out.height * scale), Image.NEAREST)
+    out.save(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------------
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``eval-tiny`` on an argparse ``subparsers`` object; its handler is :func:`run_eval`."""
+    parser = subparsers.add_parser("eval-tiny", help="score the tiny pipeline on held-out captions",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="pipeline folder (default: the shipped tiny-flux)")
+    parser.add_argument("--steps", type=int, default=28, help="inference steps (default: 28)")
+    parser.add_argument("--split", choices=("held-out", "train", "all"), default="held-out",
+                        help="which scenes' captions to use (default: held-out)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N captions")
+    parser.add_argument("--images-per-caption", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guidance-scale", type=float, default=3.5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument("--grid", default=None, help="also save the generated images as a PNG grid")
+    parser.add_argument("--samples", default=None, help="also draw the README sample grid (SAMPLE_CAPTIONS) to this PNG")
+    parser.add_argument("--json", default=None, help="write accuracies and per-image readings to this file")
+    parser.set_defaults(func=run_eval)
+    return parser
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
+    torch.set_num_threads(args.threads)
+    captions = eval_captions(args.split)[: args.limit]
+    result = evaluate(args.model or default_model_path(), captions, steps=args.steps, seed=args.seed,
+                      images_per_caption=args.images_per_caption, batch_size=args.batch_size,
+                      guidance_scale=args.guidance_scale, grid=args.grid)
+    print(result.summary())
+    if args.samples:
+        write_samples(args.samples, args.model, steps=args.steps, seed=args.seed)
+    targets = " ".join(f"{k}>={100 * v:.0f}%" for k, v in TARGETS.items())
+    print(f"targets ({targets}): {'met' if result.meets_targets() else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"accuracy": result.accuracy, "n": result.n, "steps": result.steps, "rows": result.rows}, f, indent=1)
+    return 0 if result.meets_targets() else 1
+
+
+def main(argv=None) -> int:
+    """``python -m ditmesh.tiny.evaluate [options]``."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="ditmesh-eval-tiny")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    args = parser.parse_args(["eval-tiny"] + list(argv if argv is not None else sys.argv[1:]))
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
