@@ -114,7 +114,8 @@ def _extra_commands():
     except ImportError:
         pass
     try:
-        from .tiny import add_eval_parser, add_train_parser, run_eval, run_train
+        from .tiny.evaluate import add_eval_parser, run_eval
+        from .tiny.train import add_train_parser, run_train
 
         hooks += [(add_train_parser, run_train), (add_eval_parser, run_eval)]
     except ImportError:
