@@ -228,6 +228,16 @@ _add(
     )
 )
 
+_add(
+    dataclasses.replace(
+        ARCHS["sd3-tiny"],
+        name="sd3-tiny-tp",
+        description="sd3-tiny with 4 heads x 16 (64 wide, caption_projection_dim 64), so tensor parallelism of "
+                    "degree 4 divides the heads",
+        transformer=dict(ARCHS["sd3-tiny"].transformer, num_attention_heads=4, caption_projection_dim=64),
+    )
+)
+
 # --- Wan 2.1 (video) ---------------------------------------------------------------------------------
 #: Wan 2.1's scheduler as its diffusers checkpoints ship it (UniPC on flow-matching sigmas)
 _WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
@@ -279,6 +289,15 @@ _add(
         default_size=(64, 64),
         max_sequence_length=32,
         default_frames=5,
+    )
+)
+
+_add(
+    dataclasses.replace(
+        ARCHS["wan-tiny"],
+        name="wan-tiny-tp",
+        description="wan-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
+        transformer=dict(ARCHS["wan-tiny"].transformer, num_attention_heads=4),
     )
 )
 
