@@ -130,7 +130,7 @@ def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send
 
     Returns the pending work handles; pass them to :func:`ring_exchange_wait` after the compute this
     transfer overlaps. Counted once per round as ``"ring_p2p"``, however many tensors travel together.
-    Peers are ranks *within* ``group`` (``group_peer``), so one ring works on any sub-mesh.
+    Peers are ranks *within* ``group``, so one ring works on any sub-mesh.
     Zero-size tensors are left out (both sides know the sizes from global shapes, so both skip them).
 
     Async on every backend: NCCL runs the batch on its own stream and ``wait`` only orders the current
@@ -139,8 +139,10 @@ def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send
     Cross-rank rule: every rank of the ring posts the same rounds in the same order, and a rank's
     receive sizes equal its predecessor's send sizes.
     """
-    ops = [dist.P2POp(dist.isend, t.contiguous(), group=group, group_peer=send_to) for t in send if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=recv_from) for t in recv if t.numel()]
+    # P2POp takes global ranks on every torch version (its ``group_peer`` argument is newer than 2.5)
+    dst, src = dist.get_global_rank(group, send_to), dist.get_global_rank(group, recv_from)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group=group) for t in send if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, src, group=group) for t in recv if t.numel()]
     if not ops:
         return []
     _count("ring_p2p")
