@@ -34,7 +34,7 @@ def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0):
 
 
 def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, prompt: str = "a red circle",
-                  check_consistency: bool = False, count: bool = False):
+                  check_consistency: bool = False, count: bool = False, compile: bool = False):
     """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call)."""
     from diffusers import FluxPipeline
 
@@ -44,7 +44,7 @@ def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, wi
     torch.manual_seed(0)
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency)
+    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile)
     final = {}
 
     def grab(p, i, t, kw):

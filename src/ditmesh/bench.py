@@ -60,15 +60,6 @@ def argparse_suppress():
     return argparse.SUPPRESS
 
 
-def _compile_blocks(model: torch.nn.Module) -> int:
-    """Regional compilation: ``torch.compile`` each repeated block (diffusers lists their classes)."""
-    names = set(getattr(model, "_repeated_blocks", ()) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    for block in blocks:
-        block.compile()
-    return len(blocks)
-
-
 def _enable_peer(model, method: str, degrees: dict) -> None:
     from diffusers import ContextParallelConfig
 
@@ -121,7 +112,9 @@ def _worker(spec: dict) -> None:
         torch.cuda.reset_peak_memory_stats(device)  # steady state: weights as placed + activations
     if "error" not in row:
         if spec["compile"]:
-            row["compiled_blocks"] = _compile_blocks(model)
+            from .api import compile_blocks
+
+            compile_blocks(model)
         times = []
         with torch.no_grad():
             for i in range(spec["warmup"] + spec["steps"]):

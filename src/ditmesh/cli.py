@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
     g.add_argument("--report", default=None, help="JSON report path (default: the image path with .json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -155,7 +155,8 @@ def run(args) -> int:
     else:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
-    parallelize(pipe, config, check_consistency=args.check_consistency, device=device)
+    parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
+                compile=getattr(args, "compile", False))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
