@@ -73,3 +73,24 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--out", "x.txt"], "--out x.txt: unknown image format"),
+    (["generate", "--max-sequence-length", "-5"], "--max-sequence-length -5 must be >= 1"),
+    (["generate", "--model", "flux-tiny", "--nproc", "8", "--tp", "2", "--ulysses", "4"],
+     "ulysses=4 exceeds the 3 heads each tp=2 rank holds"),
+    (["synth", "--arch", "flux-tiny", "--out", "s", "--dtype", "bogus"], "--dtype 'bogus' is not one of"),
+    (["synth", "--arch", "flux-tiny", "--out", "s", "--device", "bogus"], "--device 'bogus' is not a device"),
+])
+def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_path_that_is_a_folder_is_rejected(tmp_path, capsys):
+    assert main(["generate", "--report", str(tmp_path)]) == 2
+    assert "is a folder; give a file path" in capsys.readouterr().err

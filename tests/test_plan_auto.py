@@ -11,7 +11,8 @@ from ditmesh.runtime.generate import planned_config
 
 
 def _args(**kw):
-    base = dict(model="flux-tiny", height=None, width=None, dp=1, cfg=1, pp=1, ring=1, ulysses=1, tp=1)
+    base = dict(model="flux-tiny", height=None, width=None, dp=1, cfg=1, pp=1, ring=1, ulysses=1, tp=1,
+                negative_prompt=None, true_cfg_scale=4.0, guidance=3.5, prompt=None)
     base.update(kw)
     return argparse.Namespace(**base)
 

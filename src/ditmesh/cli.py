@@ -1,4 +1,4 @@
-"""The ``ditmesh`` command: ``generate``, ``synth`` (and the commands of later issues as they land).
+"""The ``ditmesh`` command: ``generate``, ``synth``, ``bench``, ``plan``, ``train-tiny``, ``eval-tiny``.
 
 Errors a user can fix are printed as ONE line on stderr (``ditmesh: error: ...``) with exit code 2;
 nothing is half-written (outputs are written to temporary files and renamed).
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "synth":
             return _cmd_synth(args)
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, NotImplementedError, ValueError) as exc:
+    except (ConfigError, OSError, NotImplementedError, ValueError) as exc:
         print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001

@@ -108,3 +108,8 @@ class ParallelConfig:
             raise ConfigError(
                 f"tp={self.tp} does not divide the {num_heads} attention heads of {model_name}; valid: {valid}"
             )
+        if self.ulysses > num_heads // self.tp:
+            raise ConfigError(
+                f"ulysses={self.ulysses} exceeds the {num_heads // self.tp} heads each tp={self.tp} rank holds of "
+                f"{model_name}; use ulysses <= {num_heads // self.tp} or a smaller tp"
+            )

@@ -498,14 +498,25 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
+    from .config import ConfigError
+    from .runtime.generate import DTYPES
+    from .runtime.report import current_umask
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch_dtype = getattr(torch, dtype) if dtype else None
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of: {', '.join(sorted(DTYPES))}")
+    torch_dtype = DTYPES[dtype] if dtype else None
     pipe = build_pipeline(arch, seed=seed, device=device, dtype=torch_dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes a private folder; the checkpoint follows the umask
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        meta = {"arch": arch.name, "seed": seed, "dtype": dtype or arch.default_dtype, "default_size": list(arch.default_size),
+        meta = {"arch": arch.name, "seed": seed, "dtype": str(torch_dtype).replace("torch.", "") if dtype else arch.default_dtype, "default_size": list(arch.default_size),
                 "max_sequence_length": arch.max_sequence_length, "generator": "ditmesh synth"}
         if arch.default_frames:
             meta["default_frames"] = arch.default_frames

@@ -94,6 +94,10 @@ def build_hardware(gpus: int, device: str | None = None, link: str | None = None
         raise PlannerError(str(exc)) from None
     if memory_gib is not None and memory_gib <= 0:
         raise PlannerError(f"memory_gib={memory_gib} must be positive (GiB per GPU, e.g. 16 or 80)")
+    for name, value, example in (("link_gbps", link_gbps, "e.g. 450 for NVLink, 25 for PCIe 4"),
+                                 ("link_latency_us", link_latency_us, "e.g. 5"), ("tflops", tflops, "e.g. 790 for H200 bf16")):
+        if value is not None and value <= 0:
+            raise PlannerError(f"{name}={value} must be positive ({example})")
     return Hardware(dev, intra, inter, gpus_per_node=gpus // nodes, nodes=nodes, memory_gib=memory_gib)
 
 
@@ -105,12 +109,15 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
-    ``{"ulysses"}`` while the runtime implements only Ulysses).
+    the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``).
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
     if not isinstance(batch, int) or batch < 1:
         raise PlannerError(f"batch={batch!r} must be a positive integer")
+    for name, value in (("frames", frames), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise PlannerError(f"{name}={value!r} must be a positive integer")
     if supported is not None:
         unknown = set(supported) - set(AXIS_ORDER)
         if unknown:

@@ -87,7 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (``python -m ditmesh.planner.cli``) until the main CLI wires the sub-command in."""
+    """Stand-alone entry (``python -m ditmesh.planner.cli``); ``ditmesh plan`` is the same command."""
     parser = argparse.ArgumentParser(prog="ditmesh")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     return run_plan(parser.parse_args(argv))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 
 from ..config import ConfigError, ParallelConfig
 from ..mesh import default_device
@@ -47,6 +48,9 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
     if args.dtype not in DTYPES and args.dtype != "auto":
         raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPES))}")
+    if args.max_sequence_length is not None and args.max_sequence_length < 1:
+        raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512 for FLUX)")
+    check_output_paths(args)
     if getattr(args, "frames", None) is not None:
         from .video import validate_frames
 
@@ -54,6 +58,24 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if config.cfg > 1:
         check_guidance_on(read_pipeline_class(model), args)
     return config, model
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
+
+
+def check_output_paths(args) -> None:
+    """Output paths must be writable files of a known kind, so a finished run never fails at the end."""
+    out = getattr(args, "out", None)
+    if out is not None:
+        video = getattr(args, "frames", None) is not None
+        allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+        if Path(out).suffix.lower() not in allowed:
+            raise ConfigError(f"--out {out}: unknown {'video' if video else 'image'} format; use one of {', '.join(allowed)}")
+    for flag, value in (("--out", out), ("--report", getattr(args, "report", None)),
+                        ("--save-latents", getattr(args, "save_latents", None))):
+        if value is not None and Path(value).is_dir():
+            raise ConfigError(f"{flag} {value} is a folder; give a file path, e.g. {Path(value) / 'result'}")
 
 
 def check_guidance_on(pipeline_class: str | None, args) -> None:
@@ -75,10 +97,21 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
         raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
     model = resolve_model(args.model)
-    defaults = read_defaults(local_model_path(model) if model not in _archs() else model)
+    if model not in _archs() and not Path(model).is_dir():
+        raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
+                          f"{model}; download it first or give the degrees yourself")
+    defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
-    return recommend(model if model in _archs() else local_model_path(model), args.height or size[0],
-                     args.width or size[1], world_size, supported=set(SUPPORTED_AXES))
+    pipeline_class = read_pipeline_class(model) or ""
+    if pipeline_class.startswith("Flux"):
+        cfg_on = args.negative_prompt is not None and args.true_cfg_scale > 1
+    else:
+        cfg_on = args.guidance > 1
+    prompts = len(args.prompt) if args.prompt else 1
+    return recommend(model, args.height or size[0], args.width or size[1], world_size,
+                     frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
+                     batch=prompts * getattr(args, "images_per_prompt", 1),
+                     mode="compiled" if getattr(args, "compile", False) else "eager", supported=set(SUPPORTED_AXES))
 
 
 def _archs():
@@ -191,11 +224,15 @@ def run(args) -> int:
 
             for i, video in enumerate(result.frames):
                 paths += write_video(out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}"), video)
+        encoded = []  # encode everything first: a format error must not leave some files written
         for i, image in enumerate(images):
             p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
             buf = io.BytesIO()
-            image.save(buf, format=(p.suffix.lstrip(".") or "png").upper().replace("JPG", "JPEG"))
-            atomic_write_bytes(p, buf.getvalue())
+            fmt = Image.registered_extensions().get(p.suffix.lower(), "PNG")
+            image.save(buf, format=fmt)
+            encoded.append((p, buf.getvalue()))
+        for p, data in encoded:
+            atomic_write_bytes(p, data)
             paths.append(str(p))
         if args.save_latents:
             from safetensors.torch import save as st_save

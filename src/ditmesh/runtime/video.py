@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
-from .report import atomic_write_bytes
+from .report import atomic_write_bytes, current_umask
 
 #: video pipelines and their VAE's temporal compression: valid frame counts are ``step * k + 1``
 VIDEO_FRAME_STEP = {"WanPipeline": 4, "WanImageToVideoPipeline": 4, "WanVideoToVideoPipeline": 4, "WanVACEPipeline": 4}
@@ -122,6 +122,7 @@ def _write_mp4(path: Path, frames: np.ndarray, fps: int) -> str:
                                 ffmpeg_log_level="error") as writer:
             for frame in frames:
                 writer.append_data(frame)
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
