@@ -162,6 +162,18 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
+    from pathlib import Path
+
+    from ..config import ConfigError
+
+    for name in ("threads", "steps", "images_per_caption", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit} must be >= 1")
+    if args.model and not (Path(args.model) / "model_index.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a pipeline folder (no model_index.json); "
+                          f"give a folder written by `ditmesh train-tiny`")
     torch.set_num_threads(args.threads)
     captions = eval_captions(args.split)[: args.limit]
     result = evaluate(args.model or default_model_path(), captions, steps=args.steps, seed=args.seed,

@@ -377,6 +377,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh train-tiny``: build a :class:`TrainConfig` from ``args`` and train."""
+    from ..config import ConfigError
+
+    if args.threads < 1:
+        raise ConfigError(f"--threads {args.threads} must be >= 1")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
     train(cfg)
     return 0
