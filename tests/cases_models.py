@@ -28,6 +28,15 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
+    kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
+    with count_collectives() as counts:
+        pipe(prompt, **kwargs)
+    return final["latents"], dict(counts), len(calls)
+
+
+def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | None, max_sequence_length: int,
+                guidance_scale: float) -> dict:
+    """Pipeline-call kwargs of the model tests (seed 42, latents out); the final latents land in ``final``."""
 
     def grab(p, i, t, kw):
         final["latents"] = kw["latents"].clone()
@@ -38,6 +47,4 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
                   output_type="latent", callback_on_step_end=grab)
     if frames is not None:
         kwargs["num_frames"] = frames
-    with count_collectives() as counts:
-        pipe(prompt, **kwargs)
-    return final["latents"], dict(counts), len(calls)
+    return kwargs

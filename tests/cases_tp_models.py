@@ -61,17 +61,10 @@ def tp_model_case(model: str, config: dict, steps: int = 2, height: int = 64, wi
     parallelize(pipe, ParallelConfig(**config))
     param_bytes = tensor.parameter_bytes(pipe.transformer)
     calls, per_block, handles = _counters(pipe.transformer)
+    from cases_models import call_kwargs
+
     final = {}
-
-    def grab(p, i, t, kw):
-        final["latents"] = kw["latents"].clone()
-        return kw
-
-    kwargs = dict(height=height, width=width, num_inference_steps=steps, guidance_scale=guidance_scale,
-                  generator=torch.Generator().manual_seed(42), max_sequence_length=max_sequence_length,
-                  output_type="latent", callback_on_step_end=grab)
-    if frames is not None:
-        kwargs["num_frames"] = frames
+    kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
     with count_collectives() as counts:
         pipe("a red circle", **kwargs)
     for h in handles:
