@@ -69,6 +69,12 @@ def _enable_peer(model, method: str, degrees: dict) -> None:
                                                           ring_degree=degrees.get("ring", 1) or None))
 
 
+def _error_text(exc: BaseException) -> str:
+    """A failed row's note: the exception's type and first line."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
 def _worker(spec: dict) -> None:
     import torch.distributed as dist
 
@@ -106,7 +112,7 @@ def _worker(spec: dict) -> None:
         else:
             parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device)
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
-        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        row["error"] = _error_text(exc)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # steady state: weights as placed + activations
@@ -126,7 +132,7 @@ def _worker(spec: dict) -> None:
                 try:
                     out = model(**inputs)[0]
                 except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                    row["error"] = _error_text(exc)
                     break
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)

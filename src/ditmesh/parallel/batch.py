@@ -33,23 +33,13 @@ from ..comm import all_gather_uneven, split_sizes
 from ..config import ConfigError
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter
+from .forward_io import bind_kwargs, output_sample, with_output_sample
 
 _CFG_OFF = (
     "cfg=2 needs classifier-free guidance, but this pipeline call ran without an unconditional branch; "
     "turn guidance on (FLUX: a negative prompt with true_cfg_scale > 1, e.g. --negative-prompt '' "
     "--true-cfg-scale 4; SD3/Wan: guidance_scale > 1, e.g. --guidance 5) or use cfg=1"
 )
-
-
-def _sample(output):
-    return output[0] if isinstance(output, tuple) else output.sample
-
-
-def _with_sample(output, sample):
-    if isinstance(output, tuple):
-        return (sample,) + tuple(output[1:])
-    output.sample = sample
-    return output
 
 
 class BatchParallel:
@@ -118,7 +108,7 @@ class BatchParallel:
         return kwargs
 
     def post_hook(self, output):
-        sample = _sample(output)
+        sample = output_sample(output)
         if self.batch_sizes is not None:
             sample = all_gather_uneven(sample, 0, self.batch_sizes, self.batch_group)
         if self.sequential:
@@ -132,7 +122,7 @@ class BatchParallel:
                     self.pending.copy_(cond)  # the tensor the pipeline holds as its cond prediction
                 sample = uncond if self.cfg_rank == 1 else uncond.clone()
                 self.pending = None
-        return _with_sample(output, sample)
+        return with_output_sample(output, sample)
 
 
 def apply(pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
@@ -146,9 +136,7 @@ def apply(pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapte
     params = inspect.signature(forward).parameters
 
     def pre_hook(module, args, kwargs):
-        if args:
-            kwargs = dict(inspect.signature(forward).bind_partial(*args, **kwargs).arguments)
-        return (), bp.pre_hook(kwargs)
+        return (), bp.pre_hook(bind_kwargs(forward, args, kwargs))
 
     def post_hook(module, args, kwargs, output):
         return bp.post_hook(output)

@@ -11,8 +11,6 @@ exchanged); every rank runs every attention layer in the same order.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
@@ -22,6 +20,7 @@ from ..attention.usp import usp_attention
 from ..comm import all_gather_uneven, split_sizes
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter
+from .forward_io import bind_kwargs, output_sample, with_output_sample
 
 
 class SequenceParallel:
@@ -98,10 +97,8 @@ class SequenceParallel:
         if self.plan.output_stream is None:
             return output  # the adapter's own hook gathered inside the model (before unpatchify)
         sizes = self.stream_sizes[self.plan.output_stream]
-        if isinstance(output, tuple):
-            return (all_gather_uneven(output[0], self.plan.output_dim, sizes, self.group),) + tuple(output[1:])
-        output.sample = all_gather_uneven(output.sample, self.plan.output_dim, sizes, self.group)
-        return output
+        full = all_gather_uneven(output_sample(output), self.plan.output_dim, sizes, self.group)
+        return with_output_sample(output, full)
 
     # -- split points inside the model (``ModelAdapter.sequence_hooks``) ---------------------------
     def local_lengths(self, streams) -> list[int]:
@@ -127,13 +124,6 @@ class SequenceParallel:
         return all_gather_uneven(tensor, dim, self.stream_sizes[stream], self.group)
 
 
-def _bind_kwargs(forward, args, kwargs):
-    if not args:
-        return kwargs
-    bound = inspect.signature(forward).bind_partial(*args, **kwargs)
-    return dict(bound.arguments)
-
-
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
@@ -146,7 +136,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
     forward = model.forward
 
     def pre_hook(module, args, kwargs):
-        return (), sp.split_inputs(_bind_kwargs(forward, args, kwargs))
+        return (), sp.split_inputs(bind_kwargs(forward, args, kwargs))
 
     def post_hook(module, args, kwargs, output):
         return sp.gather_output(output)

@@ -78,15 +78,22 @@ def check_output_paths(args) -> None:
             raise ConfigError(f"{flag} {value} is a folder; give a file path, e.g. {Path(value) / 'result'}")
 
 
+def guidance_on(pipeline_class: str | None, args) -> bool:
+    """Whether the run has both CFG branches: true CFG on FLUX (negative prompt, scale > 1), else guidance > 1."""
+    if pipeline_class and pipeline_class.startswith("Flux"):
+        return args.negative_prompt is not None and args.true_cfg_scale > 1
+    return args.guidance > 1
+
+
 def check_guidance_on(pipeline_class: str | None, args) -> None:
     """``--cfg 2`` needs both CFG branches; say what to change when guidance is off."""
+    if guidance_on(pipeline_class, args):
+        return
     if pipeline_class and pipeline_class.startswith("Flux"):
-        if args.negative_prompt is None or args.true_cfg_scale <= 1:
-            raise ConfigError("--cfg 2 needs true CFG on FLUX: add --negative-prompt TEXT (and --true-cfg-scale > 1, "
-                              "default 4), or use --cfg 1")
-    elif args.guidance <= 1:
-        raise ConfigError(f"--cfg 2 needs classifier-free guidance, but --guidance {args.guidance} turns it off; "
-                          f"use --guidance > 1 (e.g. 5) or --cfg 1")
+        raise ConfigError("--cfg 2 needs true CFG on FLUX: add --negative-prompt TEXT (and --true-cfg-scale > 1, "
+                          "default 4), or use --cfg 1")
+    raise ConfigError(f"--cfg 2 needs classifier-free guidance, but --guidance {args.guidance} turns it off; "
+                      f"use --guidance > 1 (e.g. 5) or --cfg 1")
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
@@ -102,11 +109,7 @@ def planned_config(args, world_size: int) -> ParallelConfig:
                           f"{model}; download it first or give the degrees yourself")
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
-    pipeline_class = read_pipeline_class(model) or ""
-    if pipeline_class.startswith("Flux"):
-        cfg_on = args.negative_prompt is not None and args.true_cfg_scale > 1
-    else:
-        cfg_on = args.guidance > 1
+    cfg_on = guidance_on(read_pipeline_class(model), args)
     prompts = len(args.prompt) if args.prompt else 1
     return recommend(model, args.height or size[0], args.width or size[1], world_size,
                      frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
