@@ -10,8 +10,11 @@ def world_info():
     return dist.get_rank(), dist.get_world_size()
 
 
-def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0):
-    """Ulysses attention on random shards vs full attention computed locally; returns max rel error."""
+def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int = 1):
+    """Ulysses attention on random shards vs full attention computed locally; returns max rel error.
+
+    Also passes ``hide`` work and returns the order in which it ran relative to the local attentions.
+    """
     import torch.nn.functional as F
 
     from ditmesh.attention.ulysses import ulysses_attention
@@ -24,17 +27,21 @@ def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0):
     start = sum(sizes[:rank])
     shard = lambda t: t[:, start : start + sizes[rank]]  # noqa: E731
 
+    events = []
+
     def local(q_, k_, v_):
+        events.append("attention")
         return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2)).transpose(1, 2)
 
+    hide = (lambda: events.append("first"), lambda: events.append("second"))
     with count_collectives() as counts:
-        out = ulysses_attention(shard(q), shard(k), shard(v), sizes, rank, dist.group.WORLD, local)
+        out = ulysses_attention(shard(q), shard(k), shard(v), sizes, rank, dist.group.WORLD, local, chunks, hide)
     ref = shard(local(q, k, v))
-    return float((out - ref).norm() / ref.norm()), dict(counts)
+    return float((out - ref).norm() / ref.norm()), dict(counts), events[:-1]
 
 
 def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, prompt: str = "a red circle",
-                  check_consistency: bool = False, count: bool = False, compile: bool = False):
+                  check_consistency: bool = False, count: bool = False, compile: bool = False, chunks: int = 1):
     """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call)."""
     from diffusers import FluxPipeline
 
@@ -45,6 +52,8 @@ def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, wi
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile)
+    if hasattr(pipe.transformer, "_ditmesh_sp"):
+        pipe.transformer._ditmesh_sp.ulysses_chunks = chunks
     final = {}
 
     def grab(p, i, t, kw):

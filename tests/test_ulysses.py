@@ -19,9 +19,35 @@ def test_pool_ranks_are_real_processes(pools):
 @pytest.mark.parametrize("world,seq,heads", [(2, 16, 4), (2, 15, 3), (4, 18, 6), (4, 7, 6)])
 def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, seq, heads):
     results = pools(world).run(ulysses_attention_case, seq, heads)
-    for err, counts in results:
+    for err, counts, events in results:
         assert err < 1e-6
         assert counts == {"all_to_all": 2}  # one fused Q/K/V exchange, one for the output
+        assert events == ["first", "attention", "second"]
+
+
+@pytest.mark.parametrize("world,seq,heads,chunks,groups", [
+    (2, 16, 4, 2, 2),   # 2 heads per rank -> 2 groups of 1
+    (4, 18, 6, 2, 2),   # heads 2,2,1,1 per rank: rank 2's second group is empty, the group is not
+    (4, 7, 6, 3, 2),    # 3 groups asked, at most 2 heads on a rank: the empty third group is left out
+    (2, 15, 3, 4, 2),   # more groups than heads per rank
+])
+def test_ulysses_head_group_pipeline_matches_full_attention(pools, world, seq, heads, chunks, groups):
+    results = pools(world).run(ulysses_attention_case, seq, heads, 0, chunks)
+    for rank, (err, counts, events) in enumerate(results):
+        assert err < 1e-6
+        assert counts == {"all_to_all": 2 * groups}
+        # the caller's work sits in the first Q/K/V window and the last output window
+        assert events[0] == "first" and events[-1] == "second"
+        assert 1 <= events.count("attention") <= groups
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_flux_single_blocks_hide_mlp_under_ulysses(pools, flux_tiny, chunks):
+    # single blocks compute their MLP branch while Q/K/V travel; the result must not change
+    ref, _ = flux_generate(flux_tiny, {}, 2, 48, 48)
+    for latents, counts in pools(2).run(flux_generate, flux_tiny, {"ulysses": 2}, 2, 48, 48, chunks=chunks):
+        assert rel_err(latents, ref) <= 1e-5
+        assert counts == {"all_to_all": 2 * 4 * 2 * chunks, "all_gather": 2}
 
 
 @pytest.mark.parametrize("world", [2, 4])

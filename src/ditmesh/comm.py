@@ -71,6 +71,31 @@ def all_to_all_single(x: torch.Tensor, output_split_sizes: list[int], input_spli
     return _waited(out)
 
 
+def all_to_all_start(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
+    """Issue an all-to-all and return its result *without waiting*: pass it to :func:`wait` before any use.
+
+    Calls the functional op directly (not ``funcol.all_to_all_single``, which waits at once when traced),
+    so the compute between this call and :func:`wait` overlaps the transfer, in eager mode and in a
+    compiled graph alike. Counted as one ``"all_to_all"``.
+    """
+    _count("all_to_all")
+    return torch.ops._c10d_functional.all_to_all_single(x, output_split_sizes, input_split_sizes, group_name(group))
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The finished result of a collective issued by :func:`all_to_all_start` (a stream wait, no host sync)."""
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def group_name(group) -> str:
+    """The registered name of ``group`` (what the functional ops take); a name passes through."""
+    if isinstance(group, str):
+        return group
+    if group is None:
+        group = dist.group.WORLD
+    return group.group_name
+
+
 def _waited(t: torch.Tensor) -> torch.Tensor:
     # Eager funcol results are AsyncCollectiveTensors; waiting here keeps callers simple. Traced
     # (compiled) results are plain tensors and the compiler places the wait itself.

@@ -6,8 +6,19 @@ all-to-all returns the output to sequence shards. Sequence lengths and head coun
 degree: every rank computes the same split sizes from global sizes, and the all-to-all carries uneven
 per-peer counts.
 
+Overlap. The transfers are issued without waiting (:func:`ditmesh.comm.all_to_all_start`), so work placed
+between the issue and the wait runs while they travel:
+
+- ``chunks > 1`` pipelines head groups: each rank's heads are cut into ``chunks`` groups; the Q/K/V of
+  group ``c + 1`` travels while group ``c`` attends, and the output of group ``c`` travels back while group
+  ``c + 1`` attends. Only the first Q/K/V transfer and the last output transfer are exposed.
+- ``hide=(first, second)`` lets the caller put its own independent work in those two exposed windows:
+  ``first()`` runs while the first Q/K/V transfer travels and ``second()`` while the last output transfer
+  does (FLUX's single blocks compute their MLP branch there).
+
 Cross-rank rule: all ranks of the Ulysses group call :func:`ulysses_attention` for every attention
-layer, in the same order, with the same ``seq_sizes`` (derived from global lengths at the model entry).
+layer, in the same order, with the same ``seq_sizes`` (derived from global lengths at the model entry)
+and the same ``chunks``.
 """
 
 from __future__ import annotations
@@ -16,46 +27,89 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm import all_to_all_single, offsets, split_sizes
+from ..comm import all_to_all_start, offsets, split_sizes, wait
 
 
-def seq_to_heads(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
-    """``[..., S_rank, H, D]`` sequence shard -> ``[..., S_total, h_rank, D]`` head shard.
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
-    Leading dims (e.g. a stacked Q/K/V dim and batch) travel unchanged; the sequence is dim -3.
+
+def seq_to_heads_start(x: torch.Tensor, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
+                       rank: int, group) -> Callable[[], torch.Tensor]:
+    """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of ``x`` to rank ``j``.
+
+    ``x``: ``[..., S_rank, H, D]`` sequence shard (leading dims, e.g. stacked Q/K/V and batch, travel
+    unchanged). Returns ``finish()``, which waits and gives ``[..., S_total, head_sizes[rank], D]``.
     """
     world = len(seq_sizes)
-    heads = x.shape[-2]
-    head_sizes = split_sizes(heads, world)
-    head_starts = offsets(head_sizes)
     lead = x.shape[:-3]
-    lead_numel = 1
-    for n in lead:
-        lead_numel *= n
+    lead_numel = _numel(lead)
     local_seq, dim = x.shape[-3], x.shape[-1]
     send = torch.cat([x.narrow(-2, head_starts[j], head_sizes[j]).reshape(-1) for j in range(world)])
     in_splits = [lead_numel * local_seq * head_sizes[j] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
-    recv = all_to_all_single(send, out_splits, in_splits, group)
-    parts = [p.view(*lead, seq_sizes[j], head_sizes[rank], dim) for j, p in enumerate(recv.split(out_splits))]
-    return torch.cat(parts, dim=-3)
+    recv = all_to_all_start(send, out_splits, in_splits, group)
+
+    def finish() -> torch.Tensor:
+        parts = wait(recv).split(out_splits)
+        return torch.cat([p.view(*lead, seq_sizes[j], head_sizes[rank], dim) for j, p in enumerate(parts)], dim=-3)
+
+    return finish
 
 
-def heads_to_seq(x: torch.Tensor, seq_sizes: list[int], num_heads: int, rank: int, group) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads`: ``[..., S_total, h_rank, D]`` -> ``[..., S_rank, H, D]``."""
+def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[int], rank: int,
+                       group) -> Callable[[], list[torch.Tensor]]:
+    """Inverse of :func:`seq_to_heads_start`: ``x`` is ``[..., S_total, head_sizes[rank], D]``.
+
+    Returns ``finish()``, which waits and gives the list over source ranks ``j`` of
+    ``[..., S_rank, head_sizes[j], D]`` (concatenated along heads by the caller).
+    """
     world = len(seq_sizes)
-    head_sizes = split_sizes(num_heads, world)
     lead = x.shape[:-3]
-    lead_numel = 1
-    for n in lead:
-        lead_numel *= n
+    lead_numel = _numel(lead)
     dim = x.shape[-1]
     send = torch.cat([c.reshape(-1) for c in x.split(seq_sizes, dim=-3)])
     in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[rank] * head_sizes[j] * dim for j in range(world)]
-    recv = all_to_all_single(send, out_splits, in_splits, group)
-    parts = [p.view(*lead, seq_sizes[rank], head_sizes[j], dim) for j, p in enumerate(recv.split(out_splits))]
-    return torch.cat(parts, dim=-2)
+    recv = all_to_all_start(send, out_splits, in_splits, group)
+
+    def finish() -> list[torch.Tensor]:
+        parts = wait(recv).split(out_splits)
+        return [p.view(*lead, seq_sizes[rank], head_sizes[j], dim) for j, p in enumerate(parts)]
+
+    return finish
+
+
+def seq_to_heads(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
+    """``[..., S_rank, H, D]`` sequence shard -> ``[..., S_total, h_rank, D]`` head shard (blocking)."""
+    head_sizes = split_sizes(x.shape[-2], len(seq_sizes))
+    return seq_to_heads_start(x, seq_sizes, offsets(head_sizes), head_sizes, rank, group)()
+
+
+def heads_to_seq(x: torch.Tensor, seq_sizes: list[int], num_heads: int, rank: int, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`: ``[..., S_total, h_rank, D]`` -> ``[..., S_rank, H, D]`` (blocking)."""
+    head_sizes = split_sizes(num_heads, len(seq_sizes))
+    return torch.cat(heads_to_seq_start(x, seq_sizes, head_sizes, rank, group)(), dim=-2)
+
+
+def head_groups(num_heads: int, world: int, chunks: int) -> list[tuple[list[int], list[int]]]:
+    """``(starts, sizes)`` per pipelined head group: rank ``j``'s heads of group ``c`` start at ``starts[j]``.
+
+    Rank ``j`` owns the contiguous heads ``split_sizes(num_heads, world)[j]``; each group takes a
+    contiguous part of every rank's heads. Groups with no heads anywhere are left out.
+    """
+    owned = split_sizes(num_heads, world)
+    first = offsets(owned)
+    parts = [split_sizes(owned[j], chunks) for j in range(world)]
+    groups = []
+    for c in range(chunks):
+        sizes = [parts[j][c] for j in range(world)]
+        if sum(sizes):
+            groups.append(([first[j] + sum(parts[j][:c]) for j in range(world)], sizes))
+    return groups
 
 
 def ulysses_attention(
@@ -66,12 +120,29 @@ def ulysses_attention(
     rank: int,
     group,
     local_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    chunks: int = 1,
+    hide: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> torch.Tensor:
     """Attention over the full sequence from sequence shards ``[B, S_rank, H, D]``; returns ``[B, S_rank, H, D]``.
 
-    ``local_attention(q, k, v)`` runs on ``[B, S_total, h_rank, D]`` and returns the same layout.
+    ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout. ``chunks``
+    head groups are pipelined against the transfers, and ``hide`` runs caller work in the two exposed
+    transfers (module docstring). Collectives: 2 all-to-alls per non-empty head group.
     """
-    num_heads = query.shape[-2]
-    qkv = seq_to_heads(torch.stack([query, key, value]), seq_sizes, rank, group)
-    out = local_attention(qkv[0], qkv[1], qkv[2])
-    return heads_to_seq(out, seq_sizes, num_heads, rank, group)
+    world = len(seq_sizes)
+    qkv = torch.stack([query, key, value])
+    groups = head_groups(query.shape[-2], world, max(1, chunks))
+    pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group)
+    if hide is not None:
+        hide[0]()
+    returning = []
+    for c, (_, sizes) in enumerate(groups):
+        following = seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group) if c + 1 < len(groups) else None
+        q, k, v = pending()
+        out = local_attention(q, k, v) if sizes[rank] else q
+        returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group))
+        pending = following
+    if hide is not None:
+        hide[1]()
+    parts = [finish() for finish in returning]  # parts[c][j]: rank j's heads of group c
+    return torch.cat([parts[c][j] for j in range(world) for c in range(len(groups))], dim=-2)

@@ -11,13 +11,15 @@ exchanged); every rank runs every attention layer in the same order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
-from ..comm import all_gather_uneven, split_sizes
+from ..comm import all_gather_uneven, group_name, split_sizes
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter
 from .forward_io import bind_kwargs, output_sample, with_output_sample
@@ -44,17 +46,25 @@ class SequenceParallel:
         self.degree = self.ring_degree * self.ulysses_degree
         self.rank = mesh.flat_rank("ring", "ulysses")
         self.group = mesh.group_of("ring", "ulysses")
+        # functional collectives take group names; resolved here, outside any compiled region
+        self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
+        #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
+        self.ulysses_chunks = int(os.environ.get("DITMESH_ULYSSES_CHUNKS", "1"))
         #: tokens of each stream on each sp rank, set at every model entry
         self.stream_sizes: dict[str, list[int]] = {}
         #: local attention sequence length of each sp rank (sum over streams)
         self.seq_sizes: list[int] = []
 
-    def attention(self, query, key, value, backend=None, streams=None):
+    def attention(self, query, key, value, backend=None, streams=None, hide=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
         Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
         USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
         flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
+
+        ``hide=(first, second)``: caller work independent of this attention. Under Ulysses ``first()`` runs
+        while Q/K/V travel and ``second()`` while the output travels back; otherwise they run before and
+        after the attention.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -64,11 +74,18 @@ class SequenceParallel:
             def local(q, k, v):
                 return dispatch_attention_fn(q, k, v, backend=backend)
 
-            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group, local)
+            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
+                                     chunks=self.ulysses_chunks, hide=hide)
+        if hide is not None:
+            hide[0]()
         if self.ulysses_degree == 1:
-            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
-        return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                             self.ring_group, self.ulysses_group)
+            out = ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
+        else:
+            out = usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
+                                self.ring_group, self.ulysses_group)
+        if hide is not None:
+            hide[1]()
+        return out
 
     # -- hooks -------------------------------------------------------------------------------------
     def split_inputs(self, kwargs: dict) -> dict:

@@ -1,0 +1,162 @@
+"""GPU experiment: what pays in Ulysses at 1024^2 on FLUX.1-dev (synthetic weights), one launch.
+
+Run with ``torchrun --nproc_per_node N scripts/overlap_bench.py [--height H --width W]``. Rank 0 first
+measures the one-GPU step (eager, then compiled); then every rank runs ulysses N in several variants:
+head-group pipelining (``chunks``), the single blocks' MLP hidden under the all-to-all (``hide``),
+inductor's comm/compute reordering, and a CUDA graph of the whole compiled step. Each variant reports the
+median step, its relative error against the eager one-GPU output, and the profiler's breakdown (compute /
+communication / idle). Rows go to stdout and, as JSON lines, to ``$OUT/overlap.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ditmesh.api import compile_blocks, parallelize
+from ditmesh.config import ParallelConfig
+from ditmesh.models.base import adapter_for
+from ditmesh.profiling import profile_step
+from ditmesh.synth import build_transformer, get_arch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--model", default="flux-dev")
+    ap.add_argument("--frames", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--single", choices=["eager", "both"], default="both", help="one-GPU rows to measure")
+    ap.add_argument("--variants", default="c1-nohide,c1,c2,c3,c2-eager,c1-nohide-eager,c2-reorder,c2-graph")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()  # CPU (gloo, float32, flux-tiny) only to check the script itself
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    torch._dynamo.config.cache_size_limit = 64
+    os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
+    out_path = os.path.join(os.environ.get("OUT", "/tmp"), "overlap.jsonl")
+    arch = get_arch(args.model)
+    model = build_transformer(arch, seed=0, device=device, dtype=dtype)
+    adapter = adapter_for(model)
+    shape = dict(height=args.height, width=args.width, **({"frames": args.frames} if args.frames else {}))
+    inputs = adapter.example_inputs(model, **shape, batch=1,
+                                    text_len=arch.max_sequence_length, generator=torch.Generator().manual_seed(1),
+                                    device=device, dtype=dtype)
+    step = lambda: model(**inputs)[0]  # noqa: E731
+
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    measure = (lambda fn: profile_step(fn, device)) if cuda else (lambda fn: {})
+
+    def timed(fn, warmup=2, steps=args.steps, barrier=True):
+        with torch.no_grad():
+            for _ in range(warmup):
+                out = fn()
+            times = []
+            for _ in range(steps):
+                sync()
+                if barrier:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                out = fn()
+                sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), out
+
+    def report(name, ms, out, ref, prof):
+        err = float((out.float() - ref).norm() / ref.norm()) if ref is not None else None
+        row = dict(variant=name, gpus=1 if name.startswith("single") else world, step_ms=round(ms, 3), rel_err=err,
+                   card=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                   peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else 0, **prof)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    ref = None
+    if rank == 0:
+        ms, out = timed(step, 1, 3, barrier=False)
+        ref = out.float()
+        report("single-eager", ms, out, ref, {})
+    if rank == 0 and args.single == "both":
+        compile_blocks(model)
+        ms, out = timed(step, barrier=False)
+        with torch.no_grad():
+            prof = measure(step)
+        report("single-compiled", ms, out, ref, prof)
+        for block in model.modules():
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+    dist.barrier()
+
+    class Pipe:
+        transformer = model
+
+    parallelize(Pipe, ParallelConfig(ulysses=world), device=device)
+    sp = model._ditmesh_sp
+    singles = list(getattr(model, "single_transformer_blocks", ()))  # FLUX only
+    single_forwards = {id(b): b.__dict__.get("forward") for b in singles}
+    for name in args.variants.split(","):
+        parts = name.split("-")
+        sp.ulysses_chunks = int(parts[0][1:])
+        for b in singles:  # "nohide": the diffusers block forward
+            if "nohide" in parts:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = single_forwards[id(b)]
+        torch._inductor.config.reorder_for_compute_comm_overlap = "reorder" in parts
+        for block in model.modules():
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            if "eager" not in parts:
+                compile_blocks(model)
+            fn = step
+            if "graph" in parts and cuda:
+                fn = _graphed(step, device)
+            ms, out = timed(fn)
+            with torch.no_grad():
+                prof = measure(fn)
+            report(name, ms, out, ref, prof)
+        except Exception as exc:  # noqa: BLE001  (an experiment that fails is a row)
+            if rank == 0:
+                print(json.dumps({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _graphed(step, device):
+    """Capture one whole transformer call in a CUDA graph; return a function that replays it."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out = step()
+
+    def replay():
+        graph.replay()
+        return static_out
+
+    return replay
+
+
+if __name__ == "__main__":
+    main()
