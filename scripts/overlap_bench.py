@@ -96,6 +96,13 @@ def main():
         with torch.no_grad():
             prof = measure(step)
         report("single-compiled", ms, out, ref, prof)
+        if cuda:
+            graphed = _graphed(step, device)
+            ms, out = timed(graphed, barrier=False)
+            with torch.no_grad():
+                prof = measure(graphed)
+            report("single-compiled-graph", ms, out, ref, prof)
+            del graphed
         for block in model.modules():
             block._compiled_call_impl = None
         torch._dynamo.reset()

@@ -83,3 +83,36 @@ def diverging_ranks_case(model: str):
     except RankDivergenceError as exc:
         return str(exc)
     return None
+
+
+def rerun_capture(fn):
+    """A stand-in for CUDA graph capture on CPU: each replay re-runs ``fn`` on the captured input buffers
+    and writes the result into the captured output in place, as a graph replay does."""
+    from torch.utils import _pytree as pytree
+
+    out = fn()
+
+    def replay():
+        for dst, src in zip(pytree.tree_leaves(out), pytree.tree_leaves(fn())):
+            dst.copy_(src)
+
+    return replay, out
+
+
+def flux_graphed_generate(model: str, config: dict, steps: int = 3):
+    """flux_generate with the transformer call wrapped by GraphedCall (capture = rerun_capture)."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel import graph
+
+    torch.manual_seed(0)
+    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(**config))
+    graph.apply(pipe.transformer, capture=rerun_capture)
+    latents = pipe("a red circle", height=48, width=48, num_inference_steps=steps, guidance_scale=3.5,
+                   generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="latent").images
+    graphed = pipe.transformer._compiled_call_impl
+    entries = [(e.calls, e.replay is not None, e.failed) for e in graphed.entries.values()]
+    return latents, entries

@@ -82,6 +82,7 @@ class _nothing:
      "ulysses=4 exceeds the 3 heads each tp=2 rank holds"),
     (["synth", "--arch", "flux-tiny", "--out", "s", "--dtype", "bogus"], "--dtype 'bogus' is not one of"),
     (["synth", "--arch", "flux-tiny", "--out", "s", "--device", "bogus"], "--device 'bogus' is not a device"),
+    (["generate", "--model", "flux-tiny", "--cuda-graph"], "CUDA graphs need a CUDA device, but this rank runs on cpu"),
 ])
 def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

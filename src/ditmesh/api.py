@@ -17,7 +17,7 @@ from . import models as _models  # noqa: F401  (registers adapters)
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .mesh import ParallelMesh
 from .models.base import adapter_for
-from .parallel import batch, sequence, tensor
+from .parallel import batch, graph, sequence, tensor
 
 log = logging.getLogger("ditmesh")
 
@@ -81,8 +81,20 @@ def compile_blocks(model: torch.nn.Module) -> list:
     return [undo]
 
 
+def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consistency: bool = False) -> None:
+    """Raise :class:`ConfigError` where CUDA graphs cannot run (see ``ditmesh.parallel.graph``)."""
+    if device.type != "cuda":
+        raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {device.type}; drop the graph option")
+    if config.dp > 1 or config.cfg > 1:
+        raise ConfigError(f"CUDA graphs do not run with dp={config.dp}, cfg={config.cfg} (their hooks choose per call "
+                          "what to run); use dp=1 and cfg=1, or drop the graph option")
+    if check_consistency:
+        raise ConfigError("CUDA graphs do not run with the consistency check (it reads values on the host); "
+                          "use one or the other")
+
+
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
-                compile: bool = False) -> ParallelRuntime:
+                compile: bool = False, cuda_graph: bool = False) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -94,7 +106,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         check_consistency: debug mode: before every transformer call, verify that timestep, latents
             and text embeddings are bit-identical on every rank (raises on the first mismatch).
         device: this rank's device (default: ``cuda:LOCAL_RANK`` or CPU).
-        compile: last step of the fixed order: ``torch.compile`` each transformer block (regional).
+        compile: ``torch.compile`` each transformer block (regional), after the parallel dimensions.
+        cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
+            step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
@@ -103,6 +117,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_model(config, transformer)
     if device is None:
         device = next(transformer.parameters()).device
+    if cuda_graph:
+        check_cuda_graph(config, torch.device(device), check_consistency)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)
@@ -114,6 +130,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter)),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
         ("compile(blocks)", lambda: compile_blocks(transformer) if compile else []),
+        ("cuda-graph", lambda: graph.apply(transformer) if cuda_graph else []),
     ]
     for name, step in steps:
         undo = step()

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1)")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -57,6 +57,11 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         validate_frames(read_pipeline_class(model), args.frames)
     if config.cfg > 1:
         check_guidance_on(read_pipeline_class(model), args)
+    if getattr(args, "cuda_graph", False):
+        from ..api import check_cuda_graph
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        check_cuda_graph(config, device, args.check_consistency)
     return config, model
 
 
@@ -192,7 +197,7 @@ def run(args) -> int:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
     parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
-                compile=getattr(args, "compile", False))
+                compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
