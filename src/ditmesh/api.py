@@ -94,7 +94,7 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
 
 
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
-                compile: bool = False, cuda_graph: bool = False) -> ParallelRuntime:
+                compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -109,6 +109,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         compile: ``torch.compile`` each transformer block (regional), after the parallel dimensions.
         cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
             step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
+        ulysses_chunks: head groups each Ulysses attention pipelines against its all-to-alls (1 = none;
+            default 2 on CUDA, 1 on CPU).
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
@@ -127,7 +129,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     # the callables that undo it.
     steps = [
         (f"tensor(tp={config.tp})", lambda: tensor.apply(transformer, mesh, adapter) + tensor.encode_once(pipe, mesh)),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter)),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks)),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
         ("compile(blocks)", lambda: compile_blocks(transformer) if compile else []),
         ("cuda-graph", lambda: graph.apply(transformer) if cuda_graph else []),

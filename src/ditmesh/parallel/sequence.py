@@ -11,8 +11,6 @@ exchanged); every rank runs every attention layer in the same order.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
@@ -34,7 +32,7 @@ class SequenceParallel:
     in that order and gathers the output at the exit.
     """
 
-    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter):
+    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None):
         self.adapter = adapter
         self.plan = adapter.sequence_plan
         self.ring_degree = mesh.size("ring")
@@ -49,7 +47,7 @@ class SequenceParallel:
         # functional collectives take group names; resolved here, outside any compiled region
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
-        self.ulysses_chunks = int(os.environ.get("DITMESH_ULYSSES_CHUNKS", "1"))
+        self.ulysses_chunks = default_chunks(mesh.device) if chunks is None else chunks
         #: tokens of each stream on each sp rank, set at every model entry
         self.stream_sizes: dict[str, list[int]] = {}
         #: local attention sequence length of each sp rank (sum over streams)
@@ -141,15 +139,27 @@ class SequenceParallel:
         return all_gather_uneven(tensor, dim, self.stream_sizes[stream], self.group)
 
 
-def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
+def default_chunks(device: torch.device) -> int:
+    """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs, 1 elsewhere.
+
+    On GPUs the all-to-all runs on its own stream beside the attention of the previous group (measured on
+    4x H200, FLUX 1024^2, see docs/benchmarks.md); on CPU (gloo) the same cores would do both.
+    """
+    return 2 if device.type == "cuda" else 1
+
+
+def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None) -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
-    Ulysses alone, ring alone, or both (USP) follow from the degrees. Does nothing (and returns ``[]``)
+    Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
+    pipelined against the all-to-alls (default :func:`default_chunks`). Does nothing (and returns ``[]``)
     when the sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
-    sp = SequenceParallel(mesh, adapter)
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"ulysses_chunks={chunks} must be >= 1 (1 = no pipelining)")
+    sp = SequenceParallel(mesh, adapter, chunks)
     forward = model.forward
 
     def pre_hook(module, args, kwargs):
