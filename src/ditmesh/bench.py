@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-#: method name -> degrees for g processes. ``diffusers-*`` rows are diffusers' own context parallelism
-#: (``enable_parallelism``), measured on the same weights and inputs as a peer.
+#: method name -> degrees for g processes. Peers run with the same degrees as ours, on the same weights and
+#: inputs: ``diffusers-*`` rows are diffusers' own context parallelism (``enable_parallelism``), ``xdit-*`` rows
+#: are xDiT's FLUX wrapper with its USP attention (optional: needs xfuser 0.7, see :func:`_enable_xdit`).
 METHODS = {
     "single": lambda g: {},
     "ulysses": lambda g: {"ulysses": g},
@@ -28,10 +29,8 @@ METHODS = {
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
-    "diffusers-ulysses": lambda g: {"ulysses": g},
-    "diffusers-ring": lambda g: {"ring": g},
-    "diffusers-usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},
 }
+METHODS.update({f"{peer}-{m}": METHODS[m] for peer in ("diffusers", "xdit") for m in ("ulysses", "ring", "usp")})
 
 
 def add_bench_parser(sub) -> None:
@@ -67,6 +66,52 @@ def _enable_peer(model, method: str, degrees: dict) -> None:
         model.set_attention_backend("_native_cudnn")  # diffusers' ring needs an LSE-returning backend
     model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degrees.get("ulysses", 1) or None,
                                                           ring_degree=degrees.get("ring", 1) or None))
+
+
+def _enable_xdit(model, config: dict, spec: dict, text_len: int):
+    """xDiT (xfuser 0.7) as a peer, driven as in shared/ANCHORS.md: its FLUX wrapper on our weights.
+
+    Returns the wrapper, to be called instead of ``model``: it takes full-length inputs, splits them over
+    the ranks itself and all-gathers the full-length output. It is built on the meta device from the same
+    ``config`` and takes ``model``'s tensors (``assign=True``), so the weights are not held twice. xfuser is
+    imported here only: without it (or on a machine it does not support) the row records the error.
+    """
+    if type(model).__name__ != "FluxTransformer2DModel":
+        raise NotImplementedError(f"xdit rows exist for FLUX only, not {type(model).__name__}")
+    from xfuser import xFuserArgs
+    from xfuser.core.distributed import get_runtime_state, init_distributed_environment, initialize_runtime_state
+    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
+
+    degrees = spec["degrees"]
+    init_distributed_environment()  # takes over the process group that is already up
+    engine_config, _ = xFuserArgs(model="synthetic", ulysses_degree=degrees.get("ulysses", 1),
+                                  ring_degree=degrees.get("ring", 1)).create_config()
+    with torch.device("meta"):
+        wrapper = xFuserFlux1Transformer2DWrapper(**config)
+    wrapper.load_state_dict(model.state_dict(), strict=True, assign=True)
+    wrapper.eval()
+
+    class FluxStub:  # what initialize_runtime_state reads of a pipeline (a "Flux" class name doubles the factor)
+        transformer = wrapper
+        vae_scale_factor = 8
+
+    initialize_runtime_state(FluxStub(), engine_config)
+    get_runtime_state().set_input_parameters(height=spec["height"], width=spec["width"], batch_size=spec.get("batch", 1),
+                                             num_inference_steps=28, max_condition_sequence_length=text_len,
+                                             split_text_embed_in_sp=True)
+    if spec["compile"] and degrees.get("ring", 1) > 1:
+        # xDiT's ring attention checks torch's version on every call; compiled, torch 2.11's Dynamo fails inside
+        # packaging.version ("'UserDefinedExceptionObjectVariable' object has no attribute 'call_setattr'").
+        # Answer that check before tracing; the attention itself is untouched.
+        from xfuser.model_executor.layers import usp
+
+        check, known = usp.version_at_least, {(torch.__version__, "2.6.0"): usp.version_at_least(torch.__version__, "2.6.0")}
+
+        def answered(installed: str, floor: str) -> bool:
+            return known[(installed, floor)] if (installed, floor) in known else check(installed, floor)
+
+        usp.version_at_least = answered
+    return wrapper
 
 
 def _error_text(exc: BaseException) -> str:
@@ -109,6 +154,8 @@ def _worker(spec: dict) -> None:
     try:
         if spec["method"].startswith("diffusers-"):
             _enable_peer(model, spec["method"], spec["degrees"])
+        elif spec["method"].startswith("xdit-"):
+            model = _enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
         else:
             parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device)
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
