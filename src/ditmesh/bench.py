@@ -46,6 +46,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="torch.compile every transformer block (regional); both = eager and compiled rows")
+    b.add_argument("--cuda-graph", action="store_true",
+                   help="ditmesh rows replay each step from a CUDA graph; adds a 1-GPU ditmesh row (CUDA only)")
+    b.add_argument("--ulysses-chunks", type=int, default=None,
+                   help="head groups pipelined per Ulysses attention (default: 2 on CUDA, 1 on CPU)")
+    b.add_argument("--profile", action="store_true",
+                   help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     b.add_argument("--out", default=None, help="JSON results (default bench/results/<model>-<HxW>-<time>.json); "
                                                "a .md table and a .png plot are written next to it")
@@ -150,14 +156,15 @@ def _worker(spec: dict) -> None:
         transformer = model
 
     row = {"method": spec["method"], "gpus": spec["gpus"], "height": spec["height"], "width": spec["width"],
-           "compiled": spec["compile"], "model": spec["model"], "dtype": spec["dtype"]}
+           "compiled": spec["compile"], "graph": spec.get("graph", False), "model": spec["model"], "dtype": spec["dtype"]}
     try:
         if spec["method"].startswith("diffusers-"):
             _enable_peer(model, spec["method"], spec["degrees"])
         elif spec["method"].startswith("xdit-"):
             model = _enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
-        else:
-            parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device)
+        elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
+            parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
+                        ulysses_chunks=spec.get("chunks"))
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
         row["error"] = _error_text(exc)
     if device.type == "cuda":
@@ -185,6 +192,11 @@ def _worker(spec: dict) -> None:
                     torch.cuda.synchronize(device)
                 if i >= spec["warmup"]:
                     times.append(time.perf_counter() - t0)
+    if "error" not in row and spec.get("profile") and device.type == "cuda":
+        from .profiling import profile_step
+
+        with torch.no_grad():
+            row["breakdown"] = profile_step(lambda: model(**inputs), device)
     if "error" not in row:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         peaks = all_gather_object(peak)
@@ -195,6 +207,7 @@ def _worker(spec: dict) -> None:
     if rank == 0:
         with open(Path(spec["tmp"]) / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        print(f"ditmesh bench row: {json.dumps({k: v for k, v in row.items() if k != 'step_ms_all'})}", flush=True)
     if dist.is_initialized():
         from .runtime.generate import end_rank_process
 
@@ -203,7 +216,7 @@ def _worker(spec: dict) -> None:
 
 
 def _key(row: dict) -> str:
-    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}"
+    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}"
 
 
 def run_bench(args) -> int:
@@ -232,31 +245,44 @@ def run_bench(args) -> int:
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
+    if (args.cuda_graph or args.profile) and not on_gpu:
+        raise ConfigError(f"{'--cuda-graph' if args.cuda_graph else '--profile'} needs CUDA GPUs; none are visible here")
+    if args.ulysses_chunks is not None and args.ulysses_chunks < 1:
+        raise ConfigError(f"--ulysses-chunks {args.ulysses_chunks} must be >= 1 (1 = no pipelining)")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
-    plan = [("single", 1, False)] + [("single", 1, True)] * (True in compiled)
-    plan += [(m, g, c) for c in compiled for g in gpus if g > 1 for m in methods]
-    for method, g, comp in plan:
+    peer = lambda m: m.startswith(("diffusers-", "xdit-"))  # noqa: E731
+    plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
+    plan += [("single", 1, c, True) for c in compiled if args.cuda_graph]  # ditmesh on one GPU
+    plan += [(m, g, c, args.cuda_graph and not peer(m)) for c in compiled for g in gpus if g > 1 for m in methods]
+    for method, g, comp, graph in plan:
         degrees = METHODS[method](g)
         spec = dict(model=model, height=height, width=width, frames=args.frames, batch=args.batch, method=method,
-                    gpus=g, degrees=degrees, steps=args.steps, warmup=args.warmup, compile=comp, dtype=dtype, tmp=tmp)
-        label = f"{method} on {g} process(es){' compiled' if comp else ''}"
+                    gpus=g, degrees=degrees, steps=args.steps, warmup=max(args.warmup, 2 if graph else 0), compile=comp,
+                    graph=graph, chunks=args.ulysses_chunks, profile=args.profile, dtype=dtype, tmp=tmp)
+        label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         product = 1
         for d in degrees.values():
             product *= d
         if degrees and product != g:
-            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "error": f"{method} needs another GPU count"})
+            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "graph": graph,
+                          "error": f"{method} needs another GPU count"})
             continue
         print(f"ditmesh bench: {label} ...", flush=True)
         try:
             launch_local(g, ["bench", "--worker", json.dumps(spec)])
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
-            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "error": str(exc).splitlines()[0]})
+            _append(tmp, {"method": method, "gpus": g, "compiled": comp, "graph": graph,
+                          "error": str(exc).splitlines()[0]})
     rows = [json.loads(line) for line in open(Path(tmp) / "rows.jsonl")]
     ref_path = Path(tmp) / "single-1-e.pt"
+    if not ref_path.exists():
+        ref_path = Path(tmp) / "single-1-c.pt"  # the eager row failed or was cut short
     ref = torch.load(ref_path) if ref_path.exists() else None
-    base = {r.get("compiled"): r["step_ms"] for r in rows if r.get("method") == "single" and "step_ms" in r}
+    singles = [r for r in rows if r.get("method") == "single" and "step_ms" in r]
+    base = {r.get("compiled"): r["step_ms"] for r in singles if not r.get("graph")}  # diffusers on one GPU
+    ours = {r.get("compiled"): r["step_ms"] for r in singles if r.get("graph")}  # ditmesh (CUDA graph) on one GPU
     info = versions()
     for r in rows:
         out = Path(tmp) / f"{_key(r)}.pt"
@@ -267,6 +293,8 @@ def run_bench(args) -> int:
             r["speedup_vs_1gpu"] = round(b / r["step_ms"], 3)
             r["efficiency"] = round(b / r["step_ms"] / r["gpus"], 3)
             r["e2e_28_steps_s"] = round(r["step_ms"] * 28 / 1e3, 3)
+        if ours.get(r.get("compiled")) and "step_ms" in r:
+            r["speedup_vs_our_1gpu"] = round(ours[r.get("compiled")] / r["step_ms"], 3)
         r["versions"] = info
         r.setdefault("height", height)
         r.setdefault("width", width)
@@ -300,13 +328,14 @@ def _plot(rows: list[dict], path: Path, title: str) -> str | None:
     series: dict[str, list] = {}
     for r in rows:
         if "step_ms" in r:
-            name = r["method"] + (" (compiled)" if r.get("compiled") else "")
+            name = r["method"] + (" (compiled)" if r.get("compiled") else "") + (" +graph" if r.get("graph") else "")
             series.setdefault(name, []).append((r["gpus"], r["step_ms"], r.get("speedup_vs_1gpu", 0)))
     singles = {k: v for k, v in series.items() if k.startswith("single")}
     for name, points in series.items():
         if name.startswith("single"):
             continue
-        base = singles.get("single" + (" (compiled)" if "compiled" in name else ""), [])
+        mode = (" (compiled)" if "compiled" in name else "") + (" +graph" if name.endswith("+graph") else "")
+        base = singles.get("single" + mode, [])
         points = sorted(base + points)
         ax1.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         ax2.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=name)
@@ -320,14 +349,17 @@ def _plot(rows: list[dict], path: Path, title: str) -> str | None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Rows as a Markdown table."""
-    head = "| method | gpus | compiled | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 | note |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    """Rows as a Markdown table (with the profiler's breakdown where rows have one)."""
+    head = ("| method | gpus | compiled | graph | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 "
+            "| compute / comm exposed / idle ms | note |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = r.get("rel_err_vs_1gpu")
+        b = r.get("breakdown")
+        split = f"{b['compute_ms']} / {b['comm_exposed_ms']} / {b['idle_ms']}" if b else ""
         lines.append(
-            f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('step_ms', '')} | {r.get('speedup_vs_1gpu', '')} "
-            f"| {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} | {'' if err is None else f'{err:.2e}'} "
-            f"| {r.get('error', '')} |"
+            f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
+            f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
+            f"| {'' if err is None else f'{err:.2e}'} | {split} | {r.get('error', '')} |"
         )
     return "\n".join(lines)
