@@ -7,14 +7,10 @@ degree: every rank computes the same split sizes from global sizes, and the all-
 per-peer counts.
 
 Overlap. The transfers are issued without waiting (:func:`ditmesh.comm.all_to_all_start`), so work placed
-between the issue and the wait runs while they travel:
-
-- ``chunks > 1`` pipelines head groups: each rank's heads are cut into ``chunks`` groups; the Q/K/V of
-  group ``c + 1`` travels while group ``c`` attends, and the output of group ``c`` travels back while group
-  ``c + 1`` attends. Only the first Q/K/V transfer and the last output transfer are exposed.
-- ``hide=(first, second)`` lets the caller put its own independent work in those two exposed windows:
-  ``first()`` runs while the first Q/K/V transfer travels and ``second()`` while the last output transfer
-  does (FLUX's single blocks compute their MLP branch there).
+between the issue and the wait runs while they travel. ``chunks > 1`` pipelines head groups: each rank's
+heads are cut into ``chunks`` groups; the Q/K/V of group ``c + 1`` travels while group ``c`` attends, and
+the output of group ``c`` travels back while group ``c + 1`` attends. Only the first Q/K/V transfer and
+the last output transfer are exposed.
 
 Cross-rank rule: all ranks of the Ulysses group call :func:`ulysses_attention` for every attention
 layer, in the same order, with the same ``seq_sizes`` (derived from global lengths at the model entry)
@@ -121,20 +117,17 @@ def ulysses_attention(
     group,
     local_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     chunks: int = 1,
-    hide: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> torch.Tensor:
     """Attention over the full sequence from sequence shards ``[B, S_rank, H, D]``; returns ``[B, S_rank, H, D]``.
 
     ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout. ``chunks``
-    head groups are pipelined against the transfers, and ``hide`` runs caller work in the two exposed
-    transfers (module docstring). Collectives: 2 all-to-alls per non-empty head group.
+    head groups are pipelined against the transfers (module docstring). Collectives: 2 all-to-alls per
+    non-empty head group.
     """
     world = len(seq_sizes)
     qkv = torch.stack([query, key, value])
     groups = head_groups(query.shape[-2], world, max(1, chunks))
     pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group)
-    if hide is not None:
-        hide[0]()
     returning = []
     for c, (_, sizes) in enumerate(groups):
         following = seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group) if c + 1 < len(groups) else None
@@ -142,7 +135,5 @@ def ulysses_attention(
         out = local_attention(q, k, v) if sizes[rank] else q
         returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group))
         pending = following
-    if hide is not None:
-        hide[1]()
     parts = [finish() for finish in returning]  # parts[c][j]: rank j's heads of group c
     return torch.cat([parts[c][j] for j in range(world) for c in range(len(groups))], dim=-2)

@@ -29,8 +29,7 @@ class FluxSequenceParallelProcessor:
         self.sp = sp
         self._attention_backend = getattr(previous, "_attention_backend", None)
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
-                 hide=None):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if attention_mask is not None:
             raise NotImplementedError("ditmesh sequence parallelism does not support an attention_mask for FLUX")
         q, k, v, eq, ek, ev = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
@@ -45,7 +44,7 @@ class FluxSequenceParallelProcessor:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
 
-        out = self.sp.attention(q, k, v, backend=self._attention_backend, hide=hide)
+        out = self.sp.attention(q, k, v, backend=self._attention_backend)
         out = out.flatten(2, 3).to(q.dtype)
 
         if not joint:
@@ -55,50 +54,6 @@ class FluxSequenceParallelProcessor:
         image_out = attn.to_out[1](attn.to_out[0](image_out.contiguous()))
         text_out = attn.to_add_out(text_out.contiguous())
         return image_out, text_out
-
-
-def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
-                          joint_attention_kwargs=None):
-    """``FluxSingleTransformerBlock.forward`` with its MLP branch computed while Q/K/V travel.
-
-    The same operations as diffusers' block, in the same arithmetic; only the MLP branch (independent of the
-    attention) moves into the window of the Ulysses all-to-all (``hide``), where it used to run before it.
-    """
-    text_len = encoder_hidden_states.shape[1]
-    residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    norm_hidden_states, gate = self.norm(residual, emb=temb)
-    mlp = []
-
-    def mlp_branch():
-        mlp.append(self.act_mlp(self.proj_mlp(norm_hidden_states)))
-
-    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
-                            hide=(mlp_branch, lambda: None), **(joint_attention_kwargs or {}))
-    out = gate.unsqueeze(1) * self.proj_out(torch.cat([attn_output, mlp[0]], dim=2))
-    out = residual + out
-    if out.dtype == torch.float16:
-        out = out.clip(-65504, 65504)
-    return out[:, :text_len], out[:, text_len:]
-
-
-class _Restore:
-    """A removable handle that puts back a block's class ``forward``."""
-
-    def __init__(self, block):
-        self.block = block
-
-    def remove(self):
-        self.block.__dict__.pop("forward", None)
-
-
-def flux_sequence_hooks(model, sp) -> list:
-    """Overlap the single blocks' MLP branch with the Ulysses all-to-all (the entry split is the plan's)."""
-    handles = []
-    for block in getattr(model, "single_transformer_blocks", ()):
-        if type(block).__name__ == "FluxSingleTransformerBlock" and hasattr(block, "proj_mlp"):
-            block.forward = _single_block_forward.__get__(block)
-            handles.append(_Restore(block))
-    return handles
 
 
 def flux_example_inputs(model, height, width, batch, text_len, generator, device, dtype) -> dict:
@@ -163,7 +118,6 @@ FLUX = register(
         ),
         attention_class_names=("FluxAttention",),
         sequence_processor=FluxSequenceParallelProcessor,
-        sequence_hooks=flux_sequence_hooks,
         example_inputs=flux_example_inputs,
         tensor_plan=FLUX_TENSOR_PLAN,
         batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),

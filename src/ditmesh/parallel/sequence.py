@@ -53,16 +53,12 @@ class SequenceParallel:
         #: local attention sequence length of each sp rank (sum over streams)
         self.seq_sizes: list[int] = []
 
-    def attention(self, query, key, value, backend=None, streams=None, hide=None):
+    def attention(self, query, key, value, backend=None, streams=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
         Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
         USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
         flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
-
-        ``hide=(first, second)``: caller work independent of this attention. Under Ulysses ``first()`` runs
-        while Q/K/V travel and ``second()`` while the output travels back; otherwise they run before and
-        after the attention.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -73,17 +69,11 @@ class SequenceParallel:
                 return dispatch_attention_fn(q, k, v, backend=backend)
 
             return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
-                                     chunks=self.ulysses_chunks, hide=hide)
-        if hide is not None:
-            hide[0]()
+                                     chunks=self.ulysses_chunks)
         if self.ulysses_degree == 1:
-            out = ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
-        else:
-            out = usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                                self.ring_group, self.ulysses_group)
-        if hide is not None:
-            hide[1]()
-        return out
+            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
+        return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
+                             self.ring_group, self.ulysses_group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def split_inputs(self, kwargs: dict) -> dict:
@@ -114,6 +104,15 @@ class SequenceParallel:
         sizes = self.stream_sizes[self.plan.output_stream]
         full = all_gather_uneven(output_sample(output), self.plan.output_dim, sizes, self.group)
         return with_output_sample(output, full)
+
+    def full_placeholder(self, output):
+        """A skipped call's output at full length, uninitialized (its sp group skips together: no gather)."""
+        if self.plan.output_stream is None:
+            return output  # the model gathers inside; a skipped call never ran it and returned full length
+        sample = output_sample(output)
+        shape = list(sample.shape)
+        shape[self.plan.output_dim] = sum(self.stream_sizes[self.plan.output_stream])
+        return with_output_sample(output, sample.new_empty(shape))
 
     # -- split points inside the model (``ModelAdapter.sequence_hooks``) ---------------------------
     def local_lengths(self, streams) -> list[int]:
@@ -166,6 +165,9 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chu
         return (), sp.split_inputs(bind_kwargs(forward, args, kwargs))
 
     def post_hook(module, args, kwargs, output):
+        batch = getattr(module, "_ditmesh_batch", None)
+        if batch is not None and batch.skip:  # a CFG/data-parallel call this rank skips: nothing to gather
+            return sp.full_placeholder(output)
         return sp.gather_output(output)
 
     handles = [
