@@ -33,18 +33,60 @@ def _numel(shape) -> int:
     return n
 
 
-def seq_to_heads_start(x: torch.Tensor, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
-                       rank: int, group) -> Callable[[], torch.Tensor]:
-    """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of ``x`` to rank ``j``.
+def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tensor:
+    """One send buffer holding, for each rank ``j`` in order, ``stack(xs)[..., head_starts[j] + h_j, :]``.
 
-    ``x``: ``[..., S_rank, H, D]`` sequence shard (leading dims, e.g. stacked Q/K/V and batch, travel
-    unchanged). Returns ``finish()``, which waits and gives ``[..., S_total, head_sizes[rank], D]``.
+    Every element is written once (no stacked intermediate). When the heads are spread regularly (each
+    rank takes the same count at the same offset within its equal share) one strided copy per tensor
+    fills the whole buffer; otherwise one copy per tensor and rank.
+    """
+    world, x0 = len(head_sizes), xs[0]
+    heads = x0.shape[-2]
+    share = heads // world
+    regular = (heads % world == 0 and len(set(head_sizes)) == 1
+               and all(head_starts[j] == head_starts[0] + j * share for j in range(world))
+               and head_starts[0] + head_sizes[0] <= share)
+    if regular:
+        size = head_sizes[0]
+        buf = x0.new_empty(world, len(xs), *x0.shape[:-2], size, x0.shape[-1])
+        for i, x in enumerate(xs):
+            per_rank = x.unflatten(-2, (world, share)).narrow(-2, head_starts[0], size)  # [..., S, world, h, D]
+            buf[:, i].copy_(per_rank.movedim(-3, 0))
+        return buf.reshape(-1)
+    numel = [len(xs) * x0[..., :1, :].numel() * h for h in head_sizes]
+    buf = x0.new_empty(sum(numel))
+    for j, part in enumerate(buf.split(numel)):
+        view = part.view(len(xs), *x0.shape[:-2], head_sizes[j], x0.shape[-1])
+        for i, x in enumerate(xs):
+            view[i].copy_(x.narrow(-2, head_starts[j], head_sizes[j]))
+    return buf
+
+
+def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
+    """One send buffer holding ``x[..., chunk j of the sequence, :, :]`` for each rank ``j`` in order."""
+    if x[..., :1, :1, :1].numel() == 1:  # no leading dims beyond size 1: the chunks already lie in order
+        return x.reshape(-1)
+    numel = [x[..., :1, :, :].numel() * n for n in seq_sizes]
+    buf = x.new_empty(sum(numel))
+    start = 0
+    for part, n in zip(buf.split(numel), seq_sizes):
+        part.view(*x.shape[:-3], n, *x.shape[-2:]).copy_(x.narrow(-3, start, n))
+        start += n
+    return buf
+
+
+def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
+                       rank: int, group) -> Callable[[], torch.Tensor]:
+    """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of each of ``xs`` to rank ``j``.
+
+    ``xs``: tensors (e.g. Q, K, V) of one shape ``[..., S_rank, H, D]``, sequence shards; they travel in one
+    buffer. Returns ``finish()``, which waits and gives ``[len(xs), ..., S_total, head_sizes[rank], D]``.
     """
     world = len(seq_sizes)
-    lead = x.shape[:-3]
+    lead = (len(xs), *xs[0].shape[:-3])
     lead_numel = _numel(lead)
-    local_seq, dim = x.shape[-3], x.shape[-1]
-    send = torch.cat([x.narrow(-2, head_starts[j], head_sizes[j]).reshape(-1) for j in range(world)])
+    local_seq, dim = xs[0].shape[-3], xs[0].shape[-1]
+    send = _pack_heads(xs, head_starts, head_sizes)
     in_splits = [lead_numel * local_seq * head_sizes[j] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
     recv = all_to_all_start(send, out_splits, in_splits, group)
@@ -67,7 +109,7 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     lead = x.shape[:-3]
     lead_numel = _numel(lead)
     dim = x.shape[-1]
-    send = torch.cat([c.reshape(-1) for c in x.split(seq_sizes, dim=-3)])
+    send = _pack_seq(x, seq_sizes)
     in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[rank] * head_sizes[j] * dim for j in range(world)]
     recv = all_to_all_start(send, out_splits, in_splits, group)
@@ -79,10 +121,10 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     return finish
 
 
-def seq_to_heads(x: torch.Tensor, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
-    """``[..., S_rank, H, D]`` sequence shard -> ``[..., S_total, h_rank, D]`` head shard (blocking)."""
-    head_sizes = split_sizes(x.shape[-2], len(seq_sizes))
-    return seq_to_heads_start(x, seq_sizes, offsets(head_sizes), head_sizes, rank, group)()
+def seq_to_heads(xs, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
+    """Sequence shards ``xs`` (each ``[..., S_rank, H, D]``) -> ``[len(xs), ..., S_total, h_rank, D]`` (blocking)."""
+    head_sizes = split_sizes(xs[0].shape[-2], len(seq_sizes))
+    return seq_to_heads_start(xs, seq_sizes, offsets(head_sizes), head_sizes, rank, group)()
 
 
 def heads_to_seq(x: torch.Tensor, seq_sizes: list[int], num_heads: int, rank: int, group) -> torch.Tensor:
@@ -125,7 +167,7 @@ def ulysses_attention(
     non-empty head group.
     """
     world = len(seq_sizes)
-    qkv = torch.stack([query, key, value])
+    qkv = (query, key, value)
     groups = head_groups(query.shape[-2], world, max(1, chunks))
     pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group)
     returning = []

@@ -51,6 +51,6 @@ def usp_attention(
     """
     group_sizes = seq_sizes[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
     num_heads = query.shape[-2]
-    qkv = seq_to_heads(torch.stack([query, key, value]), group_sizes, ulysses_rank, ulysses_group)
+    qkv = seq_to_heads((query, key, value), group_sizes, ulysses_rank, ulysses_group)
     out = ring_attention(qkv[0], qkv[1], qkv[2], ring_chunk_sizes(seq_sizes, ulysses_degree), ring_rank, ring_group, scale)
     return heads_to_seq(out, group_sizes, num_heads, ulysses_rank, ulysses_group)
