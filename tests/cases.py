@@ -109,7 +109,7 @@ def flux_graphed_generate(model: str, config: dict, steps: int = 3):
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     parallelize(pipe, ParallelConfig(**config))
-    graph.apply(pipe.transformer, capture=rerun_capture)
+    graph.apply(pipe.transformer, capture=rerun_capture, devices=("cpu",))
     latents = pipe("a red circle", height=48, width=48, num_inference_steps=steps, guidance_scale=3.5,
                    generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="latent").images
     graphed = pipe.transformer._compiled_call_impl

@@ -36,7 +36,7 @@ def test_graphed_call_keys_on_shapes_and_values_and_copies_inputs():
         calls.append(tuple(x.shape))
         return (x * scale + 1,)
 
-    g = GraphedCall(f, capture=rerun_capture)
+    g = GraphedCall(f, capture=rerun_capture, devices=("cpu",))
     with torch.no_grad():
         for i in range(4):
             x = torch.full((2, 3), float(i))
@@ -55,7 +55,7 @@ def test_graphed_call_falls_back_when_capture_fails(caplog):
     def bad_capture(fn):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    g = GraphedCall(lambda x: x * 2, capture=bad_capture)
+    g = GraphedCall(lambda x: x * 2, capture=bad_capture, devices=("cpu",))
     with torch.no_grad():
         outs = [g(torch.full((2,), float(i))) for i in range(3)]
     assert [o.tolist() for o in outs] == [[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]
@@ -64,8 +64,32 @@ def test_graphed_call_falls_back_when_capture_fails(caplog):
 
 
 def test_graphed_call_runs_plainly_with_autograd():
-    g = GraphedCall(lambda x: x * 2, capture=rerun_capture)
+    g = GraphedCall(lambda x: x * 2, capture=rerun_capture, devices=("cpu",))
     x = torch.ones(2, requires_grad=True)
     for _ in range(3):
         g(x).sum().backward()
     assert g.entries == {}
+
+
+def test_graphed_call_runs_plainly_where_a_signature_is_unsafe():
+    calls = []
+
+    def f(x, y=None, extra=None):
+        calls.append(1)
+        return x + (y if y is not None else 0)
+
+    g = GraphedCall(f, capture=rerun_capture)  # default devices: CUDA only
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.ones(2))  # CPU tensors: no graph
+        assert g.entries == {}
+        cpu = GraphedCall(f, capture=rerun_capture, devices=("cpu",))
+        t = torch.ones(2)
+        for _ in range(3):
+            cpu(t, y=t)  # aliased inputs
+            cpu(torch.ones(2), extra=object())  # a non-plain value
+        assert cpu.entries == {}
+        for _ in range(3):
+            cpu(torch.ones(2), extra=(1, "a"), y=torch.ones(2))
+            cpu(torch.ones(2), y=torch.ones(2), extra=(1, "a"))  # keyword order does not matter
+        assert len(cpu.entries) == 1

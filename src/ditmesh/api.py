@@ -110,7 +110,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
             step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
         ulysses_chunks: head groups each Ulysses attention pipelines against its all-to-alls (1 = none;
-            default 2 on CUDA, 1 on CPU).
+            default 2 on CUDA, 1 on CPU). Ulysses alone: USP's Ulysses part runs one group.
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
@@ -121,6 +121,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         device = next(transformer.parameters()).device
     if cuda_graph:
         check_cuda_graph(config, torch.device(device), check_consistency)
+    if ulysses_chunks is not None and ulysses_chunks < 1:
+        raise ConfigError(f"ulysses_chunks={ulysses_chunks} must be >= 1 (1 = no pipelining)")
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)

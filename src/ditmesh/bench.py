@@ -195,8 +195,13 @@ def _worker(spec: dict) -> None:
     if "error" not in row and spec.get("profile") and device.type == "cuda":
         from .profiling import profile_step
 
-        with torch.no_grad():
-            row["breakdown"] = profile_step(lambda: model(**inputs), device)
+        if dist.is_initialized():
+            dist.barrier()  # start together, so that start-up skew does not read as communication
+        try:
+            with torch.no_grad():
+                row["breakdown"] = profile_step(lambda: model(**inputs), device)
+        except Exception as exc:  # noqa: BLE001  (the row keeps its timing; every rank goes on)
+            row["breakdown_error"] = _error_text(exc)
     if "error" not in row:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         peaks = all_gather_object(peak)

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     g.add_argument("--cuda-graph", action="store_true",
-                   help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1)")
+                   help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1 "
+                        "or --check-consistency)")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -7,8 +7,9 @@ intervals of this rank's GPU from the exported trace, and :func:`breakdown` redu
 - ``compute_ms``: time at least one non-communication kernel runs (union of intervals);
 - ``comm_ms``: time at least one communication kernel (NCCL) runs; ``comm_exposed_ms`` is the part of it
   with no compute kernel running beside it (what overlap could still win), ``comm_hidden_ms`` the rest;
-- ``idle_ms``: time no kernel runs at all (host launch gaps, waits on the host);
-- ``kernels_ms``: summed kernel durations by kind (``gemm``, ``attention``, ``comm``, ``other``).
+- ``idle_ms``: time no kernel, copy or memset runs at all (host launch gaps, waits on the host);
+- ``kernels_ms``: summed durations by kind (``gemm``, ``attention``, ``comm``, ``copy`` for memcpy and
+  memset, ``other``); copies count as compute.
 
 A communication kernel's time includes waiting for the slowest peer to reach the collective, so load
 imbalance between ranks shows up as communication.
@@ -26,8 +27,10 @@ ATTENTION_MARKERS = ("flash", "fmha", "attention", "attn", "cudnn_sdpa", "sdpa")
 
 
 def kind_of(name: str) -> str:
-    """``comm``, ``attention``, ``gemm`` or ``other``, from a kernel's name."""
+    """``comm``, ``copy``, ``attention``, ``gemm`` or ``other``, from a kernel's (or copy's) name."""
     low = name.lower()
+    if low.startswith(("memcpy", "memset")):
+        return "copy"
     if any(m in low for m in COMM_MARKERS):
         return "comm"
     if any(m in low for m in ATTENTION_MARKERS):
@@ -70,7 +73,7 @@ def breakdown(kernels: list[tuple[str, float, float]]) -> dict:
     """Reduce ``(name, start_us, duration_us)`` kernel records of one GPU to the step's time budget (ms)."""
     if not kernels:
         raise ValueError("no GPU kernels were recorded")
-    by_kind: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "other": 0.0}
+    by_kind: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "copy": 0.0, "other": 0.0}
     comm, compute = [], []
     for name, start, dur in kernels:
         kind = kind_of(name)
@@ -94,12 +97,12 @@ def breakdown(kernels: list[tuple[str, float, float]]) -> dict:
 
 
 def kernels_from_trace(path: str, device_index: int | None = None) -> list[tuple[str, float, float]]:
-    """``(name, start_us, duration_us)`` of every GPU kernel in a Chrome trace exported by ``torch.profiler``."""
+    """``(name, start_us, duration_us)`` of every GPU kernel, copy and memset in a ``torch.profiler`` Chrome trace."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     out = []
     for e in events:
-        if e.get("cat") != "kernel" or "dur" not in e:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
             continue
         dev = (e.get("args") or {}).get("device")
         if device_index is not None and dev is not None and dev != device_index:

@@ -19,6 +19,7 @@ and the same ``chunks``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,7 @@ def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tens
     fills the whole buffer; otherwise one copy per tensor and rank.
     """
     world, x0 = len(head_sizes), xs[0]
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])  # as torch.stack would
     heads = x0.shape[-2]
     share = heads // world
     regular = (heads % world == 0 and len(set(head_sizes)) == 1
@@ -48,13 +50,13 @@ def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tens
                and head_starts[0] + head_sizes[0] <= share)
     if regular:
         size = head_sizes[0]
-        buf = x0.new_empty(world, len(xs), *x0.shape[:-2], size, x0.shape[-1])
+        buf = x0.new_empty(world, len(xs), *x0.shape[:-2], size, x0.shape[-1], dtype=dtype)
         for i, x in enumerate(xs):
             per_rank = x.unflatten(-2, (world, share)).narrow(-2, head_starts[0], size)  # [..., S, world, h, D]
             buf[:, i].copy_(per_rank.movedim(-3, 0))
         return buf.reshape(-1)
     numel = [len(xs) * x0[..., :1, :].numel() * h for h in head_sizes]
-    buf = x0.new_empty(sum(numel))
+    buf = x0.new_empty(sum(numel), dtype=dtype)
     for j, part in enumerate(buf.split(numel)):
         view = part.view(len(xs), *x0.shape[:-2], head_sizes[j], x0.shape[-1])
         for i, x in enumerate(xs):

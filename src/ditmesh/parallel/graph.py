@@ -1,26 +1,33 @@
 """CUDA graphs of the whole transformer call: the GPU runs a denoising step without waiting on the host.
 
-Why: at 1024^2 on 4 GPUs a FLUX step is ~1700 kernels of ~20 us each. Launching them from Python takes
-longer than running them, and every rank launches at its own pace, so each all-to-all waits for the
-slowest rank's host (measured on 4x H200: compiled ulysses4 at 87.5 ms per step, of which NCCL kernels
-were "busy" 148 ms summed, mostly waiting; the same step replayed from a graph: 46.1 ms). A graph is
-launched once per step, so the ranks meet at the collectives at GPU speed.
+Why: at 1024^2 on 4 GPUs a FLUX step is ~1,700 to 2,200 kernels of ~20 us each. Launching them from
+Python takes longer than running them, and every rank launches at its own pace, so each all-to-all waits
+for the slowest rank's host (measured on 4x H200, compiled ulysses4 with 2 head groups: 88.9 ms per step
+without a graph, 45.9 to 46.1 ms with one; see docs/benchmarks.md). A graph is launched once per step, so
+the ranks meet at the collectives at GPU speed.
 
 How: the transformer's ``__call__`` (including ditmesh's split/gather hooks and the compiled blocks) is
-replaced by :class:`GraphedCall`. Each distinct call signature (tensor shapes, dtypes and devices, and the
-values of every non-tensor argument) gets its own graph: the first call runs normally (it compiles,
+replaced by :class:`GraphedCall`. Each distinct call signature (argument names, tensor shapes, dtypes and
+devices, and the values of the non-tensor arguments) gets its own graph: the first call runs normally (it compiles,
 autotunes and opens the NCCL communicators); the second runs once on a side stream and is then
 captured; later calls copy their tensors into the captured input buffers, replay, and return a copy of
 the output. A call that cannot be captured (a host synchronisation inside the model, for example) logs
 one warning and runs normally from then on.
 
-Limits: the call must not depend on Python state that changes between steps. ditmesh's data- and
+Calls run normally (no graph) when autograd is on, when a tensor argument is not on a CUDA device, when
+two tensor arguments share memory, or when a non-tensor argument is not a plain value (None, bool, int,
+float, str, dtype, device, or tuples of these), since such a signature cannot be told apart safely.
+
+Limits: the call must not depend on Python state that changes between steps and is not an argument
+(autocast or attention-backend contexts, stateful hooks such as step caches). ditmesh's data- and
 CFG-parallel hooks choose per call what to run, so graphs are refused with ``dp`` or ``cfg`` > 1 (and with
-the consistency check, which reads values on the host). Calls with autograd enabled run normally.
+the consistency check, which reads values on the host). Graphs are kept for the life of the wrapper, one
+memory pool each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -30,10 +37,31 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("ditmesh")
 
 
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
 def _leaf_key(leaf):
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, str(leaf.device))
-    return ("value", type(leaf).__name__, repr(leaf))
+    return ("value", type(leaf), leaf)
+
+
+def signature(leaves, devices: tuple[str, ...] = ("cuda",)) -> tuple | None:
+    """The graph key of a call's flattened arguments, or None when the call must run without a graph."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if any(t.device.type not in devices for t in tensors) or not all(
+            _plain(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)):
+        return None
+    storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
+    if len(set(storages)) != len(storages):  # aliased inputs: separate static buffers would break the aliasing
+        return None
+    return tuple(_leaf_key(leaf) for leaf in leaves)
 
 
 def cuda_capture(fn: Callable[[], object]):
@@ -69,11 +97,14 @@ class GraphedCall:
     """``call(*args, **kwargs)`` replayed from one CUDA graph per call signature (module docstring).
 
     ``capture(fn) -> (replay, output)`` is :func:`cuda_capture` on GPUs; tests pass a function that
-    re-runs ``fn`` on replay, which checks the input buffers and signatures without a GPU.
+    re-runs ``fn`` on replay, with ``devices=("cpu",)``, which checks the input buffers and signatures
+    without a GPU.
     """
 
-    def __init__(self, call: Callable, capture: Callable = cuda_capture, warmup: int = 1):
+    def __init__(self, call: Callable, capture: Callable = cuda_capture, warmup: int = 1,
+                 devices: tuple[str, ...] = ("cuda",)):
         self.call = call
+        self.devices = devices
         self.capture = capture
         self.warmup = warmup
         self.entries: dict = {}
@@ -81,9 +112,11 @@ class GraphedCall:
     def __call__(self, *args, **kwargs):
         if torch.is_grad_enabled():
             return self.call(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = (repr(spec), tuple(_leaf_key(leaf) for leaf in leaves))
-        entry = self.entries.setdefault(key, _Entry())
+        leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+        key = signature(leaves, self.devices)
+        if key is None:
+            return self.call(*args, **kwargs)
+        entry = self.entries.setdefault((repr(spec), key), _Entry())
         if entry.failed:
             return self.call(*args, **kwargs)
         if entry.replay is None:
@@ -98,6 +131,12 @@ class GraphedCall:
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
 
     def _capture(self, entry: _Entry, leaves, spec, args, kwargs):
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        on = torch.cuda.device(tensors[0].device) if tensors and tensors[0].is_cuda else contextlib.nullcontext()
+        with on:  # capture on the inputs' GPU, whatever the current device is
+            return self._capture_here(entry, leaves, spec, args, kwargs)
+
+    def _capture_here(self, entry: _Entry, leaves, spec, args, kwargs):
         result = _side_stream_run(lambda: self.call(*args, **kwargs))
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(static, spec)
@@ -112,11 +151,11 @@ class GraphedCall:
         return result
 
 
-def apply(model: torch.nn.Module, capture: Callable = cuda_capture) -> list:
+def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)) -> list:
     """Replace ``model``'s call with a :class:`GraphedCall`; returns the undo callable."""
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise ValueError("the transformer is already wrapped (whole-model torch.compile or a CUDA graph)")
-    model._compiled_call_impl = GraphedCall(model._call_impl, capture)
+    model._compiled_call_impl = GraphedCall(model._call_impl, capture, devices=devices)
 
     def undo():
         model._compiled_call_impl = None
