@@ -9,6 +9,7 @@ steps after ``--warmup`` steps, peak memory per GPU, and the relative error of t
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -32,6 +33,9 @@ METHODS = {
 }
 METHODS.update({f"{peer}-{m}": METHODS[m] for peer in ("diffusers", "xdit") for m in ("ulysses", "ring", "usp")})
 
+#: what a GPU run measures when ``--methods`` is not given: ours and both peers, side by side
+GPU_METHODS = "ulysses,diffusers-ulysses,xdit-ulysses"
+
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark parallel configurations (per-step latency, memory, accuracy)")
@@ -41,13 +45,17 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--frames", type=int, default=None, help="video frames (video models)")
     b.add_argument("--batch", type=int, default=1, help="batch of the transformer call (2 = a batched CFG step)")
     b.add_argument("--gpus", default=None, help="process counts, e.g. 1,2,4 (default: 1,2 on CPU, 1,2,4 up to the GPU count)")
-    b.add_argument("--methods", default="ulysses", help=f"comma list of: {', '.join(m for m in METHODS if m != 'single')}")
+    b.add_argument("--methods", default=None,
+                   help=f"comma list of: {', '.join(m for m in METHODS if m != 'single')} (default: {GPU_METHODS} on "
+                        "GPUs, ulysses on CPU)")
     b.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
     b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--compile", choices=["off", "on", "both"], default="off",
-                   help="torch.compile every transformer block (regional); both = eager and compiled rows")
-    b.add_argument("--cuda-graph", action="store_true",
-                   help="ditmesh rows replay each step from a CUDA graph; adds a 1-GPU ditmesh row (CUDA only)")
+    b.add_argument("--compile", choices=["off", "on", "both"], default=None,
+                   help="torch.compile every transformer block (regional); both = eager and compiled rows "
+                        "(default: on on GPUs, off on CPU)")
+    b.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="ditmesh rows replay each step from a CUDA graph; adds a 1-GPU ditmesh row "
+                        "(CUDA only; default: on on GPUs)")
     b.add_argument("--ulysses-chunks", type=int, default=None,
                    help="head groups pipelined per Ulysses attention (default: 2 on CUDA, 1 on CPU)")
     b.add_argument("--profile", action="store_true",
@@ -55,14 +63,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     b.add_argument("--out", default=None, help="JSON results (default bench/results/<model>-<HxW>-<time>.json); "
                                                "a .md table and a .png plot are written next to it")
-    b.add_argument("--worker", default=None, help=argparse_suppress())
+    b.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     b.set_defaults(func=run_bench)
-
-
-def argparse_suppress():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def _enable_peer(model, method: str, degrees: dict) -> None:
@@ -246,6 +248,9 @@ def run_bench(args) -> int:
         raise ConfigError(f"--gpus {args.gpus}: give process counts like 1,2,4") from None
     if max(gpus) > available:
         raise ConfigError(f"--gpus {args.gpus}: only {available} {'GPUs' if on_gpu else 'CPU processes'} here")
+    args.methods = args.methods or (GPU_METHODS if on_gpu else "ulysses")
+    args.compile = args.compile or ("on" if on_gpu else "off")
+    args.cuda_graph = on_gpu if args.cuda_graph is None else args.cuda_graph
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
