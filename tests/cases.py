@@ -50,9 +50,8 @@ def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, wi
     torch.manual_seed(0)
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile)
-    if hasattr(pipe.transformer, "_ditmesh_sp"):
-        pipe.transformer._ditmesh_sp.ulysses_chunks = chunks
+    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile,
+                ulysses_chunks=chunks)
     final = {}
 
     def grab(p, i, t, kw):

@@ -93,6 +93,12 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
                           "use one or the other")
 
 
+def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> None:
+    """Raise :class:`ConfigError` unless ``chunks`` is None (the default) or at least 1."""
+    if chunks is not None and chunks < 1:
+        raise ConfigError(f"{flag}{chunks} must be >= 1 (1 = no pipelining)")
+
+
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
@@ -121,8 +127,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         device = next(transformer.parameters()).device
     if cuda_graph:
         check_cuda_graph(config, torch.device(device), check_consistency)
-    if ulysses_chunks is not None and ulysses_chunks < 1:
-        raise ConfigError(f"ulysses_chunks={ulysses_chunks} must be >= 1 (1 = no pipelining)")
+    check_ulysses_chunks(ulysses_chunks)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)

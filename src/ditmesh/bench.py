@@ -31,7 +31,9 @@ METHODS = {
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
 }
-METHODS.update({f"{peer}-{m}": METHODS[m] for peer in ("diffusers", "xdit") for m in ("ulysses", "ring", "usp")})
+#: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
+PEERS = ("diffusers", "xdit")
+METHODS.update({f"{peer}-{m}": METHODS[m] for peer in PEERS for m in ("ulysses", "ring", "usp")})
 
 #: what a GPU run measures when ``--methods`` is not given: ours and both peers, side by side
 GPU_METHODS = "ulysses,diffusers-ulysses,xdit-ulysses"
@@ -231,6 +233,7 @@ def run_bench(args) -> int:
     if args.worker:
         _worker(json.loads(args.worker))
         return 0
+    from .api import check_ulysses_chunks
     from .config import ConfigError
     from .runtime.launch import launch_local
     from .runtime.report import versions, write_json
@@ -257,12 +260,11 @@ def run_bench(args) -> int:
             raise ConfigError(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
     if (args.cuda_graph or args.profile) and not on_gpu:
         raise ConfigError(f"{'--cuda-graph' if args.cuda_graph else '--profile'} needs CUDA GPUs; none are visible here")
-    if args.ulysses_chunks is not None and args.ulysses_chunks < 1:
-        raise ConfigError(f"--ulysses-chunks {args.ulysses_chunks} must be >= 1 (1 = no pipelining)")
+    check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
-    peer = lambda m: m.startswith(("diffusers-", "xdit-"))  # noqa: E731
+    peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
     plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
     plan += [("single", 1, c, True) for c in compiled if args.cuda_graph]  # ditmesh on one GPU
     plan += [(m, g, c, args.cuda_graph and not peer(m)) for c in compiled for g in gpus if g > 1 for m in methods]

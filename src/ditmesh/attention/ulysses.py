@@ -20,18 +20,12 @@ and the same ``chunks``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
 
 from ..comm import all_to_all_start, offsets, split_sizes, wait
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tensor:
@@ -55,7 +49,7 @@ def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tens
             per_rank = x.unflatten(-2, (world, share)).narrow(-2, head_starts[0], size)  # [..., S, world, h, D]
             buf[:, i].copy_(per_rank.movedim(-3, 0))
         return buf.reshape(-1)
-    numel = [len(xs) * x0[..., :1, :].numel() * h for h in head_sizes]
+    numel = [len(xs) * math.prod(x0.shape[:-2]) * h * x0.shape[-1] for h in head_sizes]
     buf = x0.new_empty(sum(numel), dtype=dtype)
     for j, part in enumerate(buf.split(numel)):
         view = part.view(len(xs), *x0.shape[:-2], head_sizes[j], x0.shape[-1])
@@ -66,9 +60,9 @@ def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tens
 
 def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
     """One send buffer holding ``x[..., chunk j of the sequence, :, :]`` for each rank ``j`` in order."""
-    if x[..., :1, :1, :1].numel() == 1:  # no leading dims beyond size 1: the chunks already lie in order
+    if math.prod(x.shape[:-3]) == 1:  # no leading dims beyond size 1: the chunks already lie in order
         return x.reshape(-1)
-    numel = [x[..., :1, :, :].numel() * n for n in seq_sizes]
+    numel = [math.prod(x.shape[:-3]) * n * math.prod(x.shape[-2:]) for n in seq_sizes]
     buf = x.new_empty(sum(numel))
     start = 0
     for part, n in zip(buf.split(numel), seq_sizes):
@@ -86,7 +80,7 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
     """
     world = len(seq_sizes)
     lead = (len(xs), *xs[0].shape[:-3])
-    lead_numel = _numel(lead)
+    lead_numel = math.prod(lead)
     local_seq, dim = xs[0].shape[-3], xs[0].shape[-1]
     send = _pack_heads(xs, head_starts, head_sizes)
     in_splits = [lead_numel * local_seq * head_sizes[j] * dim for j in range(world)]
@@ -109,7 +103,7 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     """
     world = len(seq_sizes)
     lead = x.shape[:-3]
-    lead_numel = _numel(lead)
+    lead_numel = math.prod(lead)
     dim = x.shape[-1]
     send = _pack_seq(x, seq_sizes)
     in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]

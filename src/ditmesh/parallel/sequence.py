@@ -156,8 +156,6 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chu
     """
     if mesh.config.sp == 1:
         return []
-    if chunks is not None and chunks < 1:
-        raise ValueError(f"ulysses_chunks={chunks} must be >= 1 (1 = no pipelining)")
     sp = SequenceParallel(mesh, adapter, chunks)
     forward = model.forward
 

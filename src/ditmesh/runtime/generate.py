@@ -59,9 +59,9 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         check_guidance_on(read_pipeline_class(model), args)
     if getattr(args, "cuda_graph", False):
         from ..api import check_cuda_graph
+        from ..mesh import default_device
 
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        check_cuda_graph(config, device, args.check_consistency)
+        check_cuda_graph(config, default_device(), args.check_consistency)
     return config, model
 
 
