@@ -2,11 +2,7 @@
 # GPU benchmark calls (one `run` each). PART=1: FLUX.1-dev 1024^2, every method eager + the key ones compiled.
 # PART=2: 2048^2, tensor-parallel memory via generate (sharded loading), SD3.5-Large batched CFG.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+source scripts/gpu_env.sh
 B="python3 -m ditmesh bench --steps 5 --warmup 2"
 run() { echo "== $*"; timeout "$1" "${@:2}" 2>&1 | grep -E "^\||wrote|Error|error" ; }
 if [ "${PART:-1}" = 1 ]; then

@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # generate on 1 and 2 GPUs (flux-dev synthetic, 1024x1024, bf16, 28 steps) and compare final latents.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src
+source scripts/gpu_env.sh
 M=/tmp/flux-dev
 [ -f $M/model_index.json ] || python3 -m ditmesh synth --arch flux-dev --out $M 2>&1 | tail -1
 for n in 1 2; do

@@ -2,14 +2,7 @@
 # One GPU call: synthesize flux-dev, run `generate` on 1/2/4 GPUs at 1024x1024 bf16, then `bench` at
 # 1024 and 2048. Usage on the device machine: bash scripts/gpu_verify.sh  (writes under $OUT).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/src
-else
-  export PYTHONPATH=$PWD/src
-fi
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'gpus', torch.cuda.device_count())"
 NG=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -1,9 +1,13 @@
 """GPU experiment: what pays in Ulysses at 1024^2 on FLUX.1-dev (synthetic weights), one launch.
 
 Run with ``torchrun --nproc_per_node N scripts/overlap_bench.py [--height H --width W]``. Rank 0 first
-measures the one-GPU step (eager, then compiled); then every rank runs ulysses N in several variants:
-head-group pipelining (``cN``: N groups), eager (``-eager``), inductor's comm/compute reordering
-(``-reorder``), and a CUDA graph of the whole step (``-graph``). Each variant reports the
+measures the one-GPU step (eager, then compiled, then compiled in a CUDA graph with separate and with fused
+Q/K/V projections); then every rank runs ulysses N in several variants: head-group pipelining (``cN``: N
+groups), eager (``-eager``), inductor's comm/compute reordering (``-reorder``), a CUDA graph of the whole
+step (``-graph``), separate Q/K/V projections (``-nofuse``; fused is ditmesh's default), the received Q/K/V
+copied into one contiguous buffer as before the in-place receive layout (``-copyrecv``), and an all-to-all
+group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``). Each variant
+reports the
 median step, its relative error against the eager one-GPU output, and the profiler's breakdown (compute /
 communication / idle). Rows go to stdout and, as JSON lines, to ``$OUT/overlap.jsonl``.
 """
@@ -20,7 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ditmesh.api import compile_blocks, parallelize
+from ditmesh.attention import ulysses
+from ditmesh.comm import group_name
 from ditmesh.config import ParallelConfig
+from ditmesh.fusion import fuse_qkv
 from ditmesh.models.base import adapter_for
 from ditmesh.profiling import profile_step
 from ditmesh.synth import build_transformer, get_arch
@@ -85,6 +92,18 @@ def main():
             with open(out_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    def uncompile():
+        for block in model.modules():
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+
+    def graph_row(name):
+        graphed = _graphed(step, device)
+        ms, out = timed(graphed, barrier=False)
+        with torch.no_grad():
+            prof = measure(graphed)
+        report(name, ms, out, ref, prof)
+
     ref = None
     if rank == 0:
         ms, out = timed(step, 1, 3, barrier=False)
@@ -97,29 +116,39 @@ def main():
             prof = measure(step)
         report("single-compiled", ms, out, ref, prof)
         if cuda:
-            graphed = _graphed(step, device)
-            ms, out = timed(graphed, barrier=False)
-            with torch.no_grad():
-                prof = measure(graphed)
-            report("single-compiled-graph", ms, out, ref, prof)
-            del graphed
-        for block in model.modules():
-            block._compiled_call_impl = None
-        torch._dynamo.reset()
+            graph_row("single-compiled-graph")
+            undo_fusion = fuse_qkv(model, adapter)
+            uncompile()
+            compile_blocks(model)
+            graph_row("single-compiled-graph-fused")
+            for fn in undo_fusion:
+                fn()
+        uncompile()
     dist.barrier()
 
     class Pipe:
         transformer = model
 
-    parallelize(Pipe, ParallelConfig(ulysses=world), device=device)
+    parallelize(Pipe, ParallelConfig(ulysses=world), device=device, fuse_qkv=False)
     sp = model._ditmesh_sp
+    default_group = sp.ulysses_group
+    undo_fusion = None
+    copying = _copying_receive(ulysses.seq_to_heads_start)
     for name in args.variants.split(","):
         parts = name.split("-")
         sp.ulysses_chunks = int(parts[0][1:])
+        if "nofuse" not in parts and undo_fusion is None:
+            undo_fusion = fuse_qkv(model, adapter)
+        elif "nofuse" in parts and undo_fusion is not None:
+            for fn in undo_fusion:
+                fn()
+            undo_fusion = None
+        ulysses.seq_to_heads_start = copying if "copyrecv" in parts else copying.original
+        ctas = [p for p in parts if p.startswith(("minctas", "maxctas"))]
+        sp.ulysses_group = _nccl_group(world, ctas[0]) if ctas and cuda else default_group
+        sp.ulysses_group_name = group_name(sp.ulysses_group)
         torch._inductor.config.reorder_for_compute_comm_overlap = "reorder" in parts
-        for block in model.modules():
-            block._compiled_call_impl = None
-        torch._dynamo.reset()
+        uncompile()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         try:
@@ -137,6 +166,25 @@ def main():
                 print(json.dumps({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _copying_receive(start):
+    """``seq_to_heads_start`` whose Q/K/V come back as one contiguous stacked copy (the layout before the
+    in-place receive): the same bytes moved as the previous concatenation of the received chunks."""
+
+    def copying(*args, **kwargs):
+        finish = start(*args, **kwargs)
+        return lambda: torch.stack(finish()).unbind(0)
+
+    copying.original = start
+    return copying
+
+
+def _nccl_group(world, spec):
+    """A new all-rank NCCL group whose communicator gets ``minctasN`` / ``maxctasN`` CTAs (channels)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    setattr(opts.config, "min_ctas" if spec.startswith("min") else "max_ctas", int(spec[7:]))
+    return dist.new_group(list(range(world)), pg_options=opts)
 
 
 def _graphed(step, device):

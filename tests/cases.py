@@ -10,11 +10,13 @@ def world_info():
     return dist.get_rank(), dist.get_world_size()
 
 
-def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int = 1):
+def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int = 1, batch: int = 2):
     """Ulysses attention on random shards vs full attention computed locally.
 
-    Returns the rel. error, the collective counts and the number of local attention calls (head groups).
+    Returns the rel. error, the collective counts, the heads of each local attention call (one per head
+    group), and the number of ``aten.cat`` calls inside (the copies that join received chunks).
     """
+    from torch.utils._python_dispatch import TorchDispatchMode
     import torch.nn.functional as F
 
     from ditmesh.attention.ulysses import ulysses_attention
@@ -22,25 +24,32 @@ def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int 
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(2, seq_len, heads, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(batch, seq_len, heads, 8, generator=g) for _ in range(3))
     sizes = split_sizes(seq_len, world)
     start = sum(sizes[:rank])
     shard = lambda t: t[:, start : start + sizes[rank]]  # noqa: E731
 
-    calls = []
+    calls, cats = [], []
+
+    class CountCats(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.cat.default:
+                cats.append(1)
+            return func(*args, **(kwargs or {}))
 
     def local(q_, k_, v_):
         calls.append(q_.shape[-2])
         return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2)).transpose(1, 2)
 
-    with count_collectives() as counts:
+    with count_collectives() as counts, CountCats():
         out = ulysses_attention(shard(q), shard(k), shard(v), sizes, rank, dist.group.WORLD, local, chunks)
     ref = shard(local(q, k, v))
-    return float((out - ref).norm() / ref.norm()), dict(counts), calls[:-1]
+    return float((out - ref).norm() / ref.norm()), dict(counts), calls[:-1], len(cats)
 
 
 def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, prompt: str = "a red circle",
-                  check_consistency: bool = False, count: bool = False, compile: bool = False, chunks: int = 1):
+                  check_consistency: bool = False, count: bool = False, compile: bool = False, chunks: int = 1,
+                  fuse_qkv: bool = False):
     """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call)."""
     from diffusers import FluxPipeline
 
@@ -51,7 +60,7 @@ def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, wi
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile,
-                ulysses_chunks=chunks)
+                ulysses_chunks=chunks, fuse_qkv=fuse_qkv)
     final = {}
 
     def grab(p, i, t, kw):

@@ -17,13 +17,17 @@ def test_pool_ranks_are_real_processes(pools):
     assert pools(2).run(world_info) == [(0, 2), (1, 2)]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("world,seq,heads", [(2, 16, 4), (2, 15, 3), (4, 18, 6), (4, 7, 6)])
-def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, seq, heads):
-    results = pools(world).run(ulysses_attention_case, seq, heads)
-    for rank, (err, counts, calls) in enumerate(results):
+def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, seq, heads, batch):
+    results = pools(world).run(ulysses_attention_case, seq, heads, 0, 1, batch)
+    for rank, (err, counts, calls, cats) in enumerate(results):
         assert err < 1e-6
         assert counts == {"all_to_all": 2}  # one fused Q/K/V exchange, one for the output
         assert calls == [split_sizes(heads, world)[rank]]  # one local attention over this rank's heads
+        # one concatenation joins the output's head chunks; at batch 1 attention reads Q/K/V in place from the
+        # received buffer, at batch 2 the received sequence chunks are joined by one more
+        assert cats == (1 if batch == 1 else 2)
 
 
 @pytest.mark.parametrize("world,seq,heads,chunks,groups", [
@@ -33,12 +37,13 @@ def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, 
     (2, 15, 3, 4, 2),   # more groups than heads per rank
 ])
 def test_ulysses_head_group_pipeline_matches_full_attention(pools, world, seq, heads, chunks, groups):
-    results = pools(world).run(ulysses_attention_case, seq, heads, 0, chunks)
-    for rank, (err, counts, calls) in enumerate(results):
+    results = pools(world).run(ulysses_attention_case, seq, heads, 0, chunks, 1)
+    for rank, (err, counts, calls, cats) in enumerate(results):
         assert err < 1e-6
         assert counts == {"all_to_all": 2 * groups}
         # this rank attends once per group in which it holds heads, over all of its heads in total
         assert sum(calls) == split_sizes(heads, world)[rank] and 1 <= len(calls) <= groups
+        assert cats == 1  # batch 1: only the output's head chunks are joined
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -88,3 +93,11 @@ def test_flux_ulysses_with_compiled_blocks_matches_single_process(pools, flux_ti
     for latents, counts in pools(2).run(flux_generate, flux_tiny, {"ulysses": 2}, 2, compile=True):
         assert rel_err(latents, ref) <= 1e-5
         assert counts == {"all_gather": 2}  # all-to-alls inside compiled graphs are not host-counted
+
+
+def test_default_head_groups_pipeline_only_eager_gpu_runs():
+    from ditmesh.parallel.sequence import default_chunks
+
+    assert default_chunks(torch.device("cuda", 0)) == 2
+    assert default_chunks(torch.device("cuda", 0), compiled=True) == 1  # measured: no gain once compiled
+    assert default_chunks(torch.device("cpu")) == 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import fusion
 from . import models as _models  # noqa: F401  (registers adapters)
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .mesh import ParallelMesh
@@ -100,7 +101,8 @@ def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> N
 
 
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
-                compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None) -> ParallelRuntime:
+                compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
+                fuse_qkv: bool = False) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -116,7 +118,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
             step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
         ulysses_chunks: head groups each Ulysses attention pipelines against its all-to-alls (1 = none;
-            default 2 on CUDA, 1 on CPU). Ulysses alone: USP's Ulysses part runs one group.
+            default 2 on CUDA in eager mode, else 1: ``sequence.default_chunks``). Ulysses alone: USP's
+            Ulysses part runs one group.
+        fuse_qkv: compute each self-attention's Q, K and V with one GEMM (``ditmesh.fusion``; FLUX and Wan),
+            after tensor parallelism, with no extra weight memory. Off by default: on 4x H200 (FLUX 1024²,
+            compiled, CUDA graph) it gained nothing, and with two head groups it lost their overlap
+            (docs/benchmarks.md).
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
@@ -132,11 +139,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)
 
-    # The fixed order: tensor -> sequence -> cfg/data. Every step does nothing at degree 1 and returns
+    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data. Every step does nothing at degree 1 and returns
     # the callables that undo it.
     steps = [
         (f"tensor(tp={config.tp})", lambda: tensor.apply(transformer, mesh, adapter) + tensor.encode_once(pipe, mesh)),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks)),
+        ("fuse(qkv)", lambda: fusion.fuse_qkv(transformer, adapter) if fuse_qkv else []),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks, compile)),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
         ("compile(blocks)", lambda: compile_blocks(transformer) if compile else []),
         ("cuda-graph", lambda: graph.apply(transformer) if cuda_graph else []),

@@ -59,7 +59,7 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows replay each step from a CUDA graph; adds a 1-GPU ditmesh row "
                         "(CUDA only; default: on on GPUs)")
     b.add_argument("--ulysses-chunks", type=int, default=None,
-                   help="head groups pipelined per Ulysses attention (default: 2 on CUDA, 1 on CPU)")
+                   help="head groups pipelined per Ulysses attention (default: 2 on CUDA in eager mode, else 1)")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -161,6 +161,7 @@ def _worker(spec: dict) -> None:
 
     row = {"method": spec["method"], "gpus": spec["gpus"], "height": spec["height"], "width": spec["width"],
            "compiled": spec["compile"], "graph": spec.get("graph", False), "model": spec["model"], "dtype": spec["dtype"]}
+    ours = False  # parallelize() compiles our rows itself; peers and plain diffusers are compiled below
     try:
         if spec["method"].startswith("diffusers-"):
             _enable_peer(model, spec["method"], spec["degrees"])
@@ -168,14 +169,15 @@ def _worker(spec: dict) -> None:
             model = _enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
             parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
-                        ulysses_chunks=spec.get("chunks"))
+                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"])
+            ours = True
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
         row["error"] = _error_text(exc)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)  # steady state: weights as placed + activations
     if "error" not in row:
-        if spec["compile"]:
+        if spec["compile"] and not ours:
             from .api import compile_blocks
 
             compile_blocks(model)

@@ -29,32 +29,35 @@ from ..comm import all_to_all_start, offsets, split_sizes, wait
 
 
 def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tensor:
-    """One send buffer holding, for each rank ``j`` in order, ``stack(xs)[..., head_starts[j] + h_j, :]``.
+    """One send buffer holding, for each rank ``j`` in order, ``stack(xs, dim=-3)[..., head_starts[j] + h_j, :]``.
 
-    Every element is written once (no stacked intermediate). When the heads are spread regularly (each
-    rank takes the same count at the same offset within its equal share) one strided copy per tensor
-    fills the whole buffer; otherwise one copy per tensor and rank.
+    Rank ``j``'s part is laid out ``[..., S, len(xs), h_j, D]``: the tensors interleave per token, so on the
+    receiving side the chunks of all source ranks line up into one ``[..., S_total, len(xs), h, D]`` buffer
+    (with no leading dims, the received buffer itself; see :func:`seq_to_heads_start`). Every element is
+    written once (no stacked intermediate). When the heads are spread regularly (each rank takes the same
+    count at the same offset within its equal share) one strided copy per tensor fills the whole buffer;
+    otherwise one copy per tensor and rank.
     """
-    world, x0 = len(head_sizes), xs[0]
+    world, x0, n = len(head_sizes), xs[0], len(xs)
     dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])  # as torch.stack would
-    heads = x0.shape[-2]
+    lead, heads, dim = x0.shape[:-2], x0.shape[-2], x0.shape[-1]
     share = heads // world
     regular = (heads % world == 0 and len(set(head_sizes)) == 1
                and all(head_starts[j] == head_starts[0] + j * share for j in range(world))
                and head_starts[0] + head_sizes[0] <= share)
     if regular:
         size = head_sizes[0]
-        buf = x0.new_empty(world, len(xs), *x0.shape[:-2], size, x0.shape[-1], dtype=dtype)
+        buf = x0.new_empty(world, *lead, n, size, dim, dtype=dtype)
         for i, x in enumerate(xs):
             per_rank = x.unflatten(-2, (world, share)).narrow(-2, head_starts[0], size)  # [..., S, world, h, D]
-            buf[:, i].copy_(per_rank.movedim(-3, 0))
+            buf.select(-3, i).copy_(per_rank.movedim(-3, 0))
         return buf.reshape(-1)
-    numel = [len(xs) * math.prod(x0.shape[:-2]) * h * x0.shape[-1] for h in head_sizes]
+    numel = [n * math.prod(lead) * h * dim for h in head_sizes]
     buf = x0.new_empty(sum(numel), dtype=dtype)
     for j, part in enumerate(buf.split(numel)):
-        view = part.view(len(xs), *x0.shape[:-2], head_sizes[j], x0.shape[-1])
+        view = part.view(*lead, n, head_sizes[j], dim)
         for i, x in enumerate(xs):
-            view[i].copy_(x.narrow(-2, head_starts[j], head_sizes[j]))
+            view.select(-3, i).copy_(x.narrow(-2, head_starts[j], head_sizes[j]))
     return buf
 
 
@@ -76,20 +79,29 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
     """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of each of ``xs`` to rank ``j``.
 
     ``xs``: tensors (e.g. Q, K, V) of one shape ``[..., S_rank, H, D]``, sequence shards; they travel in one
-    buffer. Returns ``finish()``, which waits and gives ``[len(xs), ..., S_total, head_sizes[rank], D]``.
+    buffer. Returns ``finish()``, which waits and gives one ``[..., S_total, head_sizes[rank], D]`` per tensor.
+    With no leading dims beyond size 1 (batch 1) these are strided views of the received buffer
+    (``[..., S_total, len(xs), h, D]``, sequence stride ``len(xs) * h * D``): attention kernels read them in
+    place, so the receive side copies nothing.
     """
     world = len(seq_sizes)
-    lead = (len(xs), *xs[0].shape[:-3])
-    lead_numel = math.prod(lead)
+    lead = xs[0].shape[:-3]
+    lead_numel = len(xs) * math.prod(lead)
     local_seq, dim = xs[0].shape[-3], xs[0].shape[-1]
     send = _pack_heads(xs, head_starts, head_sizes)
     in_splits = [lead_numel * local_seq * head_sizes[j] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
     recv = all_to_all_start(send, out_splits, in_splits, group)
 
-    def finish() -> torch.Tensor:
-        parts = wait(recv).split(out_splits)
-        return torch.cat([p.view(*lead, seq_sizes[j], head_sizes[rank], dim) for j, p in enumerate(parts)], dim=-3)
+    def finish() -> tuple[torch.Tensor, ...]:
+        got = wait(recv)
+        if math.prod(lead) == 1:  # the source ranks' chunks lie in sequence order already: views, no copy
+            full = got.view(*lead, sum(seq_sizes), len(xs), head_sizes[rank], dim)
+        else:
+            parts = got.split(out_splits)
+            full = torch.cat([p.view(*lead, seq_sizes[j], len(xs), head_sizes[rank], dim)
+                              for j, p in enumerate(parts)], dim=-4)
+        return full.unbind(-3)
 
     return finish
 
@@ -117,8 +129,8 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     return finish
 
 
-def seq_to_heads(xs, seq_sizes: list[int], rank: int, group) -> torch.Tensor:
-    """Sequence shards ``xs`` (each ``[..., S_rank, H, D]``) -> ``[len(xs), ..., S_total, h_rank, D]`` (blocking)."""
+def seq_to_heads(xs, seq_sizes: list[int], rank: int, group) -> tuple[torch.Tensor, ...]:
+    """Sequence shards ``xs`` (each ``[..., S_rank, H, D]``) -> one ``[..., S_total, h_rank, D]`` per tensor (blocking)."""
     head_sizes = split_sizes(xs[0].shape[-2], len(seq_sizes))
     return seq_to_heads_start(xs, seq_sizes, offsets(head_sizes), head_sizes, rank, group)()
 

@@ -92,6 +92,8 @@ class ModelAdapter:
     #: the transformer's output sample has ``hidden_states``'s shape except this dim, which is ``out_channels(model)``
     output_channel_dim: int = -1
     out_channels: Callable | None = None
+    #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
+    fuse_qkv: bool = False
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,7 @@ FLUX = register(
         batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
         cfg_mode="sequential",  # FluxPipeline's true CFG calls the transformer twice per step
         output_channel_dim=-1,
+        fuse_qkv=True,
         out_channels=lambda model: model.proj_out.out_features,
     )
 )

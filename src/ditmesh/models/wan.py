@@ -150,6 +150,7 @@ WAN = register(
         batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         cfg_mode="sequential",  # WanPipeline calls the transformer once for cond, once for uncond
         output_channel_dim=1,
+        fuse_qkv=True,
         out_channels=lambda model: model.config.out_channels,
     )
 )

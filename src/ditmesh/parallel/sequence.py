@@ -32,7 +32,7 @@ class SequenceParallel:
     in that order and gathers the output at the exit.
     """
 
-    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None):
+    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None, compiled: bool = False):
         self.adapter = adapter
         self.plan = adapter.sequence_plan
         self.ring_degree = mesh.size("ring")
@@ -47,7 +47,7 @@ class SequenceParallel:
         # functional collectives take group names; resolved here, outside any compiled region
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
-        self.ulysses_chunks = default_chunks(mesh.device) if chunks is None else chunks
+        self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
         #: tokens of each stream on each sp rank, set at every model entry
         self.stream_sizes: dict[str, list[int]] = {}
         #: local attention sequence length of each sp rank (sum over streams)
@@ -138,25 +138,29 @@ class SequenceParallel:
         return all_gather_uneven(tensor, dim, self.stream_sizes[stream], self.group)
 
 
-def default_chunks(device: torch.device) -> int:
-    """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs, 1 elsewhere.
+def default_chunks(device: torch.device, compiled: bool = False) -> int:
+    """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs in eager mode, else 1.
 
-    On GPUs the all-to-all runs on its own stream beside the attention of the previous group (measured on
-    4x H200, FLUX 1024^2, see docs/benchmarks.md); on CPU (gloo) the same cores would do both.
+    Measured on 4x H200 (docs/benchmarks.md): in eager mode the all-to-all of one group runs beside the
+    attention of the previous one and pays (Wan2.1-14B video hid 35 ms per step). Compiled, the hidden
+    transfers ran slower beside the compute and saved nothing (FLUX 1024^2 with CUDA graphs: 44.5 ms with one
+    group, 44.7 with two; 2048^2: 198.6 vs 204.3; Wan compiled: 796.6 vs 796.9), so one group is the default
+    there. On CPU (gloo) the same cores would do both.
     """
-    return 2 if device.type == "cuda" else 1
+    return 2 if device.type == "cuda" and not compiled else 1
 
 
-def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None) -> list:
+def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None,
+          compiled: bool = False) -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
     Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
-    pipelined against the all-to-alls (default :func:`default_chunks`). Does nothing (and returns ``[]``)
-    when the sequence-parallel degree is 1.
+    pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
+    will be ``compiled``). Does nothing (and returns ``[]``) when the sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
-    sp = SequenceParallel(mesh, adapter, chunks)
+    sp = SequenceParallel(mesh, adapter, chunks, compiled)
     forward = model.forward
 
     def pre_hook(module, args, kwargs):
