@@ -1,6 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point.
 
-Dimensions are applied in a fixed, logged order: tensor -> sequence -> cfg/data -> (compile).
+Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequence -> cfg/data -> (compile)
+-> (CUDA graph).
 The pipeline object is changed in place through hooks and attention processors; no pipeline class is
 forked. Every rank calls ``pipe(...)`` with the same arguments and gets the same result.
 """
