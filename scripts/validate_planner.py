@@ -36,6 +36,9 @@ FILES = {
     "flux2048_eager.json": dict(cfg_on=False),
     "flux1024_compiled.json": dict(cfg_on=False),
     "sd35_cfg.json": dict(cfg_on=True),
+    # third session: compiled, our rows replayed from CUDA graphs (``graph`` true), beside plain diffusers
+    "flux1024_gpus124.json": dict(cfg_on=False),
+    "flux2048_graph.json": dict(cfg_on=False),
 }
 
 
@@ -45,9 +48,9 @@ def load_rows(results: Path = ROOT / "bench" / "results") -> list[dict]:
     for name, extra in FILES.items():
         data = json.loads((results / name).read_text())
         for r in data["rows"]:
-            if r["method"].startswith("diffusers-") or "step_ms" not in r:
+            if r["method"].startswith(("diffusers-", "xdit-")) or "step_ms" not in r:
                 continue  # peers' implementations, and rows that did not run
-            key = (r["model"], r["height"], r["method"], r["gpus"], r["compiled"])
+            key = (r["model"], r["height"], r["method"], r["gpus"], r["compiled"], r.get("graph", False))
             if key in seen:  # flux1024_compiled.json repeats the eager single-GPU row
                 continue
             seen.add(key)
@@ -56,7 +59,7 @@ def load_rows(results: Path = ROOT / "bench" / "results") -> list[dict]:
             cfg_on = extra["cfg_on"]
             rows.append(dict(
                 file=name, model=r["model"], height=r["height"], width=r["width"], method=r["method"],
-                gpus=r["gpus"], mode="compiled" if r["compiled"] else "eager",
+                gpus=r["gpus"], mode="compiled" if r["compiled"] else "eager", graph=r.get("graph", False),
                 config=ParallelConfig(**degrees), cfg_on=cfg_on,
                 batch=batch // 2 if cfg_on else batch,  # a batch-2 CFG step = one prompt with CFG on
                 step_ms=r["step_ms"], gib=r["peak_gib_per_gpu"],
@@ -72,7 +75,7 @@ def predict_row(row: dict, cal: Calibration | None = None):
     if key not in _STATS:
         _STATS[key] = model_stats(resolve_model(row["model"]), row["height"], row["width"])
     hw = build_hardware(row["config"].world_size, device="h200", link="nvlink-h200")
-    wl = Workload(batch=row["batch"], cfg_on=row["cfg_on"], mode=row["mode"])
+    wl = Workload(batch=row["batch"], cfg_on=row["cfg_on"], mode=row["mode"], cuda_graph=row["graph"])
     return predict(row["config"], _STATS[key], hw, wl, cal or Calibration())
 
 
@@ -97,6 +100,7 @@ def summary(ev: list[dict]) -> dict:
         "flux eager 1024": [r for r in flux_eager if r["height"] == 1024],
         "flux eager 2048": [r for r in flux_eager if r["height"] == 2048],
         "flux all (eager+compiled)": [r for r in ev if r["model"] == "flux-dev"],
+        "flux compiled + CUDA graph": [r for r in ev if r["graph"]],
         "sd3.5-large cfg (batch 2)": [r for r in ev if r["model"] == "sd3.5-large"],
         "all rows": ev,
     }
@@ -113,7 +117,7 @@ def table(ev: list[dict]) -> str:
              "measured GiB | memory error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ev:
         lines.append(f"| {r['model']} | {r['height']} | {r['config'].describe()} ({r['method']} {r['gpus']}) | "
-                     f"{r['mode']} | {r['pred_ms']:.1f} | {r['step_ms']:.1f} | {r['ms_err']:+.1%} | "
+                     f"{r['mode']}{' + graph' if r['graph'] else ''} | {r['pred_ms']:.1f} | {r['step_ms']:.1f} | {r['ms_err']:+.1%} | "
                      f"{r['pred_gib']:.2f} | {r['gib']:.2f} | {r['mem_err']:+.1%} |")
     return "\n".join(lines)
 

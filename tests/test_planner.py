@@ -256,3 +256,18 @@ def test_ditmesh_plan_prints_the_table_in_under_10_seconds(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "recommended: ulysses4" in proc.stdout and "step ms" in proc.stdout
     assert elapsed < 10, f"ditmesh plan took {elapsed:.1f} s"
+
+
+def test_cuda_graph_mode_has_no_host_time_and_plans_without_dp_or_cfg(capsys):
+    graphed = plan("flux-dev", 1024, 1024, 4, link="nvlink-h200", cfg=True, cuda_graph=True)
+    assert all(p.config.dp == 1 and p.config.cfg == 1 for p in graphed.predictions)
+    assert all(p.host_ms == 0 for p in graphed.predictions) and graphed.baseline.host_ms == 0
+    eager = plan("flux-dev", 1024, 1024, 4, link="nvlink-h200", mode="eager")
+    eager_graphed = plan("flux-dev", 1024, 1024, 4, link="nvlink-h200", mode="eager", cuda_graph=True)
+    u4 = ParallelConfig(ulysses=4)
+    by = lambda r: {p.config: p for p in r.predictions}  # noqa: E731
+    # eager ulysses4 is launch-bound (host time sets the pace); a graph removes exactly that
+    assert by(eager)[u4].host_ms > by(eager)[u4].gpu_ms
+    assert by(eager_graphed)[u4].step_ms < by(eager)[u4].step_ms
+    assert _run("--model", "flux-dev", "--gpus", "4", "--cuda-graph") == 0
+    assert "compiled + CUDA graph" in capsys.readouterr().out

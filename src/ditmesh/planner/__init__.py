@@ -105,11 +105,12 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          device: str | None = None, link: str | None = None, nodes: int = 1, inter_link: str | None = None,
          memory_gib: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
          tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
-         calibration: Calibration | None = None) -> PlanResult:
+         calibration: Calibration | None = None, cuda_graph: bool = False) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
-    the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``).
+    the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``). ``cuda_graph``: every transformer call
+    replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``).
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
@@ -124,17 +125,20 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
             raise PlannerError(f"unknown axes {sorted(unknown)} in supported; known: {', '.join(AXIS_ORDER)}")
     hw = build_hardware(gpus, device, link, nodes, inter_link, memory_gib, link_gbps, link_latency_us, tflops)
     stats = model_stats(resolve_model(model), height, width, frames)
-    workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode)
+    workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode, cuda_graph=cuda_graph)
     cal = calibration or Calibration()
     configs = enumerate_configs(gpus, stats, workload)
     if supported is not None:
         configs = [c for c in configs if set(c.active_axes()) <= set(supported)]
+    if cuda_graph:  # the batch hooks decide per call what runs, which a graph cannot replay
+        configs = [c for c in configs if c.dp == 1 and c.cfg == 1]
     if not configs:
         raise PlannerError(f"no valid configuration of {gpus} GPUs for {model}"
                            + (f" using only {sorted(supported)}" if supported is not None else "")
+                           + (" without dp/cfg (CUDA graphs)" if cuda_graph else "")
                            + "; try a GPU count that divides the attention heads")
     single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
-    baseline = predict(ParallelConfig(), stats, single_hw, Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode), cal)
+    baseline = predict(ParallelConfig(), stats, single_hw, workload, cal)
     predictions = [predict(c, stats, hw, workload, cal) for c in configs]
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms

@@ -31,6 +31,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU (default: the device's)")
     p.add_argument("--tflops", type=float, default=None, help="measured bf16 matrix TFLOP/s per GPU (ditmesh bench)")
     p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="each transformer call replays from a CUDA graph (no host time; rules out dp and cfg)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps (PipeFusion amortizes its fill over them)")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
@@ -47,7 +49,7 @@ def format_table(result, top: int = 20) -> str:
         + (f"x{s.frames}f" if s.frames > 1 else "")
         + f": {s.layout.split_tokens} tokens; {hw.gpus}x {hw.device.name} ({hw.usable_gib:.1f} GiB), {hw.intra.name}"
         + (f", {hw.nodes} nodes over {hw.inter.name}" if hw.nodes > 1 and hw.inter else "")
-        + f", {result.workload.mode}",
+        + f", {result.workload.mode}" + (" + CUDA graph" if result.workload.cuda_graph else ""),
         "",
         f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits",
     ]
@@ -75,7 +77,8 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(args.model, args.height, args.width, args.gpus, frames=args.frames, batch=args.batch,
                       cfg=args.cfg, device=args.device, link=args.link, nodes=args.nodes, inter_link=args.inter_link,
                       memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
-                      tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported)
+                      tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported,
+                      cuda_graph=args.cuda_graph)
     except PlannerError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

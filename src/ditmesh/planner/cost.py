@@ -44,6 +44,9 @@ class Calibration:
     # compiled blocks launch a few fused kernels per block
     host_us_per_op: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 16.0})
     collective_host_us: dict = field(default_factory=lambda: {"compiled": 10.0, "eager": 60.0})
+    # a CUDA graph replays the whole call: the host launches nothing per kernel, and the gaps between kernels
+    # shrink. Fitted to ditmesh's compiled + graph rows of the third session (docs/planner.md section 6)
+    graph_kernel_us: float = 0.3
     # host ops one ring round adds (src/ditmesh/attention/ring.py: 2 receive buffers, the p2p batch, the
     # LSE attention call with its transposes and LSE normalisation, the fp32 log-sum-exp merge, the wait)
     ring_round_ops: int = 22
@@ -79,6 +82,8 @@ class Workload:
     cfg_on: bool = False
     steps: int = 28
     mode: str = "compiled"  # or "eager"
+    #: each transformer call replayed from a CUDA graph (``parallelize(cuda_graph=True)``): no host time
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -273,8 +278,12 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     if pp > 1:  # each stage passes its patches' hidden states to the next one; overlapped with compute
         hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
         send("pp_p2p", "pp", hidden, count=patches, exposed=patches * links["pp"].latency_us * 1e-6)
-    gpu_s = compute_s + comm_s + kernels * cal.kernel_us[mode] * 1e-6
-    host_s = (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
+    if workload.cuda_graph:
+        gpu_s = compute_s + comm_s + kernels * cal.graph_kernel_us * 1e-6
+        host_s = 0.0  # one replay per call
+    else:
+        gpu_s = compute_s + comm_s + kernels * cal.kernel_us[mode] * 1e-6
+        host_s = (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
     step_s = max(gpu_s, host_s)  # the host enqueues ahead of the GPU; whichever is slower sets the pace
     overhead_s = step_s - compute_s - comm_s
 

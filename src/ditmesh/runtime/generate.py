@@ -113,8 +113,6 @@ def planned_config(args, world_size: int) -> ParallelConfig:
         raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
                           f"{model}; download it first or give the degrees yourself")
     supported = set(SUPPORTED_AXES)
-    if getattr(args, "cuda_graph", False):
-        supported -= {"dp", "cfg"}  # CUDA graphs run without the batch dimensions
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_pipeline_class(model), args)
@@ -122,7 +120,8 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     return recommend(model, args.height or size[0], args.width or size[1], world_size,
                      frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
                      batch=prompts * getattr(args, "images_per_prompt", 1),
-                     mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported)
+                     mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
+                     cuda_graph=getattr(args, "cuda_graph", False))
 
 
 def _archs():
