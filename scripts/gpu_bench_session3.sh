@@ -4,7 +4,8 @@
 # PART=2: FLUX 2048^2 at 1 and 4 GPUs with both peers, then Wan2.1-14B video compiled at 1 and 4 GPUs.
 set -u
 source scripts/gpu_env.sh
-B="python3 -m ditmesh bench --steps 5 --warmup 2 --profile"
+# --ulysses-chunks 2: the head groups these rows ran with (the default then; one group is the default when compiled now)
+B="python3 -m ditmesh bench --steps 5 --warmup 2 --profile --ulysses-chunks 2"
 rows() { grep -E '^\||^\{|bench row|wrote|Error|error' | cut -c1-700; }
 if [ "${PART:-1}" = 1 ]; then
   echo "== NCCL_MIN_P2P_NCHANNELS=32"

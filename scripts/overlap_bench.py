@@ -4,7 +4,7 @@ Run with ``torchrun --nproc_per_node N scripts/overlap_bench.py [--height H --wi
 measures the one-GPU step (eager, then compiled, then compiled in a CUDA graph with separate and with fused
 Q/K/V projections); then every rank runs ulysses N in several variants: head-group pipelining (``cN``: N
 groups), eager (``-eager``), inductor's comm/compute reordering (``-reorder``), a CUDA graph of the whole
-step (``-graph``), separate Q/K/V projections (``-nofuse``; fused is ditmesh's default), the received Q/K/V
+step (``-graph``), separate Q/K/V projections (``-nofuse``; fused is this script's default, separate is ditmesh's), the received Q/K/V
 copied into one contiguous buffer as before the in-place receive layout (``-copyrecv``), and an all-to-all
 group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``). Each variant
 reports the

@@ -19,5 +19,6 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
                 "efficiency", "peak_gib_per_gpu", "rel_err_vs_1gpu", "card", "versions"):
         assert key in ours, key
     assert ours["rel_err_vs_1gpu"] <= 1e-5
+    assert ours["ulysses_chunks"] == 1  # the head groups it ran with are recorded (one on CPU)
     assert "error" in rows[("diffusers-ulysses", 2)]  # the peer fails on CPU; the row records how
     assert "| ulysses | 2 |" in out.with_suffix(".md").read_text()

@@ -30,20 +30,22 @@ def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, 
         assert cats == (1 if batch == 1 else 2)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("world,seq,heads,chunks,groups", [
     (2, 16, 4, 2, 2),   # 2 heads per rank -> 2 groups of 1
     (4, 18, 6, 2, 2),   # heads 2,2,1,1 per rank: rank 2's second group is empty, the group is not
     (4, 7, 6, 3, 2),    # 3 groups asked, at most 2 heads on a rank: the empty third group is left out
     (2, 15, 3, 4, 2),   # more groups than heads per rank
 ])
-def test_ulysses_head_group_pipeline_matches_full_attention(pools, world, seq, heads, chunks, groups):
-    results = pools(world).run(ulysses_attention_case, seq, heads, 0, chunks, 1)
+def test_ulysses_head_group_pipeline_matches_full_attention(pools, world, seq, heads, chunks, groups, batch):
+    results = pools(world).run(ulysses_attention_case, seq, heads, 0, chunks, batch)
     for rank, (err, counts, calls, cats) in enumerate(results):
         assert err < 1e-6
         assert counts == {"all_to_all": 2 * groups}
         # this rank attends once per group in which it holds heads, over all of its heads in total
         assert sum(calls) == split_sizes(heads, world)[rank] and 1 <= len(calls) <= groups
-        assert cats == 1  # batch 1: only the output's head chunks are joined
+        # the output's head chunks are joined once; at batch 2 each group's received sequence chunks once more
+        assert cats == (1 if batch == 1 else 1 + groups)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

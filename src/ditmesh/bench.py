@@ -171,6 +171,9 @@ def _worker(spec: dict) -> None:
             parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
                         ulysses_chunks=spec.get("chunks"), compile=spec["compile"])
             ours = True
+            sp = getattr(model, "_ditmesh_sp", None)
+            if sp is not None and sp.ulysses_degree > 1 and sp.ring_degree == 1:  # USP runs one group
+                row["ulysses_chunks"] = sp.ulysses_chunks  # head groups as resolved (the default depends on compile)
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
         row["error"] = _error_text(exc)
     if device.type == "cuda":

@@ -10,10 +10,18 @@ same numbers.
 The narrow products of sequence parallelism (1,152 tokens per GPU for FLUX 1024² on 4 GPUs; 128 text
 tokens per GPU) run closer to the GPU's peak as one wider GEMM. Applied after tensor parallelism, it
 fuses the already-sharded weights, so each rank's chunk of the output still holds its own heads of Q, K
-and V in that order.
+and V in that order. Measured on 4x H200 it gained nothing (docs/benchmarks.md), so ``parallelize`` leaves
+it off unless asked.
+
+While fused: ``state_dict()`` lists the weights twice (``to_qkv`` and ``to_q``/``to_k``/``to_v``, one
+storage); moving the model afterwards (``.to()``, CPU offload) breaks the sharing and adds a copy; adapters
+such as LoRA loaded afterwards onto ``to_q``/``to_k``/``to_v`` are bypassed by the fused path. Fuse last,
+after moving and loading; undo (``ParallelRuntime.remove``) restores the separate path.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -21,6 +29,8 @@ from .models.base import ModelAdapter
 
 #: (separate linears, the fused linear's name) that diffusers' fused path reads
 _GROUPS = ((("to_q", "to_k", "to_v"), "to_qkv"), (("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
+
+log = logging.getLogger(__name__)
 
 
 def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
@@ -30,6 +40,8 @@ def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
     (``adapter.fuse_qkv`` false) and for cross-attention layers (their queries and keys read different inputs).
     """
     if not adapter.fuse_qkv:
+        log.info("ditmesh: fuse_qkv: %s attention processors have no fused path; projections left separate",
+                 adapter.name)
         return []
     fused = []
     for _, attn in adapter.attention_modules(model):

@@ -75,7 +75,7 @@ def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
 
 
 def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
-                       rank: int, group) -> Callable[[], torch.Tensor]:
+                       rank: int, group) -> Callable[[], tuple[torch.Tensor, ...]]:
     """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of each of ``xs`` to rank ``j``.
 
     ``xs``: tensors (e.g. Q, K, V) of one shape ``[..., S_rank, H, D]``, sequence shards; they travel in one

@@ -45,7 +45,8 @@ class Calibration:
     host_us_per_op: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 16.0})
     collective_host_us: dict = field(default_factory=lambda: {"compiled": 10.0, "eager": 60.0})
     # a CUDA graph replays the whole call: the host launches nothing per kernel, and the gaps between kernels
-    # shrink. Fitted to ditmesh's compiled + graph rows of the third session (docs/planner.md section 6)
+    # shrink. Fitted to ditmesh's 1-GPU compiled + graph row at 1024^2 (third session); the other graph rows
+    # are held out (docs/planner.md section 6)
     graph_kernel_us: float = 0.3
     # host ops one ring round adds (src/ditmesh/attention/ring.py: 2 receive buffers, the p2p batch, the
     # LSE attention call with its transposes and LSE normalisation, the fp32 log-sum-exp merge, the wait)
