@@ -1,0 +1,119 @@
+"""GPU experiment, not run yet: can an all-to-all on copy engines hide behind a GEMM where NCCL's cannot?
+
+Written in the third session of 2026-11-26, after its device time was spent; its first run is the next
+session's. The question comes from that session's variant study (docs/benchmarks.md): once compiled,
+Ulysses all-to-alls that ran beside attention or GEMMs got slower by about as much as they hid, because
+NCCL's kernels and the compute compete for the same SMs. Copies through symmetric memory
+(``cudaMemcpyAsync`` into a peer's buffer) run on the copy engines instead.
+
+    torchrun --nproc_per_node 4 scripts/transport_bench.py                      # FLUX 1024^2 x4 sizes
+    torchrun --nproc_per_node 4 scripts/transport_bench.py --tokens 8190 --hidden 5120   # Wan 480x832x81
+
+Per rank: the fused Q/K/V all-to-all of one attention layer (``3 x tokens x hidden`` bf16, an equal part to
+every rank) and the GEMM of FLUX's single-block MLP (``[tokens, hidden] x [hidden, 4 hidden]``). Rows, each
+the mean of ``--iters`` back-to-back repetitions in µs:
+
+- ``gemm``, ``nccl``, ``ce``: each alone
+- ``gemm+nccl``, ``gemm+ce``: the GEMM on the current stream, the all-to-all on a side stream, joined
+
+If ``gemm+ce`` lands near ``max(gemm, ce)`` while ``gemm+nccl`` stays near ``gemm + nccl``, a copy-engine
+transport for the Ulysses all-to-alls is worth building. Rank 0 prints one JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=1152, help="tokens per rank (FLUX 1024^2 on 4 GPUs: 1152)")
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("transport_bench: needs CUDA GPUs (copy engines and NCCL); none are visible here")
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group_name = dist.group.WORLD.group_name
+    dtype = torch.bfloat16
+
+    numel = 3 * args.tokens * args.hidden // world * world  # divisible into one equal part per rank
+    chunk = numel // world
+    send = torch.randn(numel, device=device, dtype=dtype)
+    nccl_out = torch.empty_like(send)
+    recv = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(recv, group_name)
+    # peer j's receive buffer, at the slot this rank owns there: a mapped pointer, so copy_ is a peer memcpy
+    slots = [handle.get_buffer(j, (chunk,), dtype, rank * chunk) for j in range(world)]
+    x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
+    w = torch.randn(4 * args.hidden, args.hidden, device=device, dtype=dtype)
+    side = torch.cuda.Stream(device)
+
+    def gemm():
+        torch.nn.functional.linear(x, w)
+
+    def nccl():
+        dist.all_to_all_single(nccl_out, send)
+
+    def ce():
+        for step in range(world):  # start with the next rank so that not every rank writes to rank 0 first
+            j = (rank + step) % world
+            slots[j].copy_(send[j * chunk:(j + 1) * chunk])
+        handle.barrier(channel=0)  # every rank's copies into this rank have landed
+
+    def beside(a2a):
+        def both():
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                a2a()
+            gemm()
+            cur.wait_stream(side)
+        return both
+
+    def check_ce():
+        ce()
+        torch.cuda.synchronize()
+        nccl()
+        torch.cuda.synchronize()
+        return bool(torch.equal(recv, nccl_out))
+
+    correct = check_ce()
+    rows = [("gemm", gemm), ("nccl", nccl), ("ce", ce), ("gemm+nccl", beside(nccl)), ("gemm+ce", beside(ce))]
+    for name, fn in rows:
+        us = timed(fn, args.iters)
+        if rank == 0:
+            print(json.dumps({"row": name, "us": round(us, 1), "tokens": args.tokens, "hidden": args.hidden,
+                              "bytes_per_rank": numel * send.element_size(), "world": world, "ce_equals_nccl": correct,
+                              "card": torch.cuda.get_device_name(device), "torch": torch.__version__}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timed(fn, iters: int) -> float:
+    """Mean µs of ``fn`` over ``iters`` back-to-back calls, after 3 warm-ups, all ranks started together."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+if __name__ == "__main__":
+    main()
