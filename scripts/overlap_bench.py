@@ -31,6 +31,7 @@ from ditmesh.fusion import fuse_qkv
 from ditmesh.models.base import adapter_for
 from ditmesh.profiling import profile_step
 from ditmesh.synth import build_transformer, get_arch
+from ditmesh.testing import rel_err
 
 
 def main():
@@ -83,7 +84,7 @@ def main():
         return statistics.median(times), out
 
     def report(name, ms, out, ref, prof):
-        err = float((out.float() - ref).norm() / ref.norm()) if ref is not None else None
+        err = rel_err(out.float(), ref) if ref is not None else None
         row = dict(variant=name, gpus=1 if name.startswith("single") else world, step_ms=round(ms, 3), rel_err=err,
                    card=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else 0, **prof)

@@ -27,6 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ditmesh.testing import rel_err
+
 
 def build_blocks(arch_name: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """One double and one single FLUX block named like the full model, so the model's plan matches them."""
@@ -155,7 +157,7 @@ def main():
                 out = fn()
                 out = (out.full_tensor() if hasattr(out, "full_tensor") else out).float()
                 ms = time_ms(fn, args.iters, device)
-            rows.append(dict(style=style, mode=mode, ms=round(ms, 3), rel_err=float((out - ref).norm() / ref.norm()),
+            rows.append(dict(style=style, mode=mode, ms=round(ms, 3), rel_err=rel_err(out, ref),
                              peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if cuda else None))
         del blocks
     if rank == 0:

@@ -9,6 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ditmesh.testing import rel_err
+
 
 def _block_counters(transformer):
     """Hooks that record the collectives each transformer block issues during the first transformer call."""
@@ -112,8 +114,7 @@ def packed_proj_out_case(model: str):
         cols = block.proj_out.in_features
         block.proj_out.weight.copy_(full.proj_out.weight[:, rank * cols:(rank + 1) * cols])
         contiguous = block(hidden, text, temb, rotary)[1]
-    err = lambda out: float((out - ref).norm() / ref.norm())  # noqa: E731
-    return err(packed), err(contiguous)
+    return rel_err(packed, ref), rel_err(contiguous, ref)
 
 
 def sharded_load_case(model: str, tp: int):

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from cases_batch import flux_call
+from ditmesh.testing import rel_err
 
 TRUE_CFG = {"prompt": "a red circle", "negative_prompt": "a blue square", "true_cfg_scale": 4.0}
 THREE_PROMPTS = {"prompt": ["a red circle", "a green triangle", "a blue square"]}
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_flux_true_cfg_cfg2_matches_single_with_one_exchange_per_step(pools, flux_tiny):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cases_batch import pipe_call
+from ditmesh.testing import rel_err
 
 SD3 = dict(height=64, width=64, max_sequence_length=35, guidance_scale=5.0)
 WAN = dict(height=64, width=64, num_frames=5, max_sequence_length=32, guidance_scale=5.0)
@@ -16,10 +17,6 @@ def ckpts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("batch-models")
     return {name: str(write_checkpoint(name, root / name, seed=0, device="cpu")) for name in ("sd3-tiny", "wan-tiny")}
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("config,world,expected", [

@@ -10,10 +10,7 @@ from cases import flux_generate
 from cases_models import pipeline_generate
 from ditmesh.fusion import fuse_qkv
 from ditmesh.models.base import adapter_for
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+from ditmesh.testing import rel_err
 
 
 class CountMatmuls(TorchDispatchMode):

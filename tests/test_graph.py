@@ -12,10 +12,7 @@ import torch
 
 from cases import flux_generate, flux_graphed_generate, rerun_capture
 from ditmesh.parallel.graph import GraphedCall
-
-
-def rel_err(a, b):
-    return float((a - b).norm() / b.norm())
+from ditmesh.testing import rel_err
 
 
 @pytest.mark.parametrize("world,config", [(1, {}), (2, {"ulysses": 2})])

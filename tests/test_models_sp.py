@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cases_models import pipeline_generate
+from ditmesh.testing import rel_err
 
 #: per model: shapes whose token counts divide 2 and 4 ("even") and whose counts divide neither ("uneven")
 SHAPES = {
@@ -47,10 +48,6 @@ def expected_counts(model: str, config: dict) -> dict:
     counts = {kind: n * SP_ATTENTION_LAYERS[model] for kind, n in per_layer.items() if n}
     counts["all_gather"] = 1
     return counts
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="module")

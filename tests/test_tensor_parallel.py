@@ -8,14 +8,11 @@ import torch
 from cases import flux_generate
 from cases_tp import packed_proj_out_case, sharded_load_case, tp_pipeline_case
 from test_generate_cli import generate
+from ditmesh.testing import rel_err
 
 #: all-reduces per block under tp > 1: a FLUX double block has 4 row-parallel linears (attention out, text
 #: attention out, FFN down, text FFN down), a single block 1 (the packed proj_out)
 DOUBLE_BLOCK_ALL_REDUCES, SINGLE_BLOCK_ALL_REDUCES = 4, 1
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import torch
 
 from cases_models import pipeline_generate
 from cases_tp_models import sharded_rms_norm_case, tp_model_case
+from ditmesh.testing import rel_err
 
 #: pipeline sizes: sd3-tiny 64x64 (16 image + 112 text tokens); wan-tiny 64x64 x 5 frames (2 x 4 x 4 = 32 tokens)
 SHAPES = {
@@ -50,10 +51,6 @@ def per_call(model: str, config: dict) -> dict:
     if config.get("ulysses", 1) * config.get("ring", 1) > 1:
         out["all_gather"] = 1  # before unpatchify
     return out
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _write_checkpoints(tmp_path_factory, folder: str, names) -> dict:

@@ -7,10 +7,7 @@ import torch
 
 from cases import flux_generate, ulysses_attention_case, world_info
 from ditmesh.comm import split_sizes
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+from ditmesh.testing import rel_err
 
 
 def test_pool_ranks_are_real_processes(pools):

@@ -243,6 +243,7 @@ def run_bench(args) -> int:
     from .runtime.launch import launch_local
     from .runtime.report import versions, write_json
     from .synth import get_arch
+    from .testing import rel_err
 
     on_gpu = torch.cuda.is_available()
     model = args.model or ("flux-dev" if on_gpu else "flux-tiny")
@@ -304,7 +305,7 @@ def run_bench(args) -> int:
     for r in rows:
         out = Path(tmp) / f"{_key(r)}.pt"
         if ref is not None and out.exists():
-            r["rel_err_vs_1gpu"] = float((torch.load(out) - ref).norm() / ref.norm())
+            r["rel_err_vs_1gpu"] = rel_err(torch.load(out), ref)
         b = base.get(r.get("compiled"))
         if b and "step_ms" in r:
             r["speedup_vs_1gpu"] = round(b / r["step_ms"], 3)

@@ -18,6 +18,11 @@ import traceback
 _STOP = "__stop__"
 
 
+def rel_err(out, ref) -> float:
+    """Relative error ``|out - ref| / |ref|`` (Frobenius norms): how parallel results are compared with one process."""
+    return float((out - ref).norm() / ref.norm())
+
+
 def free_port() -> int:
     """A TCP port that is free right now on localhost."""
     with socket.socket() as s:
