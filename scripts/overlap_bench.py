@@ -29,6 +29,7 @@ from ditmesh.comm import group_name
 from ditmesh.config import ParallelConfig
 from ditmesh.fusion import fuse_qkv
 from ditmesh.models.base import adapter_for
+from ditmesh.parallel.graph import cuda_capture, side_stream_run
 from ditmesh.profiling import profile_step
 from ditmesh.synth import build_transformer, get_arch
 from ditmesh.testing import rel_err
@@ -189,19 +190,15 @@ def _nccl_group(world, spec):
 
 
 def _graphed(step, device):
-    """Capture one whole transformer call in a CUDA graph; return a function that replays it."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.no_grad(), torch.cuda.stream(side):
+    """Capture one whole transformer call in a CUDA graph (ditmesh's own capture, ``parallel.graph``) after
+    three runs on a side stream; return a function that replays it."""
+    with torch.no_grad(), torch.cuda.device(device):
         for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        static_out = step()
+            side_stream_run(step)
+        replay_graph, static_out = cuda_capture(step)
 
     def replay():
-        graph.replay()
+        replay_graph()
         return static_out
 
     return replay

@@ -47,15 +47,14 @@ def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
     for _, attn in adapter.attention_modules(model):
         if getattr(attn, "fused_projections", False) or getattr(attn, "is_cross_attention", False):
             continue
-        names = [fused_name for parts, fused_name in _GROUPS
-                 if all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in parts)]
-        if "to_qkv" not in names:
+        groups = [(parts, fused_name) for parts, fused_name in _GROUPS
+                  if all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in parts)]
+        if not groups or groups[0][1] != "to_qkv":  # the added (text) projections alone are never fused
             continue
-        for parts, fused_name in _GROUPS:
-            if fused_name in names:
-                setattr(attn, fused_name, _fused_linear([getattr(attn, p) for p in parts]))
+        for parts, fused_name in groups:
+            setattr(attn, fused_name, _fused_linear([getattr(attn, p) for p in parts]))
         attn.fused_projections = True
-        fused.append((attn, names))
+        fused.append((attn, [fused_name for _, fused_name in groups]))
 
     def undo():
         for attn, names in fused:

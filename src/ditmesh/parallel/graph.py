@@ -72,7 +72,7 @@ def cuda_capture(fn: Callable[[], object]):
     return graph.replay, out
 
 
-def _side_stream_run(fn):
+def side_stream_run(fn):
     """Run ``fn()`` once on a side stream (what capture needs before it: lazy state made off the capture)."""
     if not torch.cuda.is_available():
         return fn()
@@ -137,7 +137,7 @@ class GraphedCall:
             return self._capture_here(entry, leaves, spec, args, kwargs)
 
     def _capture_here(self, entry: _Entry, leaves, spec, args, kwargs):
-        result = _side_stream_run(lambda: self.call(*args, **kwargs))
+        result = side_stream_run(lambda: self.call(*args, **kwargs))
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(static, spec)
         try:

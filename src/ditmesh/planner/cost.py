@@ -269,9 +269,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             if lin.row_parallel:
                 tensor = lin.rows * samples * (token_frac if lin.tokenwise else 1) * lin.out_features * bpe
                 send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp)
-    latent = 1
-    for s in stats.layout.latent_shape[1:]:
-        latent *= s
+    latent = math.prod(stats.layout.latent_shape[1:])
     if sp > 1:  # gather the model output once at the exit
         send("all_gather", "ring" if config.ring > 1 else "ulysses", latent * bpe * samples * (sp - 1) / sp)
     if config.cfg > 1:
@@ -279,12 +277,10 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     if pp > 1:  # each stage passes its patches' hidden states to the next one; overlapped with compute
         hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
         send("pp_p2p", "pp", hidden, count=patches, exposed=patches * links["pp"].latency_us * 1e-6)
-    if workload.cuda_graph:
-        gpu_s = compute_s + comm_s + kernels * cal.graph_kernel_us * 1e-6
-        host_s = 0.0  # one replay per call
-    else:
-        gpu_s = compute_s + comm_s + kernels * cal.kernel_us[mode] * 1e-6
-        host_s = (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
+    kernel_us = cal.graph_kernel_us if workload.cuda_graph else cal.kernel_us[mode]
+    gpu_s = compute_s + comm_s + kernels * kernel_us * 1e-6
+    # a graph is one replay per call; otherwise the host launches every kernel and collective
+    host_s = 0.0 if workload.cuda_graph else (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
     step_s = max(gpu_s, host_s)  # the host enqueues ahead of the GPU; whichever is slower sets the pace
     overhead_s = step_s - compute_s - comm_s
 
