@@ -6,7 +6,8 @@ Q/K/V projections); then every rank runs ulysses N in several variants: head-gro
 groups), eager (``-eager``), inductor's comm/compute reordering (``-reorder``), a CUDA graph of the whole
 step (``-graph``), separate Q/K/V projections (``-nofuse``; fused is this script's default, separate is ditmesh's), the received Q/K/V
 copied into one contiguous buffer as before the in-place receive layout (``-copyrecv``), and an all-to-all
-group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``). Each variant
+group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``), and the copy-engine
+transport (``-symm``, ``ditmesh.symm``) instead of NCCL. Each variant
 reports the
 median step, its relative error against the eager one-GPU output, and the profiler's breakdown (compute /
 communication / idle). Rows go to stdout and, as JSON lines, to ``$OUT/overlap.jsonl``.
@@ -139,6 +140,7 @@ def main():
     for name in args.variants.split(","):
         parts = name.split("-")
         sp.ulysses_chunks = int(parts[0][1:])
+        sp.transport = "symm" if "symm" in parts else "nccl"
         if "nofuse" not in parts and undo_fusion is None:
             undo_fusion = fuse_qkv(model, adapter)
         elif "nofuse" in parts and undo_fusion is not None:

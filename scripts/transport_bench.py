@@ -34,6 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1152, help="tokens per rank (FLUX 1024^2 on 4 GPUs: 1152)")
     ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--tensors", type=int, default=3, help="tensors per all-to-all (3: Q/K/V; 2: K/V; 1: output)")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -47,7 +48,7 @@ def main():
     group_name = dist.group.WORLD.group_name
     dtype = torch.bfloat16
 
-    numel = 3 * args.tokens * args.hidden // world * world  # divisible into one equal part per rank
+    numel = args.tensors * args.tokens * args.hidden // world * world  # divisible into one equal part per rank
     chunk = numel // world
     send = torch.randn(numel, device=device, dtype=dtype)
     nccl_out = torch.empty_like(send)
@@ -71,13 +72,42 @@ def main():
             slots[j].copy_(send[j * chunk:(j + 1) * chunk])
         handle.barrier(channel=0)  # every rank's copies into this rank have landed
 
-    def beside(a2a):
+    def ce_remote():  # the peers' parts only: in a real layer this rank's own part never moves
+        for step in range(1, world):
+            j = (rank + step) % world
+            slots[j].copy_(send[j * chunk:(j + 1) * chunk])
+        handle.barrier(channel=0)
+
+    heads = args.hidden // 128
+    qkv = [torch.randn(1, max(1, heads // world), args.tokens * world, 128, device=device, dtype=dtype)
+           for _ in range(3)]
+
+    def attn():  # the attention of one Ulysses layer: all tokens, this rank's heads
+        torch.nn.functional.scaled_dot_product_attention(*qkv)
+
+    out = torch.empty_like(send)
+
+    def ce_out():  # the same, then the received buffer copied out (so it can be reused at once)
+        ce()
+        out.copy_(recv)
+
+    def graphed(fn):  # fn captured once in a CUDA graph; the row times its replays
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph.replay
+
+    def beside(a2a, work=gemm):
         def both():
             cur = torch.cuda.current_stream()
             side.wait_stream(cur)
             with torch.cuda.stream(side):
                 a2a()
-            gemm()
+            work()
             cur.wait_stream(side)
         return both
 
@@ -88,16 +118,31 @@ def main():
         torch.cuda.synchronize()
         return bool(torch.equal(recv, nccl_out))
 
+    say(rank, f"rendezvous done, backend {symm_mem.get_backend(device)}")
     correct = check_ce()
-    rows = [("gemm", gemm), ("nccl", nccl), ("ce", ce), ("gemm+nccl", beside(nccl)), ("gemm+ce", beside(ce))]
+    say(rank, json.dumps({"ce_equals_nccl": correct, "bytes_per_rank": numel * send.element_size(), "hidden": args.hidden,
+                          "card": torch.cuda.get_device_name(device), "torch": torch.__version__}))
+    rows = [("gemm", gemm), ("nccl", nccl), ("ce", ce), ("ce+copyout", ce_out), ("gemm+nccl", beside(nccl)),
+            ("gemm+ce", beside(ce)), ("graph:nccl", graphed(nccl)), ("graph:ce", graphed(ce)),
+            ("graph:gemm+nccl", graphed(beside(nccl))), ("graph:gemm+ce", graphed(beside(ce))),
+            ("ce-remote", ce_remote), ("gemm+ce-remote", beside(ce_remote)),
+            ("graph:gemm+ce-remote", graphed(beside(ce_remote))), ("attn", attn),
+            ("attn+nccl", beside(nccl, attn)), ("attn+ce-remote", beside(ce_remote, attn)),
+            ("graph:attn+nccl", graphed(beside(nccl, attn))), ("graph:attn+ce-remote", graphed(beside(ce_remote, attn)))]
     for name, fn in rows:
         us = timed(fn, args.iters)
         if rank == 0:
-            print(json.dumps({"row": name, "us": round(us, 1), "tokens": args.tokens, "hidden": args.hidden,
-                              "bytes_per_rank": numel * send.element_size(), "world": world, "ce_equals_nccl": correct,
-                              "card": torch.cuda.get_device_name(device), "torch": torch.__version__}), flush=True)
+            print(json.dumps({"row": name, "us": round(us, 1), "tokens": args.tokens, "tensors": args.tensors,
+                              "world": world}), flush=True)
+    torch.cuda.synchronize()
     dist.barrier()
-    dist.destroy_process_group()
+    say(rank, "done")
+    os._exit(0)  # no teardown: a destroy after symmetric-memory use can hang
+
+
+def say(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[transport_bench] {msg}", flush=True)
 
 
 def timed(fn, iters: int) -> float:

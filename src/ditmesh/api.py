@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import fusion
 from . import models as _models  # noqa: F401  (registers adapters)
+from .attention.ulysses import TRANSPORTS
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .mesh import ParallelMesh
 from .models.base import adapter_for
@@ -101,9 +102,17 @@ def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> N
         raise ConfigError(f"{flag}{chunks} must be >= 1 (1 = no pipelining)")
 
 
+def check_transport(transport: str, device: torch.device, flag: str = "transport=") -> None:
+    """Raise :class:`ConfigError` unless ``transport`` is one of ``ulysses.TRANSPORTS`` and runs on ``device``."""
+    if transport not in TRANSPORTS:
+        raise ConfigError(f"{flag}{transport!r} is not a transport; use one of {', '.join(TRANSPORTS)}")
+    if transport == "symm" and device.type != "cuda":
+        raise ConfigError(f"{flag}symm needs CUDA GPUs (copy engines), not {device.type}; use nccl")
+
+
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
-                fuse_qkv: bool = False) -> ParallelRuntime:
+                fuse_qkv: bool = False, transport: str = "nccl") -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -125,6 +134,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             after tensor parallelism, with no extra weight memory. Off by default: on 4x H200 (FLUX 1024²,
             compiled, CUDA graph) it gained nothing, and with two head groups it lost their overlap
             (docs/benchmarks.md).
+        transport: how Ulysses all-to-alls travel: ``"nccl"`` (NCCL kernels; any backend) or ``"symm"``
+            (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host).
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
@@ -136,6 +147,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     if cuda_graph:
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
+    check_transport(transport, torch.device(device))
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)
@@ -145,7 +157,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     steps = [
         (f"tensor(tp={config.tp})", lambda: tensor.apply(transformer, mesh, adapter) + tensor.encode_once(pipe, mesh)),
         ("fuse(qkv)", lambda: fusion.fuse_qkv(transformer, adapter) if fuse_qkv else []),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks, compile)),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks, compile, transport)),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
         ("compile(blocks)", lambda: compile_blocks(transformer) if compile else []),
         ("cuda-graph", lambda: graph.apply(transformer) if cuda_graph else []),

@@ -25,7 +25,11 @@ from collections.abc import Callable
 
 import torch
 
+from .. import symm
 from ..comm import all_to_all_start, offsets, split_sizes, wait
+
+#: how the all-to-alls travel: NCCL kernels (any backend's functional all-to-all) or copy engines (``ditmesh.symm``)
+TRANSPORTS = ("nccl", "symm")
 
 
 def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tensor:
@@ -75,7 +79,7 @@ def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
 
 
 def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
-                       rank: int, group) -> Callable[[], tuple[torch.Tensor, ...]]:
+                       rank: int, group, transport: str = "nccl", slot: int = 0) -> Callable[[], tuple[torch.Tensor, ...]]:
     """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of each of ``xs`` to rank ``j``.
 
     ``xs``: tensors (e.g. Q, K, V) of one shape ``[..., S_rank, H, D]``, sequence shards; they travel in one
@@ -83,18 +87,24 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
     With no leading dims beyond size 1 (batch 1) these are strided views of the received buffer
     (``[..., S_total, len(xs), h, D]``, sequence stride ``len(xs) * h * D``): attention kernels read them in
     place, so the receive side copies nothing.
+
+    ``transport="symm"`` sends through copy engines (:mod:`ditmesh.symm`, CUDA) into the receive buffer of
+    head group ``slot``, which stays valid until the next transfer of that slot.
     """
     world = len(seq_sizes)
     lead = xs[0].shape[:-3]
     lead_numel = len(xs) * math.prod(lead)
-    local_seq, dim = xs[0].shape[-3], xs[0].shape[-1]
-    send = _pack_heads(xs, head_starts, head_sizes)
-    in_splits = [lead_numel * local_seq * head_sizes[j] * dim for j in range(world)]
+    dim = xs[0].shape[-1]
     out_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
-    recv = all_to_all_start(send, out_splits, in_splits, group)
+    if transport == "symm":
+        recv = symm.seq_to_heads_start(xs, seq_sizes, head_starts, head_sizes, rank, group, slot)
+    else:
+        send = _pack_heads(xs, head_starts, head_sizes)
+        in_splits = [lead_numel * xs[0].shape[-3] * head_sizes[j] * dim for j in range(world)]
+        recv = all_to_all_start(send, out_splits, in_splits, group)
 
     def finish() -> tuple[torch.Tensor, ...]:
-        got = wait(recv)
+        got = symm.wait(recv, group, "qkv", slot) if transport == "symm" else wait(recv)
         if math.prod(lead) == 1:  # the source ranks' chunks lie in sequence order already: views, no copy
             full = got.view(*lead, sum(seq_sizes), len(xs), head_sizes[rank], dim)
         else:
@@ -107,24 +117,32 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
 
 
 def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[int], rank: int,
-                       group) -> Callable[[], list[torch.Tensor]]:
+                       group, transport: str = "nccl", slot: int = 0) -> Callable[[], list[torch.Tensor]]:
     """Inverse of :func:`seq_to_heads_start`: ``x`` is ``[..., S_total, head_sizes[rank], D]``.
 
     Returns ``finish()``, which waits and gives the list over source ranks ``j`` of
-    ``[..., S_rank, head_sizes[j], D]`` (concatenated along heads by the caller).
+    ``[..., S_rank, head_sizes[j], D]`` (concatenated along heads by the caller). With
+    ``transport="symm"`` this rank's own part is a view of ``x``, which therefore is read until ``finish``.
     """
     world = len(seq_sizes)
     lead = x.shape[:-3]
     lead_numel = math.prod(lead)
     dim = x.shape[-1]
-    send = _pack_seq(x, seq_sizes)
-    in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
     out_splits = [lead_numel * seq_sizes[rank] * head_sizes[j] * dim for j in range(world)]
-    recv = all_to_all_start(send, out_splits, in_splits, group)
+    if transport == "symm":
+        recv = symm.heads_to_seq_start(x, seq_sizes, head_sizes, rank, group, slot)
+        own = x.narrow(-3, sum(seq_sizes[:rank]), seq_sizes[rank])
+    else:
+        send = _pack_seq(x, seq_sizes)
+        in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
+        recv = all_to_all_start(send, out_splits, in_splits, group)
 
     def finish() -> list[torch.Tensor]:
-        parts = wait(recv).split(out_splits)
-        return [p.view(*lead, seq_sizes[rank], head_sizes[j], dim) for j, p in enumerate(parts)]
+        got = symm.wait(recv, group, "out", slot) if transport == "symm" else wait(recv)
+        parts = [p.view(*lead, seq_sizes[rank], head_sizes[j], dim) for j, p in enumerate(got.split(out_splits))]
+        if transport == "symm":
+            parts[rank] = own
+        return parts
 
     return finish
 
@@ -167,23 +185,25 @@ def ulysses_attention(
     group,
     local_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     chunks: int = 1,
+    transport: str = "nccl",
 ) -> torch.Tensor:
     """Attention over the full sequence from sequence shards ``[B, S_rank, H, D]``; returns ``[B, S_rank, H, D]``.
 
     ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout. ``chunks``
     head groups are pipelined against the transfers (module docstring). Collectives: 2 all-to-alls per
-    non-empty head group.
+    non-empty head group, through ``transport`` (:data:`TRANSPORTS`).
     """
     world = len(seq_sizes)
     qkv = (query, key, value)
     groups = head_groups(query.shape[-2], world, max(1, chunks))
-    pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group)
+    pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group, transport, 0)
     returning = []
     for c, (_, sizes) in enumerate(groups):
-        following = seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group) if c + 1 < len(groups) else None
+        following = (seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group, transport, c + 1)
+                     if c + 1 < len(groups) else None)
         q, k, v = pending()
         out = local_attention(q, k, v) if sizes[rank] else q
-        returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group))
+        returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group, transport, c))
         pending = following
     parts = [finish() for finish in returning]  # parts[c][j]: rank j's heads of group c
     return torch.cat([parts[c][j] for j in range(world) for c in range(len(groups))], dim=-2)

@@ -32,7 +32,8 @@ class SequenceParallel:
     in that order and gathers the output at the exit.
     """
 
-    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None, compiled: bool = False):
+    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None, compiled: bool = False,
+                 transport: str = "nccl"):
         self.adapter = adapter
         self.plan = adapter.sequence_plan
         self.ring_degree = mesh.size("ring")
@@ -48,6 +49,8 @@ class SequenceParallel:
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
+        #: how Ulysses-only attention moves its all-to-alls (``attention.ulysses.TRANSPORTS``)
+        self.transport = transport
         #: tokens of each stream on each sp rank, set at every model entry
         self.stream_sizes: dict[str, list[int]] = {}
         #: local attention sequence length of each sp rank (sum over streams)
@@ -69,7 +72,7 @@ class SequenceParallel:
                 return dispatch_attention_fn(q, k, v, backend=backend)
 
             return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
-                                     chunks=self.ulysses_chunks)
+                                     chunks=self.ulysses_chunks, transport=self.transport)
         if self.ulysses_degree == 1:
             return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
@@ -151,16 +154,17 @@ def default_chunks(device: torch.device, compiled: bool = False) -> int:
 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None,
-          compiled: bool = False) -> list:
+          compiled: bool = False, transport: str = "nccl") -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
     Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
     pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
-    will be ``compiled``). Does nothing (and returns ``[]``) when the sequence-parallel degree is 1.
+    will be ``compiled``). ``transport``: how Ulysses-only attention moves its all-to-alls ("nccl" or
+    "symm"; ring and USP always use the process group's backend). Does nothing (and returns ``[]``) when the sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
-    sp = SequenceParallel(mesh, adapter, chunks, compiled)
+    sp = SequenceParallel(mesh, adapter, chunks, compiled, transport)
     forward = model.forward
 
     def pre_hook(module, args, kwargs):
