@@ -6,7 +6,7 @@
 set -u
 source scripts/gpu_env.sh
 N=$(nvidia-smi -L | wc -l)
-timeout 240 python3 -m pytest -q -x tests/gpu 2>&1 | tail -15
-V=${VARIANTS:-c1-graph-nofuse,c1-graph-nofuse-symm,c2-graph-nofuse-symm,c2-graph-nofuse,c4-graph-nofuse-symm}
-timeout ${LIMIT:-420} torchrun --nproc_per_node $N scripts/overlap_bench.py --single ${SINGLE:-both} --variants "$V" --steps 8 2>&1 \
+timeout 240 python3 -m pytest -q -s -x tests/gpu 2>&1 | grep -E "^\{|passed|failed|Error" | cut -c1-400
+V=${VARIANTS:-c1-eager-nofuse-symm,c1-graph-nofuse,c1-graph-nofuse-symm,c2-graph-nofuse-symm,c2-graph-nofuse}
+timeout ${LIMIT:-420} torchrun --nproc_per_node $N scripts/overlap_bench.py --single ${SINGLE:-eager} --variants "$V" --steps 8 2>&1 \
   | grep -E '^\{|Error|error' | cut -c1-700

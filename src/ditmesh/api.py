@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import fusion
+from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
@@ -68,14 +68,18 @@ def compile_blocks(model: torch.nn.Module) -> list:
 
     diffusers lists each model's repeated block classes in ``_repeated_blocks``; compiling blocks rather
     than the whole model keeps compile time to one graph per block type and leaves ditmesh's entry/exit
-    hooks outside the graphs. Returns undo callables.
+    hooks outside the graphs. With the copy-engine transport, inductor's buffer reuse is off
+    (``symm.COMPILE_OPTIONS``). Returns undo callables.
     """
     names = set(getattr(model, "_repeated_blocks", ()) or ())
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise NotImplementedError(f"{type(model).__name__} lists no repeated blocks to compile")
+    sp = getattr(model, "_ditmesh_sp", None)
+    # the copy-engine transport returns views of persistent receive buffers: inductor must not reuse them
+    options = symm.COMPILE_OPTIONS if sp is not None and sp.transport == "symm" else None
     for block in blocks:
-        block.compile()
+        block.compile(options=options)
 
     def undo():
         for block in blocks:

@@ -18,5 +18,6 @@ def test_symm_ulysses_equals_nccl_ulysses_eager_and_compiled():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            str(Path(__file__).with_name("symm_check.py"))],
                           env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count('"ok": true') == 10, proc.stdout
