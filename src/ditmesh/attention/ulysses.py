@@ -129,6 +129,7 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     lead_numel = math.prod(lead)
     dim = x.shape[-1]
     out_splits = [lead_numel * seq_sizes[rank] * head_sizes[j] * dim for j in range(world)]
+    own = None  # bound on every path: the compiler reads the closure's cells
     if transport == "symm":
         recv = symm.heads_to_seq_start(x, seq_sizes, head_sizes, rank, group, slot)
         own = x.narrow(-3, sum(seq_sizes[:rank]), seq_sizes[rank])
