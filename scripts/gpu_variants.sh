@@ -3,8 +3,8 @@
 # VARIANTS4 / VARIANTS2 override the variant lists; rows land in $OUT/overlap.jsonl.
 set -u
 source scripts/gpu_env.sh
-V4=${VARIANTS4:-c2-graph-nofuse-copyrecv,c2-graph-nofuse,c2-graph,c1-graph,c3-graph,c2-graph-minctas32,c2-graph-maxctas8,c2-graph-maxctas16}
-V2=${VARIANTS2:-c1-graph,c2-graph,c2-graph-nofuse}
+V4=${VARIANTS4:-c1-graph-nofuse,c1-graph-nofuse-symm,c2-graph-nofuse-symm,c2-graph-nofuse}
+V2=${VARIANTS2:-c1-graph-nofuse,c1-graph-nofuse-symm,c2-graph-nofuse}
 timeout 400 torchrun --nproc_per_node 4 scripts/overlap_bench.py --variants "$V4" --steps 6 2>&1 \
   | grep -E '^\{|Error|error' | cut -c1-600
 timeout 170 torchrun --nproc_per_node 2 scripts/overlap_bench.py --single eager --variants "$V2" --steps 6 2>&1 \

@@ -1,23 +1,27 @@
-"""GPU experiment, not run yet: can an all-to-all on copy engines hide behind a GEMM where NCCL's cannot?
+"""GPU experiment: can an all-to-all on copy engines hide behind a GEMM where NCCL's cannot?
 
-Written in the third session of 2026-11-26, after its device time was spent; its first run is the next
-session's. The question comes from that session's variant study (docs/benchmarks.md): once compiled,
-Ulysses all-to-alls that ran beside attention or GEMMs got slower by about as much as they hid, because
-NCCL's kernels and the compute compete for the same SMs. Copies through symmetric memory
-(``cudaMemcpyAsync`` into a peer's buffer) run on the copy engines instead.
+The question came from the third session's variant study (docs/benchmarks.md): once compiled, Ulysses
+all-to-alls that ran beside attention or GEMMs got slower by about as much as they hid, because NCCL's
+kernels and the compute compete for the same SMs. Copies through symmetric memory (``cudaMemcpyAsync``
+into a peer's buffer) run on the copy engines instead. First run: fourth session, 2x H200
+(``scripts/gpu_transport.sh``; rows in ``bench/results/transport_x2.jsonl``). Its answer: yes, for the
+peers' parts. Beside a 230 µs GEMM, ``ce-remote`` left 6 of its 72.5 µs exposed, where NCCL left 82 of
+its 97 µs. A local copy of this rank's own part on the side stream does not hide.
 
-    torchrun --nproc_per_node 4 scripts/transport_bench.py                      # FLUX 1024^2 x4 sizes
-    torchrun --nproc_per_node 4 scripts/transport_bench.py --tokens 8190 --hidden 5120   # Wan 480x832x81
+    torchrun --nproc_per_node N scripts/transport_bench.py --tokens 2304              # FLUX 1024^2 x2 sizes
+    torchrun --nproc_per_node N scripts/transport_bench.py --tokens 8190 --hidden 5120   # Wan 480x832x81 x4
 
-Per rank: the fused Q/K/V all-to-all of one attention layer (``3 x tokens x hidden`` bf16, an equal part to
-every rank) and the GEMM of FLUX's single-block MLP (``[tokens, hidden] x [hidden, 4 hidden]``). Rows, each
-the mean of ``--iters`` back-to-back repetitions in µs:
+Per rank: the fused Q/K/V all-to-all of one attention layer (``tensors x tokens x hidden`` bf16, an equal
+part to every rank), the GEMM of FLUX's single-block MLP (``[tokens, hidden] x [hidden, 4 hidden]``) and
+the attention of one Ulysses layer (all tokens, this rank's heads). Rows, each the mean of ``--iters``
+back-to-back repetitions in µs:
 
-- ``gemm``, ``nccl``, ``ce``: each alone
-- ``gemm+nccl``, ``gemm+ce``: the GEMM on the current stream, the all-to-all on a side stream, joined
+- ``gemm``, ``attn``, ``nccl``, ``ce`` (every part, this rank's own by a local copy), ``ce-remote`` (the
+  peers' parts only), ``ce+copyout`` (then the received buffer copied out): each alone
+- ``gemm+X``, ``attn+X``: the compute on the current stream, the all-to-all X on a side stream, joined
+- ``graph:...``: the same captured in a CUDA graph and replayed
 
-If ``gemm+ce`` lands near ``max(gemm, ce)`` while ``gemm+nccl`` stays near ``gemm + nccl``, a copy-engine
-transport for the Ulysses all-to-alls is worth building. Rank 0 prints one JSON line per row.
+Rank 0 prints one JSON line per row.
 """
 
 from __future__ import annotations

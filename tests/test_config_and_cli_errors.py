@@ -83,6 +83,9 @@ class _nothing:
     (["synth", "--arch", "flux-tiny", "--out", "s", "--dtype", "bogus"], "--dtype 'bogus' is not one of"),
     (["synth", "--arch", "flux-tiny", "--out", "s", "--device", "bogus"], "--device 'bogus' is not a device"),
     (["generate", "--model", "flux-tiny", "--cuda-graph"], "CUDA graphs need a CUDA device, but this rank runs on cpu"),
+    (["generate", "--model", "flux-tiny", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
+    (["generate", "--model", "flux-tiny", "--transport", "mpi"], "--transport 'mpi' is not a transport; use one of nccl, symm"),
+    (["bench", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
 ])
 def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

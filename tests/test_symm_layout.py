@@ -68,3 +68,15 @@ def test_symm_transport_is_refused_off_cuda_with_a_clear_error():
         check_transport("symm", torch.device("cpu"))
     with pytest.raises(ConfigError, match="'shm' is not a transport; use one of nccl, symm"):
         check_transport("shm", torch.device("cpu"))
+
+
+def test_symm_transport_checks_the_mesh_it_would_run_on():
+    from ditmesh.config import ParallelConfig
+
+    cuda = torch.device("cuda")  # the check reads only the device type: nothing runs on it
+    check_transport("symm", cuda, config=ParallelConfig(ulysses=4), local_world=8)
+    check_transport("nccl", cuda, config=ParallelConfig(ring=2, ulysses=2), local_world=1)
+    with pytest.raises(ConfigError, match="transport=symm moves Ulysses all-to-alls only, and ring=2 is set"):
+        check_transport("symm", cuda, config=ParallelConfig(ring=2, ulysses=2), local_world=4)
+    with pytest.raises(ConfigError, match="needs each ulysses=4 group on one host, but a host runs 2 processes"):
+        check_transport("symm", cuda, config=ParallelConfig(ulysses=4), local_world=2)

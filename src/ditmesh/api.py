@@ -9,6 +9,7 @@ forked. Every rank calls ``pipe(...)`` with the same arguments and gets the same
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -106,12 +107,30 @@ def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> N
         raise ConfigError(f"{flag}{chunks} must be >= 1 (1 = no pipelining)")
 
 
-def check_transport(transport: str, device: torch.device, flag: str = "transport=") -> None:
-    """Raise :class:`ConfigError` unless ``transport`` is one of ``ulysses.TRANSPORTS`` and runs on ``device``."""
+def check_transport(transport: str, device: torch.device, flag: str = "transport=",
+                    config: ParallelConfig | None = None, local_world: int | None = None) -> None:
+    """Raise :class:`ConfigError` unless ``transport`` is one of ``ulysses.TRANSPORTS`` and can run here.
+
+    ``"symm"`` needs CUDA, applies to Ulysses alone (ring and USP move their data through the process
+    group), and needs every Ulysses group on one host: the inner mesh axis, so ``ulysses`` must divide the
+    ``local_world`` processes of a host (default: torchrun's ``LOCAL_WORLD_SIZE``).
+    """
     if transport not in TRANSPORTS:
         raise ConfigError(f"{flag}{transport!r} is not a transport; use one of {', '.join(TRANSPORTS)}")
-    if transport == "symm" and device.type != "cuda":
+    if transport != "symm":
+        return
+    if device.type != "cuda":
         raise ConfigError(f"{flag}symm needs CUDA GPUs (copy engines), not {device.type}; use nccl")
+    if config is None:
+        return
+    if config.ring > 1:
+        raise ConfigError(f"{flag}symm moves Ulysses all-to-alls only, and ring={config.ring} is set; use nccl, "
+                          "or ring=1")
+    if local_world is None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
+    if local_world % config.ulysses:
+        raise ConfigError(f"{flag}symm needs each ulysses={config.ulysses} group on one host, but a host runs "
+                          f"{local_world} processes; use nccl across hosts")
 
 
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
@@ -151,7 +170,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     if cuda_graph:
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
-    check_transport(transport, torch.device(device))
+    check_transport(transport, torch.device(device), config=config)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh)
     adapter = adapter_for(transformer)

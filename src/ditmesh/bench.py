@@ -60,6 +60,8 @@ def add_bench_parser(sub) -> None:
                         "(CUDA only; default: on on GPUs)")
     b.add_argument("--ulysses-chunks", type=int, default=None,
                    help="head groups pipelined per Ulysses attention (default: 2 on CUDA in eager mode, else 1)")
+    b.add_argument("--transport", default="nccl",
+                   help="ditmesh rows' Ulysses all-to-alls: nccl, or symm (copy engines; CUDA GPUs of one host)")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -169,11 +171,13 @@ def _worker(spec: dict) -> None:
             model = _enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
             parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
-                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"])
+                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
+                        transport=spec.get("transport", "nccl"))
             ours = True
             sp = getattr(model, "_ditmesh_sp", None)
             if sp is not None and sp.ulysses_degree > 1 and sp.ring_degree == 1:  # USP runs one group
                 row["ulysses_chunks"] = sp.ulysses_chunks  # head groups as resolved (the default depends on compile)
+                row["transport"] = sp.transport
     except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
         row["error"] = _error_text(exc)
     if device.type == "cuda":
@@ -238,7 +242,7 @@ def run_bench(args) -> int:
     if args.worker:
         _worker(json.loads(args.worker))
         return 0
-    from .api import check_ulysses_chunks
+    from .api import check_transport, check_ulysses_chunks
     from .config import ConfigError
     from .runtime.launch import launch_local
     from .runtime.report import versions, write_json
@@ -267,6 +271,7 @@ def run_bench(args) -> int:
     if (args.cuda_graph or args.profile) and not on_gpu:
         raise ConfigError(f"{'--cuda-graph' if args.cuda_graph else '--profile'} needs CUDA GPUs; none are visible here")
     check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
+    check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     compiled = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
@@ -278,7 +283,8 @@ def run_bench(args) -> int:
         degrees = METHODS[method](g)
         spec = dict(model=model, height=height, width=width, frames=args.frames, batch=args.batch, method=method,
                     gpus=g, degrees=degrees, steps=args.steps, warmup=max(args.warmup, 2 if graph else 0), compile=comp,
-                    graph=graph, chunks=args.ulysses_chunks, profile=args.profile, dtype=dtype, tmp=tmp)
+                    graph=graph, chunks=args.ulysses_chunks, transport=args.transport, profile=args.profile,
+                    dtype=dtype, tmp=tmp)
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         product = 1
         for d in degrees.values():

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1 "
                         "or --check-consistency)")
+    g.add_argument("--transport", default="nccl",
+                   help="how Ulysses all-to-alls travel: nccl (NCCL kernels), or symm (copy engines writing into the "
+                        "peers' symmetric memory; CUDA GPUs of one host)")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -113,16 +113,6 @@ def _group(name: str, device: torch.device) -> _Group:
     return group
 
 
-def check_available(device: torch.device) -> None:
-    """Raise a one-line ``RuntimeError`` unless the copy-engine transport can run on ``device``."""
-    if device.type != "cuda":
-        raise RuntimeError(f"the copy-engine transport ('symm') needs CUDA GPUs, not {device.type}; use transport='nccl'")
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError as err:  # pragma: no cover - every CUDA build of torch >= 2.5 has it
-        raise RuntimeError(f"the copy-engine transport ('symm') needs torch symmetric memory: {err}") from err
-
-
 # -- layout (pure functions: also what the CPU tests check) ---------------------------------------------
 
 def seq_to_heads_layout(lead_numel: int, n: int, local_seq: int, dim: int, seq_sizes: list[int],

@@ -57,9 +57,12 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         validate_frames(read_pipeline_class(model), args.frames)
     if config.cfg > 1:
         check_guidance_on(read_pipeline_class(model), args)
+    from ..api import check_transport
+    from ..mesh import default_device
+
+    check_transport(getattr(args, "transport", "nccl"), default_device(), "--transport ", config)
     if getattr(args, "cuda_graph", False):
         from ..api import check_cuda_graph
-        from ..mesh import default_device
 
         check_cuda_graph(config, default_device(), args.check_consistency)
     return config, model
@@ -199,7 +202,8 @@ def run(args) -> int:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
     parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
-                compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False))
+                compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
+                transport=getattr(args, "transport", "nccl"))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
