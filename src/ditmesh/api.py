@@ -158,7 +158,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             compiled, CUDA graph) it gained nothing, and with two head groups it lost their overlap
             (docs/benchmarks.md).
         transport: how Ulysses all-to-alls travel: ``"nccl"`` (NCCL kernels; any backend) or ``"symm"``
-            (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host).
+            (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host;
+            Ulysses alone). With ``"symm"``, compile through ``compile=True``: a ``torch.compile`` of your own
+            around the model must pass ``options=ditmesh.symm.COMPILE_OPTIONS`` (see that module).
     """
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
