@@ -6,10 +6,9 @@ Q/K/V projections); then every rank runs ulysses N in several variants: head-gro
 groups), eager (``-eager``), inductor's comm/compute reordering (``-reorder``), a CUDA graph of the whole
 step (``-graph``), separate Q/K/V projections (``-nofuse``; fused is this script's default, separate is ditmesh's), the received Q/K/V
 copied into one contiguous buffer as before the in-place receive layout (``-copyrecv``), and an all-to-all
-group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``), and the copy-engine
-transport (``-symm``, ``ditmesh.symm``) instead of NCCL. Each variant
-reports the
-median step, its relative error against the eager one-GPU output, and the profiler's breakdown (compute /
+group whose NCCL communicator gets at least / at most N CTAs (``-minctasN`` / ``-maxctasN``), and the
+copy-engine transport (``-symm``, ``ditmesh.symm``) instead of NCCL. Each variant reports the median step,
+its relative error against the eager one-GPU output, and the profiler's breakdown (compute /
 communication / idle). Rows go to stdout and, as JSON lines, to ``$OUT/overlap.jsonl``.
 """
 

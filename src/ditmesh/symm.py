@@ -40,6 +40,8 @@ import math
 
 import torch
 
+from .comm import offsets
+
 #: inductor options for code around these ops: a receive buffer must never hold another value
 COMPILE_OPTIONS = {"allow_buffer_reuse": False, "inplace_buffers": False}
 
@@ -57,8 +59,8 @@ class _Buffer:
         self.tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.tensor, group)
 
-    def local(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
-        return self.tensor.view(dtype)[offset:offset + numel]
+    def local(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.tensor.view(dtype)[:numel]
 
     def peer(self, rank: int, dtype: torch.dtype, numel: int, offset: int) -> torch.Tensor:
         return self.handle.get_buffer(rank, (numel,), dtype, offset)
@@ -92,13 +94,10 @@ class _Group:
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             buf.handle.barrier(channel=0)
-            by_peer = {peer: (src, offset) for peer, src, offset in parts}
-            for step in range(1, world):  # the next rank first, so that not every rank writes to one peer at once
-                peer = (rank + step) % world
-                if peer in by_peer:
-                    src, offset = by_peer[peer]
-                    if src.numel():
-                        buf.peer(peer, src.dtype, src.numel(), offset).copy_(src)
+            # the next rank first, so that not every rank writes to one peer at once
+            for peer, src, offset in sorted(parts, key=lambda part: (part[0] - rank) % world):
+                if src.numel():
+                    buf.peer(peer, src.dtype, src.numel(), offset).copy_(src)
             buf.handle.barrier(channel=0)
         event = self.events.get(key)
         if event is None:
@@ -191,7 +190,7 @@ def _heads_to_seq(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[int], 
     g = _group(group, x.device)
     key = ("out", slot)
     buf = g.recv_buffer(key, x.dtype, recv_numel)
-    starts = [sum(seq_sizes[:j]) for j in range(len(seq_sizes))]
+    starts = offsets(seq_sizes)
     direct = lead_numel == 1 and x.is_contiguous()  # each peer's rows are one contiguous run of x: no packing
     if direct:
         flat = x.reshape(-1)

@@ -59,9 +59,7 @@ def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tens
     numel = [n * math.prod(lead) * h * dim for h in head_sizes]
     buf = x0.new_empty(sum(numel), dtype=dtype)
     for j, part in enumerate(buf.split(numel)):
-        view = part.view(*lead, n, head_sizes[j], dim)
-        for i, x in enumerate(xs):
-            view.select(-3, i).copy_(x.narrow(-2, head_starts[j], head_sizes[j]))
+        symm.pack_heads_into(xs, head_starts, head_sizes, j, part)
     return buf
 
 
@@ -71,10 +69,8 @@ def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
         return x.reshape(-1)
     numel = [math.prod(x.shape[:-3]) * n * math.prod(x.shape[-2:]) for n in seq_sizes]
     buf = x.new_empty(sum(numel))
-    start = 0
-    for part, n in zip(buf.split(numel), seq_sizes):
-        part.view(*x.shape[:-3], n, *x.shape[-2:]).copy_(x.narrow(-3, start, n))
-        start += n
+    for part, start, n in zip(buf.split(numel), offsets(seq_sizes), seq_sizes):
+        symm.pack_seq_into(x, start, n, part)
     return buf
 
 
