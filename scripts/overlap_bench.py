@@ -131,8 +131,7 @@ def main():
     class Pipe:
         transformer = model
 
-    parallelize(Pipe, ParallelConfig(ulysses=world), device=device, fuse_qkv=False)
-    sp = model._ditmesh_sp
+    sp = parallelize(Pipe, ParallelConfig(ulysses=world), device=device, fuse_qkv=False).sequence()
     default_group = sp.ulysses_group
     undo_fusion = None
     copying = _copying_receive(ulysses.seq_to_heads_start)

@@ -79,7 +79,7 @@ def diverging_ranks_case(model: str):
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize
-    from ditmesh.runtime.consistency import RankDivergenceError
+    from ditmesh.parallel.consistency import RankDivergenceError
 
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
@@ -111,15 +111,16 @@ def flux_graphed_generate(model: str, config: dict, steps: int = 3):
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize
-    from ditmesh.parallel import graph
+    from ditmesh.hooks import add_hook
+    from ditmesh.parallel.graph import GraphHook
 
     torch.manual_seed(0)
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     parallelize(pipe, ParallelConfig(**config))
-    graph.apply(pipe.transformer, capture=rerun_capture, devices=("cpu",))
+    hook = GraphHook(capture=rerun_capture, devices=("cpu",))
+    add_hook(pipe.transformer, hook)
     latents = pipe("a red circle", height=48, width=48, num_inference_steps=steps, guidance_scale=3.5,
                    generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="latent").images
-    graphed = pipe.transformer._compiled_call_impl
-    entries = [(e.calls, e.replay is not None, e.failed) for e in graphed.entries.values()]
+    entries = [(e.calls, e.replay is not None, e.failed) for e in hook.graphed.entries.values()]
     return latents, entries

@@ -23,6 +23,15 @@ def flux_tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def model_checkpoints(tmp_path_factory) -> dict:
+    """Synthetic sd3-tiny and wan2.2-tiny (two transformers) pipeline folders (seed 0)."""
+    from ditmesh.synth import write_checkpoint
+
+    root = tmp_path_factory.mktemp("family-ckpt")
+    return {name: str(write_checkpoint(name, root / name, seed=0, device="cpu")) for name in ("sd3-tiny", "wan2.2-tiny")}
+
+
+@pytest.fixture(scope="session")
 def pools():
     """``pools(n)`` -> a ProcessPool of n gloo ranks, started once per session."""
     from ditmesh.testing import ProcessPool

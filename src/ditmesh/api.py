@@ -1,15 +1,18 @@
-"""``parallelize(pipe, config)``: the one entry point.
+"""``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequence -> cfg/data -> (compile)
--> (CUDA graph).
-The pipeline object is changed in place through hooks and attention processors; no pipeline class is
-forked. Every rank calls ``pipe(...)`` with the same arguments and gets the same result.
+-> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
+(``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
+calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
+pipeline is kept here, keyed by its transformers, not as an attribute of the user's objects.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -19,9 +22,10 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
+from .hooks import ContextHook, ForwardContext, add_hook, find_hook
 from .mesh import ParallelMesh
-from .models.base import adapter_for
-from .parallel import batch, graph, sequence, tensor
+from .models.base import ModelAdapter, adapter_for
+from .parallel import batch, consistency, graph, sequence, tensor
 
 log = logging.getLogger("ditmesh")
 
@@ -37,18 +41,68 @@ SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
 
 @dataclass
 class ParallelRuntime:
-    """What :func:`parallelize` did to a pipeline: the mesh, and how to undo it."""
+    """What :func:`parallelize` did to a pipeline: the mesh, the per-call context, and how to undo it."""
 
     config: ParallelConfig
     mesh: ParallelMesh
+    #: per-call state shared by every transformer of the pipeline and every dimension
+    context: ForwardContext = field(default_factory=ForwardContext)
+    #: the parallelized transformers by pipeline component name (``transformer``, ``transformer_2``)
+    transformers: dict[str, torch.nn.Module] = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     _undo: list = field(default_factory=list)
 
+    def sequence(self, component: str = "transformer"):
+        """The sequence-parallel runtime (:class:`~ditmesh.parallel.sequence.SequenceParallel`) of a transformer,
+        or None when the sequence-parallel degree is 1."""
+        hook = find_hook(self.transformers[component], "sequence")
+        return hook.sp if hook is not None else None
+
     def remove(self) -> None:
-        """Restore the pipeline's original forward behaviour."""
+        """Give back the pipeline as it was: hooks and processors removed, tensor-parallel shards gathered back
+        (packed parts reordered, head counts restored), text encoders put back, compiled blocks uncompiled.
+
+        A transformer loaded as a shard (``load_sharded_transformer``) never held its whole weights: its
+        collectives are removed and a RuntimeError says so.
+        """
+        errors = []
         for fn in reversed(self._undo):
-            fn()
+            try:
+                fn()
+            except RuntimeError as exc:  # undo the rest before reporting
+                errors.append(exc)
         self._undo.clear()
+        for model in self.transformers.values():
+            _RUNTIMES.pop(model, None)
+        if errors:
+            raise errors[0]
+
+
+#: transformer -> the runtime that parallelized it (weak: never keeps a model alive)
+_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def transformers_of(pipe) -> dict[str, torch.nn.Module]:
+    """The pipeline's transformers by component name: ``transformer`` and any ``transformer_*`` that is set."""
+    components = getattr(pipe, "components", None) or {"transformer": getattr(pipe, "transformer", None)}
+    return {name: module for name, module in sorted(components.items())
+            if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+
+
+def runtime_of(pipe) -> ParallelRuntime | None:
+    """The runtime of a pipeline :func:`parallelize` changed, or None."""
+    for model in transformers_of(pipe).values():
+        if model in _RUNTIMES:
+            return _RUNTIMES[model]
+    return None
+
+
+def remove(pipe) -> None:
+    """Undo :func:`parallelize` on ``pipe`` (see :meth:`ParallelRuntime.remove`); nothing to do is an error."""
+    runtime = runtime_of(pipe)
+    if runtime is None:
+        raise ValueError(f"this {type(pipe).__name__} is not parallelized by ditmesh; nothing to remove")
+    runtime.remove()
 
 
 def check_supported(config: ParallelConfig) -> None:
@@ -64,21 +118,19 @@ def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
     config.check_heads(adapter.num_heads(transformer), type(transformer).__name__)
 
 
-def compile_blocks(model: torch.nn.Module) -> list:
+def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list:
     """Regional compilation: ``torch.compile`` every repeated transformer block, in place.
 
-    diffusers lists each model's repeated block classes in ``_repeated_blocks``; compiling blocks rather
-    than the whole model keeps compile time to one graph per block type and leaves ditmesh's entry/exit
-    hooks outside the graphs. With the copy-engine transport, inductor's buffer reuse is off
-    (``symm.COMPILE_OPTIONS``). Returns undo callables.
+    The blocks are the adapter's ordered block lists; compiling blocks rather than the whole model keeps
+    compile time to one graph per block type and leaves ditmesh's entry/exit hooks outside the graphs. With
+    the copy-engine transport, inductor's buffer reuse is off (``symm.COMPILE_OPTIONS``). Returns undo
+    callables.
     """
-    names = set(getattr(model, "_repeated_blocks", ()) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise NotImplementedError(f"{type(model).__name__} lists no repeated blocks to compile")
-    sp = getattr(model, "_ditmesh_sp", None)
+    adapter = adapter or adapter_for(model)
+    blocks = adapter.block_modules(model)
+    hook = find_hook(model, "sequence")
     # the copy-engine transport returns views of persistent receive buffers: inductor must not reuse them
-    options = symm.COMPILE_OPTIONS if sp is not None and sp.transport == "symm" else None
+    options = symm.COMPILE_OPTIONS if hook is not None and hook.sp.transport == "symm" else None
     for block in blocks:
         block.compile(options=options)
 
@@ -142,7 +194,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     process) and after moving the pipeline to this rank's device.
 
     Args:
-        pipe: a diffusers pipeline with a ``transformer`` (e.g. ``FluxPipeline``).
+        pipe: a diffusers pipeline with a ``transformer`` (e.g. ``FluxPipeline``); a second transformer
+            (``transformer_2``) is parallelized the same way. A pipeline is parallelized once: call
+            :func:`remove` before parallelizing it again.
         config: the degrees; their product must equal the world size.
         check_consistency: debug mode: before every transformer call, verify that timestep, latents
             and text embeddings are bit-identical on every rank (raises on the first mismatch).
@@ -162,42 +216,58 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             Ulysses alone). With ``"symm"``, compile through ``compile=True``: a ``torch.compile`` of your own
             around the model must pass ``options=ditmesh.symm.COMPILE_OPTIONS`` (see that module).
     """
-    transformer = getattr(pipe, "transformer", None)
-    if transformer is None:
+    models = transformers_of(pipe)
+    if not models:
         raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
+    done = [m for m in models.values() if m in _RUNTIMES]
+    if done:
+        raise ConfigError(f"this pipeline is already parallelized ({_RUNTIMES[done[0]].config.describe()}); call "
+                          "ditmesh.remove(pipe) first to parallelize it again with another configuration")
     check_supported(config)
-    check_model(config, transformer)
+    for model in models.values():
+        check_model(config, model)
+    first = next(iter(models.values()))
     if device is None:
-        device = next(transformer.parameters()).device
+        device = next(first.parameters()).device
     if cuda_graph:
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
     mesh = ParallelMesh.build(config, torch.device(device))
-    runtime = ParallelRuntime(config=config, mesh=mesh)
-    adapter = adapter_for(transformer)
+    runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
+    ctx = runtime.context
+    check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
-    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data. Every step does nothing at degree 1 and returns
-    # the callables that undo it.
+    def each(step):
+        """``step(model, adapter)`` on every transformer; their undo callables together."""
+        return [undo for model in models.values() for undo in step(model, adapter_for(model))]
+
+    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> compile -> graph. Every step does
+    # nothing at degree 1 and returns the callables that undo it. Hooks take their place in the call chain from
+    # hooks.ORDER, whatever order they are added in.
     steps = [
-        (f"tensor(tp={config.tp})", lambda: tensor.apply(transformer, mesh, adapter) + tensor.encode_once(pipe, mesh)),
-        ("fuse(qkv)", lambda: fusion.fuse_qkv(transformer, adapter) if fuse_qkv else []),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})", lambda: sequence.apply(transformer, mesh, adapter, ulysses_chunks, compile, transport)),
-        (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: batch.apply(pipe, transformer, mesh, adapter)),
-        ("compile(blocks)", lambda: compile_blocks(transformer) if compile else []),
-        ("cuda-graph", lambda: graph.apply(transformer) if cuda_graph else []),
+        ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe))])),
+        (f"tensor(tp={config.tp})", lambda: each(lambda m, a: tensor.apply(m, mesh, a)) + tensor.encode_once(pipe, mesh)),
+        ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else []),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
+        (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
+        ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else []),
+        ("compile(blocks)", lambda: each(compile_blocks) if compile else []),
+        ("cuda-graph", lambda: each(lambda m, a: graph.apply(m)) if cuda_graph else []),
     ]
-    for name, step in steps:
-        undo = step()
-        if undo:
-            runtime._undo += undo
-            runtime.applied.append(name)
-    if check_consistency and dist.is_initialized() and dist.get_world_size() > 1:
-        # registered last with prepend=True, so it runs first and sees the full, replicated inputs
-        from .runtime.consistency import attach_consistency_check
-
-        runtime._undo += attach_consistency_check(transformer)
-        runtime.applied.append("consistency-check")
-    log.info("ditmesh: %s applied to %s: %s", config.describe(), type(transformer).__name__, runtime.applied or ["nothing"])
-    pipe._ditmesh = runtime
+    try:
+        for name, step in steps:
+            undo = step()
+            if undo:
+                runtime._undo += undo
+                if name != "context":
+                    runtime.applied.append(name)
+    except BaseException:
+        runtime.remove()  # a step that fails leaves the pipeline as it was
+        raise
+    for model in models.values():
+        _RUNTIMES[model] = runtime
+    log.info("ditmesh: %s applied to %s: %s", config.describe(), ", ".join(f"{n} ({type(m).__name__})" for n, m in
+             models.items()), runtime.applied or ["nothing"])
     return runtime

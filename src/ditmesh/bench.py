@@ -71,61 +71,6 @@ def add_bench_parser(sub) -> None:
     b.set_defaults(func=run_bench)
 
 
-def _enable_peer(model, method: str, degrees: dict) -> None:
-    from diffusers import ContextParallelConfig
-
-    if degrees.get("ring", 1) > 1:
-        model.set_attention_backend("_native_cudnn")  # diffusers' ring needs an LSE-returning backend
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degrees.get("ulysses", 1) or None,
-                                                          ring_degree=degrees.get("ring", 1) or None))
-
-
-def _enable_xdit(model, config: dict, spec: dict, text_len: int):
-    """xDiT (xfuser 0.7) as a peer, driven as in shared/ANCHORS.md: its FLUX wrapper on our weights.
-
-    Returns the wrapper, to be called instead of ``model``: it takes full-length inputs, splits them over
-    the ranks itself and all-gathers the full-length output. It is built on the meta device from the same
-    ``config`` and takes ``model``'s tensors (``assign=True``), so the weights are not held twice. xfuser is
-    imported here only: without it (or on a machine it does not support) the row records the error.
-    """
-    if type(model).__name__ != "FluxTransformer2DModel":
-        raise NotImplementedError(f"xdit rows exist for FLUX only, not {type(model).__name__}")
-    from xfuser import xFuserArgs
-    from xfuser.core.distributed import get_runtime_state, init_distributed_environment, initialize_runtime_state
-    from xfuser.model_executor.models.transformers.transformer_flux import xFuserFlux1Transformer2DWrapper
-
-    degrees = spec["degrees"]
-    init_distributed_environment()  # takes over the process group that is already up
-    engine_config, _ = xFuserArgs(model="synthetic", ulysses_degree=degrees.get("ulysses", 1),
-                                  ring_degree=degrees.get("ring", 1)).create_config()
-    with torch.device("meta"):
-        wrapper = xFuserFlux1Transformer2DWrapper(**config)
-    wrapper.load_state_dict(model.state_dict(), strict=True, assign=True)
-    wrapper.eval()
-
-    class FluxStub:  # what initialize_runtime_state reads of a pipeline (a "Flux" class name doubles the factor)
-        transformer = wrapper
-        vae_scale_factor = 8
-
-    initialize_runtime_state(FluxStub(), engine_config)
-    get_runtime_state().set_input_parameters(height=spec["height"], width=spec["width"], batch_size=spec.get("batch", 1),
-                                             num_inference_steps=28, max_condition_sequence_length=text_len,
-                                             split_text_embed_in_sp=True)
-    if spec["compile"] and degrees.get("ring", 1) > 1:
-        # xDiT's ring attention checks torch's version on every call; compiled, torch 2.11's Dynamo fails inside
-        # packaging.version ("'UserDefinedExceptionObjectVariable' object has no attribute 'call_setattr'").
-        # Answer that check before tracing; the attention itself is untouched.
-        from xfuser.model_executor.layers import usp
-
-        check, known = usp.version_at_least, {(torch.__version__, "2.6.0"): usp.version_at_least(torch.__version__, "2.6.0")}
-
-        def answered(installed: str, floor: str) -> bool:
-            return known[(installed, floor)] if (installed, floor) in known else check(installed, floor)
-
-        usp.version_at_least = answered
-    return wrapper
-
-
 def _error_text(exc: BaseException) -> str:
     """A failed row's note: the exception's type and first line."""
     first = str(exc).splitlines()[0] if str(exc) else ""
@@ -140,8 +85,9 @@ def _worker(spec: dict) -> None:
     from .config import ParallelConfig
     from .mesh import default_device
     from .models.base import adapter_for
-    from .runtime.generate import DTYPES, _init_distributed
+    from .runtime.generate import _init_distributed
     from .runtime.report import device_name
+    from .shared import DTYPES
     from .synth import build_transformer, get_arch
 
     device = default_device()
@@ -166,15 +112,19 @@ def _worker(spec: dict) -> None:
     ours = False  # parallelize() compiles our rows itself; peers and plain diffusers are compiled below
     try:
         if spec["method"].startswith("diffusers-"):
-            _enable_peer(model, spec["method"], spec["degrees"])
+            from .bench_peers import enable_diffusers
+
+            enable_diffusers(model, spec["method"], spec["degrees"])
         elif spec["method"].startswith("xdit-"):
-            model = _enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
+            from .bench_peers import enable_xdit
+
+            model = enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
-            parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
-                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
-                        transport=spec.get("transport", "nccl"))
+            runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
+                                  ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
+                                  transport=spec.get("transport", "nccl"))
             ours = True
-            sp = getattr(model, "_ditmesh_sp", None)
+            sp = runtime.sequence()
             if sp is not None and sp.ulysses_degree > 1 and sp.ring_degree == 1:  # USP runs one group
                 row["ulysses_chunks"] = sp.ulysses_chunks  # head groups as resolved (the default depends on compile)
                 row["transport"] = sp.transport
@@ -187,7 +137,7 @@ def _worker(spec: dict) -> None:
         if spec["compile"] and not ours:
             from .api import compile_blocks
 
-            compile_blocks(model)
+            compile_blocks(model, adapter)
         times = []
         with torch.no_grad():
             for i in range(spec["warmup"] + spec["steps"]):
@@ -245,7 +195,8 @@ def run_bench(args) -> int:
     from .api import check_transport, check_ulysses_chunks
     from .config import ConfigError
     from .runtime.launch import launch_local
-    from .runtime.report import versions, write_json
+    from .runtime.report import versions
+    from .shared import write_json
     from .synth import get_arch
     from .testing import rel_err
 

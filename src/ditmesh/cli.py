@@ -63,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
     g.add_argument("--images-per-prompt", type=_positive_int, default=1, metavar="N",
                    help="images per prompt (default 1); with --dp they are spread over the data-parallel groups")
-    g.add_argument("--negative-prompt", default=None, help="negative prompt (enables true CFG on FLUX)")
+    g.add_argument("--negative-prompt", default=None, help="negative prompt (with --true-cfg-scale > 1, turns on CFG where the family uses true CFG)")
     g.add_argument("--true-cfg-scale", type=float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
     g.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
     g.add_argument("--frames", type=int, default=None, metavar="N",
-                   help="video pipelines (Wan): frames to generate, 4k+1 (default: the model's); writes a video")
+                   help="video pipelines: frames to generate (default: the model's; the family's frame rule applies, e.g. 4k+1); writes a video")
     g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
     g.add_argument("--guidance", type=float, default=3.5, help="guidance scale (default 3.5)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

@@ -16,7 +16,8 @@ it off unless asked.
 While fused: ``state_dict()`` lists the weights twice (``to_qkv`` and ``to_q``/``to_k``/``to_v``, one
 storage); moving the model afterwards (``.to()``, CPU offload) breaks the sharing and adds a copy; adapters
 such as LoRA loaded afterwards onto ``to_q``/``to_k``/``to_v`` are bypassed by the fused path. Fuse last,
-after moving and loading; undo (``ParallelRuntime.remove``) restores the separate path.
+after moving and loading; undo (``ParallelRuntime.remove``) restores the separate path and gives the separate
+linears their own storage again.
 """
 
 from __future__ import annotations
@@ -53,16 +54,30 @@ def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
             continue
         for parts, fused_name in groups:
             setattr(attn, fused_name, _fused_linear([getattr(attn, p) for p in parts]))
+        had_flag = "fused_projections" in vars(attn)
         attn.fused_projections = True
-        fused.append((attn, [fused_name for _, fused_name in groups]))
+        fused.append((attn, groups, had_flag))
 
     def undo():
-        for attn, names in fused:
-            for name in names:
-                delattr(attn, name)
-            attn.fused_projections = False
+        for attn, groups, had_flag in fused:
+            for parts, fused_name in groups:
+                delattr(attn, fused_name)
+                for part in parts:  # own storage again, so the fused weight is freed
+                    _own_parameters(getattr(attn, part))
+            if had_flag:
+                attn.fused_projections = False
+            else:
+                del attn.fused_projections
 
     return [undo] if fused else []
+
+
+@torch.no_grad()
+def _own_parameters(linear: torch.nn.Linear) -> None:
+    for name in ("weight", "bias"):
+        param = getattr(linear, name)
+        if param is not None:
+            setattr(linear, name, torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
 
 
 @torch.no_grad()

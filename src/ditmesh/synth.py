@@ -1,10 +1,10 @@
 """Synthetic checkpoints: complete diffusers pipeline folders with seeded random weights in real architectures.
 
 ``ditmesh synth --arch flux-dev --out DIR`` writes a folder that loads through the ordinary
-``FluxPipeline.from_pretrained(DIR)`` (``StableDiffusion3Pipeline`` for ``sd3-*``, ``WanPipeline`` for
-``wan-*``): the named model's transformer and VAE, small text encoders with the right output widths, and
-tokenizers built locally (no download). Each architecture's ``family`` names the function that builds
-its pipeline's other components (:data:`COMPONENT_BUILDERS`).
+``DiffusionPipeline.from_pretrained(DIR)`` (the architecture's own pipeline class): the named model's
+transformer(s) and VAE, small text encoders with the right output widths, and tokenizers built locally (no
+download). The architectures and the components of each family's pipeline come from the family's adapter
+(``synth_archs``, ``synth_components``); this module builds them with a :class:`Kit`.
 
 Weights: every parameter is drawn from a generator seeded by ``(seed, parameter name)``, normal with
 std ``1/sqrt(fan_in)`` for matrices (so activations keep their scale through deep stacks), ones for norm
@@ -13,14 +13,17 @@ scales, zeros for biases. Same seed and device type -> same weights.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .models import adapter_for_class, synth_archs
+from .models.base import SynthArch as Arch
+from .shared import DTYPES, current_umask
 
 #: Words the synthetic tokenizers know as whole tokens (anything else falls back to characters).
 WORDS = (
@@ -32,274 +35,8 @@ WORDS = (
 ).split()
 
 
-@dataclass(frozen=True)
-class Arch:
-    """A synthetic architecture: the pipeline class and the config of each component."""
-
-    name: str
-    description: str
-    pipeline: str
-    transformer_class: str
-    transformer: dict
-    vae: dict
-    clip: dict
-    t5: dict
-    scheduler: dict
-    default_dtype: str = "float32"
-    default_size: tuple[int, int] = (1024, 1024)
-    max_sequence_length: int = 512
-    extra: dict = field(default_factory=dict)
-    #: which builder makes the non-transformer components: "flux", "sd3" or "wan" (see COMPONENT_BUILDERS)
-    family: str = "flux"
-    #: the second CLIP text encoder (SD3's CLIP-G); ``clip`` is the first (CLIP-L)
-    clip_2: dict = field(default_factory=dict)
-    scheduler_class: str = "FlowMatchEulerDiscreteScheduler"
-    #: video architectures: frames generated when ``--frames`` is not given (4k+1 for Wan)
-    default_frames: int | None = None
-
-
-_FLUX_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
-
-_FLUX_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=16,
-    norm_num_groups=32,
-    sample_size=1024,
-    scaling_factor=0.3611,
-    shift_factor=0.1159,
-    use_quant_conv=False,
-    use_post_quant_conv=False,
-    force_upcast=True,
-)
-
-ARCHS: dict[str, Arch] = {}
-
-
-def _add(arch: Arch) -> Arch:
-    ARCHS[arch.name] = arch
-    return arch
-
-
-_add(
-    Arch(
-        name="flux-tiny",
-        description="FLUX.1 architecture shrunk for CPU tests: 2 double + 2 single blocks, 6 heads x 16",
-        pipeline="FluxPipeline",
-        transformer_class="FluxTransformer2DModel",
-        transformer=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=6,
-            joint_attention_dim=64,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=[4, 6, 6],
-        ),
-        vae=dict(_FLUX_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
-        clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, projection_dim=32),
-        t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
-        scheduler=_FLUX_SCHEDULER,
-        default_size=(64, 64),
-        max_sequence_length=32,
-    )
-)
-
-_add(
-    Arch(
-        name="flux-tiny-tp",
-        description="flux-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
-        pipeline="FluxPipeline",
-        transformer_class="FluxTransformer2DModel",
-        transformer=dict(ARCHS["flux-tiny"].transformer, num_attention_heads=4),
-        vae=ARCHS["flux-tiny"].vae,
-        clip=ARCHS["flux-tiny"].clip,
-        t5=ARCHS["flux-tiny"].t5,
-        scheduler=_FLUX_SCHEDULER,
-        default_size=(64, 64),
-        max_sequence_length=32,
-    )
-)
-
-_add(
-    Arch(
-        name="flux-dev",
-        description="FLUX.1-dev transformer (19 double + 38 single blocks, 24 heads x 128, 11.9B params), full VAE",
-        pipeline="FluxPipeline",
-        transformer_class="FluxTransformer2DModel",
-        transformer=dict(
-            patch_size=1,
-            in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
-            axes_dims_rope=[16, 56, 56],
-        ),
-        vae=_FLUX_VAE,
-        clip=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=12, projection_dim=768),
-        t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
-        scheduler=_FLUX_SCHEDULER,
-        default_dtype="bfloat16",
-        default_size=(1024, 1024),
-        max_sequence_length=512,
-    )
-)
-
-
-# --- Stable Diffusion 3 / 3.5 -----------------------------------------------------------------------
-_SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
-
-#: SD3's VAE: FLUX's AutoencoderKL layout (16 latent channels) with SD3's latent scaling
-_SD3_VAE = dict(_FLUX_VAE, scaling_factor=1.5305, shift_factor=0.0609)
-
-SD35_LARGE = _add(
-    Arch(
-        name="sd3.5-large",
-        description="SD3.5-Large transformer (38 joint blocks, 38 heads x 64, RMS QK-norm, 8.1B params), full SD3 VAE",
-        pipeline="StableDiffusion3Pipeline",
-        transformer_class="SD3Transformer2DModel",
-        transformer=dict(
-            sample_size=128,
-            patch_size=2,
-            in_channels=16,
-            num_layers=38,
-            attention_head_dim=64,
-            num_attention_heads=38,
-            joint_attention_dim=4096,
-            caption_projection_dim=2432,
-            pooled_projection_dim=2048,
-            out_channels=16,
-            pos_embed_max_size=192,
-            dual_attention_layers=[],
-            qk_norm="rms_norm",
-        ),
-        vae=_SD3_VAE,
-        # real widths: CLIP-L 768 (pooled 768), CLIP-G 1280 (pooled 1280), T5-XXL 4096; 2 CLIP layers (SD3 reads
-        # CLIP's penultimate layer), 1 T5 layer
-        clip=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=12, projection_dim=768),
-        clip_2=dict(hidden_size=1280, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=20,
-                    projection_dim=1280),
-        t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
-        scheduler=_SD3_SCHEDULER,
-        default_dtype="bfloat16",
-        default_size=(1024, 1024),
-        max_sequence_length=256,
-        family="sd3",
-    )
-)
-
-_add(
-    dataclasses.replace(
-        SD35_LARGE,
-        name="sd3-tiny",
-        description="SD3.5 architecture shrunk for CPU tests: 3 joint blocks (block 0 dual-attention, "
-                    "RMS QK-norm, last context_pre_only), 6 heads x 16",
-        transformer=dict(SD35_LARGE.transformer, sample_size=8, num_layers=3, attention_head_dim=16, num_attention_heads=6,
-                         joint_attention_dim=64, caption_projection_dim=96, pooled_projection_dim=32,
-                         pos_embed_max_size=16, dual_attention_layers=[0]),
-        vae=dict(_SD3_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
-        # CLIP-L and CLIP-G: hidden 16 + 32 = 48 <= T5 width 64 (the pipeline zero-pads CLIP to T5's width);
-        # pooled 16 + 16 = 32 = pooled_projection_dim
-        clip=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, projection_dim=16),
-        clip_2=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=16),
-        t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
-        default_dtype="float32",
-        default_size=(64, 64),
-        max_sequence_length=32,
-    )
-)
-
-_add(
-    dataclasses.replace(
-        ARCHS["sd3-tiny"],
-        name="sd3-tiny-tp",
-        description="sd3-tiny with 4 heads x 16 (64 wide, caption_projection_dim 64), so tensor parallelism of "
-                    "degree 4 divides the heads",
-        transformer=dict(ARCHS["sd3-tiny"].transformer, num_attention_heads=4, caption_projection_dim=64),
-    )
-)
-
-# --- Wan 2.1 (video) ---------------------------------------------------------------------------------
-#: Wan 2.1's scheduler as its diffusers checkpoints ship it (UniPC on flow-matching sigmas)
-_WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-
-WAN21_14B = _add(
-    Arch(
-        name="wan2.1-14b",
-        description="Wan2.1-T2V-14B transformer (40 blocks, 40 heads x 128, FFN 13824), full Wan VAE, small UMT5",
-        pipeline="WanPipeline",
-        transformer_class="WanTransformer3DModel",
-        transformer=dict(
-            patch_size=[1, 2, 2],
-            num_attention_heads=40,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=13824,
-            num_layers=40,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
-        ),
-        vae={},  # AutoencoderKLWan's defaults are the Wan 2.1 VAE
-        clip={},
-        t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),  # UMT5-XXL's width, one layer
-        scheduler=_WAN_SCHEDULER,
-        scheduler_class="UniPCMultistepScheduler",
-        default_dtype="bfloat16",
-        default_size=(480, 832),
-        max_sequence_length=512,
-        family="wan",
-        default_frames=81,
-    )
-)
-
-_add(
-    dataclasses.replace(
-        WAN21_14B,
-        name="wan-tiny",
-        description="Wan 2.1 architecture shrunk for CPU tests: 2 blocks, 6 heads x 16, 3-D RoPE, tiny Wan VAE",
-        transformer=dict(WAN21_14B.transformer, num_attention_heads=6, attention_head_dim=16, text_dim=64, freq_dim=32,
-                         ffn_dim=128, num_layers=2, rope_max_seq_len=64),
-        vae=dict(base_dim=8, num_res_blocks=1),
-        t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
-        default_dtype="float32",
-        default_size=(64, 64),
-        max_sequence_length=32,
-        default_frames=5,
-    )
-)
-
-_add(
-    dataclasses.replace(
-        ARCHS["wan-tiny"],
-        name="wan-tiny-tp",
-        description="wan-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
-        transformer=dict(ARCHS["wan-tiny"].transformer, num_attention_heads=4),
-    )
-)
+#: every family's synthetic architectures, by name (each family's adapter lists its own: ``synth_archs``)
+ARCHS: dict[str, Arch] = synth_archs()
 
 
 class UnknownArchError(ValueError):
@@ -404,68 +141,39 @@ def build_transformer(arch: Arch | str, seed: int = 0, device: str | torch.devic
     return _make_model(getattr(diffusers, arch.transformer_class), arch.transformer, seed, torch.device(device), dtype)
 
 
-def _clip_config(tokenizer, cfg: dict):
-    import transformers
+@dataclass
+class Kit:
+    """What a family's ``synth_components`` builds its pipeline with: seeded models and local tokenizers."""
 
-    return transformers.CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **cfg)
+    arch: Arch
+    seed: int
+    device: torch.device
+    dtype: torch.dtype
 
+    def make(self, cls, cfg, seed_offset: int):
+        """A seeded ``cls(cfg)`` in the kit's dtype and device. Seed offsets: transformer 0, VAE 1, first CLIP 2,
+        T5/UMT5 3, second CLIP 4, second transformer 5."""
+        return _make_model(cls, cfg, self.seed + seed_offset, self.device, self.dtype)
 
-def _t5_config(tokenizer, cfg: dict, config_class=None):
-    import transformers
+    def clip_tokenizer(self):
+        return build_clip_tokenizer()
 
-    config_class = config_class or transformers.T5Config
-    return config_class(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False, **cfg)
+    def t5_tokenizer(self, max_length: int):
+        return build_t5_tokenizer(max_length=max_length)
 
+    def clip_config(self, tokenizer, cfg: dict):
+        import transformers
 
-def _clip_and_t5(arch: Arch, make, clip_class):
-    """The CLIP (``arch.clip``, seed offset 2) and T5 (``arch.t5``, offset 3) encoders and their tokenizers."""
-    import transformers
+        return transformers.CLIPTextConfig(vocab_size=len(tokenizer), max_position_embeddings=77,
+                                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                           pad_token_id=tokenizer.pad_token_id, **cfg)
 
-    clip_tok = build_clip_tokenizer()
-    t5_tok = build_t5_tokenizer(max_length=arch.max_sequence_length)
-    clip = make(clip_class, _clip_config(clip_tok, arch.clip), 2)
-    t5 = make(transformers.T5EncoderModel, _t5_config(t5_tok, arch.t5), 3)
-    return clip, clip_tok, t5, t5_tok
+    def t5_config(self, tokenizer, cfg: dict, config_class=None):
+        import transformers
 
-
-def _flux_components(arch: Arch, make) -> dict:
-    """FluxPipeline: AutoencoderKL, CLIP-L (pooled) and T5 text encoders."""
-    import diffusers
-    import transformers
-
-    clip, clip_tok, t5, t5_tok = _clip_and_t5(arch, make, transformers.CLIPTextModel)
-    return dict(vae=make(diffusers.AutoencoderKL, arch.vae, 1), text_encoder=clip, tokenizer=clip_tok,
-                text_encoder_2=t5, tokenizer_2=t5_tok)
-
-
-def _sd3_components(arch: Arch, make) -> dict:
-    """StableDiffusion3Pipeline: AutoencoderKL, CLIP-L and CLIP-G (with projections), T5."""
-    import diffusers
-    import transformers
-
-    clip, clip_tok, t5, t5_tok = _clip_and_t5(arch, make, transformers.CLIPTextModelWithProjection)
-    clip_g = make(transformers.CLIPTextModelWithProjection, _clip_config(clip_tok, arch.clip_2), 4)
-    return dict(vae=make(diffusers.AutoencoderKL, arch.vae, 1), text_encoder=clip, tokenizer=clip_tok,
-                text_encoder_2=clip_g, tokenizer_2=clip_tok, text_encoder_3=t5, tokenizer_3=t5_tok)
-
-
-def _wan_components(arch: Arch, make) -> dict:
-    """WanPipeline: AutoencoderKLWan (video VAE) and a UMT5 text encoder with a T5 (Unigram) tokenizer."""
-    import diffusers
-    import transformers
-
-    t5_tok = build_t5_tokenizer(max_length=arch.max_sequence_length)
-    return dict(
-        vae=make(diffusers.AutoencoderKLWan, arch.vae, 1),
-        text_encoder=make(transformers.UMT5EncoderModel, _t5_config(t5_tok, arch.t5, transformers.UMT5Config), 3),
-        tokenizer=t5_tok,
-    )
-
-
-#: family -> (arch, make(cls, config, seed_offset)) -> the pipeline's components other than transformer and scheduler.
-#: Seed offsets: transformer 0, VAE 1, first CLIP 2, T5/UMT5 3, second CLIP 4.
-COMPONENT_BUILDERS = {"flux": _flux_components, "sd3": _sd3_components, "wan": _wan_components}
+        config_class = config_class or transformers.T5Config
+        return config_class(vocab_size=len(tokenizer), feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+                            use_cache=False, **cfg)
 
 
 def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
@@ -476,13 +184,14 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
     dtype = dtype or getattr(torch, arch.default_dtype)
     device = torch.device(device)
 
-    def make(cls, cfg, offset):
-        return _make_model(cls, cfg, seed + offset, device, dtype)
-
-    components = COMPONENT_BUILDERS[arch.family](arch, make)
-    transformer = build_transformer(arch, seed, device, dtype)
+    kit = Kit(arch, seed, device, dtype)
+    components = adapter_for_class(arch.transformer_class).synth_components(arch, kit)
+    components["transformer"] = build_transformer(arch, seed, device, dtype)
+    if arch.transformer_2 is not None:
+        cls = getattr(diffusers, arch.transformer_class)
+        components["transformer_2"] = kit.make(cls, arch.transformer_2, 5)
     scheduler = getattr(diffusers, arch.scheduler_class)(**arch.scheduler)
-    return getattr(diffusers, arch.pipeline)(scheduler=scheduler, transformer=transformer, **components)
+    return getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
 
 
 def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, device: str | None = None, dtype: str | None = None) -> Path:
@@ -499,8 +208,6 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
     from .config import ConfigError
-    from .runtime.generate import DTYPES
-    from .runtime.report import current_umask
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:

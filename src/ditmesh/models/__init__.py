@@ -1,6 +1,6 @@
-"""Model adapters. Importing this package registers every adapter."""
+"""Model adapters, one file per family. Importing this package registers every adapter."""
 
 from . import flux, sd3, wan  # noqa: F401  (each registers its adapter)
-from .base import ModelAdapter, adapter_for, supported_classes
+from .base import ModelAdapter, adapter_for, adapter_for_class, adapters, supported_classes, synth_archs
 
-__all__ = ["ModelAdapter", "adapter_for", "supported_classes"]
+__all__ = ["ModelAdapter", "adapter_for", "adapter_for_class", "adapters", "supported_classes", "synth_archs"]

@@ -1,43 +1,66 @@
-"""Model adapters: per-family parallel plans as data, and the registry from diffusers classes to them.
+"""The adapter contract: everything ditmesh knows about one diffusers transformer family, as data.
 
-An adapter says *what* to split (which forward inputs carry the sequence, in which dimension, which
-"stream" of tokens they belong to), *where* the attention layers are, and which processor runs the
-attention of a layer in parallel. The parallel modules (``ditmesh.parallel``) say *how*.
+An adapter says *what* to split (which tensors carry the sequence, where in the model, in which dimension,
+which "stream" of tokens they belong to), *where* the attention layers and the repeated blocks are, which
+processor runs attention in parallel, how the linears shard, how its pipelines run CFG, how a resolution
+becomes the transformer's inputs (for the planner and the benchmark), and which synthetic architectures
+``ditmesh synth`` can build. The parallel modules (``ditmesh.parallel``) say *how*; the tools (planner,
+synth, runtime, bench) ask the adapter and never name a family. docs/adding-a-model.md walks through it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 
+# -- sequence parallelism ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SeqInput:
-    """A forward input that carries tokens of one stream along dimension ``dim`` (for its usual ``ndim``)."""
+class Split:
+    """Cut a tensor to this rank's contiguous chunk of ``stream`` along ``dim``.
+
+    ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
+    timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
+    list or tuple of tensors (SD3's ControlNet residuals) is split element by element.
+    """
 
     dim: int
     stream: str
-    ndim: int
+    ndim: int | None = None
+
+
+@dataclass(frozen=True)
+class Gather:
+    """All-gather the chunks of ``stream`` along ``dim`` (one collective), back to the full sequence."""
+
+    dim: int
+    stream: str
 
 
 @dataclass(frozen=True)
 class SequencePlan:
-    """How a transformer's forward is split over the sequence-parallel ranks.
+    """Where a transformer's tokens are split over the sequence-parallel ranks and where they are gathered.
 
-    ``streams`` lists token streams in the order the attention concatenates them (e.g. text before
-    image in FLUX). Each stream is split into contiguous chunks, one per rank, independently; a rank's
-    local attention sequence is its chunks of every stream, concatenated in that order.
+    The shape follows diffusers' ``_cp_plan``: keys are module paths inside the transformer (``""`` is the
+    transformer itself, ``"blocks.0"`` its first block). ``inputs`` split forward inputs (by name) before the
+    module runs; ``outputs`` split what it returns (by position in a returned tuple, ``None`` for a single
+    tensor); ``gathers`` gather its output. ``streams`` lists the token streams in the order the attention
+    concatenates them (FLUX: text before image); each stream is split into contiguous chunks on its own, and
+    the first split of a stream in a call fixes its chunk sizes (from the global length, so all ranks agree).
     """
 
-    inputs: dict[str, SeqInput]
     streams: tuple[str, ...]
-    #: stream gathered at the transformer's exit; None when the adapter's ``sequence_hooks`` gather inside
-    output_stream: str | None
-    output_dim: int = 1
+    inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
+    outputs: dict[str, dict[int | None, Split]] = field(default_factory=dict)
+    gathers: dict[str, Gather] = field(default_factory=dict)
+    #: where this plan differs from the class's ``_cp_plan`` and why (checked against it by the tests)
+    differs_from_cp_plan: str = ""
 
 
+# -- tensor parallelism ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorPlan:
     """How a transformer's linears are sharded over the tensor-parallel ranks (Megatron style), as data.
@@ -67,21 +90,139 @@ class TensorPlan:
     sharded_norms: tuple[str, ...] = ()
 
 
+def name_pattern(pattern: str) -> re.Pattern:
+    """A module-name pattern as a regex: ``*`` is exactly one path segment; a trailing ``?`` is dropped."""
+    pattern = pattern.removesuffix("?")
+    return re.compile("^" + r"\.".join("[^.]+" if seg == "*" else re.escape(seg) for seg in pattern.split(".")) + "$")
+
+
+# -- attention layers and blocks ------------------------------------------------------------------------------
+def is_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a diffusers attention layer (it runs through a swappable processor)."""
+    return hasattr(module, "set_processor") and hasattr(module, "processor")
+
+
 @dataclass(frozen=True)
-class ModelAdapter:
-    """Everything ditmesh needs to know about one diffusers transformer family."""
+class AttentionSelector:
+    """Which attention layers of a model a rule covers: by class name, by processor type, or by module path.
+
+    Many diffusers models use the generic ``Attention`` class for self- and cross-attention alike, so a class
+    name alone may not tell them apart; a processor type or a path pattern (``*`` = one segment) can.
+    """
+
+    class_names: tuple[str, ...] = ()
+    processor_types: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+
+    def matches(self, name: str, module: torch.nn.Module) -> bool:
+        """Whether the attention layer ``module`` at ``name`` is covered."""
+        return (type(module).__name__ in self.class_names
+                or type(getattr(module, "processor", None)).__name__ in self.processor_types
+                or any(name_pattern(p).match(name) for p in self.paths))
+
+    def select(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """(name, module) of every attention layer of ``model`` this selector covers."""
+        return [(n, m) for n, m in model.named_modules() if is_attention(m) and self.matches(n, m)]
+
+
+@dataclass(frozen=True)
+class BlockList:
+    """One ordered list of repeated transformer blocks, and the activations passed from block to block.
+
+    ``path`` is the ``ModuleList`` attribute; ``carries`` the forward inputs that each block updates (the
+    activations that flow between blocks: what pipeline stages send on and what a step cache keeps);
+    ``returns`` what a block returns, in order, naming the input each returned tensor replaces. Other
+    forward inputs (``temb``, RoPE) are the same for every block of a call.
+    """
+
+    path: str
+    carries: tuple[str, ...]
+    returns: tuple[str, ...]
+
+
+# -- what the planner and the benchmark build ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Token counts of one sample at one resolution. ``split_tokens`` is the sequence that sequence
+    parallelism divides (text + image for joint attention, video tokens alone for Wan)."""
+
+    image_tokens: int
+    text_tokens: int
+    split_tokens: int
+    latent_shape: tuple[int, ...]
+
+
+def spatial_latent(height: int, width: int, multiple: int, what: str) -> tuple[int, int]:
+    """``(height // 8, width // 8)`` after checking both are positive multiples of ``multiple``.
+
+    Raises ValueError naming the value and the nearest sizes that work.
+    """
+    for name, value in (("height", height), ("width", width)):
+        if value < multiple or value % multiple:
+            near = sorted({max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple})
+            raise ValueError(f"{name}={value} is not a positive multiple of {multiple}, which {what} needs; "
+                             f"try {', '.join(str(v) for v in near)}")
+    return height // 8, width // 8
+
+
+# -- synthetic architectures ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SynthArch:
+    """A synthetic architecture ``ditmesh synth`` builds: the pipeline class and the config of each component.
+
+    ``components`` of the family's adapter turns it into the pipeline's modules other than the transformer
+    and the scheduler.
+    """
 
     name: str
+    description: str
+    pipeline: str
+    transformer_class: str
+    transformer: dict
+    vae: dict
+    clip: dict
+    t5: dict
+    scheduler: dict
+    default_dtype: str = "float32"
+    default_size: tuple[int, int] = (1024, 1024)
+    max_sequence_length: int = 512
+    extra: dict = field(default_factory=dict)
+    #: the second CLIP text encoder (SD3's CLIP-G); ``clip`` is the first (CLIP-L)
+    clip_2: dict = field(default_factory=dict)
+    scheduler_class: str = "FlowMatchEulerDiscreteScheduler"
+    #: video architectures: frames generated when ``--frames`` is not given
+    default_frames: int | None = None
+    #: a second transformer (Wan 2.2 A14B's low-noise expert), same class; None: one transformer
+    transformer_2: dict | None = None
+    #: pipeline config entries (Wan 2.2's ``boundary_ratio``)
+    pipeline_config: dict = field(default_factory=dict)
+
+
+# -- the adapter ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelAdapter:
+    """Everything ditmesh needs to know about one diffusers transformer family (see the module docstring)."""
+
+    name: str
+    #: the diffusers transformer classes of the family
     class_names: tuple[str, ...]
     num_heads: Callable[[torch.nn.Module], int]
     sequence_plan: SequencePlan
-    attention_class_names: tuple[str, ...]
+    #: the attention layers that run through ``sequence_processor`` under sequence parallelism
+    attention: AttentionSelector
     sequence_processor: Callable  # (sp_runtime, old_processor) -> processor
-    #: (model, height, width, batch, text_len, generator, device, dtype) -> forward kwargs, as the pipeline builds them
-    example_inputs: Callable | None = None
-    #: (model, sp_runtime) -> removable hook handles, for models that patchify inside forward (SD3, Wan):
-    #: they split tokens where they first exist (``sp.split``) and gather before unpatchify (``sp.gather``)
-    sequence_hooks: Callable | None = None
+    #: ordered lists of repeated blocks (compiled one by one; what stages and step caches work on)
+    blocks: tuple[BlockList, ...]
+    #: (model, height, width, batch, text_len, generator, device, dtype, frames=None) -> one denoising step's
+    #: forward kwargs, as the family's pipeline builds them
+    example_inputs: Callable
+    #: (transformer config dict, height, width, frames, text_tokens) -> :class:`Layout`; ValueError for a size
+    #: the family cannot take
+    layout: Callable
+    #: text tokens the family's pipelines feed the transformer by default (the planner's default)
+    text_tokens: int = 512
+    #: (model_index.json as a dict) -> text tokens for that checkpoint, or None for ``text_tokens``
+    checkpoint_text_tokens: Callable | None = None
     #: Megatron-style sharding of the linears (None: the family has no tensor-parallel plan)
     tensor_plan: TensorPlan | None = None
     #: forward inputs that carry the batch in dim 0 (split by data/CFG parallelism); others are replicated
@@ -89,11 +230,26 @@ class ModelAdapter:
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"
+    #: the pipeline argument that turns CFG on: "guidance_scale" (> 1) or "true_cfg_scale" (> 1, with a
+    #: negative prompt; FLUX's ``guidance_scale`` is distilled guidance, an input of one call)
+    cfg_switch: str = "guidance_scale"
+    #: the ``generate`` flags that turn CFG on, for messages (e.g. "--guidance 5")
+    cfg_hint: str = "--guidance > 1 (e.g. --guidance 5)"
     #: the transformer's output sample has ``hidden_states``'s shape except this dim, which is ``out_channels(model)``
     output_channel_dim: int = -1
     out_channels: Callable | None = None
     #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
     fuse_qkv: bool = False
+    #: video families: valid frame counts are ``frame_step * k + 1`` (the VAE's temporal compression); None: images
+    frame_step: int | None = None
+    #: frames per second of written videos
+    fps: int = 16
+    #: the diffusers pipeline classes of the family (for messages and checks before loading)
+    pipelines: tuple[str, ...] = ()
+    #: synthetic architectures ``ditmesh synth`` builds for this family
+    synth_archs: tuple[SynthArch, ...] = ()
+    #: (arch, make(cls, config, seed_offset)) -> the pipeline's components other than transformer(s) and scheduler
+    synth_components: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -103,9 +259,30 @@ class ModelAdapter:
             shape[self.output_channel_dim] = self.out_channels(model)
         return hidden_states.new_empty(shape)
 
-    def attention_modules(self, model: torch.nn.Module):
+    def attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """(name, module) of every attention layer the plan parallelizes."""
-        return [(n, m) for n, m in model.named_modules() if type(m).__name__ in self.attention_class_names]
+        return self.attention.select(model)
+
+    def block_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Every repeated block of ``model``, in the order the forward runs them."""
+        return [block for spec in self.blocks for block in model.get_submodule(spec.path)]
+
+    def cfg_on(self, guidance_scale: float | None, true_cfg_scale: float | None, negative_prompt) -> bool:
+        """Whether a pipeline call with these arguments runs both CFG branches."""
+        if self.cfg_switch == "true_cfg_scale":
+            return negative_prompt is not None and (true_cfg_scale or 0) > 1
+        return (guidance_scale or 0) > 1
+
+    def frames_error(self, frames: int) -> str | None:
+        """Why ``frames`` does not suit this family (one line), or None when it does."""
+        if frames < 1:
+            return f"--frames {frames} must be >= 1"
+        if self.frame_step is None:
+            return None
+        if (frames - 1) % self.frame_step:
+            lower = (frames - 1) // self.frame_step * self.frame_step + 1
+            return f"--frames {frames} must be {self.frame_step}k+1 for {self.name} (e.g. {lower} or {lower + self.frame_step})"
+        return None
 
 
 _REGISTRY: dict[str, ModelAdapter] = {}
@@ -118,16 +295,31 @@ def register(adapter: ModelAdapter) -> ModelAdapter:
     return adapter
 
 
+def adapters() -> list[ModelAdapter]:
+    """Every registered adapter, once each, in registration order."""
+    unique = {id(adapter): adapter for adapter in _REGISTRY.values()}
+    return list(unique.values())
+
+
 def supported_classes() -> list[str]:
     """Names of the diffusers transformer classes ditmesh can parallelize."""
     return sorted(_REGISTRY)
 
 
+def adapter_for_class(class_name: str) -> ModelAdapter:
+    """The adapter of the transformer class ``class_name``; NotImplementedError naming the supported ones."""
+    if class_name not in _REGISTRY:
+        raise NotImplementedError(
+            f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
+        )
+    return _REGISTRY[class_name]
+
+
 def adapter_for(model: torch.nn.Module) -> ModelAdapter:
     """The adapter of ``model``'s class; a clear error naming the supported classes otherwise."""
-    name = type(model).__name__
-    if name not in _REGISTRY:
-        raise NotImplementedError(
-            f"ditmesh has no adapter for {name}; supported transformers: {', '.join(supported_classes())}"
-        )
-    return _REGISTRY[name]
+    return adapter_for_class(type(model).__name__)
+
+
+def synth_archs() -> dict[str, SynthArch]:
+    """Every synthetic architecture of every family, by name."""
+    return {arch.name: arch for adapter in adapters() for arch in adapter.synth_archs}

@@ -1,19 +1,25 @@
 """FLUX.1 (``FluxTransformer2DModel``): joint text+image attention.
 
-Sequence plan: text tokens (``encoder_hidden_states``, ``txt_ids``) and image tokens (``hidden_states``,
-``img_ids``) are each split into contiguous chunks over the sequence-parallel ranks. The model builds
-RoPE from ``cat(txt_ids, img_ids)`` and every attention concatenates ``[text, image]``, so the local
-positions line up with the local tokens without any change to the model. Only image tokens leave the
-model (``proj_out``), and they are gathered once at the exit.
+Sequence plan (diffusers' ``_cp_plan`` with streams): text tokens (``encoder_hidden_states``, ``txt_ids``)
+and image tokens (``hidden_states``, ``img_ids``) are each split into contiguous chunks over the
+sequence-parallel ranks at the entry. The model builds RoPE from ``cat(txt_ids, img_ids)`` and every
+attention concatenates ``[text, image]``, so the local positions line up with the local tokens without any
+change to the model. Only image tokens leave the model, and ``proj_out``'s output is gathered once.
+
+This file is everything ditmesh knows about FLUX.1: the plans, the processor, the blocks, example inputs,
+the planner's layout, and the synthetic architectures.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux
 
-from .base import ModelAdapter, SeqInput, SequencePlan, TensorPlan, register
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
+                   TensorPlan, register, spatial_latent)
 
 
 class FluxSequenceParallelProcessor:
@@ -56,7 +62,7 @@ class FluxSequenceParallelProcessor:
         return image_out, text_out
 
 
-def flux_example_inputs(model, height, width, batch, text_len, generator, device, dtype) -> dict:
+def flux_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one FluxPipeline denoising step (random latents and text embeddings)."""
     cfg = model.config
     h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
@@ -74,6 +80,18 @@ def flux_example_inputs(model, height, width, batch, text_len, generator, device
         txt_ids=torch.zeros(text_len, 3).to(device, dtype),
         return_dict=False,
     )
+
+
+def flux_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
+    """Token counts of a FluxPipeline call: the VAE divides by 8, then 2x2 latent patches become one token."""
+    lh, lw = spatial_latent(height, width, 16, "FLUX (8x VAE, 2x2 packing)")
+    image = (lh // 2) * (lw // 2)
+    return Layout(image, text_tokens, image + text_tokens, (image, config.get("in_channels", 64)))
+
+
+def flux_text_tokens(model_index: dict) -> int | None:
+    """FLUX.1-schnell pipelines are driven with 256 text tokens, dev with the default 512."""
+    return 256 if "schnell" in model_index.get("_name_or_path", "") else None
 
 
 #: Tensor plan. Double blocks: Q/K/V and the text-stream (added) Q/K/V column-parallel, both attention outputs
@@ -100,30 +118,147 @@ FLUX_TENSOR_PLAN = TensorPlan(
 )
 
 
+# -- synthetic architectures ---------------------------------------------------------------------------------
+FLUX_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+
+#: FLUX.1's AutoencoderKL (16 latent channels)
+FLUX_VAE = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4,
+    block_out_channels=[128, 256, 512, 512],
+    layers_per_block=2,
+    latent_channels=16,
+    norm_num_groups=32,
+    sample_size=1024,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    force_upcast=True,
+)
+
+_FLUX_TINY = SynthArch(
+    name="flux-tiny",
+    description="FLUX.1 architecture shrunk for CPU tests: 2 double + 2 single blocks, 6 heads x 16",
+    pipeline="FluxPipeline",
+    transformer_class="FluxTransformer2DModel",
+    transformer=dict(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=6,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=[4, 6, 6],
+    ),
+    vae=dict(FLUX_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, projection_dim=32),
+    t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
+    scheduler=FLUX_SCHEDULER,
+    default_size=(64, 64),
+    max_sequence_length=32,
+)
+
+FLUX_ARCHS = (
+    _FLUX_TINY,
+    dataclasses.replace(
+        _FLUX_TINY,
+        name="flux-tiny-tp",
+        description="flux-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
+        transformer=dict(_FLUX_TINY.transformer, num_attention_heads=4),
+    ),
+    SynthArch(
+        name="flux-dev",
+        description="FLUX.1-dev transformer (19 double + 38 single blocks, 24 heads x 128, 11.9B params), full VAE",
+        pipeline="FluxPipeline",
+        transformer_class="FluxTransformer2DModel",
+        transformer=dict(
+            patch_size=1,
+            in_channels=64,
+            num_layers=19,
+            num_single_layers=38,
+            attention_head_dim=128,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            pooled_projection_dim=768,
+            guidance_embeds=True,
+            axes_dims_rope=[16, 56, 56],
+        ),
+        vae=FLUX_VAE,
+        clip=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=12,
+                  projection_dim=768),
+        t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
+        scheduler=FLUX_SCHEDULER,
+        default_dtype="bfloat16",
+        default_size=(1024, 1024),
+        max_sequence_length=512,
+    ),
+)
+
+
+def flux_components(arch: SynthArch, kit) -> dict:
+    """FluxPipeline's other components: AutoencoderKL, CLIP-L (pooled) and T5 text encoders."""
+    import diffusers
+    import transformers
+
+    clip_tok, t5_tok = kit.clip_tokenizer(), kit.t5_tokenizer(arch.max_sequence_length)
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1),
+                text_encoder=kit.make(transformers.CLIPTextModel, kit.clip_config(clip_tok, arch.clip), 2),
+                tokenizer=clip_tok,
+                text_encoder_2=kit.make(transformers.T5EncoderModel, kit.t5_config(t5_tok, arch.t5), 3),
+                tokenizer_2=t5_tok)
+
+
 FLUX = register(
     ModelAdapter(
         name="flux",
         class_names=("FluxTransformer2DModel",),
         num_heads=lambda model: model.config.num_attention_heads,
         sequence_plan=SequencePlan(
-            inputs={
-                "hidden_states": SeqInput(dim=1, stream="image", ndim=3),
-                "img_ids": SeqInput(dim=0, stream="image", ndim=2),
-                "encoder_hidden_states": SeqInput(dim=1, stream="text", ndim=3),
-                "txt_ids": SeqInput(dim=0, stream="text", ndim=2),
-            },
             streams=("text", "image"),
-            output_stream="image",
-            output_dim=1,
+            inputs={"": {
+                "hidden_states": Split(dim=1, stream="image", ndim=3),
+                "img_ids": Split(dim=0, stream="image", ndim=2),
+                "encoder_hidden_states": Split(dim=1, stream="text", ndim=3),
+                "txt_ids": Split(dim=0, stream="text", ndim=2),
+            }},
+            gathers={"proj_out": Gather(dim=1, stream="image")},
+            differs_from_cp_plan="the same split and gather points; ours gives text and image their own streams, so "
+                                 "each is cut on its own and any token count works (diffusers needs both divisible)",
         ),
-        attention_class_names=("FluxAttention",),
+        attention=AttentionSelector(class_names=("FluxAttention",)),
         sequence_processor=FluxSequenceParallelProcessor,
+        blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
+                          ("encoder_hidden_states", "hidden_states")),
+                BlockList("single_transformer_blocks", ("hidden_states", "encoder_hidden_states"),
+                          ("encoder_hidden_states", "hidden_states"))),
         example_inputs=flux_example_inputs,
+        layout=flux_layout,
+        text_tokens=512,
+        checkpoint_text_tokens=flux_text_tokens,
         tensor_plan=FLUX_TENSOR_PLAN,
         batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
         cfg_mode="sequential",  # FluxPipeline's true CFG calls the transformer twice per step
+        cfg_switch="true_cfg_scale",  # guidance_scale is FLUX.1-dev's distilled guidance, an input of one call
+        cfg_hint="a negative prompt with --true-cfg-scale > 1 (e.g. --negative-prompt '' --true-cfg-scale 4)",
         output_channel_dim=-1,
         fuse_qkv=True,
         out_channels=lambda model: model.proj_out.out_features,
+        pipelines=("FluxPipeline",),
+        synth_archs=FLUX_ARCHS,
+        synth_components=flux_components,
     )
 )

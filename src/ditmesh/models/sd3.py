@@ -3,7 +3,7 @@
 Where the tokens are: the model patchifies inside ``forward`` (``pos_embed`` turns the latent
 ``[B, C, H, W]`` into ``[B, N, D]`` image tokens and adds the cropped position table), and unpatchifies
 after ``proj_out``. So the image stream is split at the output of ``pos_embed`` and gathered at the
-output of ``proj_out`` (:func:`sd3_sequence_hooks`); positions are already added to the tokens, so
+output of ``proj_out`` (the plan's ``outputs`` and ``gathers``); positions are already added to the tokens, so
 nothing else travels with them. Text tokens (``encoder_hidden_states``) exist at the entry and are split
 there as their own stream; ``context_embedder`` is per token.
 
@@ -14,13 +14,21 @@ softmax attention does not see. SD3.5 adds per-head RMS QK-norms (``norm_q``, ``
 ``norm_added_q``, ``norm_added_k``: computed on local tokens, they act per token) and, in the blocks of
 ``dual_attention_layers``, a second image-only self-attention ``attn2``: it attends over the image stream
 alone (``streams=("image",)``). The last block is ``context_pre_only``: its text output is dropped.
+
+diffusers has no ``_cp_plan`` for this class; the plan below is ours. This file is everything ditmesh knows
+about SD3: the plans, the processor, the blocks, example inputs, the planner's layout, the synthetic
+architectures.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .base import ModelAdapter, SeqInput, SequencePlan, TensorPlan, register
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
+                   TensorPlan, register, spatial_latent)
+from .flux import FLUX_VAE
 
 
 class SD3SequenceParallelProcessor:
@@ -77,27 +85,7 @@ class SD3SequenceParallelProcessor:
         return image_out, text_out
 
 
-def sd3_sequence_hooks(model, sp) -> list:
-    """Split image tokens after ``pos_embed``, gather them after ``proj_out`` (before unpatchify).
-
-    ControlNet residuals (``block_controlnet_hidden_states``, one ``[B, N, D]`` per block group) carry
-    image tokens too and are split with the same sizes at the entry.
-    """
-
-    def split_controlnet(module, args, kwargs):
-        residuals = kwargs.get("block_controlnet_hidden_states")
-        if not residuals:
-            return None
-        return args, dict(kwargs, block_controlnet_hidden_states=[sp.split(r, 1, "image") for r in residuals])
-
-    return [
-        model.register_forward_pre_hook(split_controlnet, with_kwargs=True),
-        model.pos_embed.register_forward_hook(lambda module, args, out: sp.split(out, 1, "image")),
-        model.proj_out.register_forward_hook(lambda module, args, out: sp.gather(out, 1, "image")),
-    ]
-
-
-def sd3_example_inputs(model, height, width, batch, text_len, generator, device, dtype) -> dict:
+def sd3_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one StableDiffusion3Pipeline denoising step (random latents and text embeddings)."""
     cfg = model.config
     rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
@@ -108,6 +96,14 @@ def sd3_example_inputs(model, height, width, batch, text_len, generator, device,
         timestep=torch.full((batch,), 700.0).to(device, dtype),
         return_dict=False,
     )
+
+
+def sd3_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
+    """Token counts of a StableDiffusion3Pipeline call: the VAE divides by 8, then ``patch_size`` patches."""
+    patch = config.get("patch_size", 2)
+    lh, lw = spatial_latent(height, width, 8 * patch, f"SD3 (8x VAE, patch {patch})")
+    image = (lh // patch) * (lw // patch)
+    return Layout(image, text_tokens, image + text_tokens, (config.get("in_channels", 16), lh, lw))
 
 
 #: Tensor plan (plain Megatron). Joint attention: image Q/K/V and the text-stream ``add_{q,k,v}_proj`` column-
@@ -136,24 +132,122 @@ SD3_TENSOR_PLAN = TensorPlan(
 )
 
 
+# -- synthetic architectures ---------------------------------------------------------------------------------
+_SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+
+#: SD3's VAE: FLUX's AutoencoderKL layout (16 latent channels) with SD3's latent scaling
+_SD3_VAE = dict(FLUX_VAE, scaling_factor=1.5305, shift_factor=0.0609)
+
+SD35_LARGE = SynthArch(
+    name="sd3.5-large",
+    description="SD3.5-Large transformer (38 joint blocks, 38 heads x 64, RMS QK-norm, 8.1B params), full SD3 VAE",
+    pipeline="StableDiffusion3Pipeline",
+    transformer_class="SD3Transformer2DModel",
+    transformer=dict(
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=38,
+        attention_head_dim=64,
+        num_attention_heads=38,
+        joint_attention_dim=4096,
+        caption_projection_dim=2432,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=192,
+        dual_attention_layers=[],
+        qk_norm="rms_norm",
+    ),
+    vae=_SD3_VAE,
+    # real widths: CLIP-L 768 (pooled 768), CLIP-G 1280 (pooled 1280), T5-XXL 4096; 2 CLIP layers (SD3 reads
+    # CLIP's penultimate layer), 1 T5 layer
+    clip=dict(hidden_size=768, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=12, projection_dim=768),
+    clip_2=dict(hidden_size=1280, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=20,
+                projection_dim=1280),
+    t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
+    scheduler=_SD3_SCHEDULER,
+    default_dtype="bfloat16",
+    default_size=(1024, 1024),
+    max_sequence_length=256,
+)
+
+_SD3_TINY = dataclasses.replace(
+    SD35_LARGE,
+    name="sd3-tiny",
+    description="SD3.5 architecture shrunk for CPU tests: 3 joint blocks (block 0 dual-attention, "
+                "RMS QK-norm, last context_pre_only), 6 heads x 16",
+    transformer=dict(SD35_LARGE.transformer, sample_size=8, num_layers=3, attention_head_dim=16, num_attention_heads=6,
+                     joint_attention_dim=64, caption_projection_dim=96, pooled_projection_dim=32,
+                     pos_embed_max_size=16, dual_attention_layers=[0]),
+    vae=dict(_SD3_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    # CLIP-L and CLIP-G: hidden 16 + 32 = 48 <= T5 width 64 (the pipeline zero-pads CLIP to T5's width);
+    # pooled 16 + 16 = 32 = pooled_projection_dim
+    clip=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, projection_dim=16),
+    clip_2=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=16),
+    t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
+    default_dtype="float32",
+    default_size=(64, 64),
+    max_sequence_length=32,
+)
+
+SD3_ARCHS = (
+    SD35_LARGE,
+    _SD3_TINY,
+    dataclasses.replace(
+        _SD3_TINY,
+        name="sd3-tiny-tp",
+        description="sd3-tiny with 4 heads x 16 (64 wide, caption_projection_dim 64), so tensor parallelism of "
+                    "degree 4 divides the heads",
+        transformer=dict(_SD3_TINY.transformer, num_attention_heads=4, caption_projection_dim=64),
+    ),
+)
+
+
+def sd3_components(arch: SynthArch, kit) -> dict:
+    """StableDiffusion3Pipeline's other components: AutoencoderKL, CLIP-L and CLIP-G (with projections), T5."""
+    import diffusers
+    import transformers
+
+    clip_tok, t5_tok = kit.clip_tokenizer(), kit.t5_tokenizer(arch.max_sequence_length)
+    clip = transformers.CLIPTextModelWithProjection
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1),
+                text_encoder=kit.make(clip, kit.clip_config(clip_tok, arch.clip), 2), tokenizer=clip_tok,
+                text_encoder_2=kit.make(clip, kit.clip_config(clip_tok, arch.clip_2), 4), tokenizer_2=clip_tok,
+                text_encoder_3=kit.make(transformers.T5EncoderModel, kit.t5_config(t5_tok, arch.t5), 3),
+                tokenizer_3=t5_tok)
+
+
 SD3 = register(
     ModelAdapter(
         name="sd3",
         class_names=("SD3Transformer2DModel",),
         num_heads=lambda model: model.config.num_attention_heads,
+        # The model patchifies inside forward: image tokens exist at the output of pos_embed (positions added)
+        # and are gathered at the output of proj_out, before unpatchify. ControlNet residuals carry image tokens
+        # too and are split with the same sizes at the entry.
         sequence_plan=SequencePlan(
-            inputs={"encoder_hidden_states": SeqInput(dim=1, stream="text", ndim=3)},
             streams=("image", "text"),
-            output_stream=None,  # gathered before unpatchify by sd3_sequence_hooks
+            inputs={"": {
+                "encoder_hidden_states": Split(dim=1, stream="text", ndim=3),
+                "block_controlnet_hidden_states": Split(dim=1, stream="image", ndim=3),
+            }},
+            outputs={"pos_embed": {None: Split(dim=1, stream="image", ndim=3)}},
+            gathers={"proj_out": Gather(dim=1, stream="image")},
         ),
-        attention_class_names=("Attention",),
+        attention=AttentionSelector(class_names=("Attention",)),
         sequence_processor=SD3SequenceParallelProcessor,
-        sequence_hooks=sd3_sequence_hooks,
+        blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
+                          ("encoder_hidden_states", "hidden_states")),),
         example_inputs=sd3_example_inputs,
+        layout=sd3_layout,
+        text_tokens=333,  # 77 CLIP + 256 T5
         tensor_plan=SD3_TENSOR_PLAN,
         batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
         cfg_mode="batched",  # StableDiffusion3Pipeline runs [uncond, cond] in one transformer call
         output_channel_dim=1,
         out_channels=lambda model: model.out_channels,
+        pipelines=("StableDiffusion3Pipeline",),
+        synth_archs=SD3_ARCHS,
+        synth_components=sd3_components,
     )
 )

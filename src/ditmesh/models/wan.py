@@ -2,7 +2,8 @@
 
 Where the tokens are: ``forward`` computes the RoPE table from the latent's shape (``rope``), patchifies
 with a Conv3d (``patch_embedding``), flattens to ``[B, N, D]`` video tokens, runs the blocks, and
-unpatchifies after ``proj_out``. :func:`wan_sequence_hooks` therefore splits
+unpatchifies after ``proj_out``. The sequence plan (diffusers' ``_cp_plan`` for this class, with a stream)
+therefore splits
 
 - the RoPE table (``rope``'s output, cos and sin ``[1, N, 1, D]``) on its token dim, so every rank rotates
   its tokens with their own global positions;
@@ -16,6 +17,10 @@ and gathers once at the output of ``proj_out``, before unpatchify. Token counts 
 Attention: ``attn1`` is self-attention over the video tokens and runs through ``sp.attention``. ``attn2``
 is cross-attention to the text (and, for I2V, the image) context: the context is replicated on every rank
 and the query is local, so it needs no communication at all; the model's own processor runs it.
+
+This file is everything ditmesh knows about Wan: the plans, the processor, the blocks, example inputs, the
+planner's layout, the frame rule and the synthetic architectures (Wan 2.1, and Wan 2.2 A14B's pair of
+transformers).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_wan
 
-from .base import ModelAdapter, SequencePlan, TensorPlan, register
+import dataclasses
+
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
+                   TensorPlan, register, spatial_latent)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,45 +76,37 @@ class WanSequenceParallelProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def wan_sequence_hooks(model, sp) -> list:
-    """Split RoPE and video tokens where they exist inside ``forward``; gather after ``proj_out``."""
-
-    def split_timestep(module, args, kwargs):
-        timestep = kwargs.get("timestep")
-        if timestep is None or timestep.ndim != 2:
-            return None  # one timestep per sample (Wan 2.1): replicated
-        return args, dict(kwargs, timestep=sp.split(timestep, 1, "video"))
-
-    def split_rope(module, args, out):
-        return tuple(sp.split(t, 1, "video") for t in out)
-
-    def split_tokens(module, args, kwargs):
-        if args:  # the model calls its blocks positionally: (hidden_states, encoder_hidden_states, temb, rotary_emb)
-            return (sp.split(args[0], 1, "video"),) + tuple(args[1:]), kwargs
-        return args, dict(kwargs, hidden_states=sp.split(kwargs["hidden_states"], 1, "video"))
-
-    return [
-        model.register_forward_pre_hook(split_timestep, with_kwargs=True),
-        model.rope.register_forward_hook(split_rope),
-        model.blocks[0].register_forward_pre_hook(split_tokens, with_kwargs=True),
-        model.proj_out.register_forward_hook(lambda module, args, out: sp.gather(out, 1, "video")),
-    ]
-
-
-def wan_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames: int = 81) -> dict:
+def wan_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one WanPipeline denoising step (random latents and text embeddings).
 
-    ``frames`` video frames become ``(frames - 1) // 4 + 1`` latent frames (the Wan VAE's 4x temporal
-    compression); height and width shrink 8x.
+    ``frames`` video frames (default 81) become ``(frames - 1) // 4 + 1`` latent frames (the Wan VAE's 4x
+    temporal compression); height and width shrink 8x. I2V checkpoints (``image_dim``) also get the 257 CLIP
+    image tokens.
     """
     cfg = model.config
+    frames = frames or 81
     rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
-    return dict(
+    inputs = dict(
         hidden_states=rand(batch, cfg.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8),
         timestep=torch.full((batch,), 700.0).to(device, dtype),
         encoder_hidden_states=rand(batch, text_len, cfg.text_dim),
         return_dict=False,
     )
+    if cfg.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = rand(batch, 257, cfg.image_dim)
+    return inputs
+
+
+def wan_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
+    """Token counts of a WanPipeline call: 8x spatial and 4x temporal VAE, then ``patch_size`` patches. Text
+    is cross-attention context only, so the split sequence is the video tokens."""
+    pt, ph, pw = config.get("patch_size", (1, 2, 2))
+    lh, lw = spatial_latent(height, width, 8 * max(ph, pw), "Wan (8x VAE, 2x2 patches)")
+    if frames < 1 or (frames - 1) % 4:
+        raise ValueError(f"frames={frames} must be 4k+1 for Wan's 4x temporal VAE; try {max(1, (frames - 1) // 4 * 4 + 1)}")
+    latent_frames = (frames - 1) // 4 + 1
+    video = (latent_frames // pt) * (lh // ph) * (lw // pw)
+    return Layout(video, text_tokens, video, (config.get("in_channels", 16), latent_frames, lh, lw))
 
 
 #: Tensor plan. Self-attention (``attn1``) and cross-attention (``attn2``, queries from the video tokens,
@@ -136,21 +136,120 @@ WAN_TENSOR_PLAN = TensorPlan(
 )
 
 
+# -- synthetic architectures ---------------------------------------------------------------------------------
+#: Wan 2.1's scheduler as its diffusers checkpoints ship it (UniPC on flow-matching sigmas)
+_WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+
+WAN21_14B = SynthArch(
+    name="wan2.1-14b",
+    description="Wan2.1-T2V-14B transformer (40 blocks, 40 heads x 128, FFN 13824), full Wan VAE, small UMT5",
+    pipeline="WanPipeline",
+    transformer_class="WanTransformer3DModel",
+    transformer=dict(
+        patch_size=[1, 2, 2],
+        num_attention_heads=40,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        freq_dim=256,
+        ffn_dim=13824,
+        num_layers=40,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
+    vae={},  # AutoencoderKLWan's defaults are the Wan 2.1 VAE
+    clip={},
+    t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),  # UMT5-XXL's width, one layer
+    scheduler=_WAN_SCHEDULER,
+    scheduler_class="UniPCMultistepScheduler",
+    default_dtype="bfloat16",
+    default_size=(480, 832),
+    max_sequence_length=512,
+    default_frames=81,
+)
+
+_WAN_TINY = dataclasses.replace(
+    WAN21_14B,
+    name="wan-tiny",
+    description="Wan 2.1 architecture shrunk for CPU tests: 2 blocks, 6 heads x 16, 3-D RoPE, tiny Wan VAE",
+    transformer=dict(WAN21_14B.transformer, num_attention_heads=6, attention_head_dim=16, text_dim=64, freq_dim=32,
+                     ffn_dim=128, num_layers=2, rope_max_seq_len=64),
+    vae=dict(base_dim=8, num_res_blocks=1),
+    t5=dict(d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4),
+    default_dtype="float32",
+    default_size=(64, 64),
+    max_sequence_length=32,
+    default_frames=5,
+)
+
+WAN_ARCHS = (
+    WAN21_14B,
+    _WAN_TINY,
+    dataclasses.replace(
+        _WAN_TINY,
+        name="wan-tiny-tp",
+        description="wan-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
+        transformer=dict(_WAN_TINY.transformer, num_attention_heads=4),
+    ),
+    # Wan 2.2 A14B: two experts of one architecture; `transformer` denoises the high-noise steps (timestep >=
+    # boundary_ratio * 1000) and `transformer_2` the rest. Here 2 steps of 3 fall to each side at shift 3.
+    dataclasses.replace(
+        _WAN_TINY,
+        name="wan2.2-tiny",
+        description="Wan 2.2 A14B layout shrunk for CPU tests: two wan-tiny transformers (high- and low-noise "
+                    "experts) switched at boundary_ratio 0.9",
+        transformer_2=_WAN_TINY.transformer,
+        pipeline_config=dict(boundary_ratio=0.9),
+    ),
+)
+
+
+def wan_components(arch: SynthArch, kit) -> dict:
+    """WanPipeline's other components: AutoencoderKLWan (video VAE) and a UMT5 text encoder with a T5 tokenizer."""
+    import diffusers
+    import transformers
+
+    t5_tok = kit.t5_tokenizer(arch.max_sequence_length)
+    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1),
+                text_encoder=kit.make(transformers.UMT5EncoderModel,
+                                      kit.t5_config(t5_tok, arch.t5, transformers.UMT5Config), 3),
+                tokenizer=t5_tok)
+
+
 WAN = register(
     ModelAdapter(
         name="wan",
         class_names=("WanTransformer3DModel",),
         num_heads=lambda model: model.config.num_attention_heads,
-        sequence_plan=SequencePlan(inputs={}, streams=("video",), output_stream=None),
-        attention_class_names=("WanAttention",),
+        sequence_plan=SequencePlan(
+            streams=("video",),
+            # Wan 2.2 TI2V's per-token timesteps ([B, N]) are split with their tokens; one per sample stays whole
+            inputs={"": {"timestep": Split(dim=1, stream="video", ndim=2)},
+                    "blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}},
+            outputs={"rope": {0: Split(dim=1, stream="video", ndim=4), 1: Split(dim=1, stream="video", ndim=4)}},
+            gathers={"proj_out": Gather(dim=1, stream="video")},
+            differs_from_cp_plan="the same split and gather points; chunks may be uneven (diffusers needs the token "
+                                 "count divisible by the degree)",
+        ),
+        attention=AttentionSelector(class_names=("WanAttention",)),
         sequence_processor=WanSequenceParallelProcessor,
-        sequence_hooks=wan_sequence_hooks,
+        blocks=(BlockList("blocks", ("hidden_states",), ("hidden_states",)),),
         example_inputs=wan_example_inputs,
+        layout=wan_layout,
+        text_tokens=512,  # umT5, cross-attention only
         tensor_plan=WAN_TENSOR_PLAN,
         batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         cfg_mode="sequential",  # WanPipeline calls the transformer once for cond, once for uncond
         output_channel_dim=1,
         fuse_qkv=True,
         out_channels=lambda model: model.config.out_channels,
+        frame_step=4,  # the Wan VAE compresses time 4x: 4k+1 frames
+        fps=16,  # Wan 2.1 is trained on 16 fps clips
+        pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline"),
+        synth_archs=WAN_ARCHS,
+        synth_components=wan_components,
     )
 )

@@ -14,8 +14,13 @@ nearly all the work, is divided:
   skipped call returns a placeholder tensor that is filled in place by the one all-gather after the
   uncond call, before the pipeline combines the two predictions.
 
-Which branch a call is comes from diffusers' ``transformer.cache_context("cond" | "uncond")``, which
-FLUX and Wan pipelines enter around each call (falling back to call parity for pipelines that don't).
+Which branch a call is comes from the call's place in its denoising step: the per-call context holds the
+scheduler's step index and how many transformer calls that step has had (the first is "cond", the second
+"uncond"; every sequential-CFG pipeline of diffusers calls them in that order). Without a scheduler (a
+bare transformer), calls alternate.
+
+The ``batch`` hook sits outside the ``sequence`` hook (``hooks.ORDER``): it sees the full inputs, and a
+skipped call returns a full-size placeholder without running anything inside it (no split, no gather).
 
 Cross-rank rules: every rank receives the same calls in the same order (same pipeline arguments); split
 sizes come from the global batch size; skip decisions depend only on the branch and the cfg rank, so
@@ -24,31 +29,31 @@ all ranks of a sequence-parallel group skip together.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 
 from ..comm import all_gather_uneven, split_sizes
 from ..config import ConfigError
+from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, output_sample, with_output_sample
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter
-from .forward_io import bind_kwargs, output_sample, with_output_sample
 
-_CFG_OFF = (
-    "cfg=2 needs classifier-free guidance, but this pipeline call ran without an unconditional branch; "
-    "turn guidance on (FLUX: a negative prompt with true_cfg_scale > 1, e.g. --negative-prompt '' "
-    "--true-cfg-scale 4; SD3/Wan: guidance_scale > 1, e.g. --guidance 5) or use cfg=1"
-)
+
+def cfg_off_message(adapter: ModelAdapter) -> str:
+    """The one-line error for cfg=2 on a call without an unconditional branch."""
+    return ("cfg=2 needs classifier-free guidance, but this pipeline call ran without an unconditional branch; "
+            f"turn guidance on ({adapter.name}: {adapter.cfg_hint}) or use cfg=1")
 
 
 class BatchParallel:
     """Runtime of data and CFG parallelism on one transformer."""
 
-    def __init__(self, pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter):
+    def __init__(self, pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext):
         self.pipe = pipe
         self.model = model
         self.adapter = adapter
+        self.ctx = ctx
         self.cfg = mesh.size("cfg")
         self.sequential = self.cfg > 1 and adapter.cfg_mode == "sequential"
         # the batch is split over dp (sequential CFG) or over dp x cfg (batched CFG)
@@ -60,39 +65,41 @@ class BatchParallel:
         self.batch_group = mesh.group_of(*batch_axes)
         self.cfg_rank = mesh.rank("cfg")
         self.cfg_group = mesh.group("cfg")
-        # per-call state
-        self.context: str | None = None
-        self.skip = False
+        # per-call state: the batch chunk sizes of this call (None: not split)
         self.batch_sizes: list[int] | None = None
-        self.branch: str | None = None
         # sequential CFG: the cond call's result (computed on cfg rank 0, a placeholder on cfg rank 1)
         self.pending: torch.Tensor | None = None
 
     # -- which branch ------------------------------------------------------------------------------
     def _branch(self) -> str:
-        if self.context in ("cond", "uncond"):
-            return self.context
+        if self.ctx.step_index is not None:  # the call's place in its step: cond first, then uncond
+            return ("cond", "uncond", "third")[min(self.ctx.call_in_step, 2)]
         return "uncond" if self.pending is not None else "cond"
 
     def _check_guidance_on(self) -> None:
         if getattr(self.pipe, "do_classifier_free_guidance", True) is False:
-            raise ConfigError(_CFG_OFF)
+            raise ConfigError(cfg_off_message(self.adapter))
 
-    # -- hooks -------------------------------------------------------------------------------------
+    # -- around each call --------------------------------------------------------------------------
     def pre_hook(self, kwargs: dict) -> dict:
-        self.skip, self.batch_sizes, self.branch = False, None, None
+        """Set the call's branch and skip decision in the context; returns this rank's batch chunk of the inputs."""
+        ctx = self.ctx
+        self.batch_sizes = None
         if self.cfg > 1:
             self._check_guidance_on()
         if self.sequential:
-            self.branch = self._branch()
-            if self.branch == "cond" and self.pending is not None:
+            ctx.branch = self._branch()
+            if ctx.branch == "third":
+                raise ConfigError(f"step {ctx.step_index} called the transformer a third time; ditmesh cfg=2 expects "
+                                  "one cond and one uncond call per step")
+            if ctx.branch == "cond" and self.pending is not None:
                 self.pending = None
-                raise ConfigError(_CFG_OFF)
-            if self.branch == "uncond" and self.pending is None:
+                raise ConfigError(cfg_off_message(self.adapter))
+            if ctx.branch == "uncond" and self.pending is None:
                 raise ConfigError("an unconditional transformer call came without its conditional call; "
                                   "ditmesh cfg=2 expects the pipeline to call cond then uncond each step")
-            self.skip = (self.branch == "cond") != (self.cfg_rank == 0)
-            if self.skip:
+            ctx.skip = (ctx.branch == "cond") != (self.cfg_rank == 0)
+            if ctx.skip:
                 return kwargs
         if self.batch_degree > 1:
             batch = kwargs["hidden_states"].shape[0]
@@ -104,15 +111,17 @@ class BatchParallel:
                 t = kwargs.get(name)
                 if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == batch:
                     kwargs[name] = t.narrow(0, start, size)
-            self.skip = size == 0
+            ctx.skip = size == 0
         return kwargs
 
     def post_hook(self, output):
+        """The call's full output on every rank: batch chunks gathered; under sequential CFG, the two branches
+        exchanged after the uncond call."""
         sample = output_sample(output)
         if self.batch_sizes is not None:
             sample = all_gather_uneven(sample, 0, self.batch_sizes, self.batch_group)
         if self.sequential:
-            if self.branch == "cond":
+            if self.ctx.branch == "cond":
                 self.pending = sample  # real on cfg rank 0, a placeholder on cfg rank 1
             else:
                 mine = self.pending if self.cfg_rank == 0 else sample
@@ -125,61 +134,41 @@ class BatchParallel:
         return with_output_sample(output, sample)
 
 
-def apply(pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> list:
+class BatchHook(Hook):
+    """The transformer's ``batch`` hook: split the batch (or pick the CFG branch), skip or run, gather."""
+
+    name = "batch"
+
+    def __init__(self, bp: BatchParallel, forward):
+        self.bp, self.forward = bp, forward
+        params = inspect.signature(forward).parameters
+        self.return_dict_default = params["return_dict"].default if "return_dict" in params else True
+
+    def __call__(self, owner, call_next, args, kwargs):
+        bp = self.bp
+        kwargs = bp.pre_hook(bind_kwargs(self.forward, args, kwargs))
+        if bp.ctx.skip:
+            # A skipped call does no work: an uninitialized output of the full size (filled later by the CFG
+            # exchange, or discarded by the batch gather of an empty chunk).
+            output = self.placeholder(kwargs)
+        else:
+            output = call_next((), kwargs)
+        return bp.post_hook(output)
+
+    def placeholder(self, kwargs: dict):
+        sample = self.bp.adapter.output_like(self.bp.model, kwargs["hidden_states"])
+        if not kwargs.get("return_dict", self.return_dict_default):
+            return (sample,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=sample)
+
+
+def apply(pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext) -> list:
     """Make ``model`` data- and/or CFG-parallel over the mesh. Returns undo callables ([] at degree 1)."""
     if mesh.size("dp") == 1 and mesh.size("cfg") == 1:
         return []
     if not adapter.batch_inputs:
         raise NotImplementedError(f"{adapter.name}: no batch plan; data/CFG parallelism is not available for it")
-    bp = BatchParallel(pipe, model, mesh, adapter)
-    forward = model.forward
-    params = inspect.signature(forward).parameters
-
-    def pre_hook(module, args, kwargs):
-        return (), bp.pre_hook(bind_kwargs(forward, args, kwargs))
-
-    def post_hook(module, args, kwargs, output):
-        return bp.post_hook(output)
-
-    def forward_or_skip(*args, **kwargs):
-        # A skipped call does no work: it returns an uninitialized output of the right shape (filled
-        # later by the CFG exchange, or discarded by the batch gather of an empty chunk).
-        if not bp.skip:
-            return forward(*args, **kwargs)
-        placeholder = adapter.output_like(model, kwargs["hidden_states"])
-        if not kwargs.get("return_dict", params["return_dict"].default if "return_dict" in params else True):
-            return (placeholder,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=placeholder)
-
-    original_cache_context = model.cache_context if hasattr(model, "cache_context") else None
-
-    @contextlib.contextmanager
-    def cache_context(name, *args, **kwargs):
-        bp.context = name
-        try:
-            if original_cache_context is None:
-                yield
-            else:
-                with original_cache_context(name, *args, **kwargs):
-                    yield
-        finally:
-            bp.context = None
-
-    handles = [
-        # outermost: runs before the sequence split and after the sequence gather
-        model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True),
-        model.register_forward_hook(post_hook, with_kwargs=True),
-    ]
-    model.forward = forward_or_skip
-    model.cache_context = cache_context
-
-    def undo():
-        for h in handles:
-            h.remove()
-        for name in ("forward", "cache_context"):
-            model.__dict__.pop(name, None)
-
-    model._ditmesh_batch = bp
-    return [undo]
+    bp = BatchParallel(pipe, model, mesh, adapter, ctx)
+    return [add_hook(model, BatchHook(bp, model.forward))]

@@ -6,8 +6,9 @@ for the slowest rank's host (measured on 4x H200, compiled ulysses4 with 2 head 
 without a graph, 45.9 to 46.1 ms with one; see docs/benchmarks.md). A graph is launched once per step, so
 the ranks meet at the collectives at GPU speed.
 
-How: the transformer's ``__call__`` (including ditmesh's split/gather hooks and the compiled blocks) is
-replaced by :class:`GraphedCall`. Each distinct call signature (argument names, tensor shapes, dtypes and
+How: the transformer's ``graph`` hook (``hooks.ORDER``: inside ``context``, outside every other hook, so
+ditmesh's split/gather hooks and the compiled blocks are captured) runs the rest of the call through a
+:class:`GraphedCall`. Each distinct call signature (argument names, tensor shapes, dtypes and
 devices, and the values of the non-tensor arguments) gets its own graph: the first call runs normally (it compiles,
 autotunes and opens the NCCL communicators); the second runs once on a side stream and is then
 captured; later calls copy their tensors into the captured input buffers, replay, and return a copy of
@@ -33,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
+
+from ..hooks import Hook, add_hook
 
 log = logging.getLogger("ditmesh")
 
@@ -151,13 +154,26 @@ class GraphedCall:
         return result
 
 
+class GraphHook(Hook):
+    """The transformer's ``graph`` hook: everything inside it replayed by one :class:`GraphedCall`."""
+
+    name = "graph"
+
+    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)):
+        self._next = None
+        self.graphed = GraphedCall(self._run_next, capture, devices=devices)
+
+    def _run_next(self, *args, **kwargs):
+        return self._next(args, kwargs)
+
+    def __call__(self, owner, call_next, args, kwargs):
+        self._next = call_next  # the inner chain is the same on every call; only a warm-up or capture runs it
+        try:
+            return self.graphed(*args, **kwargs)
+        finally:
+            self._next = None
+
+
 def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)) -> list:
-    """Replace ``model``'s call with a :class:`GraphedCall`; returns the undo callable."""
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        raise ValueError("the transformer is already wrapped (whole-model torch.compile or a CUDA graph)")
-    model._compiled_call_impl = GraphedCall(model._call_impl, capture, devices=devices)
-
-    def undo():
-        model._compiled_call_impl = None
-
-    return [undo]
+    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook); returns the undo callable."""
+    return [add_hook(model, GraphHook(capture, devices))]

@@ -1,9 +1,11 @@
-"""Sequence parallelism on a transformer: split once at the entry, gather once at the exit.
+"""Sequence parallelism on a transformer: split once where tokens appear, gather once before they leave.
 
-A forward pre-hook splits every input the adapter's :class:`SequencePlan` names into this rank's
-contiguous chunk of its stream; inside, every block works on the local shard; attention layers run
-through the adapter's processor, which calls :meth:`SequenceParallel.attention`; a forward hook
-gathers the output stream back to full length on every rank.
+The adapter's :class:`SequencePlan` names the split points: forward inputs of the transformer (cut by its
+``sequence`` hook, :class:`SequenceEntry`), inputs or outputs of submodules where tokens first exist inside
+the model (SD3's ``pos_embed``, Wan's ``rope`` and ``blocks.0``: torch forward hooks), and the module whose
+output is gathered (``proj_out``). Inside, every block works on the local shard; attention layers run
+through the adapter's processor, which calls :meth:`SequenceParallel.attention`. The chunk sizes of each
+stream live in the call's :class:`~ditmesh.hooks.ForwardContext`.
 
 Cross-rank rules: chunk sizes come from global lengths only (identical on every rank, nothing is
 exchanged); every rank runs every attention layer in the same order.
@@ -18,9 +20,9 @@ from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
 from ..comm import all_gather_uneven, group_name, split_sizes
+from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
-from ..models.base import ModelAdapter
-from .forward_io import bind_kwargs, output_sample, with_output_sample
+from ..models.base import Gather, ModelAdapter, Split, is_attention
 
 
 class SequenceParallel:
@@ -32,9 +34,10 @@ class SequenceParallel:
     in that order and gathers the output at the exit.
     """
 
-    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None, compiled: bool = False,
-                 transport: str = "nccl"):
+    def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, chunks: int | None = None,
+                 compiled: bool = False, transport: str = "nccl"):
         self.adapter = adapter
+        self.ctx = ctx
         self.plan = adapter.sequence_plan
         self.ring_degree = mesh.size("ring")
         self.ulysses_degree = mesh.size("ulysses")
@@ -51,9 +54,7 @@ class SequenceParallel:
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
         #: how Ulysses-only attention moves its all-to-alls (``attention.ulysses.TRANSPORTS``)
         self.transport = transport
-        #: tokens of each stream on each sp rank, set at every model entry
-        self.stream_sizes: dict[str, list[int]] = {}
-        #: local attention sequence length of each sp rank (sum over streams)
+        #: local attention sequence length of each sp rank (sum over the streams split so far in this call)
         self.seq_sizes: list[int] = []
 
     def attention(self, query, key, value, backend=None, streams=None):
@@ -78,67 +79,81 @@ class SequenceParallel:
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
                              self.ring_group, self.ulysses_group)
 
-    # -- hooks -------------------------------------------------------------------------------------
-    def split_inputs(self, kwargs: dict) -> dict:
-        lengths: dict[str, int] = {}
-        for name, spec in self.plan.inputs.items():
-            t = kwargs.get(name)
-            if t is None:
-                continue
-            dim = spec.dim + (t.ndim - spec.ndim)
-            n = t.shape[dim]
-            if lengths.setdefault(spec.stream, n) != n:
-                raise ValueError(f"inputs of stream {spec.stream!r} disagree in length: {lengths[spec.stream]} vs {n} ({name})")
-        self.stream_sizes = {s: split_sizes(n, self.degree) for s, n in lengths.items()}
-        self.seq_sizes = [sum(self.stream_sizes[s][j] for s in self.plan.streams if s in self.stream_sizes) for j in range(self.degree)]
-        out = dict(kwargs)
-        for name, spec in self.plan.inputs.items():
-            t = kwargs.get(name)
-            if t is None:
-                continue
-            dim = spec.dim + (t.ndim - spec.ndim)
-            sizes = self.stream_sizes[spec.stream]
-            out[name] = t.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
-        return out
+    # -- split points ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a transformer call: no stream has been split yet (its sizes come from its first split)."""
+        self.ctx.stream_sizes = {}
+        self.seq_sizes = []
 
-    def gather_output(self, output):
-        if self.plan.output_stream is None:
-            return output  # the adapter's own hook gathered inside the model (before unpatchify)
-        sizes = self.stream_sizes[self.plan.output_stream]
-        full = all_gather_uneven(output_sample(output), self.plan.output_dim, sizes, self.group)
-        return with_output_sample(output, full)
-
-    def full_placeholder(self, output):
-        """A skipped call's output at full length, uninitialized (its sp group skips together: no gather)."""
-        if self.plan.output_stream is None:
-            return output  # the model gathers inside; a skipped call never ran it and returned full length
-        sample = output_sample(output)
-        shape = list(sample.shape)
-        shape[self.plan.output_dim] = sum(self.stream_sizes[self.plan.output_stream])
-        return with_output_sample(output, sample.new_empty(shape))
-
-    # -- split points inside the model (``ModelAdapter.sequence_hooks``) ---------------------------
     def local_lengths(self, streams) -> list[int]:
-        """Local attention length of each sp rank over ``streams`` (those split so far in this forward)."""
-        return [sum(self.stream_sizes[s][j] for s in streams if s in self.stream_sizes) for j in range(self.degree)]
+        """Local attention length of each sp rank over ``streams`` (those split so far in this call)."""
+        sizes = self.ctx.stream_sizes
+        return [sum(sizes[s][j] for s in streams if s in sizes) for j in range(self.degree)]
 
     def split(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
-        """This rank's chunk of ``tensor`` along ``dim``, for tokens that only exist inside the model.
+        """This rank's contiguous chunk of ``tensor`` along ``dim``, a part of token stream ``stream``.
 
-        For adapters whose model patchifies internally (SD3, Wan): their hooks split where the tokens
-        appear. The first split of a stream in a forward fixes its sizes (from the global length, so
-        every rank agrees); later splits of the same stream (e.g. its RoPE table) must match it.
+        The first split of a stream in a call fixes its chunk sizes (from the global length, so every rank
+        agrees); later splits of the same stream (its RoPE table, its positions) must have that length.
         """
         n = tensor.shape[dim]
-        sizes = self.stream_sizes.setdefault(stream, split_sizes(n, self.degree))
+        sizes = self.ctx.stream_sizes.setdefault(stream, split_sizes(n, self.degree))
         if sum(sizes) != n:
             raise ValueError(f"stream {stream!r} has {sum(sizes)} tokens but a split point sees {n}")
         self.seq_sizes = self.local_lengths(self.plan.streams)
         return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
+    def split_value(self, value, spec: Split):
+        """``value`` split by ``spec``: a tensor of the expected ndim, or each tensor of a list/tuple; else as is."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.split_value(v, spec) for v in value)
+        if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
+            return value
+        return self.split(value, spec.dim, spec.stream)
+
     def gather(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Every rank's chunk of ``stream`` concatenated along ``dim`` (one all-gather)."""
-        return all_gather_uneven(tensor, dim, self.stream_sizes[stream], self.group)
+        return all_gather_uneven(tensor, dim, self.ctx.stream_sizes[stream], self.group)
+
+
+class SequenceEntry(Hook):
+    """The transformer's ``sequence`` hook: starts the call's split and cuts the entry inputs of the plan."""
+
+    name = "sequence"
+
+    def __init__(self, sp: SequenceParallel, splits: dict[str, Split], forward):
+        self.sp, self.splits, self.forward = sp, splits, forward
+
+    def __call__(self, owner, call_next, args, kwargs):
+        self.sp.begin()
+        kwargs = bind_kwargs(self.forward, args, kwargs)
+        kwargs = {k: (self.sp.split_value(v, self.splits[k]) if k in self.splits else v) for k, v in kwargs.items()}
+        return call_next((), kwargs)
+
+
+def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict[str, Split]):
+    forward = module.forward
+
+    def pre_hook(mod, args, kwargs):
+        named = bind_kwargs(forward, args, kwargs)
+        if not any(k in named for k in splits):
+            return None
+        return (), {k: (sp.split_value(v, splits[k]) if k in splits else v) for k, v in named.items()}
+
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict):
+    def hook(mod, args, out):
+        if None in splits:
+            return sp.split_value(out, splits[None])
+        return type(out)(sp.split_value(t, splits[i]) if i in splits else t for i, t in enumerate(out))
+
+    return module.register_forward_hook(hook)
+
+
+def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
+    return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
 
 
 def default_chunks(device: torch.device, compiled: bool = False) -> int:
@@ -153,45 +168,56 @@ def default_chunks(device: torch.device, compiled: bool = False) -> int:
     return 2 if device.type == "cuda" and not compiled else 1
 
 
-def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, chunks: int | None = None,
-          compiled: bool = False, transport: str = "nccl") -> list:
+def check_attention_selection(model: torch.nn.Module, adapter: ModelAdapter) -> None:
+    """Refuse an adapter whose attention selection misses an attention layer of ``model`` (or matches none).
+
+    A layer left out would attend over its local tokens only and give a wrong result with no error.
+    """
+    selected = {name for name, _ in adapter.attention_modules(model)}
+    every = [name for name, module in model.named_modules() if is_attention(module)]
+    missed = [name for name in every if name not in selected]
+    if not selected or missed:
+        shown = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+        raise NotImplementedError(
+            f"the {adapter.name} adapter's attention selection {adapter.attention} matches "
+            f"{len(selected)} of the {len(every)} attention layers of {type(model).__name__}"
+            + (f" (missed: {shown})" if missed else "") + "; sequence parallelism would attend over local tokens "
+            "there; fix the adapter's `attention` selector")
+
+
+def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext,
+          chunks: int | None = None, compiled: bool = False, transport: str = "nccl") -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
     Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
     pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
     will be ``compiled``). ``transport``: how Ulysses-only attention moves its all-to-alls ("nccl" or
-    "symm"; ring and USP always use the process group's backend). Does nothing (and returns ``[]``) when the sequence-parallel degree is 1.
+    "symm"; ring and USP always use the process group's backend). The runtime state is the ``sequence``
+    hook's ``sp`` (``hooks.find_hook(model, "sequence").sp``). Does nothing (and returns ``[]``) when the
+    sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
-    sp = SequenceParallel(mesh, adapter, chunks, compiled, transport)
-    forward = model.forward
-
-    def pre_hook(module, args, kwargs):
-        return (), sp.split_inputs(bind_kwargs(forward, args, kwargs))
-
-    def post_hook(module, args, kwargs, output):
-        batch = getattr(module, "_ditmesh_batch", None)
-        if batch is not None and batch.skip:  # a CFG/data-parallel call this rank skips: nothing to gather
-            return sp.full_placeholder(output)
-        return sp.gather_output(output)
-
-    handles = [
-        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        model.register_forward_hook(post_hook, with_kwargs=True),
-    ]
-    if adapter.sequence_hooks is not None:  # split points inside the model, registered after the entry split
-        handles += adapter.sequence_hooks(model, sp)
+    check_attention_selection(model, adapter)
+    sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport)
+    plan = adapter.sequence_plan
+    undo = [add_hook(model, SequenceEntry(sp, plan.inputs.get("", {}), model.forward))]
+    handles = []
+    for path, splits in plan.inputs.items():
+        if path:
+            handles.append(_split_inputs_hook(sp, model.get_submodule(path), splits))
+    for path, splits in plan.outputs.items():
+        handles.append(_split_outputs_hook(sp, model.get_submodule(path), splits))
+    for path, spec in plan.gathers.items():
+        handles.append(_gather_hook(sp, model.get_submodule(path), spec))
+    undo += [h.remove for h in handles]
     previous = {}
     for name, attn in adapter.attention_modules(model):
         previous[name] = attn.processor
         attn.set_processor(adapter.sequence_processor(sp, attn.processor))
 
-    def undo():
-        for h in handles:
-            h.remove()
+    def restore_processors():
         for name, attn in adapter.attention_modules(model):
             attn.set_processor(previous[name])
 
-    model._ditmesh_sp = sp
-    return [undo]
+    return undo + [restore_processors]

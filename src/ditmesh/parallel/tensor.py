@@ -21,8 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import types
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +31,24 @@ import torch.nn.functional as F
 
 from ..comm import all_gather_uneven, all_reduce_sum, broadcast_tensors
 from ..config import ConfigError
+from ..hooks import Hook, add_hook
 from ..mesh import ParallelMesh
-from ..models.base import ModelAdapter, TensorPlan, adapter_for
+from ..models.base import ModelAdapter, TensorPlan, adapter_for, name_pattern
 
-#: Attribute set on a transformer whose weights hold one tensor-parallel shard: ``(tp_rank, tp_size)``.
-SHARDED_ATTR = "_ditmesh_tp_shard"
+#: Transformers whose weights hold one tensor-parallel shard -> ``(tp_rank, tp_size)`` (kept here, not on the model)
+_SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Transformers loaded as a shard by :func:`load_sharded_transformer`: their whole weights never existed here
+_LOADED_SHARDED: weakref.WeakSet = weakref.WeakSet()
+
+
+def shard_of(model: torch.nn.Module) -> tuple[int, int] | None:
+    """``(tp_rank, tp_size)`` when ``model`` holds one tensor-parallel shard, else None."""
+    return _SHARDS.get(model)
+
+
+def loaded_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was loaded as a shard (its whole weights were never read, so they cannot come back)."""
+    return model in _LOADED_SHARDED
 
 
 @dataclass(frozen=True)
@@ -67,17 +79,11 @@ class LinearShard:
         return out
 
 
-def _pattern(pattern: str) -> re.Pattern:
-    # ``*`` stands for exactly one path segment, so "transformer_blocks.*.attn" never matches
-    # "single_transformer_blocks.0.attn" or "transformer_blocks.0.x.attn". A trailing "?" (optional
-    # pattern, see _matching) is not part of the name.
-    pattern = pattern.removesuffix("?")
-    return re.compile("^" + r"\.".join("[^.]+" if seg == "*" else re.escape(seg) for seg in pattern.split(".")) + "$")
-
-
 def _matching(model: torch.nn.Module, patterns) -> dict[str, list[tuple[str, torch.nn.Module]]]:
+    # ``*`` stands for exactly one path segment, so "transformer_blocks.*.attn" never matches
+    # "single_transformer_blocks.0.attn" or "transformer_blocks.0.x.attn" (models.base.name_pattern).
     modules = list(model.named_modules())
-    found = {p: [(n, m) for n, m in modules if _pattern(p).match(n)] for p in patterns}
+    found = {p: [(n, m) for n, m in modules if name_pattern(p).match(n)] for p in patterns}
     missing = [p for p, hits in found.items() if not hits and not p.endswith("?")]
     if missing:
         raise ValueError(f"tensor plan of {type(model).__name__} names modules that do not exist: {', '.join(missing)}")
@@ -207,18 +213,27 @@ def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, 
             _set_param(module, param, value)
         _resize(module, shard, 1, size)
     _divide_attrs(model, plan, size)
-    setattr(model, SHARDED_ATTR, (rank, size))
+    _SHARDS[model] = (rank, size)
     return shards
 
 
-def _row_parallel_forward(group):
-    def forward(self, x):
-        # Partial product of this rank's input columns; the bias is whole on every rank, so it goes in once,
-        # after the sum.
-        out = all_reduce_sum(F.linear(x, self.weight), group)
-        return out if self.bias is None else out + self.bias
+class RowParallelLinear(torch.nn.Linear):
+    """A row-parallel linear: this rank's input columns, ONE all-reduce of the partial product, the bias once.
 
-    return forward
+    It takes the place of the sharded ``nn.Linear`` under the same attribute and shares its ``weight`` and
+    ``bias`` Parameters, so parameter names stay those of the checkpoint; the bias is whole on every rank,
+    so it goes in once, after the sum.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, group):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce_sum(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
 
 
 class ShardedRMSNorm(torch.nn.Module):
@@ -256,7 +271,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
     if adapter.tensor_plan is None:
         raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan; use tp=1 and sequence parallelism")
     rank, group, plan = mesh.rank("tp"), mesh.group("tp"), adapter.tensor_plan
-    loaded = getattr(model, SHARDED_ATTR, None)
+    loaded = shard_of(model)
     if loaded is not None and loaded != (rank, size):
         raise ConfigError(f"the transformer was loaded as tensor-parallel shard {loaded} (rank, degree) but this rank "
                           f"is ({rank}, {size}) on the mesh; load with tp_rank = global rank % tp")
@@ -274,6 +289,10 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
 
     def undo():
         remove_all_reduces()
+        if loaded_sharded(model):
+            raise RuntimeError(f"{type(model).__name__} was loaded as tensor-parallel shard {rank} of {size} "
+                               "(load_sharded_transformer), so its whole weights never existed on this rank and "
+                               "cannot be restored; the collectives are removed, load the model again to run it whole")
         unshard_model(model, plan, shards, rank, size, group)
 
     return [undo]
@@ -283,25 +302,24 @@ def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], 
     """Give every row-parallel linear of ``shards`` its all-reduce (bias added after it) and swap every sharded
     norm for a :class:`ShardedRMSNorm`; returns the undo callable.
 
-    A linear's forward is replaced on the instance (not through a hook) so that the parameter names stay
-    those of the checkpoint while ``F.linear`` runs without the bias. ``shards`` holds full sizes.
+    Both swaps put a module sharing the original's Parameters under the same attribute, so parameter names
+    stay those of the checkpoint. ``shards`` holds full sizes.
     """
-    row_modules = [model.get_submodule(n) for n, s in shards.items() if s.kind in ("rowwise", "packed_rowwise")]
-    for module in row_modules:
-        module.forward = types.MethodType(_row_parallel_forward(group), module)
-    norms = []
+    swapped = []
     for name, shard in shards.items():
-        if shard.kind == "norm":
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            original = getattr(parent, attr)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        original = getattr(parent, attr)
+        if shard.kind in ("rowwise", "packed_rowwise"):
+            setattr(parent, attr, RowParallelLinear(original, group))
+        elif shard.kind == "norm":
             setattr(parent, attr, ShardedRMSNorm(original, shard.parts[0], group))
-            norms.append((parent, attr, original))
+        else:
+            continue
+        swapped.append((parent, attr, original))
 
     def undo():
-        for module in row_modules:
-            del module.forward
-        for parent, attr, original in norms:
+        for parent, attr, original in swapped:
             setattr(parent, attr, original)
 
     return undo
@@ -327,7 +345,7 @@ def unshard_model(model, plan: TensorPlan, shards: dict[str, LinearShard], rank:
         for _, module in hits:
             for attr in plan.per_rank_attrs[pattern]:
                 setattr(module, attr, getattr(module, attr) * size)
-    delattr(model, SHARDED_ATTR)
+    _SHARDS.pop(model, None)
 
 
 # -- loading only this rank's shard ---------------------------------------------------------------------------
@@ -380,13 +398,15 @@ def _load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None, keep_fp32
     return torch.float32 if any(m in name.split(".") for m in keep_fp32) else dtype
 
 
-def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: torch.dtype | None = None):
+def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: torch.dtype | None = None,
+                             component: str = "transformer"):
     """Load a pipeline's transformer so that this rank materialises only its tensor-parallel shard.
 
     The model is instantiated on the meta device; each parameter is then read from the safetensors files
     with ``safe_open(...).get_slice`` (only this rank's rows/columns of a sharded linear, the whole tensor
     otherwise), cast to ``dtype`` and placed on ``device``. Peak device memory stays at the shard size.
-    ``folder`` is a pipeline folder (with ``transformer/``) or the transformer folder itself. Pass the result to
+    ``folder`` is a pipeline folder (with ``transformer/``, or the ``component`` folder such as
+    ``transformer_2/``) or the transformer folder itself. Pass the result to
     ``pipe`` and call :func:`ditmesh.parallelize`; it installs the all-reduces without slicing again.
     """
     import diffusers
@@ -395,10 +415,10 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
     if not Path(folder).exists():  # a hub id: fetch the transformer's files only
         from huggingface_hub import snapshot_download
 
-        folder = snapshot_download(str(folder), allow_patterns=["transformer/*"])
+        folder = snapshot_download(str(folder), allow_patterns=[f"{component}/*"])
     folder = Path(folder)
-    if (folder / "transformer" / "config.json").is_file():
-        folder = folder / "transformer"
+    if (folder / component / "config.json").is_file():
+        folder = folder / component
     config = json.loads((folder / "config.json").read_text())
     cls = getattr(diffusers, config["_class_name"])
     with _parameters_on_meta():
@@ -425,6 +445,7 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
     # As diffusers' from_pretrained: the modules in _keep_in_fp32_modules stay float32 under a lower dtype.
     keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
     shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=read)
+    _LOADED_SHARDED.add(model)
     sharded = {f"{n}.{p}" for n, s in shards.items() for p in ("weight", "bias")
                if shard_slices(s, p, tp_rank, tp_size) is not None}
     for name, param in list(model.named_parameters()):
@@ -478,9 +499,23 @@ def choose_text_encoding(pipe, device: torch.device) -> str:
     return "broadcast" if encoder_bytes > BROADCAST_SHARE * device_memory_bytes(device) else "replicate"
 
 
+class EncodeOnce(Hook):
+    """A pipeline's ``encode_once`` hook around ``encode_prompt``: tp rank 0 encodes, every rank gets its tensors."""
+
+    name = "encode_once"
+
+    def __init__(self, src: int, is_src: bool, group, device: torch.device):
+        self.src, self.is_src, self.group, self.device = src, is_src, group, device
+
+    def __call__(self, owner, call_next, args, kwargs):
+        result = call_next(args, kwargs) if self.is_src else None
+        return broadcast_tensors(result, self.src, self.group, self.device)
+
+
 def encode_once(pipe, mesh: ParallelMesh) -> list:
-    """Under tp > 1 with the ``broadcast`` choice, wrap ``pipe.encode_prompt`` so that rank 0 of the tp group
-    encodes and broadcasts every tensor it returns; the other ranks free their text encoders. Undo callables.
+    """Under tp > 1 with the ``broadcast`` choice, hook ``pipe.encode_prompt`` so that rank 0 of the tp group
+    encodes and broadcasts every tensor it returns; the other ranks move their text encoders to the CPU (undo
+    puts them back). Undo callables.
 
     Cross-rank rule: every rank of the tp group calls ``encode_prompt`` with the same arguments (the pipeline
     call does so), and the structure of the result (which entries are tensors, their shapes) comes from
@@ -493,20 +528,20 @@ def encode_once(pipe, mesh: ParallelMesh) -> list:
     group = mesh.group("tp")
     src = dist.get_global_rank(group, 0)
     is_src = mesh.rank("tp") == 0
-    original = pipe.encode_prompt
+    undo = [add_hook(pipe, EncodeOnce(src, is_src, group, mesh.device), method="encode_prompt")]
     if not is_src:
-        for name in text_encoder_modules(pipe):
-            setattr(pipe, name, None)  # the embeddings come from the source rank
+        # The embeddings come from the source rank. The encoders leave the pipeline (so nothing reads their
+        # device as the pipeline's) and wait on the CPU until remove() puts them back where they were.
+        kept = {name: (module, next(module.parameters()).device) for name, module in text_encoder_modules(pipe).items()}
+        for name, (module, _) in kept.items():
+            module.to("cpu")
+            setattr(pipe, name, None)
         if mesh.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def encode_prompt(*args, **kwargs):
-        result = original(*args, **kwargs) if is_src else None
-        return broadcast_tensors(result, src, group, mesh.device)
+        def put_back():
+            for name, (module, device) in kept.items():
+                setattr(pipe, name, module.to(device))
 
-    pipe.encode_prompt = encode_prompt
-
-    def undo():
-        del pipe.encode_prompt
-
-    return [undo]
+        undo.append(put_back)
+    return undo

@@ -18,7 +18,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--frames", type=int, default=1, help="video frames (Wan: 4k+1)")
+    p.add_argument("--frames", type=int, default=1, help="video frames (the family's frame rule applies, e.g. 4k+1)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs")

@@ -269,7 +269,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             if lin.row_parallel:
                 tensor = lin.rows * samples * (token_frac if lin.tokenwise else 1) * lin.out_features * bpe
                 send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp)
-    latent = math.prod(stats.layout.latent_shape[1:])
+    latent = math.prod(stats.layout.latent_shape)  # one sample
     if sp > 1:  # gather the model output once at the exit
         send("all_gather", "ring" if config.ring > 1 else "ulysses", latent * bpe * samples * (sp - 1) / sp)
     if config.cfg > 1:

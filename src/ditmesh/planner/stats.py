@@ -10,8 +10,9 @@ no weights) and run forward once at the requested resolution with three observer
 * a ``TorchDispatchMode`` records the bytes every other (memory-bound) op reads and writes and the peak
   of live activation bytes.
 
-Nothing here is specific to one model except :data:`FAMILIES`, which says how a resolution becomes the
-transformer's inputs (and so its sequence length) for each model family.
+Nothing here is specific to one model: the family's adapter says how a resolution becomes the transformer's
+inputs (``layout``, ``example_inputs``), how many text tokens its pipelines use, and which linears tensor
+parallelism shards (``tensor_plan``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,99 +29,35 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..models import adapter_for_class
+from ..models.base import Layout
+from ..parallel.tensor import resolve_plan
+
 
 class PlannerError(ValueError):
     """Input the planner cannot plan for; the message names the value and what would work."""
 
 
-# ---------------------------------------------------------------------------------------------------
-# model families: resolution -> transformer inputs
-# ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Layout:
-    """Token counts of one sample. ``split_tokens`` is the sequence that sequence parallelism divides."""
-
-    image_tokens: int
-    text_tokens: int
-    split_tokens: int
-    latent_shape: tuple[int, ...]
+def adapter_of(class_name: str):
+    """The model adapter of a diffusers transformer class; PlannerError naming the supported ones otherwise."""
+    try:
+        return adapter_for_class(class_name)
+    except NotImplementedError as exc:
+        raise PlannerError(str(exc)) from None
 
 
-def _spatial(height: int, width: int, multiple: int, what: str) -> tuple[int, int]:
-    for name, value in (("height", height), ("width", width)):
-        if value < multiple or value % multiple:
-            raise PlannerError(f"{name}={value} is not a positive multiple of {multiple}, which {what} needs; "
-                               f"try {', '.join(str(v) for v in sorted({max(multiple, value // multiple * multiple), (value // multiple + 1) * multiple}))}")
-    return height // 8, width // 8
-
-
-def _flux(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
-    lh, lw = _spatial(height, width, 16, "FLUX (8x VAE, 2x2 packing)")
-    image = (lh // 2) * (lw // 2)
-    layout = Layout(image, text_tokens, image + text_tokens, (batch, image, cfg.get("in_channels", 64)))
-    inputs = dict(
-        hidden_states=torch.empty(batch, image, cfg.get("in_channels", 64)),
-        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("joint_attention_dim", 4096)),
-        pooled_projections=torch.empty(batch, cfg.get("pooled_projection_dim", 768)),
-        timestep=torch.ones(batch),
-        img_ids=torch.zeros(image, 3),
-        txt_ids=torch.zeros(text_tokens, 3),
-    )
-    if cfg.get("guidance_embeds", False):
-        inputs["guidance"] = torch.ones(batch)
-    return layout, inputs
-
-
-def _sd3(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
-    patch = cfg.get("patch_size", 2)
-    lh, lw = _spatial(height, width, 8 * patch, f"SD3 (8x VAE, patch {patch})")
-    image = (lh // patch) * (lw // patch)
-    channels = cfg.get("in_channels", 16)
-    layout = Layout(image, text_tokens, image + text_tokens, (batch, channels, lh, lw))
-    inputs = dict(
-        hidden_states=torch.empty(batch, channels, lh, lw),
-        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("joint_attention_dim", 4096)),
-        pooled_projections=torch.empty(batch, cfg.get("pooled_projection_dim", 2048)),
-        timestep=torch.ones(batch),
-    )
-    return layout, inputs
-
-
-def _wan(cfg: dict, height: int, width: int, frames: int, text_tokens: int, batch: int):
-    pt, ph, pw = cfg.get("patch_size", (1, 2, 2))
-    lh, lw = _spatial(height, width, 8 * max(ph, pw), "Wan (8x VAE, 2x2 patches)")
-    if frames < 1 or (frames - 1) % 4:
-        raise PlannerError(f"frames={frames} must be 4k+1 for Wan's 4x temporal VAE; try {max(1, (frames - 1) // 4 * 4 + 1)}")
-    latent_frames = (frames - 1) // 4 + 1
-    image = (latent_frames // pt) * (lh // ph) * (lw // pw)
-    channels = cfg.get("in_channels", 16)
-    layout = Layout(image, text_tokens, image, (batch, channels, latent_frames, lh, lw))
-    inputs = dict(
-        hidden_states=torch.empty(batch, channels, latent_frames, lh, lw),
-        encoder_hidden_states=torch.empty(batch, text_tokens, cfg.get("text_dim", 4096)),
-        timestep=torch.ones(batch),
-    )
-    if cfg.get("image_dim"):
-        inputs["encoder_hidden_states_image"] = torch.empty(batch, 257, cfg["image_dim"])
-    return layout, inputs
-
-
-#: class-name prefix -> (default text tokens, input builder). Text tokens: FLUX's T5 length (512 unless the
-#: checkpoint says otherwise), SD3's 77 CLIP + 256 T5 = 333, Wan's umT5 512 (cross-attention only).
-FAMILIES = {
-    "Flux": (512, _flux),
-    "SD3": (333, _sd3),
-    "Wan": (512, _wan),
-}
-
-
-def family_of(class_name: str) -> str:
-    """The family prefix of a diffusers transformer class name."""
-    for prefix in FAMILIES:
-        if class_name.startswith(prefix):
-            return prefix
-    raise PlannerError(f"no sequence-length rule for {class_name}; the planner knows the families "
-                       f"{', '.join(p + '*' for p in FAMILIES)} (add one to ditmesh.planner.stats.FAMILIES)")
+def family_inputs(spec: "ModelSpec", model: torch.nn.Module, height: int, width: int, frames: int, batch: int,
+                  dtype: torch.dtype) -> tuple[Layout, dict]:
+    """Token counts and one denoising step's inputs (on the meta device) of ``model`` at one resolution."""
+    adapter = adapter_of(spec.transformer_class)
+    try:
+        layout = adapter.layout(spec.config, height, width, frames, spec.text_tokens)
+    except ValueError as exc:
+        raise PlannerError(str(exc)) from None
+    inputs = adapter.example_inputs(model, height=height, width=width, batch=batch, text_len=spec.text_tokens,
+                                    generator=torch.Generator().manual_seed(0), device="meta", dtype=dtype,
+                                    frames=frames if adapter.frame_step else None)
+    return layout, {k: v for k, v in inputs.items() if k != "return_dict"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -148,7 +84,7 @@ def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
 
     if model in ARCHS:
         arch = ARCHS[model]
-        family_of(arch.transformer_class)
+        adapter_of(arch.transformer_class)
         return ModelSpec(model, arch.transformer_class, json.dumps(arch.transformer, sort_keys=True),
                          arch.max_sequence_length, dtype or "bfloat16")
     folder = Path(model)
@@ -160,16 +96,14 @@ def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
     class_name = config.get("_class_name")
     if not class_name:
         raise PlannerError(f"{config_path} has no _class_name; cannot tell which diffusers model it is")
-    family = family_of(class_name)
-    text_tokens = FAMILIES[family][0]
+    adapter = adapter_of(class_name)
+    text_tokens = adapter.text_tokens
     synth_meta = folder / "ditmesh_synth.json"
     if synth_meta.is_file():
         text_tokens = json.loads(synth_meta.read_text()).get("max_sequence_length", text_tokens)
     index = folder / "model_index.json"
-    if family == "Flux" and index.is_file():
-        # FLUX.1-schnell pipelines are driven with 256 text tokens, dev with 512.
-        if "schnell" in json.loads(index.read_text()).get("_name_or_path", ""):
-            text_tokens = 256
+    if adapter.checkpoint_text_tokens is not None and index.is_file():
+        text_tokens = adapter.checkpoint_text_tokens(json.loads(index.read_text())) or text_tokens
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     return ModelSpec(str(folder), class_name, json.dumps(config, sort_keys=True), text_tokens, dtype or "bfloat16")
 
@@ -177,13 +111,6 @@ def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
 # ---------------------------------------------------------------------------------------------------
 # statistics
 # ---------------------------------------------------------------------------------------------------
-#: Linear layers whose output is summed over tensor-parallel ranks (row-parallel): the projections that
-#: write back into the residual stream. Every other linear inside a block is column-parallel, except
-#: those under a norm (adaLN modulation), which stay replicated, as in the Megatron-style FLUX TP that
-#: ANCHORS.md measured (its 10.4 GiB at tp4 is only reached with replicated modulation weights).
-ROW_PARALLEL = re.compile(r"(to_out\.0|to_add_out|proj_out|net\.2)$")
-
-
 @dataclass(frozen=True)
 class LinearStat:
     name: str
@@ -328,17 +255,6 @@ class _TrafficCounter(TorchDispatchMode):
         return out
 
 
-def _block_lists(model: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
-    """Top-level ModuleLists of repeated transformer blocks (e.g. FLUX's double and single blocks)."""
-    found = []
-    for name, child in model.named_children():
-        if isinstance(child, torch.nn.ModuleList) and len(child) > 0:
-            params = sum(p.numel() for p in child.parameters())
-            if params > 0:
-                found.append((name, child))
-    return found
-
-
 def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
     heads = config.get("num_attention_heads") or config.get("num_heads")
     head_dim = config.get("attention_head_dim") or config.get("head_dim")
@@ -367,7 +283,7 @@ def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: in
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-_STATS_VERSION = 1
+_STATS_VERSION = 2
 
 
 @functools.lru_cache(maxsize=16)
@@ -407,7 +323,7 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
     import diffusers
 
     start = time.perf_counter()
-    family = family_of(spec.transformer_class)
+    adapter = adapter_of(spec.transformer_class)
     cls = getattr(diffusers, spec.transformer_class, None)
     if cls is None:
         raise PlannerError(f"diffusers {diffusers.__version__} has no class {spec.transformer_class}")
@@ -417,13 +333,11 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
         model = cls(**config).eval()
         # nn.Module._apply, not ModelMixin.to: same cast on meta tensors, without diffusers' fp32-module warning
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
-        layout, inputs = FAMILIES[family][1](config, height, width, frames, spec.text_tokens, batch)
-    inputs = {k: (v.to(dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v) for k, v in inputs.items()}
-    inputs = {k: v.to("meta") for k, v in inputs.items()}
+    layout, inputs = family_inputs(spec, model, height, width, frames, batch, dtype)
     heads, head_dim = _heads(model, config)
     hidden = heads * head_dim
 
-    blocks = _block_lists(model)
+    blocks = [(spec.path, model.get_submodule(spec.path)) for spec in adapter.blocks]
     prefixes = tuple(name + "." for name, _ in blocks)
     names = {m: n for n, m in model.named_modules()}
     token_sizes = {layout.image_tokens, layout.text_tokens, layout.split_tokens, layout.image_tokens + layout.text_tokens}
@@ -437,8 +351,11 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
             return "fixed"
         return "replicated" if t.shape[-1] == hidden or t.dim() < 3 else "sharded"
 
+    # which linears tensor parallelism shards, and which of them are row-parallel (an all-reduce each)
+    shards = resolve_plan(model, adapter.tensor_plan, 1) if adapter.tensor_plan is not None else {}
+
     def is_sharded_linear(name: str) -> bool:
-        return name.startswith(prefixes) and not any("norm" in part for part in name.split("."))
+        return name in shards and shards[name].kind != "norm"
 
     stack: list[str] = []
     linear_shapes: dict[str, list] = {}
@@ -472,7 +389,7 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
             for s in shape[:-1]:
                 rows *= s
             linears.append(LinearStat(name, rows, module.in_features, module.out_features, per_call, sharded,
-                                      sharded and bool(ROW_PARALLEL.search(name)), tokenwise(shape)))
+                                      sharded and shards[name].kind != "colwise", tokenwise(shape)))
     gemm_total = sum(sum(v.values()) for k, v in counts.items() if k == "Global")
     conv_flops = gemm_total - sum(lin.flops for lin in linears)
     if conv_flops > 0:  # patch-embedding convolutions and any other non-Linear GEMM: token-wise, replicated

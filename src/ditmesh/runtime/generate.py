@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import os
 import time
 from pathlib import Path
@@ -18,11 +19,9 @@ from PIL import Image
 
 from ..config import ConfigError, ParallelConfig
 from ..mesh import default_device
-from .models import local_model_path, read_defaults, read_pipeline_class, read_transformer_config, resolve_model
-from .report import atomic_write_bytes, device_name, peak_memory_bytes, versions, write_json
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+from .models import local_model_path, read_adapter, read_defaults, read_transformer_config, resolve_model
+from ..shared import DTYPES, atomic_write_bytes, write_json
+from .report import device_name, peak_memory_bytes, versions
 
 
 def parallel_config_from_args(args) -> ParallelConfig:
@@ -54,9 +53,9 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if getattr(args, "frames", None) is not None:
         from .video import validate_frames
 
-        validate_frames(read_pipeline_class(model), args.frames)
+        validate_frames(read_adapter(model), args.frames)
     if config.cfg > 1:
-        check_guidance_on(read_pipeline_class(model), args)
+        check_guidance_on(read_adapter(model), args)
     from ..api import check_transport
     from ..mesh import default_device
 
@@ -86,22 +85,21 @@ def check_output_paths(args) -> None:
             raise ConfigError(f"{flag} {value} is a folder; give a file path, e.g. {Path(value) / 'result'}")
 
 
-def guidance_on(pipeline_class: str | None, args) -> bool:
-    """Whether the run has both CFG branches: true CFG on FLUX (negative prompt, scale > 1), else guidance > 1."""
-    if pipeline_class and pipeline_class.startswith("Flux"):
-        return args.negative_prompt is not None and args.true_cfg_scale > 1
-    return args.guidance > 1
+def guidance_on(adapter, args) -> bool:
+    """Whether the run has both CFG branches, by the family's rule (``ModelAdapter.cfg_on``; guidance > 1 when
+    the family is not known before loading)."""
+    if adapter is None:
+        return args.guidance > 1
+    return adapter.cfg_on(args.guidance, args.true_cfg_scale, args.negative_prompt)
 
 
-def check_guidance_on(pipeline_class: str | None, args) -> None:
+def check_guidance_on(adapter, args) -> None:
     """``--cfg 2`` needs both CFG branches; say what to change when guidance is off."""
-    if guidance_on(pipeline_class, args):
+    if guidance_on(adapter, args):
         return
-    if pipeline_class and pipeline_class.startswith("Flux"):
-        raise ConfigError("--cfg 2 needs true CFG on FLUX: add --negative-prompt TEXT (and --true-cfg-scale > 1, "
-                          "default 4), or use --cfg 1")
-    raise ConfigError(f"--cfg 2 needs classifier-free guidance, but --guidance {args.guidance} turns it off; "
-                      f"use --guidance > 1 (e.g. 5) or --cfg 1")
+    hint = adapter.cfg_hint if adapter is not None else "--guidance > 1 (e.g. --guidance 5)"
+    raise ConfigError(f"--cfg 2 needs classifier-free guidance, which this run turns off; turn it on with {hint}, "
+                      "or use --cfg 1")
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
@@ -118,7 +116,7 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     supported = set(SUPPORTED_AXES)
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
-    cfg_on = guidance_on(read_pipeline_class(model), args)
+    cfg_on = guidance_on(read_adapter(model), args)
     prompts = len(args.prompt) if args.prompt else 1
     return recommend(model, args.height or size[0], args.width or size[1], world_size,
                      frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
@@ -196,8 +194,10 @@ def run(args) -> int:
         # Each rank materialises only its tensor-parallel shard of the transformer (tp is the innermost mesh axis).
         from ..parallel.tensor import load_sharded_transformer
 
-        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, transformer=None).to(device)
-        pipe.register_modules(transformer=load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype))
+        names = transformer_components(path)
+        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
+        pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype, name)
+                                 for name in names})
     else:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
@@ -236,8 +236,13 @@ def run(args) -> int:
         if is_video:
             from .video import write_video
 
+            from ..api import transformers_of
+            from ..models import adapter_for
+
+            fps = adapter_for(next(iter(transformers_of(pipe).values()))).fps
             for i, video in enumerate(result.frames):
-                paths += write_video(out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}"), video)
+                target = out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+                paths += write_video(target, video, fps=fps)
         encoded = []  # encode everything first: a format error must not leave some files written
         for i, image in enumerate(images):
             p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
@@ -280,6 +285,16 @@ def run(args) -> int:
         dist.barrier()
         end_rank_process(0)
     return 0
+
+
+def transformer_components(path: str) -> list[str]:
+    """The transformer components a pipeline folder (or hub id) has: ``transformer`` and any set ``transformer_*``."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return ["transformer"]
+    entries = json.loads(index.read_text())
+    return [name for name, value in sorted(entries.items())
+            if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
 
 
 def end_rank_process(code: int) -> None:

@@ -82,14 +82,20 @@ def read_transformer_config(model: str) -> dict | None:
     return json.loads(cfg.read_text()) if cfg.is_file() else None
 
 
-def read_pipeline_class(model: str) -> str | None:
-    """The diffusers pipeline class name of a local folder or synthetic architecture (None for hub ids)."""
-    from ..synth import ARCHS
+def read_adapter(model: str):
+    """The model adapter of a local folder's or synthetic architecture's transformer (None for hub ids).
 
-    if model in ARCHS:
-        return ARCHS[model].pipeline
-    index = Path(model) / "model_index.json"
-    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    Raises ConfigError for a transformer class ditmesh has no adapter for, before any weight is loaded.
+    """
+    from ..models import adapter_for_class
+
+    config = read_transformer_config(model)
+    if not config or "_class_name" not in config:
+        return None
+    try:
+        return adapter_for_class(config["_class_name"])
+    except NotImplementedError as exc:
+        raise ConfigError(f"--model {model}: {exc}") from None
 
 
 def read_defaults(model: str) -> dict:

@@ -1,14 +1,10 @@
-"""The run report: latency per step, memory per rank, devices and versions."""
+"""The run report: latency per step, memory per rank, devices and versions (written with ``ditmesh.shared``)."""
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import resource
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -49,30 +45,3 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def current_umask() -> int:
-    """The process umask (read without changing it for longer than one call)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes private files; outputs follow the umask
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())

@@ -22,31 +22,30 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
-from .report import atomic_write_bytes, current_umask
+from ..shared import atomic_write_bytes, current_umask
 
-#: video pipelines and their VAE's temporal compression: valid frame counts are ``step * k + 1``
-VIDEO_FRAME_STEP = {"WanPipeline": 4, "WanImageToVideoPipeline": 4, "WanVideoToVideoPipeline": 4, "WanVACEPipeline": 4}
-
-#: frames per second of the written video (Wan 2.1 is trained on 16 fps clips)
+#: frames per second of a written video when the family does not say (its adapter's ``fps``)
 DEFAULT_FPS = 16
 
 
-def validate_frames(pipeline_class: str | None, frames: int) -> None:
-    """Raise :class:`ConfigError` (one line) unless ``--frames frames`` suits ``pipeline_class``.
+def validate_frames(adapter, frames: int) -> None:
+    """Raise :class:`ConfigError` (one line) unless ``--frames frames`` suits the family of ``adapter``.
 
-    ``pipeline_class`` None (a hub id, not inspected before loading) accepts any positive count.
+    ``adapter`` None (a hub id, not inspected before loading) accepts any positive count.
     """
     if frames < 1:
         raise ConfigError(f"--frames {frames} must be >= 1")
-    if pipeline_class is None:
+    if adapter is None:
         return
-    step = VIDEO_FRAME_STEP.get(pipeline_class)
-    if step is None:
-        raise ConfigError(f"--frames {frames}: {pipeline_class} generates images; --frames is for video pipelines "
-                          f"({', '.join(sorted(VIDEO_FRAME_STEP))})")
-    if (frames - 1) % step:
-        lower = (frames - 1) // step * step + 1
-        raise ConfigError(f"--frames {frames} must be {step}k+1 for {pipeline_class} (e.g. {lower} or {lower + step})")
+    if adapter.frame_step is None:
+        from ..models import adapters
+
+        video = [a.name for a in adapters() if a.frame_step is not None]
+        raise ConfigError(f"--frames {frames}: {adapter.name} pipelines generate images; --frames is for video "
+                          f"families ({', '.join(video)})")
+    error = adapter.frames_error(frames)
+    if error:
+        raise ConfigError(error)
 
 
 def as_uint8_frames(video) -> np.ndarray:

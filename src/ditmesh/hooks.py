@@ -1,0 +1,216 @@
+"""Hooks around a method (a transformer's ``forward``, a pipeline's ``encode_prompt``), in one explicit order,
+and the per-call context every parallel dimension reads.
+
+Why not torch's own forward hooks for everything: a data- or CFG-parallel rank must *skip* a transformer
+call, and a pre-hook cannot skip the forward. Why not diffusers' ``HookRegistry``: its order is the order of
+registration, and the branch of a CFG call reaches its hooks only through stateful cache internals that
+change between diffusers versions. Ours is small: a :class:`Hook` wraps the rest of the chain
+(``call_next``), hooks run in the order of :data:`ORDER` whatever order they were added in, and the method
+is wrapped once per object, through one instance attribute that :meth:`HookRegistry.remove` deletes when
+the last hook goes. Registries are kept in a weak map, not on the user's objects.
+
+Per-call state lives in one :class:`ForwardContext` per parallelized pipeline, shared by all its
+transformers and all dimensions: the step index (the scheduler's position in its timesteps), the CFG branch
+of the call, whether this rank skips it, and the token counts of each sequence stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from dataclasses import dataclass, field
+
+#: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
+#: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
+#: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
+#: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``.
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once")
+
+
+class Hook:
+    """One named behaviour around a method call. Subclasses set :attr:`name` (one of :data:`ORDER`)."""
+
+    name: str = ""
+
+    def __call__(self, owner, call_next, args: tuple, kwargs: dict):
+        """Run around the rest of the chain: ``call_next(args, kwargs)`` runs the inner hooks and the method."""
+        return call_next(args, kwargs)
+
+
+class HookRegistry:
+    """The hooks around one method of one object (``forward`` of a module by default)."""
+
+    def __init__(self, owner, method: str):
+        self.owner_ref = weakref.ref(owner)
+        self.method = method
+        self.hooks: dict[str, Hook] = {}
+        #: whether ``method`` was already an instance attribute (then it is put back rather than deleted)
+        self.had_instance_attr = method in vars(owner)
+        # The class's function, not a bound method: the registry must not hold its owner alive (the weak map
+        # keeps registries by owner).
+        self._func = vars(owner)[method] if self.had_instance_attr else getattr(type(owner), method)
+
+    def original(self, owner):
+        """``owner.method`` as it was before any hook, bound to ``owner``."""
+        return self._func if self.had_instance_attr else self._func.__get__(owner)
+
+    # -- adding and removing -----------------------------------------------------------------------
+    def add(self, hook: Hook) -> None:
+        """Add ``hook`` at its place in :data:`ORDER`; the first hook wraps the method."""
+        if hook.name not in ORDER:
+            raise ValueError(f"hook name {hook.name!r} has no place in the order; known: {', '.join(ORDER)}")
+        if hook.name in self.hooks:
+            raise ValueError(f"a hook named {hook.name!r} is already on {type(self.owner_ref()).__name__}.{self.method}")
+        self.hooks[hook.name] = hook
+        if len(self.hooks) == 1:
+            owner = self.owner_ref()
+
+            def call(*args, **kwargs):
+                return self._call(*args, **kwargs)
+
+            setattr(owner, self.method, functools.wraps(self.original(owner))(call))
+
+    def remove(self, name: str) -> None:
+        """Remove the hook ``name``; with the last one, the method is exactly what it was before."""
+        del self.hooks[name]
+        if not self.hooks:
+            owner = self.owner_ref()
+            if owner is not None:
+                if self.had_instance_attr:
+                    setattr(owner, self.method, self._func)
+                else:
+                    delattr(owner, self.method)
+                _REGISTRIES.get(self.method, weakref.WeakKeyDictionary()).pop(owner, None)
+
+    def get(self, name: str) -> Hook | None:
+        """The hook called ``name``, or None."""
+        return self.hooks.get(name)
+
+    # -- running -----------------------------------------------------------------------------------
+    def chain(self) -> list[Hook]:
+        """The hooks, outermost first."""
+        return [self.hooks[n] for n in ORDER if n in self.hooks]
+
+    def _call(self, *args, **kwargs):
+        chain = self.chain()
+        owner = self.owner_ref()
+        original = self.original(owner)
+
+        def run(i: int, args: tuple, kwargs: dict):
+            if i == len(chain):
+                return original(*args, **kwargs)
+            return chain[i](owner, lambda a, k: run(i + 1, a, k), args, kwargs)
+
+        return run(0, args, kwargs)
+
+
+#: method name -> object -> its registry (weak: a registry never keeps a model alive)
+_REGISTRIES: dict[str, weakref.WeakKeyDictionary] = {}
+
+
+def registry(owner, method: str = "forward") -> HookRegistry:
+    """The hook registry of ``owner.method``, created on first use."""
+    table = _REGISTRIES.setdefault(method, weakref.WeakKeyDictionary())
+    if owner not in table:
+        table[owner] = HookRegistry(owner, method)
+    return table[owner]
+
+
+def add_hook(owner, hook: Hook, method: str = "forward"):
+    """Add ``hook`` around ``owner.method``; returns the callable that removes it."""
+    reg = registry(owner, method)
+    reg.add(hook)
+    return functools.partial(reg.remove, hook.name)
+
+
+def find_hook(owner, name: str, method: str = "forward") -> Hook | None:
+    """The hook ``name`` around ``owner.method``, or None."""
+    table = _REGISTRIES.get(method)
+    reg = table.get(owner) if table is not None else None
+    return reg.get(name) if reg is not None else None
+
+
+# -- what every hook on a transformer needs: named inputs, and the output's sample tensor -----------------------
+# Pipelines call transformers with keyword arguments and ``return_dict=False`` (a tuple) or ``True`` (an output
+# object with ``.sample``); these let hooks treat both the same way.
+def bind_kwargs(forward, args: tuple, kwargs: dict) -> dict:
+    """All call inputs by name (positional ``args`` bound to ``forward``'s parameter names)."""
+    if not args:
+        return kwargs
+    return dict(inspect.signature(forward).bind_partial(*args, **kwargs).arguments)
+
+
+def output_sample(output):
+    """The sample tensor of a transformer output (tuple or ``.sample`` object)."""
+    return output[0] if isinstance(output, tuple) else output.sample
+
+
+def with_output_sample(output, sample):
+    """``output`` with its sample tensor replaced by ``sample`` (same container kind)."""
+    if isinstance(output, tuple):
+        return (sample,) + tuple(output[1:])
+    output.sample = sample
+    return output
+
+
+# -- the per-call context --------------------------------------------------------------------------------------
+@dataclass
+class ForwardContext:
+    """Per-call state of one parallelized pipeline, shared by its transformers and every dimension.
+
+    The ``context`` hook (outermost on every transformer) fills ``step_index`` and ``call_in_step`` at the
+    start of each call and clears the rest. Cross-rank rule: everything here derives from values every rank
+    holds alike (the scheduler's position, the call order, global shapes), so every rank agrees unasked.
+    """
+
+    #: the scheduler's position in its timesteps at this call (None without a scheduler, e.g. a bare model)
+    step_index: int | None = None
+    #: transformer calls so far at this step (0 for the first; sequential CFG makes a second)
+    call_in_step: int = 0
+    #: total transformer calls since parallelize (for messages)
+    calls: int = 0
+    #: the CFG branch of this call ("cond" / "uncond"), set by the batch dimension under sequential CFG
+    branch: str | None = None
+    #: this rank does not compute this call (its CFG branch or batch chunk is another rank's)
+    skip: bool = False
+    #: tokens of each sequence stream on each sequence-parallel rank, fixed at the first split of the stream
+    stream_sizes: dict[str, list[int]] = field(default_factory=dict)
+
+    def begin_call(self, step_index: int | None) -> None:
+        """Start a transformer call at ``step_index``."""
+        same_step = step_index is not None and step_index == self.step_index and self.calls > 0
+        self.call_in_step = self.call_in_step + 1 if same_step else 0
+        self.step_index = step_index
+        self.calls += 1
+        self.branch, self.skip = None, False
+        self.stream_sizes = {}
+
+
+def scheduler_step_index(scheduler) -> int | None:
+    """The scheduler's position in its timesteps: the index of the step being computed, or None if unknown.
+
+    diffusers' schedulers hold ``step_index`` (None until their first ``step()`` of a run, then the index of
+    the next step) and ``begin_index`` (set by image-to-image pipelines that start part-way).
+    """
+    if scheduler is None or not hasattr(scheduler, "step_index"):
+        return None
+    index = scheduler.step_index
+    if index is None:
+        index = getattr(scheduler, "begin_index", None) or 0
+    return int(index)
+
+
+class ContextHook(Hook):
+    """Outermost hook of every transformer: opens the per-call :class:`ForwardContext`."""
+
+    name = "context"
+
+    def __init__(self, ctx: ForwardContext, pipe=None):
+        self.ctx = ctx
+        self.pipe_ref = weakref.ref(pipe) if pipe is not None else (lambda: None)
+
+    def __call__(self, owner, call_next, args, kwargs):
+        pipe = self.pipe_ref()
+        self.ctx.begin_call(scheduler_step_index(getattr(pipe, "scheduler", None)))
+        return call_next(args, kwargs)

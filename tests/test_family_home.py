@@ -1,0 +1,215 @@
+"""One home per family, hooks in an explicit order with a per-call context, and a remove() that gives back the
+pipeline the user had. Parallel cases run on real gloo process groups against single-process runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases_hooks import (remove_restores_case, remove_sharded_load_case, renamed_attention_case, step_index_case,
+                         two_transformers_case)
+from ditmesh.testing import rel_err
+
+
+# -- the hook registry ------------------------------------------------------------------------------------------
+class _Tagger(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def _tag_hook(name: str, trail: list):
+    from ditmesh.hooks import Hook
+
+    class Tag(Hook):
+        def __call__(self, owner, call_next, args, kwargs):
+            trail.append(name)
+            return call_next(args, kwargs)
+
+    hook = Tag()
+    hook.name = name
+    return hook
+
+
+def test_hooks_run_in_the_declared_order_whatever_order_they_were_added():
+    from ditmesh.hooks import ORDER, add_hook
+
+    module, trail = _Tagger(), []
+    names = ["sequence", "context", "batch", "consistency"]
+    removers = {name: add_hook(module, _tag_hook(name, trail)) for name in names}
+    module(torch.ones(1))
+    assert trail == [n for n in ORDER if n in names]  # context, consistency, batch, sequence
+    trail.clear()
+    removers["batch"]()  # a middle hook goes; the rest keep their places
+    module(torch.ones(1))
+    assert trail == ["context", "consistency", "sequence"]
+
+
+def test_removing_the_last_hook_gives_back_the_plain_method():
+    from ditmesh.hooks import add_hook, find_hook
+
+    module, trail = _Tagger(), []
+    remover = add_hook(module, _tag_hook("batch", trail))
+    assert "forward" in vars(module) and find_hook(module, "batch") is not None
+    remover()
+    assert "forward" not in vars(module) and find_hook(module, "batch") is None
+    with pytest.raises(ValueError, match="no place in the order"):
+        add_hook(module, _tag_hook("mystery", trail))
+
+
+def test_step_index_comes_from_the_scheduler_not_from_counting_calls(flux_tiny):
+    # true CFG calls the transformer twice per step: both calls of a step share its index
+    assert step_index_case(flux_tiny, {}) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_step_index_under_cfg_parallelism(pools, flux_tiny):
+    for seen in pools(2).run(step_index_case, flux_tiny, {"cfg": 2}):
+        assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+# -- parallelize once, remove gives the pipeline back -----------------------------------------------------------
+def test_parallelize_twice_is_refused_with_the_way_back(flux_tiny):
+    from diffusers import FluxPipeline
+
+    from ditmesh import ConfigError, ParallelConfig, parallelize, remove
+
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    parallelize(pipe, ParallelConfig())
+    with pytest.raises(ConfigError, match=r"already parallelized .*ditmesh\.remove\(pipe\)"):
+        parallelize(pipe, ParallelConfig())
+    remove(pipe)
+    parallelize(pipe, ParallelConfig())  # accepted again after remove
+    remove(pipe)
+    with pytest.raises(ValueError, match="not parallelized"):
+        remove(pipe)
+
+
+@pytest.mark.parametrize("world, config, fuse", [
+    (4, {"tp": 2, "ulysses": 2}, True),  # sharded weights, packed proj_out, fused Q/K/V, encoders broadcast
+    (2, {"ring": 2}, False),
+])
+def test_remove_gives_back_a_flux_pipeline_equal_to_one_never_parallelized(pools, flux_tiny, world, config, fuse):
+    for diffs, parallel_err, after_remove in pools(world).run(remove_restores_case, flux_tiny, config, fuse):
+        assert diffs == []
+        assert parallel_err <= 1e-5
+        assert after_remove == 0.0
+
+
+def test_remove_after_cfg_parallelism_gives_back_the_pipeline(pools, flux_tiny):
+    extra = dict(negative_prompt="", true_cfg_scale=2.0)
+    for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, flux_tiny, {"cfg": 2}, extra=extra):
+        assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0
+
+
+def test_remove_after_tensor_parallel_sd3_and_wan(pools, model_checkpoints):
+    for name in ("sd3-tiny", "wan2.2-tiny"):
+        extra = {"num_frames": 5} if name.startswith("wan") else {}
+        for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, model_checkpoints[name],
+                                                                 {"tp": 2}, extra=extra):
+            assert diffs == [], name
+            assert parallel_err <= 1e-5, name
+            assert after_remove == 0.0, name
+
+
+def test_remove_of_a_shard_loaded_transformer_says_it_cannot_come_back_whole(pools, flux_tiny):
+    for message in pools(2).run(remove_sharded_load_case, flux_tiny):
+        assert message is not None and "loaded as tensor-parallel shard" in message and "load the model again" in message
+
+
+# -- defects a new user met --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("selector, matched", [
+    ({"class_names": ("RenamedAttention",)}, "matches 0 of the 4 attention layers"),
+    ({"paths": ("transformer_blocks.*.attn",)}, "matches 2 of the 4 attention layers"),
+])
+def test_an_attention_selection_that_misses_layers_is_refused(pools, flux_tiny, selector, matched):
+    # flux-tiny: 2 double + 2 single blocks, one FluxAttention each (4 layers)
+    for message, hooked in pools(2).run(renamed_attention_case, flux_tiny, selector):
+        assert message is not None and matched in message and "fix the adapter" in message
+        assert not hooked  # nothing left on the model
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"tp": 2}, {"cfg": 2}])
+def test_both_transformers_of_a_two_transformer_pipeline_run_parallel(pools, model_checkpoints, config):
+    ref, ref_calls = two_transformers_case(model_checkpoints["wan2.2-tiny"], {})
+    assert ref_calls["transformer"]["calls"] > 0 and ref_calls["transformer_2"]["calls"] > 0
+    kind = {"ulysses": "all_to_all", "tp": "all_reduce", "cfg": "all_gather"}[next(iter(config))]
+    for latents, per_model in pools(2).run(two_transformers_case, model_checkpoints["wan2.2-tiny"], config):
+        assert rel_err(latents, ref) <= 1e-5
+        for name in ("transformer", "transformer_2"):
+            assert per_model[name]["calls"] == ref_calls[name]["calls"]
+            assert per_model[name]["counts"].get(kind, 0) > 0, (name, per_model[name]["counts"])
+
+
+def test_sd3_compiles_its_blocks(model_checkpoints):
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize, remove
+
+    pipe = DiffusionPipeline.from_pretrained(model_checkpoints["sd3-tiny"], dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(height=32, width=32, num_inference_steps=1, max_sequence_length=32, output_type="latent")
+    eager = pipe("a red circle", generator=torch.Generator().manual_seed(0), **kwargs).images
+    runtime = parallelize(pipe, ParallelConfig(), compile=True)
+    blocks = list(pipe.transformer.transformer_blocks)
+    assert "compile(blocks)" in runtime.applied
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    compiled = pipe("a red circle", generator=torch.Generator().manual_seed(0), **kwargs).images
+    assert rel_err(compiled, eager) <= 1e-5
+    remove(pipe)
+    assert all(block._compiled_call_impl is None for block in blocks)
+
+
+# -- the adapters' data matches the models ----------------------------------------------------------------------
+def _tiny_models():
+    from ditmesh.models import adapters
+
+    return [(adapter, arch) for adapter in adapters() for arch in adapter.synth_archs
+            if arch.name.endswith("-tiny")]
+
+
+@pytest.mark.parametrize("adapter, arch", _tiny_models(), ids=lambda x: getattr(x, "name", ""))
+def test_block_lists_name_what_flows_between_blocks(adapter, arch):
+    from ditmesh.hooks import bind_kwargs
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(arch)
+    inputs = adapter.example_inputs(model, height=32, width=32, batch=1, text_len=8,
+                                    generator=torch.Generator().manual_seed(0), device="cpu", dtype=torch.float32,
+                                    frames=5)
+    seen = []
+
+    def hook(module, args, kwargs, out, spec):
+        named = bind_kwargs(module.forward, args, kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        seen.append(spec.path)
+        assert len(outs) == len(spec.returns), spec
+        for name, tensor in zip(spec.returns, outs):
+            if tensor is not None:  # SD3's last block (context_pre_only) returns no text stream
+                assert tensor.shape == named[name].shape, (spec, name)
+        assert all(name in named for name in spec.carries), spec
+
+    handles = [block.register_forward_hook(lambda m, a, k, o, spec=spec: hook(m, a, k, o, spec), with_kwargs=True)
+               for spec in adapter.blocks for block in model.get_submodule(spec.path)]
+    with torch.no_grad():
+        model(**inputs)
+    for h in handles:
+        h.remove()
+    assert seen == [spec.path for spec in adapter.blocks for _ in model.get_submodule(spec.path)]
+    assert adapter.block_modules(model) == [b for spec in adapter.blocks for b in model.get_submodule(spec.path)]
+
+
+@pytest.mark.parametrize("adapter, arch", _tiny_models(), ids=lambda x: getattr(x, "name", ""))
+def test_sequence_plans_start_from_diffusers_cp_plan(adapter, arch):
+    import diffusers
+
+    cp_plan = getattr(getattr(diffusers, arch.transformer_class), "_cp_plan", None)
+    plan = adapter.sequence_plan
+    if cp_plan is None:
+        return  # the class has none (SD3): ours is the only plan
+    for path, entry in cp_plan.items():
+        if hasattr(entry, "gather_dim"):  # ContextParallelOutput
+            assert plan.gathers[path].dim == entry.gather_dim, path
+            continue
+        for key, split in entry.items():
+            ours = (plan.outputs if split.split_output else plan.inputs)[path][key]
+            assert ours.dim == split.split_dim, (path, key)
+    assert plan.differs_from_cp_plan, "say where and why the plan goes beyond diffusers' own"
