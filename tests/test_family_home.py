@@ -83,6 +83,22 @@ def test_parallelize_twice_is_refused_with_the_way_back(flux_tiny):
         remove(pipe)
 
 
+def test_a_parallelized_pipeline_is_freed_with_its_last_reference(flux_tiny):
+    import gc
+    import weakref
+
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    parallelize(pipe, ParallelConfig())
+    transformer = weakref.ref(pipe.transformer)
+    del pipe
+    gc.collect()
+    assert transformer() is None  # no registry, runtime or context keeps the model alive
+
+
 @pytest.mark.parametrize("world, config, fuse", [
     (4, {"tp": 2, "ulysses": 2}, True),  # sharded weights, packed proj_out, fused Q/K/V, encoders broadcast
     (2, {"ring": 2}, False),
@@ -213,3 +229,18 @@ def test_sequence_plans_start_from_diffusers_cp_plan(adapter, arch):
             ours = (plan.outputs if split.split_output else plan.inputs)[path][key]
             assert ours.dim == split.split_dim, (path, key)
     assert plan.differs_from_cp_plan, "say where and why the plan goes beyond diffusers' own"
+
+
+@pytest.mark.parametrize("adapter, arch", _tiny_models(), ids=lambda x: getattr(x, "name", ""))
+def test_tensor_plans_agree_with_diffusers_tp_plan(adapter, arch):
+    import diffusers
+
+    tp_plan = getattr(getattr(diffusers, arch.transformer_class), "_tp_plan", None)
+    plan = adapter.tensor_plan
+    if tp_plan is None:
+        return  # the class has none: ours is the only plan
+    ours = {p.removesuffix("?"): "colwise" for p in plan.colwise}
+    ours.update({p.removesuffix("?"): "rowwise" for p in plan.rowwise})
+    ours.update({p: "packed_rowwise" for p in plan.packed_rowwise})
+    theirs = {p: style if isinstance(style, str) else "packed_rowwise" for p, style in tp_plan.items()}
+    assert ours == theirs

@@ -5,14 +5,14 @@ Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequ
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
-pipeline is kept here, keyed by its transformers, not as an attribute of the user's objects.
+pipeline hangs on its transformers' ``context`` hooks, not on an attribute of the user's objects, so it lives
+exactly as long as they do.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -72,14 +72,14 @@ class ParallelRuntime:
             except RuntimeError as exc:  # undo the rest before reporting
                 errors.append(exc)
         self._undo.clear()
-        for model in self.transformers.values():
-            _RUNTIMES.pop(model, None)
         if errors:
             raise errors[0]
 
 
-#: transformer -> the runtime that parallelized it (weak: never keeps a model alive)
-_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _runtime_of_model(model: torch.nn.Module) -> ParallelRuntime | None:
+    # the runtime hangs on the model's own `context` hook, so it lives exactly as long as the model
+    hook = find_hook(model, "context")
+    return hook.runtime if hook is not None else None
 
 
 def transformers_of(pipe) -> dict[str, torch.nn.Module]:
@@ -92,8 +92,9 @@ def transformers_of(pipe) -> dict[str, torch.nn.Module]:
 def runtime_of(pipe) -> ParallelRuntime | None:
     """The runtime of a pipeline :func:`parallelize` changed, or None."""
     for model in transformers_of(pipe).values():
-        if model in _RUNTIMES:
-            return _RUNTIMES[model]
+        runtime = _runtime_of_model(model)
+        if runtime is not None:
+            return runtime
     return None
 
 
@@ -219,9 +220,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     models = transformers_of(pipe)
     if not models:
         raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
-    done = [m for m in models.values() if m in _RUNTIMES]
+    done = [runtime for runtime in map(_runtime_of_model, models.values()) if runtime is not None]
     if done:
-        raise ConfigError(f"this pipeline is already parallelized ({_RUNTIMES[done[0]].config.describe()}); call "
+        raise ConfigError(f"this pipeline is already parallelized ({done[0].config.describe()}); call "
                           "ditmesh.remove(pipe) first to parallelize it again with another configuration")
     check_supported(config)
     for model in models.values():
@@ -246,7 +247,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     # nothing at degree 1 and returns the callables that undo it. Hooks take their place in the call chain from
     # hooks.ORDER, whatever order they are added in.
     steps = [
-        ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe))])),
+        ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
         (f"tensor(tp={config.tp})", lambda: each(lambda m, a: tensor.apply(m, mesh, a)) + tensor.encode_once(pipe, mesh)),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else []),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
@@ -266,8 +267,6 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     except BaseException:
         runtime.remove()  # a step that fails leaves the pipeline as it was
         raise
-    for model in models.values():
-        _RUNTIMES[model] = runtime
     log.info("ditmesh: %s applied to %s: %s", config.describe(), ", ".join(f"{n} ({type(m).__name__})" for n, m in
              models.items()), runtime.applied or ["nothing"])
     return runtime

@@ -7,7 +7,8 @@ registration, and the branch of a CFG call reaches its hooks only through statef
 change between diffusers versions. Ours is small: a :class:`Hook` wraps the rest of the chain
 (``call_next``), hooks run in the order of :data:`ORDER` whatever order they were added in, and the method
 is wrapped once per object, through one instance attribute that :meth:`HookRegistry.remove` deletes when
-the last hook goes. Registries are kept in a weak map, not on the user's objects.
+the last hook goes. The registry hangs on that wrapper function (ours), not on the user's object, and lives
+exactly as long as the object: no global table keeps a model alive.
 
 Per-call state lives in one :class:`ForwardContext` per parallelized pipeline, shared by all its
 transformers and all dimensions: the step index (the scheduler's position in its timesteps), the CFG branch
@@ -69,7 +70,9 @@ class HookRegistry:
             def call(*args, **kwargs):
                 return self._call(*args, **kwargs)
 
-            setattr(owner, self.method, functools.wraps(self.original(owner))(call))
+            wrapper = functools.wraps(self.original(owner))(call)
+            setattr(wrapper, _REGISTRY_ATTR, self)
+            setattr(owner, self.method, wrapper)
 
     def remove(self, name: str) -> None:
         """Remove the hook ``name``; with the last one, the method is exactly what it was before."""
@@ -81,7 +84,6 @@ class HookRegistry:
                     setattr(owner, self.method, self._func)
                 else:
                     delattr(owner, self.method)
-                _REGISTRIES.get(self.method, weakref.WeakKeyDictionary()).pop(owner, None)
 
     def get(self, name: str) -> Hook | None:
         """The hook called ``name``, or None."""
@@ -105,16 +107,17 @@ class HookRegistry:
         return run(0, args, kwargs)
 
 
-#: method name -> object -> its registry (weak: a registry never keeps a model alive)
-_REGISTRIES: dict[str, weakref.WeakKeyDictionary] = {}
+#: the attribute of our wrapper function that holds its registry
+_REGISTRY_ATTR = "ditmesh_hooks"
+
+
+def _installed(owner, method: str) -> HookRegistry | None:
+    return getattr(vars(owner).get(method), _REGISTRY_ATTR, None)
 
 
 def registry(owner, method: str = "forward") -> HookRegistry:
-    """The hook registry of ``owner.method``, created on first use."""
-    table = _REGISTRIES.setdefault(method, weakref.WeakKeyDictionary())
-    if owner not in table:
-        table[owner] = HookRegistry(owner, method)
-    return table[owner]
+    """The hook registry of ``owner.method`` (a new, empty one when no hook is installed yet)."""
+    return _installed(owner, method) or HookRegistry(owner, method)
 
 
 def add_hook(owner, hook: Hook, method: str = "forward"):
@@ -126,8 +129,7 @@ def add_hook(owner, hook: Hook, method: str = "forward"):
 
 def find_hook(owner, name: str, method: str = "forward") -> Hook | None:
     """The hook ``name`` around ``owner.method``, or None."""
-    table = _REGISTRIES.get(method)
-    reg = table.get(owner) if table is not None else None
+    reg = _installed(owner, method)
     return reg.get(name) if reg is not None else None
 
 
@@ -202,12 +204,17 @@ def scheduler_step_index(scheduler) -> int | None:
 
 
 class ContextHook(Hook):
-    """Outermost hook of every transformer: opens the per-call :class:`ForwardContext`."""
+    """Outermost hook of every transformer: opens the per-call :class:`ForwardContext`.
+
+    It also holds what owns the context (the ``runtime`` of ``ditmesh.parallelize``), so that a model's own
+    hooks lead to its runtime and nothing else needs to.
+    """
 
     name = "context"
 
-    def __init__(self, ctx: ForwardContext, pipe=None):
+    def __init__(self, ctx: ForwardContext, pipe=None, runtime=None):
         self.ctx = ctx
+        self.runtime = runtime
         self.pipe_ref = weakref.ref(pipe) if pipe is not None else (lambda: None)
 
     def __call__(self, owner, call_next, args, kwargs):
