@@ -25,5 +25,5 @@ def test_demo_command_draws_its_prompt_with_two_ulysses_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     reading = classify(Image.open(out))
     assert (reading.colour, reading.shape, reading.position) == ("blue", "triangle", "bottom right")
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = json.loads(out.with_name(out.name + ".json").read_text())
     assert report["model"] == default_model_path() and report["world_size"] == 2

@@ -20,7 +20,7 @@ def generate(tmp_path, name, *extra):
            "--save-latents", str(tmp_path / f"{name}.safetensors"), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.with_suffix(".json").read_text())
+    report = json.loads(out.with_name(out.name + ".json").read_text())
     latents = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
     return report, latents, np.asarray(Image.open(out)).astype(np.int32)
 

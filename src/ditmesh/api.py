@@ -21,23 +21,13 @@ import torch.distributed as dist
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
-from .config import AXIS_ORDER, ConfigError, ParallelConfig
+from .config import SUPPORTED_AXES, ConfigError, ParallelConfig, check_supported  # noqa: F401  (re-exported)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for
 from .parallel import batch, consistency, graph, sequence, tensor
 
 log = logging.getLogger("ditmesh")
-
-#: degree name -> what is missing while that dimension has not landed
-_NOT_YET = {
-    "pp": "PipeFusion (pp > 1) is not implemented yet",
-}
-
-
-#: dimensions this build runs
-SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
-
 
 @dataclass
 class ParallelRuntime:
@@ -104,13 +94,6 @@ def remove(pipe) -> None:
     if runtime is None:
         raise ValueError(f"this {type(pipe).__name__} is not parallelized by ditmesh; nothing to remove")
     runtime.remove()
-
-
-def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
-    for axis, message in _NOT_YET.items():
-        if getattr(config, axis) > 1:
-            raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")
 
 
 def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:

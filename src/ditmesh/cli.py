@@ -7,6 +7,7 @@ nothing is half-written (outputs are written to temporary files and renamed).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -44,6 +45,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block), exit code 2."""
 
@@ -51,7 +62,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ditmesh`` parser; ``command`` names the sub-command whose own parser must be complete."""
     parser = _Parser(prog="ditmesh", description="Run diffusers DiT pipelines across many GPUs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
@@ -64,13 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--images-per-prompt", type=_positive_int, default=1, metavar="N",
                    help="images per prompt (default 1); with --dp they are spread over the data-parallel groups")
     g.add_argument("--negative-prompt", default=None, help="negative prompt (with --true-cfg-scale > 1, turns on CFG where the family uses true CFG)")
-    g.add_argument("--true-cfg-scale", type=float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
+    g.add_argument("--true-cfg-scale", type=_finite_float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
     g.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
     g.add_argument("--frames", type=int, default=None, metavar="N",
                    help="video pipelines: frames to generate (default: the model's; the family's frame rule applies, e.g. 4k+1); writes a video")
     g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
-    g.add_argument("--guidance", type=float, default=3.5, help="guidance scale (default 3.5)")
+    g.add_argument("--guidance", type=_finite_float, default=3.5, help="guidance scale (default 3.5)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
@@ -79,12 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
     g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                    help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
+    g.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
+                   help="with --nproc: hosts in the run; start the same command on each (default 1)")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --nnodes > 1: where the hosts meet (c10d rendezvous, as torchrun's); one host's address")
+    g.add_argument("--rdzv-timeout", type=_positive_int, default=300, metavar="S",
+                   help="seconds to wait for every host to join (default 300)")
     g.add_argument("--out", default=None, help="output path (default out/image.png; out/video.mp4 for video: "
                                                ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
-    g.add_argument("--report", default=None, help="JSON report path (default: the image path with .json)")
+    g.add_argument("--report", default=None, help="JSON report path (default: the output path + .json, e.g. out/image.png.json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
+    g.add_argument("--warmup-only", action="store_true",
+                   help="load, compile and run one step at this shape and configuration, then exit: later runs "
+                        "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1 "
                         "or --check-consistency)")
@@ -102,44 +123,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None, help="weights dtype (default: the architecture's; float32 for tiny ones)")
     s.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
 
-    for add, run in _EXTRA_COMMANDS:
-        before = set(sub.choices)
-        add(sub)
-        for name in set(sub.choices) - before:
-            sub.choices[name].set_defaults(func=run)
+    for name, (module, add, run, help_text) in EXTRA_COMMANDS.items():
+        if name == command:  # only the chosen command imports its module (and torch)
+            mod = importlib.import_module(module, __package__)
+            getattr(mod, add)(sub)
+            sub.choices[name].set_defaults(func=getattr(mod, run))
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def _extra_commands():
-    """Sub-commands contributed by other modules: (add_parser(subparsers) -> parser, run(args) -> int)."""
-    from .bench import add_bench_parser, run_bench
-
-    hooks = [(add_bench_parser, run_bench)]
-    try:
-        from .planner.cli import add_plan_parser, run_plan
-
-        hooks.append((add_plan_parser, run_plan))
-    except ImportError:
-        pass
-    try:
-        from .tiny.evaluate import add_eval_parser, run_eval
-        from .tiny.train import add_train_parser, run_train
-
-        hooks += [(add_train_parser, run_train), (add_eval_parser, run_eval)]
-    except ImportError:
-        pass
-    return hooks
-
-
-_EXTRA_COMMANDS = _extra_commands()
+#: commands whose parsers live in their own modules: name -> (module, add-parser function, run function, help).
+#: ``--help`` and argument errors of other commands never import them.
+EXTRA_COMMANDS = {
+    "bench": (".bench", "add_bench_parser", "run_bench",
+              "benchmark parallel configurations (per-step latency, memory, accuracy)"),
+    "plan": (".planner.cli", "add_plan_parser", "run_plan",
+             "predict memory, communication and latency of every configuration and recommend one"),
+    "train-tiny": (".tiny.train", "add_train_parser", "run_train", "retrain the shipped tiny FLUX pipeline (resumable)"),
+    "eval-tiny": (".tiny.evaluate", "add_eval_parser", "run_eval", "score the tiny pipeline on held-out captions"),
+}
 
 
 def _cmd_generate(args, argv: list[str]) -> int:
     from .runtime import generate
 
+    if args.compile:
+        generate.persist_compile_caches()  # before torch loads: inductor fixes its cache folder on first use
     if not args.prompt:
         args.prompt = ["a red circle at the top left on a white background"]
-    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nnodes > 1 and not (args.nproc and args.rdzv_endpoint):
+        raise ConfigError(f"--nnodes {args.nnodes} needs --nproc (processes per host) and --rdzv-endpoint HOST:PORT "
+                          "(the address every host can reach)")
+    world = args.nproc * args.nnodes if args.nproc else int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
         config = generate.planned_config(args, world)
         print(f"ditmesh: --plan auto picked {config.describe()} for {world} process(es)", file=sys.stderr)
@@ -148,10 +164,13 @@ def _cmd_generate(args, argv: list[str]) -> int:
         argv = _strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
-        from .runtime.launch import launch_local
+        from .runtime.launch import launch
 
-        child = _strip_option(argv, "--nproc")
-        return launch_local(args.nproc, child)
+        child = argv
+        for option in ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-timeout"):
+            child = _strip_option(child, option)
+        return launch(args.nproc, child, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_timeout=args.rdzv_timeout)
     return generate.run(args)
 
 
@@ -182,27 +201,40 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ditmesh`` command; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_libraries()
-    parser = build_parser()
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if os.environ.get("DITMESH_ERROR_DIR") and "RANK" in os.environ:  # a rank of our own launcher
+        from .runtime.launch import run_rank
+
+        return run_rank(lambda: _dispatch(args, argv))
     try:
-        if args.command == "generate":
-            return _cmd_generate(args, argv)
-        if args.command == "synth":
-            return _cmd_synth(args)
-        return args.func(args)
+        return _dispatch(args, argv)
     except (ConfigError, OSError, NotImplementedError, ValueError) as exc:
         print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     except Exception as exc:  # noqa: BLE001
-        from .runtime.launch import LaunchError
+        from .runtime.launch import Interrupted, LaunchError
 
-        if isinstance(exc, LaunchError):
-            print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
-            return 1
+        if isinstance(exc, LaunchError):  # on a fresh line: a rank's progress bar may have been cut short
+            print(f"\nditmesh: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        if isinstance(exc, Interrupted):
+            return exc.code
         raise
+
+
+def _dispatch(args, argv: list[str]) -> int:
+    if args.command == "generate":
+        return _cmd_generate(args, argv)
+    if args.command == "synth":
+        return _cmd_synth(args)
+    return args.func(args)
 
 
 def _one_line(exc: BaseException) -> str:

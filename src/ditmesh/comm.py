@@ -21,6 +21,9 @@ import torch.distributed._functional_collectives as funcol
 #: when it is traced). Debug-only consistency checks are counted under ``"check"``.
 COUNTS: collections.Counter = collections.Counter()
 
+#: the functional all-gather: ``all_gather_single`` where torch has it (``all_gather_tensor`` is deprecated there)
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 def reset_counts() -> None:
     """Zero :data:`COUNTS`."""
@@ -114,7 +117,7 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group) -> tor
         pad_shape = list(x.shape)
         pad_shape[dim] = longest - local
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    gathered = _waited(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
+    gathered = _waited(_ALL_GATHER(x.contiguous(), gather_dim=dim, group=group))
     if longest * len(sizes) == sum(sizes):
         return gathered
     chunks = gathered.split(longest, dim=dim)

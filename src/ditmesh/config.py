@@ -25,6 +25,15 @@ AXIS_HELP = {
 }
 
 
+#: degree name -> what is missing while that dimension has not landed
+_NOT_YET = {
+    "pp": "PipeFusion (pp > 1) is not implemented yet",
+}
+
+#: dimensions this build runs
+SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
+
+
 class ConfigError(ValueError):
     """A parallel configuration that cannot run; the message says what would work."""
 
@@ -113,3 +122,10 @@ class ParallelConfig:
                 f"ulysses={self.ulysses} exceeds the {num_heads // self.tp} heads each tp={self.tp} rank holds of "
                 f"{model_name}; use ulysses <= {num_heads // self.tp} or a smaller tp"
             )
+
+
+def check_supported(config: ParallelConfig) -> None:
+    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
+    for axis, message in _NOT_YET.items():
+        if getattr(config, axis) > 1:
+            raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")

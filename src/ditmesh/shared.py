@@ -1,6 +1,7 @@
 """What every tool shares (synth, runtime, bench, planner, tiny): dtype names and atomic file writes.
 
-It imports nothing else of ditmesh, so any tool can use it without an import cycle.
+It imports nothing else of ditmesh, so any tool can use it without an import cycle, and not torch either
+(``DTYPES`` imports it on first use), so command-line checks stay fast.
 """
 
 from __future__ import annotations
@@ -10,11 +11,17 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
+#: dtype names the command line accepts -> torch's name for them
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
 
-#: dtype names the command line accepts
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+
+def __getattr__(name: str):
+    if name == "DTYPES":  # dtype name -> torch.dtype, built on first use
+        import torch
+
+        return {key: getattr(torch, value) for key, value in DTYPE_NAMES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def current_umask() -> int:

@@ -40,6 +40,14 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def runs_here(config) -> str:
+    """``yes`` when this build runs ``config``; else which axis is not implemented yet (predicted only)."""
+    from ..config import SUPPORTED_AXES
+
+    missing = [axis for axis, degree in config.as_dict().items() if degree > 1 and axis not in SUPPORTED_AXES]
+    return f"not yet ({', '.join(missing)})" if missing else "yes"
+
+
 def format_table(result, top: int = 20) -> str:
     """The ranked table and the recommendation as text."""
     s, hw = result.stats, result.hardware
@@ -51,18 +59,20 @@ def format_table(result, top: int = 20) -> str:
         + (f", {hw.nodes} nodes over {hw.inter.name}" if hw.nodes > 1 and hw.inter else "")
         + f", {result.workload.mode}" + (" + CUDA graph" if result.workload.cuda_graph else ""),
         "",
-        f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits",
+        f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits  runs",
     ]
     rows = result.predictions if top <= 0 else result.predictions[:top]
     for i, p in enumerate(rows, 1):
         ms = f"{p.effective_ms:9.1f}"
         lines.append(f"{i:>3}  {p.config.describe():<28} {ms} {p.speedup:7.2f}x {p.memory['total']:8.1f} "
-                     f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits}")
+                     f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits:<4}  {runs_here(p.config)}")
     if len(rows) < len(result.predictions):
         lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
     lines += ["", f"recommended: {result.best.config.describe()}  "
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1),
-              f"why: {result.reason()}."]
+              f"why: {result.reason()}.",
+              "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
+              "(generate --plan auto picks among the runnable ones)."]
     return "\n".join(lines)
 
 

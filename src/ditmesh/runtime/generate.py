@@ -9,19 +9,14 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import math
 import os
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from PIL import Image
-
-from ..config import ConfigError, ParallelConfig
-from ..mesh import default_device
+from ..config import ConfigError, ParallelConfig, check_supported
+from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .models import local_model_path, read_adapter, read_defaults, read_transformer_config, resolve_model
-from ..shared import DTYPES, atomic_write_bytes, write_json
-from .report import device_name, peak_memory_bytes, versions
 
 
 def parallel_config_from_args(args) -> ParallelConfig:
@@ -29,33 +24,39 @@ def parallel_config_from_args(args) -> ParallelConfig:
 
 
 def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
-    """Check everything that can be checked before any process starts; raises ConfigError with one line."""
-    from ..api import check_supported
+    """Check everything that can be checked before any process starts; raises ConfigError with one line.
 
+    The checks that need only the arguments come first and import neither torch nor diffusers, so a mistyped
+    value is answered at once; those that read the model's family (heads, frames, guidance) come after.
+    """
     config = parallel_config_from_args(args)
     config.check_world_size(world_size)
     check_supported(config)
-    model = resolve_model(args.model)
-    tcfg = read_transformer_config(model)
-    if tcfg and "num_attention_heads" in tcfg:
-        config.check_heads(int(tcfg["num_attention_heads"]), tcfg.get("_class_name", "the transformer"))
     for name in ("height", "width"):
         value = getattr(args, name)
         if value is not None and (value <= 0 or value % 16):
             raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
-    if args.dtype not in DTYPES and args.dtype != "auto":
-        raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPES))}")
+    for flag, value in (("--guidance", args.guidance), ("--true-cfg-scale", args.true_cfg_scale)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} {value} is not a finite number; give one like 3.5")
+    if args.dtype not in DTYPE_NAMES and args.dtype != "auto":
+        raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPE_NAMES))}")
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
-        raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512 for FLUX)")
+        raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_output_paths(args)
+    model = resolve_model(args.model)  # from here on, checks read the model's family
+    tcfg = read_transformer_config(model)
+    if tcfg and "num_attention_heads" in tcfg:
+        config.check_heads(int(tcfg["num_attention_heads"]), tcfg.get("_class_name", "the transformer"))
+    adapter = read_adapter(model)  # ConfigError for a pipeline ditmesh cannot run, before any weight is read
     if getattr(args, "frames", None) is not None:
         from .video import validate_frames
 
-        validate_frames(read_adapter(model), args.frames)
+        validate_frames(adapter, args.frames)
     if config.cfg > 1:
-        check_guidance_on(read_adapter(model), args)
+        check_guidance_on(adapter, args)
     from ..api import check_transport
     from ..mesh import default_device
 
@@ -81,8 +82,39 @@ def check_output_paths(args) -> None:
             raise ConfigError(f"--out {out}: unknown {'video' if video else 'image'} format; use one of {', '.join(allowed)}")
     for flag, value in (("--out", out), ("--report", getattr(args, "report", None)),
                         ("--save-latents", getattr(args, "save_latents", None))):
-        if value is not None and Path(value).is_dir():
+        if value is None:
+            continue
+        if Path(value).is_dir():
             raise ConfigError(f"{flag} {value} is a folder; give a file path, e.g. {Path(value) / 'result'}")
+        why = unwritable(Path(value))
+        if why:
+            raise ConfigError(f"{flag} {value}: cannot write there ({why}); give a path in a folder you can write")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` could not be written (a probe file is created and removed in its nearest existing folder),
+    or None when it can. Nothing is left behind."""
+    import tempfile
+
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is read-only"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".ditmesh-probe-"):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def default_report_path(out: Path) -> str:
+    """The report next to the output, named after all of it (``cat.gif`` -> ``cat.gif.json``), so outputs of
+    one stem in two formats keep their own reports."""
+    return str(out.with_name(out.name + ".json"))
 
 
 def guidance_on(adapter, args) -> bool:
@@ -104,7 +136,7 @@ def check_guidance_on(adapter, args) -> None:
 
 def planned_config(args, world_size: int) -> ParallelConfig:
     """The configuration the planner recommends for this run, restricted to what this build implements."""
-    from ..api import SUPPORTED_AXES
+    from ..config import SUPPORTED_AXES
     from ..planner import recommend
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
@@ -131,7 +163,10 @@ def _archs():
     return ARCHS
 
 
-def _init_distributed(device: torch.device) -> None:
+def _init_distributed(device) -> None:
+    import torch
+    import torch.distributed as dist
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # also for one process: memory statistics need the device set
@@ -140,13 +175,17 @@ def _init_distributed(device: torch.device) -> None:
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
 
 
-def _sync(device: torch.device) -> None:
+def _sync(device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _call_kwargs(pipe, args, defaults: dict) -> dict:
     """Keyword arguments for ``pipe(...)`` from the CLI options, keeping only those the pipeline accepts."""
+    import torch
+
     size = defaults.get("default_size") or [None, None]
     kwargs = dict(
         prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
@@ -168,10 +207,16 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
 
 def run(args) -> int:
     """Run one rank of ``ditmesh generate``; returns the exit code."""
+    import torch
+    import torch.distributed as dist
     from diffusers import DiffusionPipeline
+    from PIL import Image
 
     from ..api import parallelize
     from ..comm import all_gather_object
+    from ..mesh import default_device
+    from ..shared import DTYPES
+    from .report import device_name, peak_memory_bytes, versions
 
     device = default_device()
     _init_distributed(device)
@@ -201,11 +246,12 @@ def run(args) -> int:
     else:
         pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
-    parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
-                compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
-                transport=getattr(args, "transport", "nccl"))
+    runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
+                          compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
+                          transport=getattr(args, "transport", "nccl"))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
+    placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 
     marks: list[float] = []
@@ -219,6 +265,8 @@ def run(args) -> int:
         return kw
 
     call = _call_kwargs(pipe, args, defaults)
+    if getattr(args, "warmup_only", False):
+        return warm_up(pipe, call, config, world, rank, device, load_s, getattr(args, "compile", False))
     _sync(device)
     t0 = time.perf_counter()
     result = pipe(**call, callback_on_step_end=on_step_end)
@@ -267,17 +315,23 @@ def run(args) -> int:
             "width": call.get("width"),
             "frames": call.get("num_frames"),
             "steps": args.steps,
+            "guidance": args.guidance,
+            "negative_prompt": args.negative_prompt,
+            "true_cfg_scale": args.true_cfg_scale if args.negative_prompt is not None else None,
             "prompt": args.prompt,
             "seed": args.seed,
             "versions": versions(),
             "load_s": round(load_s, 4),
             "load_peak_memory_bytes": load_peaks,
+            "placement": placement,
             "step_latency_s": [round(s, 6) for s in step_s],
+            # what the first step paid beyond a steady one: compilation, CUDA graph capture, first collectives
+            "first_step_extra_s": round(step_s[0] - sorted(step_s)[len(step_s) // 2], 4) if len(step_s) > 1 else None,
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
         }
-        report_path = args.report or str(out.with_suffix(".json"))
+        report_path = args.report or default_report_path(out)
         write_json(report_path, report)
         print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
               f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
@@ -285,6 +339,53 @@ def run(args) -> int:
         dist.barrier()
         end_rank_process(0)
     return 0
+
+
+#: where compiled kernels and graphs are kept between runs, under ``$DITMESH_CACHE`` (``~/.cache/ditmesh``)
+COMPILE_CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def persist_compile_caches() -> dict:
+    """Keep torch.compile's caches (inductor's FX graphs and AOT autograd results, triton kernels) in
+    ``$DITMESH_CACHE/compile`` so that a later run of the same shape and configuration loads them instead of
+    compiling. Variables the user set are left alone. Returns the folders used."""
+    from .models import cache_dir
+
+    used = {}
+    for env, name in COMPILE_CACHE_ENV.items():
+        if env not in os.environ:
+            os.environ[env] = str(cache_dir() / "compile" / name)
+        used[env] = os.environ[env]
+    return used
+
+
+def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: float, compiled: bool) -> int:
+    """``generate --warmup-only``: one denoising step at the run's shape fills the compile caches (and opens the
+    collectives); nothing is written but the caches. Returns 0."""
+    import torch.distributed as dist
+
+    _sync(device)
+    start = time.perf_counter()
+    pipe(**dict(call, num_inference_steps=1, output_type="latent"))
+    _sync(device)
+    if rank == 0:
+        caches = ", ".join(os.environ[e] for e in COMPILE_CACHE_ENV) if compiled else ""
+        print(f"ditmesh: warmed up {config.describe()} on {world} process{'es' if world > 1 else ''} at "
+              f"{call.get('height')}x{call.get('width')} (load {load_s:.1f} s, first step {time.perf_counter() - start:.1f} s)"
+              + (f"; caches in {caches}" if caches else ""), flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        end_rank_process(0)
+    return 0
+
+
+def rank_placement(rank: int, coords: dict) -> dict:
+    """Where this rank runs: its host (torchrun's node rank and the host name), local rank, device and mesh
+    coordinates. Ranks of one inner group (tp, ulysses) must share a host."""
+    import socket
+
+    return {"rank": rank, "node": int(os.environ.get("GROUP_RANK", 0)), "host": socket.gethostname(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "coords": coords}
 
 
 def transformer_components(path: str) -> list[str]:

@@ -1,38 +1,116 @@
-"""Start N local ranks of a ditmesh command through torch's elastic launcher.
+"""Start the local ranks of a ditmesh command through torch's elastic launcher (what torchrun runs), and
+report their failures as one line.
 
-``ditmesh generate --nproc N ...`` re-runs itself as ``python -m ditmesh ...`` (without ``--nproc``) in
-N processes with RANK/WORLD_SIZE/MASTER_* set, exactly as ``torchrun --nproc-per-node N`` would.
+``ditmesh generate --nproc N ...`` re-runs itself as ``python -m ditmesh ...`` (without ``--nproc``) in N
+processes with RANK/WORLD_SIZE/MASTER_* set, exactly as ``torchrun --nproc-per-node N`` would. With
+``--nnodes M --rdzv-endpoint HOST:PORT`` the same command on M hosts meets at a c10d rendezvous, as
+``torchrun --nnodes M --rdzv-backend c10d`` would; a host that does not join within ``--rdzv-timeout``
+seconds ends the run with one line.
+
+Errors: a rank that fails writes its one-line message (and its traceback) into the run's folder and leaves
+quietly with code 2; the launcher prints the first failure once and exits 2. Ranks other than local rank 0
+write their output to that folder too, so nothing is printed once per rank. Ctrl-C ends every rank quietly
+(exit 130). The folder (torch's per-run log folder included) is removed at the end of every run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
+import time
+import traceback
 import uuid
+from pathlib import Path
 
 from ..testing import free_port
+
+#: set by the launcher for its ranks: where a failing rank writes its error
+ERROR_DIR_ENV = "DITMESH_ERROR_DIR"
 
 
 class LaunchError(RuntimeError):
     """One or more ranks exited with an error."""
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks; return 0 or raise LaunchError."""
+class Interrupted(Exception):
+    """The run was interrupted (Ctrl-C or a termination signal); ``code`` is the exit code to use."""
+
+    def __init__(self, code: int):
+        super().__init__(f"interrupted (exit {code})")
+        self.code = code
+
+
+# -- in a rank ---------------------------------------------------------------------------------------------------
+def launched_rank() -> bool:
+    """Whether this process is a rank started by :func:`launch` (it reports errors through the run folder)."""
+    return ERROR_DIR_ENV in os.environ and "RANK" in os.environ
+
+
+def run_rank(fn) -> int:
+    """Run ``fn()`` as a launched rank: an error becomes one record in the run folder and exit code 2. Never
+    returns on failure (the process leaves without destructors, so a process group torn down mid-collective
+    prints nothing). Ctrl-C and SIGTERM keep their default action, set in ``ditmesh.__main__``: they end the
+    process at once, also inside a blocking collective."""
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001  (every failure of a rank is reported the same way)
+        record = {"time": time.time(), "rank": int(os.environ.get("RANK", 0)), "type": type(exc).__name__,
+                  "message": one_line(exc), "traceback": traceback.format_exc()}
+        path = Path(os.environ[ERROR_DIR_ENV]) / f"error-rank{record['rank']}.json"
+        try:
+            path.write_text(json.dumps(record))
+        except OSError:
+            print(f"ditmesh: error: {record['message']}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none)."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# -- the launcher ------------------------------------------------------------------------------------------------
+#: errors a user can fix: the line alone says what to do; others also name where the traceback was kept
+USER_ERRORS = ("ConfigError", "FileNotFoundError", "PermissionError", "NotImplementedError", "ValueError",
+               "OSError", "SafetensorError", "HeaderTooLarge", "EnvironmentError")
+
+
+def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
+           rdzv_timeout: int = 300) -> int:
+    """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks (of ``nnodes`` hosts meeting at
+    ``rdzv_endpoint``); return 0, or raise :class:`LaunchError` with the first rank's one-line error, or
+    :class:`Interrupted`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):  # torch's elastic loggers set their own levels
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-"))
+    os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
+    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    quiet = {r: Std.ALL for r in range(1, nproc)}  # local rank 0 keeps the console (progress bar, result line)
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
         nproc_per_node=nproc,
-        run_id=f"ditmesh-{uuid.uuid4().hex[:8]}",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
+        # every host of one run must agree on the id: derived from the endpoint they share
+        run_id=f"ditmesh-{endpoint.replace(':', '-')}" if rdzv_endpoint else f"ditmesh-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": rdzv_timeout, "last_call_timeout": 1},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -40,8 +118,55 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "ditmesh", *argv)
     except ChildFailedError as exc:
-        failed = sorted(exc.failures)
-        first = exc.failures[failed[0]]
-        raise LaunchError(f"rank {first.local_rank} exited with code {first.exitcode} "
-                          f"({len(failed)} of {nproc} ranks failed); its error is printed above") from None
+        raise LaunchError(_first_failure(run_dir, exc, nproc)) from None
+    except SignalException as exc:
+        raise Interrupted(128 + int(exc.sigval)) from None
+    except KeyboardInterrupt:
+        raise Interrupted(130) from None
+    except RendezvousError as exc:
+        if nnodes > 1:
+            raise LaunchError(f"not all {nnodes} hosts joined the rendezvous at {endpoint} within {rdzv_timeout} s; "
+                              f"start the same command on every host (or raise --rdzv-timeout)") from None
+        raise LaunchError(f"the local ranks could not meet ({one_line(exc)})") from None
+    finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
+        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
+
+
+def _first_failure(run_dir: Path, exc, nproc: int) -> str:
+    """The line that explains a failed run: the earliest error a rank recorded (the others' errors follow from
+    it, e.g. a peer that left mid-collective), else the first rank's exit code."""
+    records = []
+    for path in run_dir.glob("error-rank*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if records:
+        first = min(records, key=lambda r: r["time"])
+        if first["type"] in USER_ERRORS:
+            return first["message"]
+        kept = _keep_traceback(first)
+        return f"{first['message']} ({first['type']} on rank {first['rank']}; traceback in {kept})"
+    failed = sorted(exc.failures)
+    failure = exc.failures[failed[0]]
+    return (f"rank {failure.local_rank} exited with code {failure.exitcode} ({len(failed)} of {nproc} local ranks "
+            "failed) without an error message")
+
+
+def _keep_traceback(record: dict) -> str:
+    """Copy an unexpected error's traceback where it outlives the run folder; returns the path."""
+    from .models import cache_dir
+
+    path = cache_dir() / "logs" / f"error-{time.strftime('%Y%m%d-%H%M%S')}-rank{record['rank']}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(record["traceback"])
+    except OSError:
+        return "the rank's output"
+    return str(path)
+
+
+#: the name ``bench`` launches its workers with
+launch_local = launch

@@ -89,6 +89,13 @@ def read_adapter(model: str):
     """
     from ..models import adapter_for_class
 
+    index = Path(model) / "model_index.json"
+    if index.is_file() and not any(k.startswith("transformer") for k in json.loads(index.read_text())):
+        from ..models import supported_classes
+
+        kind = json.loads(index.read_text()).get("_class_name", "this")
+        raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
+                          f"(transformers: {', '.join(supported_classes())})")
     config = read_transformer_config(model)
     if not config or "_class_name" not in config:
         return None

@@ -1,0 +1,185 @@
+"""`ditmesh generate` as a new user meets it: errors from every rank as one line, Ctrl-C, clean temporary
+folders, several hosts (two launcher agents on this machine meeting at a c10d rendezvous), and fast
+argument errors. Every case runs the real CLI in real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ditmesh.testing import free_port, rel_err
+
+
+def ditmesh(*argv, env=None, timeout=300, **kwargs):
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "ditmesh", *argv], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, **kwargs)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without progress bars: the lines a user reads."""
+    return [line for line in stderr.replace("\r", "\n").splitlines() if line.strip() and "it/s]" not in line
+            and "s/it]" not in line and not line.startswith(("Loading", "denoising"))]
+
+
+@pytest.fixture
+def private_tmp(tmp_path):
+    """A TMPDIR of its own, to see what a run leaves behind."""
+    path = tmp_path / "tmpdir"
+    path.mkdir()
+    return path
+
+
+def leftovers(tmpdir: Path) -> list[str]:
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(("torchelastic_", "ditmesh-")))
+
+
+# -- errors answered before anything loads ----------------------------------------------------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["--guidance", "nan"], "--guidance: nan is not a finite number"),
+    (["--true-cfg-scale", "inf"], "--true-cfg-scale: inf is not a finite number"),
+    (["--steps", "0"], "--steps 0 must be >= 1"),
+    (["--out", "/proc/no/x.png"], "--out /proc/no/x.png: cannot write there"),
+])
+def test_argument_errors_import_neither_torch_nor_diffusers(argv, needle):
+    code = ("import sys; from ditmesh.cli import main; rc = main(['generate', *sys.argv[1:]]); "
+            "print(rc, 'torch' in sys.modules, 'diffusers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    out = proc.stdout.strip().splitlines()
+    if proc.returncode == 2:  # argparse exits itself
+        assert out == []
+    else:
+        assert out[-1] == "2 False False"
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and needle in lines[0]
+
+
+def test_help_imports_neither_torch_nor_diffusers():
+    code = ("import sys\nfrom ditmesh.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'diffusers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "False False"
+    assert "bench" in proc.stdout and "eval-tiny" in proc.stdout
+
+
+def test_a_pipeline_ditmesh_cannot_run_is_refused_from_its_model_index(tmp_path, capsys):
+    from ditmesh.cli import main
+
+    unet = tmp_path / "sd15"
+    unet.mkdir()
+    (unet / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                      "unet": ["diffusers", "UNet2DConditionModel"]}))
+    other = tmp_path / "other-dit"
+    (other / "transformer").mkdir(parents=True)
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "SomeDiTPipeline",
+                                                       "transformer": ["diffusers", "SomeDiTTransformer2DModel"]}))
+    (other / "transformer" / "config.json").write_text(json.dumps({"_class_name": "SomeDiTTransformer2DModel"}))
+    assert main(["generate", "--model", str(unet), "--nproc", "2", "--ulysses", "2"]) == 2
+    assert "StableDiffusionPipeline has no transformer" in capsys.readouterr().err
+    assert main(["generate", "--model", str(other), "--nproc", "2", "--ulysses", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "no adapter for SomeDiTTransformer2DModel" in err and len(err.strip().splitlines()) == 1
+
+
+def test_reports_keep_guidance_and_one_report_per_output_file():
+    from ditmesh.runtime.generate import default_report_path
+
+    assert default_report_path(Path("out/cat.gif")) != default_report_path(Path("out/cat.mp4"))
+    assert default_report_path(Path("out/cat.png")) == "out/cat.png.json"
+
+
+# -- errors inside ranks, Ctrl-C, temporary folders -------------------------------------------------------------
+def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(flux_tiny, broken)
+    weights = next((broken / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
+    proc = ditmesh("generate", "--model", str(broken), "--nproc", "2", "--ulysses", "2", "--steps", "1",
+                   "--out", str(tmp_path / "x.png"), env={"TMPDIR": str(private_tmp)})
+    assert proc.returncode == 2
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("ditmesh: error:") and "safetensors" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "x.png").exists()
+    assert leftovers(private_tmp) == []
+
+
+def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp):
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", flux_tiny, "--nproc", "4", "--ulysses", "4",
+           "--steps", "100000", "--out", str(tmp_path / "never.png")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, TMPDIR=str(private_tmp)))
+    deadline = time.time() + 120
+    started = False
+    while time.time() < deadline and not started:  # wait until every rank is up
+        time.sleep(1)
+        started = _ranks_running(str(tmp_path / "never.png")) == 5  # the launcher and its 4 ranks
+    assert started
+    time.sleep(3)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in stderr and len(error_lines(stderr)) <= 1, stderr[-2000:]
+    assert _ranks_running(str(tmp_path / "never.png")) == 0  # no orphan
+    assert leftovers(private_tmp) == []
+
+
+def _ranks_running(marker: str) -> int:
+    """Processes whose command line holds ``marker`` (a path unique to one run)."""
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return len(out.split())
+
+
+# -- several hosts, simulated -----------------------------------------------------------------------------------
+def _hosts(tmp_path, model, degrees, name, nnodes=2, joined=2, timeout=60):
+    """``joined`` launcher agents of ``nnodes`` hosts x 2 processes meeting at one c10d endpoint."""
+    port = free_port()
+    out = tmp_path / f"{name}.png"
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", model, "--nproc", "2", "--nnodes", str(nnodes),
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", str(timeout), "--steps", "2", *degrees,
+           "--prompt", "a red circle", "--prompt", "a blue square", "--out", str(out),
+           "--save-latents", str(tmp_path / f"{name}.safetensors")]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(joined)]
+    results = [p.communicate(timeout=300) for p in procs]
+    return procs, results, out
+
+
+@pytest.mark.parametrize("degrees, inner", [(["--ulysses", "2", "--dp", "2"], "ulysses"),
+                                            (["--tp", "2", "--ring", "2"], "tp")])
+def test_two_hosts_match_one_process_and_keep_inner_groups_on_a_host(tmp_path, flux_tiny, degrees, inner):
+    one = ditmesh("generate", "--model", flux_tiny, "--steps", "2", "--prompt", "a red circle", "--prompt",
+                  "a blue square", "--out", str(tmp_path / "one.png"), "--save-latents", str(tmp_path / "one.safetensors"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    procs, results, out = _hosts(tmp_path, flux_tiny, degrees, inner)
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    ref = load_file(str(tmp_path / "one.safetensors"))["latents"]
+    got = load_file(str(tmp_path / f"{inner}.safetensors"))["latents"]
+    assert rel_err(got, ref) <= 1e-5
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    placement = report["placement"]
+    assert sorted(p["node"] for p in placement) == [0, 0, 1, 1]
+    groups: dict = {}
+    for p in placement:  # ranks that differ only along the inner axis form one inner group
+        key = tuple(v for axis, v in sorted(p["coords"].items()) if axis != inner)
+        groups.setdefault(key, set()).add(p["node"])
+    assert len(groups) == 2 and all(len(nodes) == 1 for nodes in groups.values())
+
+
+def test_a_host_that_never_joins_ends_the_run_with_one_line(tmp_path, flux_tiny):
+    start = time.time()
+    procs, results, _ = _hosts(tmp_path, flux_tiny, ["--ulysses", "2", "--dp", "2"], "alone", joined=1, timeout=5)
+    assert time.time() - start < 60
+    assert procs[0].returncode == 2
+    lines = error_lines(results[0][1])
+    assert len(lines) == 1 and "not all 2 hosts joined the rendezvous" in lines[0]
