@@ -94,6 +94,7 @@ class _Entry:
         self.replay = None
         self.static: list = []
         self.out = None
+        self.capture_s = 0.0  # the side-stream run and the capture, on the host
 
 
 class GraphedCall:
@@ -140,6 +141,15 @@ class GraphedCall:
             return self._capture_here(entry, leaves, spec, args, kwargs)
 
     def _capture_here(self, entry: _Entry, leaves, spec, args, kwargs):
+        import time
+
+        start = time.perf_counter()
+        try:
+            return self._capture_timed(entry, leaves, spec, args, kwargs)
+        finally:
+            entry.capture_s = time.perf_counter() - start
+
+    def _capture_timed(self, entry: _Entry, leaves, spec, args, kwargs):
         result = side_stream_run(lambda: self.call(*args, **kwargs))
         static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(static, spec)

@@ -275,6 +275,7 @@ def run(args) -> int:
     step_s = [b - a for a, b in zip([t0] + marks[:-1], marks)]
     peaks = all_gather_object(peak_memory_bytes(device))
     devices = all_gather_object(device_name(device))
+    warmup_costs = compile_breakdown(runtime) if getattr(args, "compile", False) or getattr(args, "cuda_graph", False) else None
 
     if rank == 0:
         is_video = hasattr(result, "frames") and not hasattr(result, "images")
@@ -327,6 +328,7 @@ def run(args) -> int:
             "step_latency_s": [round(s, 6) for s in step_s],
             # what the first step paid beyond a steady one: compilation, CUDA graph capture, first collectives
             "first_step_extra_s": round(step_s[0] - sorted(step_s)[len(step_s) // 2], 4) if len(step_s) > 1 else None,
+            "compile_breakdown_s": warmup_costs,
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
@@ -377,6 +379,23 @@ def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: flo
         dist.barrier()
         end_rank_process(0)
     return 0
+
+
+def compile_breakdown(runtime) -> dict:
+    """Where this rank's one-time costs went (seconds, host time): torch.compile's phases (dynamo total, of it
+    bytecode tracing and the backend, i.e. AOT autograd and inductor, cache hits included) and CUDA graph capture."""
+    from torch._dynamo.utils import compile_times
+
+    from ..hooks import find_hook
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = dict(zip(names, (float(v) for v in values)))
+    graphs = [find_hook(m, "graph") for m in runtime.transformers.values()]
+    capture = sum(e.capture_s for g in graphs if g is not None for e in g.graphed.entries.values())
+    return {"dynamo": round(phases.get("_compile.compile_inner", 0.0), 3),
+            "bytecode_tracing": round(phases.get("bytecode_tracing", 0.0), 3),
+            "backend": round(phases.get("OutputGraph.call_user_compiler", 0.0), 3),
+            "cuda_graph_capture": round(capture, 3)}
 
 
 def rank_placement(rank: int, coords: dict) -> dict:
