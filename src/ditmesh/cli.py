@@ -13,6 +13,7 @@ import sys
 import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
+from .shared import strip_option
 
 
 def _quiet_libraries() -> None:
@@ -145,29 +146,14 @@ def _cmd_generate(args, argv: list[str]) -> int:
         print(f"ditmesh: --plan auto picked {config.describe()} for {world} process(es)", file=sys.stderr)
         for axis, degree in config.degrees().items():
             setattr(args, axis, degree)
-        argv = _strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
+        argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch_local
 
-        child = _strip_option(argv, "--nproc")
+        child = strip_option(argv, "--nproc")
         return launch_local(args.nproc, child)
     return generate.run(args)
-
-
-def _strip_option(argv: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out
 
 
 def _cmd_synth(args) -> int:
@@ -184,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # the command as typed, for the tools that record it (bench)
     if args.command is None:
         parser.print_help()
         return 2

@@ -18,8 +18,13 @@ class LaunchError(RuntimeError):
     """One or more ranks exited with an error."""
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks; return 0 or raise LaunchError."""
+def launch_local(nproc: int, argv: list[str], log_dir: str | None = None) -> int:
+    """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks; return 0 or raise LaunchError.
+
+    ``log_dir``: where the launcher keeps its per-run folder (default: a new ``torchelastic_*`` folder in the
+    temporary directory, left behind).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -36,6 +41,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "ditmesh", *argv)
