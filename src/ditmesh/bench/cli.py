@@ -107,12 +107,25 @@ def run_bench(args) -> int:
     doc = report.document(
         command=["ditmesh", *_typed(args)], settings=settings,
         card=device_name(torch.device("cuda" if on_gpu else "cpu")), device_count=available,
-        versions=versions(), rows=rows, model=settings["model"], height=settings["height"],
+        versions={**versions(), **_peer_versions()}, rows=rows, model=settings["model"], height=settings["height"],
         width=settings["width"], frames=settings["frames"], batch=settings["batch"], dtype=settings["dtype"])
     written = report.write(out_path, doc)
     print(report.markdown(doc))
     print(f"ditmesh bench: wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _peer_versions() -> dict[str, str]:
+    """Versions of the optional peers that are installed, from their metadata (nothing is imported)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("xfuser", "yunchang", "distvae"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
 
 
 def _typed(args) -> list[str]:
