@@ -260,9 +260,9 @@ def _baseline_rows(args, s: dict, tmp: str) -> list[dict]:
     print(f"ditmesh bench: baseline tree {s['baseline_src']} ...", flush=True)
     proc = subprocess.run([sys.executable, "-m", "ditmesh", *argv], env=env)
     if proc.returncode != 0 or not out.exists():
-        from ..config import ConfigError
+        from ..runtime.launch import LaunchError
 
-        raise ConfigError(f"--baseline-src {s['baseline_src']}: the baseline run exited with code {proc.returncode} "
+        raise LaunchError(f"--baseline-src {s['baseline_src']}: the baseline run exited with code {proc.returncode} "
                           "(its error is printed above)")
     return json.loads(out.read_text())["rows"]
 
