@@ -3,8 +3,9 @@
 The schema (``SCHEMA``), one JSON object per run:
 
 - ``schema``: ``"ditmesh-bench/1"``
-- ``command``: the command as typed (``["ditmesh", "bench", ...]``); ``settings``: every option as resolved
-  (defaults filled in), so a later default cannot change what the run meant
+- ``command``: the command as typed (``["ditmesh", "bench", ...]``; a published document that several
+  commands produced has ``commands``, one argv each); ``settings``: every option as resolved (defaults filled
+  in), so a later default cannot change what the run meant
 - ``created``: ISO 8601 time; ``card``: the device's name; ``device_count``; ``versions``: ditmesh, Python,
   torch, diffusers, transformers, CUDA, NCCL; ``env``: the NCCL and symmetric-memory variables that were set
 - ``model``, ``height``, ``width``, ``frames``, ``batch``, ``dtype``: the workload
