@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Time to first image of `ditmesh generate` (FLUX.1-dev architecture, 1024^2, 28 steps, --compile --cuda-graph),
-# cold (compile caches emptied) and warm (the same command again), on 1 and N GPUs, for the working tree and the
-# baseline tree in .old/src (see scripts/gpu_ab_bench.sh), in one call. Usage: bash scripts/gpu_ttfi.sh [N]
+# cold (compile caches emptied) and warm (the same command again), on N and 1 GPUs, for the working tree and a
+# baseline tree in .old/src (`git archive <commit> src/ditmesh ':(exclude)src/ditmesh/assets' | tar -x -C .old`),
+# in one call on the device machine: bash scripts/gpu.sh bash scripts/gpu_ttfi.sh [N]   (TREES="new" skips old)
 set -u
-source scripts/gpu_env.sh
-SITE=${PYTHONPATH%%:*}
+SITE=/tmp/site
 N=${1:-4}
 M=/tmp/flux-dev
 [ -f $M/model_index.json ] || { t0=$(date +%s); python3 -m ditmesh synth --arch flux-dev --out $M >/dev/null || exit 1; echo "synth $(( $(date +%s) - t0 )) s"; }

@@ -1,24 +1,110 @@
-"""`ditmesh bench` smoke run on CPU: flux-tiny over gloo, every row measured and exact against one process."""
+"""`ditmesh bench` on CPU: flux-tiny over gloo, every row measured and exact against one process; the results
+schema, where runs are written, and the temporary folder that every run removes."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+from ditmesh.bench.report import SCHEMA, default_out_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
+    """Start ``python -m ditmesh bench ARGS`` with its own TMPDIR (``tmp_path/tmp``) and extra ``env``."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args],
+                            env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def leftovers(tmp_path: Path) -> list[Path]:
+    """What a run left in its TMPDIR: its own folder, or the launcher's (torch's compile cache may stay)."""
+    return [*(tmp_path / "tmp").glob("ditmesh-bench-*"), *(tmp_path / "tmp").glob("torchelastic_*")]
 
 
 def test_bench_smoke_flux_tiny_gloo(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", "--gpus", "1,2",
-                           "--methods", "ulysses,diffusers-ulysses", "--steps", "1", "--warmup", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["rows"]}
+    proc = bench(["--gpus", "1,2", "--methods", "ulysses,diffusers-ulysses", "--steps", "1", "--warmup", "1",
+                  "--out", str(out)], tmp_path)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == SCHEMA
+    assert doc["command"] == ["ditmesh", "bench", "--model", "flux-tiny", "--gpus", "1,2", "--methods",
+                              "ulysses,diffusers-ulysses", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    assert doc["card"].startswith("cpu") and doc["device_count"] == 2
+    assert {"ditmesh", "python", "torch", "diffusers", "transformers"} <= set(doc["versions"])
+    assert (doc["model"], doc["height"], doc["width"], doc["batch"], doc["dtype"]) == ("flux-tiny", 64, 64, 1, "float32")
+    assert doc["settings"]["compile"] == "off" and doc["settings"]["gpus"] == [1, 2]
+    rows = {(r["method"], r["gpus"]): r for r in doc["rows"]}
     ours = rows[("ulysses", 2)]
-    for key in ("method", "gpus", "height", "width", "compiled", "step_ms", "e2e_28_steps_s", "speedup_vs_1gpu",
-                "efficiency", "peak_gib_per_gpu", "rel_err_vs_1gpu", "card", "versions"):
+    for key in ("method", "gpus", "degrees", "height", "width", "compiled", "step_ms", "e2e_28_steps_s",
+                "speedup_vs_1gpu", "efficiency", "peak_gib_per_gpu", "rel_err_vs_1gpu", "card"):
         assert key in ours, key
+    assert ours["degrees"] == {"ulysses": 2}
     assert ours["rel_err_vs_1gpu"] <= 1e-5
     assert ours["ulysses_chunks"] == 1  # the head groups it ran with are recorded (one on CPU)
     assert "error" in rows[("diffusers-ulysses", 2)]  # the peer fails on CPU; the row records how
     assert "| ulysses | 2 |" in out.with_suffix(".md").read_text()
+    assert leftovers(tmp_path) == []  # the workers' temporary folder is gone
+
+
+def test_runs_go_to_a_user_folder_not_the_checkout(tmp_path, monkeypatch):
+    for name in ("DITMESH_BENCH_DIR", "DITMESH_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    default = default_out_dir().resolve()
+    assert default == (Path.home() / ".cache" / "ditmesh" / "bench").resolve()
+    assert not default.is_relative_to(ROOT) and not default.is_relative_to(Path.cwd().resolve())
+    monkeypatch.setenv("DITMESH_CACHE", str(tmp_path / "cache"))
+    assert default_out_dir() == tmp_path / "cache" / "bench"
+    monkeypatch.setenv("DITMESH_BENCH_DIR", str(tmp_path / "runs"))
+    assert default_out_dir() == tmp_path / "runs"
+
+
+def test_ctrl_c_removes_the_temporary_folder(tmp_path):
+    proc = bench(["--gpus", "1", "--steps", "2000", "--warmup", "0"], tmp_path,
+                 DITMESH_BENCH_DIR=str(tmp_path / "runs"))
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "tmp").glob("ditmesh-bench-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list((tmp_path / "tmp").glob("ditmesh-bench-*")), "the run never started"
+    time.sleep(2)  # inside the launcher, with a worker running
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert leftovers(tmp_path) == []
+    assert not (tmp_path / "runs").exists()  # an interrupted run writes no results
+
+
+def test_bad_bench_input_is_one_line_and_exit_2(tmp_path):
+    cases = [(["--baseline-src", str(tmp_path)], "--baseline-src"),
+             (["--out", str(tmp_path / "r.txt")], "give a .json file path"),
+             (["--dtype", "int3"], "--dtype 'int3' is not one of"),
+             (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
+             (["--steps", "0"], "give at least 1 timed step")]
+    for args, needle in cases:
+        proc = bench(args, tmp_path)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert leftovers(tmp_path) == []
+
+
+def test_baseline_src_runs_the_same_command_on_both_trees(tmp_path):
+    out = tmp_path / "ab.json"
+    proc = bench(["--gpus", "1", "--steps", "1", "--warmup", "0", "--baseline-src", str(ROOT / "src"),
+                  "--out", str(out)], tmp_path)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["baseline_src"] == str(ROOT / "src")
+    assert sorted((r["tree"], r["method"]) for r in doc["rows"]) == [("baseline", "single"), ("current", "single")]
+    assert all("step_ms" in r for r in doc["rows"])
+    assert "| single | 1 | False | False |" in out.with_suffix(".md").read_text().split("Against the baseline")[1]
+    assert leftovers(tmp_path) == []

@@ -21,12 +21,14 @@ def test_bench_without_xfuser_records_an_error_row(tmp_path):
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('xfuser hidden by the test')\n")
     paths = [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    out = tmp_path / "bench.json"
+    # no --out: the run goes to $DITMESH_BENCH_DIR
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), DITMESH_BENCH_DIR=str(tmp_path / "runs"))
     proc = subprocess.run([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", "--gpus", "1,2",
-                           "--methods", "xdit-ulysses", "--steps", "1", "--warmup", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
+                           "--methods", "xdit-ulysses", "--steps", "1", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    [out] = (tmp_path / "runs").glob("flux-tiny-64x64-*.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "site"]  # nothing in the working folder
     rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["rows"]}
     assert "step_ms" in rows[("single", 1)]
     assert rows[("xdit-ulysses", 2)]["error"] == "ImportError: xfuser hidden by the test"

@@ -17,10 +17,10 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "ditmesh"
 #: the library: what ``parallelize`` needs. Everything else is a tool built on it.
 CORE = {"__init__", "api", "config", "mesh", "comm", "hooks", "attention", "parallel", "models", "fusion", "symm",
         "profiling"}
-TOOLS = {"cli", "__main__", "runtime", "bench", "bench_peers", "planner", "synth", "tiny", "shared", "testing"}
+TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing"}
 
 #: where naming a family is allowed: its adapter, the tiny trained FLUX pipeline, and the benchmark's peer drivers
-FAMILY_HOMES = ("models/", "tiny/", "bench_peers.py")
+FAMILY_HOMES = ("models/", "tiny/", "bench/peers.py")
 
 
 def unit_of(path: Path) -> str:
@@ -59,6 +59,25 @@ def test_the_core_imports_no_tool():
     offenders = [(str(p.relative_to(SRC)), sorted(imported_units(p) & TOOLS))
                  for p in sources() if unit_of(p) in CORE and imported_units(p) & TOOLS]
     assert not offenders, f"core modules import tools: {offenders}"
+
+
+def test_only_the_bench_worker_imports_the_peers():
+    # the peers (diffusers' and xDiT's parallelism) stay off the library's import path: ``import ditmesh`` or
+    # ``ditmesh.bench`` never loads them, a worker process does for its peer row
+    peers = SRC / "bench" / "peers.py"
+    importers = []
+    for p in sources():
+        tree = ast.parse(p.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = p.parent if node.level else SRC.parent
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.parent
+                target = base.joinpath(*(node.module or "").split("."))
+                names = [target / alias.name for alias in node.names] + [target]
+                if any(n.with_suffix(".py") == peers for n in names):
+                    importers.append((str(p.relative_to(SRC)), node.col_offset))
+    assert importers and all(path == "bench/worker.py" and indent > 0 for path, indent in importers), importers
 
 
 def test_units_import_each_other_without_cycles():

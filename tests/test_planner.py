@@ -271,3 +271,38 @@ def test_cuda_graph_mode_has_no_host_time_and_plans_without_dp_or_cfg(capsys):
     assert by(eager_graphed)[u4].step_ms < by(eager)[u4].step_ms
     assert _run("--model", "flux-dev", "--gpus", "4", "--cuda-graph") == 0
     assert "compiled + CUDA graph" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation against the published `ditmesh bench` runs (docs/planner.md, section 6)
+# ---------------------------------------------------------------------------------------------------
+PUBLISHED = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26_h200x4"
+VALIDATED = [PUBLISHED / f"{name}.json" for name in (
+    "flux-dev-1024-eager-methods", "flux-dev-2048-eager-methods", "flux-dev-1024-compiled-gpus14",
+    "sd3.5-large-1024-cfg-eager", "flux-dev-1024-graph-gpus124", "flux-dev-2048-graph-gpus14")]
+
+
+def test_the_planner_ranks_the_published_bench_runs():
+    # issue 8's targets: Spearman >= 0.8 over >= 8 FLUX configurations (and at each resolution alone),
+    # predicted peak memory within 15% of measured
+    from ditmesh.planner.validate import Validation, load_rows, summary
+
+    ev = Validation().evaluate(load_rows(VALIDATED))
+    assert len(ev) == 26 and {r["card"] for r in ev} == {"NVIDIA H200"}
+    s = summary(ev)
+    assert s["flux-dev eager"]["n"] >= 8 and s["flux-dev eager"]["spearman"] >= 0.95
+    assert s["flux-dev eager 1024x1024"]["spearman"] >= 0.8 and s["flux-dev eager 2048x2048"]["spearman"] >= 0.8
+    assert s["all rows"]["spearman"] >= 0.95
+    assert max(abs(r["mem_err"]) for r in ev) <= 0.15
+
+
+def test_plan_validate_prints_the_comparison_and_refuses_other_files(capsys, tmp_path):
+    assert _run("--validate", str(VALIDATED[4])) == 0
+    out = capsys.readouterr().out
+    assert "| flux-dev | 1024 | ulysses4 (ulysses 4) | compiled + graph |" in out and "Spearman" in out
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    assert _run("--validate", str(tmp_path / "other.json")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a ditmesh bench result" in err and "\n" not in err
+    assert _run("--height", "1024") == 2
+    assert "--model and --gpus required" in capsys.readouterr().err

@@ -194,7 +194,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         fuse_qkv: compute each self-attention's Q, K and V with one GEMM (``ditmesh.fusion``; FLUX and Wan),
             after tensor parallelism, with no extra weight memory. Off by default: on 4x H200 (FLUX 1024²,
             compiled, CUDA graph) it gained nothing, and with two head groups it lost their overlap
-            (docs/benchmarks.md).
+            (docs/lab/ulysses-overlap.md).
         transport: how Ulysses all-to-alls travel: ``"nccl"`` (NCCL kernels; any backend) or ``"symm"``
             (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host;
             Ulysses alone). With ``"symm"``, compile through ``compile=True``: a ``torch.compile`` of your own

@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
+from .shared import strip_option
 
 
 def _quiet_libraries() -> None:
@@ -161,32 +162,17 @@ def _cmd_generate(args, argv: list[str]) -> int:
         print(f"ditmesh: --plan auto picked {config.describe()} for {world} process(es)", file=sys.stderr)
         for axis, degree in config.degrees().items():
             setattr(args, axis, degree)
-        argv = _strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
+        argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch
 
         child = argv
         for option in ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-timeout"):
-            child = _strip_option(child, option)
+            child = strip_option(child, option)
         return launch(args.nproc, child, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_timeout=args.rdzv_timeout)
     return generate.run(args)
-
-
-def _strip_option(argv: list[str], name: str) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == name:
-            skip = True
-            continue
-        if a.startswith(name + "="):
-            continue
-        out.append(a)
-    return out
 
 
 def _cmd_synth(args) -> int:
@@ -204,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command as typed, for the tools that record it (bench)
     if args.command is None:
         parser.print_help()
         return 2
@@ -216,16 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError, NotImplementedError, ValueError) as exc:
         print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C here, or the launcher's Interrupted (with the signal's code)
+        return getattr(exc, "code", 130)
     except Exception as exc:  # noqa: BLE001
-        from .runtime.launch import Interrupted, LaunchError
+        from .runtime.launch import LaunchError
 
         if isinstance(exc, LaunchError):  # on a fresh line: a rank's progress bar may have been cut short
             print(f"\nditmesh: error: {_one_line(exc)}", file=sys.stderr)
             return 2
-        if isinstance(exc, Interrupted):
-            return exc.code
         raise
 
 

@@ -10,7 +10,7 @@ same numbers.
 The narrow products of sequence parallelism (1,152 tokens per GPU for FLUX 1024² on 4 GPUs; 128 text
 tokens per GPU) run closer to the GPU's peak as one wider GEMM. Applied after tensor parallelism, it
 fuses the already-sharded weights, so each rank's chunk of the output still holds its own heads of Q, K
-and V in that order. Measured on 4x H200 it gained nothing (docs/benchmarks.md), so ``parallelize`` leaves
+and V in that order. Measured on 4x H200 it gained nothing (docs/lab/ulysses-overlap.md), so ``parallelize`` leaves
 it off unless asked.
 
 While fused: ``state_dict()`` lists the weights twice (``to_qkv`` and ``to_q``/``to_k``/``to_v``, one

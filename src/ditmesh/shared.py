@@ -1,4 +1,4 @@
-"""What every tool shares (synth, runtime, bench, planner, tiny): dtype names and atomic file writes.
+"""What every tool shares (synth, runtime, bench, planner, tiny): dtype names, atomic file writes, argv edits.
 
 It imports nothing else of ditmesh, so any tool can use it without an import cycle, and not torch either
 (``DTYPES`` imports it on first use), so command-line checks stay fast.
@@ -49,3 +49,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def write_json(path: str | os.PathLike, obj) -> None:
     """Write ``obj`` as indented JSON, atomically."""
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
+
+
+def strip_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` without the option ``name`` and its value (``--name v`` and ``--name=v``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out

@@ -1,8 +1,8 @@
 """Copy-engine transport for the Ulysses all-to-alls: peer writes into symmetric memory (CUDA only).
 
 Why: NCCL's all-to-all runs as kernels on the SMs, so placed beside a GEMM or an attention kernel it
-slows them by about as much as it hides (docs/benchmarks.md, third session). A ``cudaMemcpyAsync`` into
-a peer's memory runs on the copy engines instead. Measured on 2x H200 (``scripts/transport_bench.py``,
+slows them by about as much as it hides (docs/lab/ulysses-overlap.md). A ``cudaMemcpyAsync`` into
+a peer's memory runs on the copy engines instead. Measured on 2x H200 (docs/lab/ulysses-overlap.md,
 FLUX 1024^2 Q/K/V of one layer, 21 MB to the peer): NCCL 96.7 us alone and 82 us exposed beside a
 230 us GEMM; the peer copies 72.5 us alone and 6 us exposed beside it.
 

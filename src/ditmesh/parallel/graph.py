@@ -3,7 +3,7 @@
 Why: at 1024^2 on 4 GPUs a FLUX step is ~1,700 to 2,200 kernels of ~20 us each. Launching them from
 Python takes longer than running them, and every rank launches at its own pace, so each all-to-all waits
 for the slowest rank's host (measured on 4x H200, compiled ulysses4 with 2 head groups: 88.9 ms per step
-without a graph, 45.9 to 46.1 ms with one; see docs/benchmarks.md). A graph is launched once per step, so
+without a graph, 46.1 ms with one; see docs/lab/ulysses-overlap.md). A graph is launched once per step, so
 the ranks meet at the collectives at GPU speed.
 
 How: the transformer's ``graph`` hook (``hooks.ORDER``: inside ``context``, outside every other hook, so

@@ -159,7 +159,7 @@ def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
 def default_chunks(device: torch.device, compiled: bool = False) -> int:
     """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs in eager mode, else 1.
 
-    Measured on 4x H200 (docs/benchmarks.md): in eager mode the all-to-all of one group runs beside the
+    Measured on 4x H200 (docs/lab/ulysses-overlap.md): in eager mode the all-to-all of one group runs beside the
     attention of the previous one and pays (Wan2.1-14B video hid 35 ms per step). Compiled, the hidden
     transfers ran slower beside the compute and saved nothing (FLUX 1024^2 x4 with CUDA graphs: 44.5 ms with one
     group, 44.8 with two; 2048^2: 198.6 vs 204.3; Wan compiled: 796.6 vs 796.9), so one group is the default

@@ -2,8 +2,8 @@
 
 A small coordinate search over a grid per constant, minimising the mean squared log error of predicted vs
 measured step time (so a 10% miss at 50 ms weighs as much as one at 800 ms). Only the constants named in
-``FREE`` move; the rest keep their values. Used by ``scripts/validate_planner.py --holdout`` and to
-produce the shipped defaults (docs/planner.md section 6).
+``FREE`` move; the rest keep their values. Used by ``ditmesh plan --validate ... --holdout``
+(``planner.validate.holdout``) and to produce the shipped defaults (docs/planner.md section 6).
 """
 
 from __future__ import annotations

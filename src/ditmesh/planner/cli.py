@@ -15,13 +15,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="rank parallel configurations by predicted step latency and memory",
         description="Predict step latency, per-GPU memory and communication of every valid parallel "
                     "configuration (dp, cfg, pp, ring, ulysses, tp) and recommend one.")
-    p.add_argument("--model", required=True, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
+    p.add_argument("--model", default=None, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--frames", type=int, default=1, help="video frames (the family's frame rule applies, e.g. 4k+1)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
-    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--gpus", type=int, default=None, help="total GPUs")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--device", default=None, help=f"GPU preset: {', '.join(DEVICES)} (default: the link's card, else h100)")
     p.add_argument("--link", default=None, help=f"link inside a node: {', '.join(LINKS)}, or custom")
@@ -37,6 +37,11 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--validate", nargs="+", default=None, metavar="RESULTS",
+                   help="instead of planning: predict every ditmesh row of these `ditmesh bench` results and compare "
+                        "(hardware from --device/--link, else each file's card)")
+    p.add_argument("--holdout", action="store_true",
+                   help="with --validate: also refit the implementation constants on part of the rows, score the rest")
     return p
 
 
@@ -80,6 +85,21 @@ def run_plan(args: argparse.Namespace) -> int:
     """Run ``ditmesh plan``; bad input prints one line to stderr and returns 2."""
     from . import PlannerError, plan
 
+    if args.validate:
+        from .validate import report
+
+        try:
+            print(report(args.validate, device=args.device, link=args.link, with_holdout=args.holdout,
+                         as_json=args.json))
+        except PlannerError as exc:
+            print(f"ditmesh plan: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus)) if value is None]
+    if missing:
+        print(f"ditmesh plan: error: {' and '.join(missing)} required (e.g. --model flux-dev --gpus 4), "
+              "or --validate RESULTS.json", file=sys.stderr)
+        return 2
     supported = None
     if args.only:
         supported = {a.strip() for a in args.only.split(",") if a.strip()}

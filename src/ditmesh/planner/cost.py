@@ -29,7 +29,7 @@ class Calibration:
     """Constants of the cost model. The kernel-rate and launch constants were fitted to the FLUX-dev rows of
     ANCHORS.md (peers' implementations, 4x H200) and left unchanged by a refit to ditmesh's own bench rows;
     ``ring_attention_efficiency`` is fitted to ditmesh's own rows (``calibrate.fit``). See docs/planner.md
-    section 6 and ``scripts/validate_planner.py``."""
+    section 6 and ``ditmesh plan --validate``."""
 
     gemm_half_flops: float = 2.0e10  # a GEMM of this many FLOPs runs at half the large-GEMM rate
     attention_efficiency: float = 0.70  # fused SDPA (flash/cuDNN) vs the matrix rate
@@ -45,7 +45,7 @@ class Calibration:
     host_us_per_op: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 16.0})
     collective_host_us: dict = field(default_factory=lambda: {"compiled": 10.0, "eager": 60.0})
     # a CUDA graph replays the whole call: the host launches nothing per kernel, and the gaps between kernels
-    # shrink. Fitted to ditmesh's 1-GPU compiled + graph row at 1024^2 (third session); the other graph rows
+    # shrink. Fitted to ditmesh's 1-GPU compiled + graph row at 1024^2; the other graph rows
     # are held out (docs/planner.md section 6)
     graph_kernel_us: float = 0.3
     # host ops one ring round adds (src/ditmesh/attention/ring.py: 2 receive buffers, the p2p batch, the

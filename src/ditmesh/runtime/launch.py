@@ -36,8 +36,9 @@ class LaunchError(RuntimeError):
     """One or more ranks exited with an error."""
 
 
-class Interrupted(Exception):
-    """The run was interrupted (Ctrl-C or a termination signal); ``code`` is the exit code to use."""
+class Interrupted(KeyboardInterrupt):
+    """The run was interrupted (Ctrl-C or a termination signal); ``code`` is the exit code to use. A
+    KeyboardInterrupt, so that code catching ``Exception`` (a benchmark row, say) lets it through."""
 
     def __init__(self, code: int):
         super().__init__(f"interrupted (exit {code})")
@@ -83,10 +84,11 @@ USER_ERRORS = ("ConfigError", "FileNotFoundError", "PermissionError", "NotImplem
 
 
 def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
-           rdzv_timeout: int = 300) -> int:
+           rdzv_timeout: int = 300, log_dir: str | None = None) -> int:
     """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks (of ``nnodes`` hosts meeting at
     ``rdzv_endpoint``); return 0, or raise :class:`LaunchError` with the first rank's one-line error, or
-    :class:`Interrupted`."""
+    :class:`Interrupted`. The run's folder is created in ``log_dir`` (default: the temporary directory) and
+    removed at the end."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -97,7 +99,9 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-"))
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
     os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     quiet = {r: Std.ALL for r in range(1, nproc)}  # local rank 0 keeps the console (progress bar, result line)

@@ -1,0 +1,268 @@
+"""``ditmesh bench`` command line: the options, and the run that launches every configuration.
+
+Each configuration runs in its own set of local processes (one per GPU; gloo processes on a CPU-only
+machine), on the same seeded weights and inputs: the transformer of a synthetic architecture, one
+denoising step's inputs as the pipeline builds them. Rows: median step time over ``--steps`` timed
+steps after ``--warmup`` steps, peak memory per GPU, and the relative error of the output against the
+1-process run. The workers share one temporary folder, removed when the run ends, also on an error or
+Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+#: method name -> degrees for g processes. Peers run with the same degrees as ours, on the same weights and
+#: inputs: ``diffusers-*`` rows are diffusers' own context parallelism (``enable_parallelism``), ``xdit-*`` rows
+#: are xDiT's FLUX wrapper with its USP attention (optional: needs xfuser 0.7, see ``peers.enable_xdit``).
+METHODS = {
+    "single": lambda g: {},
+    "ulysses": lambda g: {"ulysses": g},
+    "ring": lambda g: {"ring": g},
+    "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
+    "tp": lambda g: {"tp": g},
+    "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
+    "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
+}
+#: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
+PEERS = ("diffusers", "xdit")
+METHODS.update({f"{peer}-{m}": METHODS[m] for peer in PEERS for m in ("ulysses", "ring", "usp")})
+
+#: what a GPU run measures when ``--methods`` is not given: ours and both peers, side by side
+GPU_METHODS = "ulysses,diffusers-ulysses,xdit-ulysses"
+
+
+def add_bench_parser(sub) -> None:
+    """Register ``bench`` on an ``argparse`` subparsers object."""
+    b = sub.add_parser("bench", help="benchmark parallel configurations (per-step latency, memory, accuracy)")
+    b.add_argument("--model", default=None, help="synthetic architecture (default flux-dev on GPU, flux-tiny on CPU)")
+    b.add_argument("--height", type=int, default=None)
+    b.add_argument("--width", type=int, default=None)
+    b.add_argument("--frames", type=int, default=None, help="video frames (video models)")
+    b.add_argument("--batch", type=int, default=1, help="batch of the transformer call (2 = a batched CFG step)")
+    b.add_argument("--gpus", default=None, help="process counts, e.g. 1,2,4 (default: 1,2 on CPU, 1,2,4 up to the GPU count)")
+    b.add_argument("--methods", default=None,
+                   help=f"comma list of: {', '.join(m for m in METHODS if m != 'single')} (default: {GPU_METHODS} on "
+                        "GPUs, ulysses on CPU)")
+    b.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--compile", choices=["off", "on", "both"], default=None,
+                   help="torch.compile every transformer block (regional); both = eager and compiled rows "
+                        "(default: on on GPUs, off on CPU)")
+    b.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="ditmesh rows replay each step from a CUDA graph; adds a 1-GPU ditmesh row "
+                        "(CUDA only; default: on on GPUs)")
+    b.add_argument("--ulysses-chunks", type=int, default=None,
+                   help="head groups pipelined per Ulysses attention (default: 2 on CUDA in eager mode, else 1)")
+    b.add_argument("--transport", default="nccl",
+                   help="ditmesh rows' Ulysses all-to-alls: nccl, or symm (copy engines; CUDA GPUs of one host)")
+    b.add_argument("--fuse-qkv", action="store_true",
+                   help="ditmesh rows compute Q, K and V with one GEMM (parallelize(fuse_qkv=True))")
+    b.add_argument("--profile", action="store_true",
+                   help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
+    b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    b.add_argument("--baseline-src", default=None, metavar="DIR",
+                   help="A/B: first run the same command with the ditmesh package in DIR (e.g. the src/ of an older "
+                        "checkout), then this one; rows carry tree=baseline|current and the table compares them")
+    b.add_argument("--out", default=None,
+                   help="results JSON (default: $DITMESH_BENCH_DIR, else ~/.cache/ditmesh/bench/, "
+                        "<model>-<HxW>-<time>.json); a .md table and a .png plot are written next to it")
+    b.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    b.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    """Run every configuration, then print a Markdown table and write the results (``report.write``)."""
+    if args.worker:
+        from .worker import run_worker
+
+        run_worker(json.loads(args.worker))
+        return 0
+    from ..runtime.report import device_name, versions
+    from . import report
+
+    settings = _settings(args)
+    available = settings.pop("available")
+    out_path = Path(args.out) if args.out else report.default_out_path(settings["model"], settings["height"],
+                                                                        settings["width"])
+    tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
+    try:
+        rows = []
+        if settings["baseline_src"]:
+            rows += [dict(r, tree="baseline") for r in _baseline_rows(args, settings, tmp)]
+        current = _measure(settings, Path(tmp) / "current")
+        rows += [dict(r, tree="current") for r in current] if settings["baseline_src"] else current
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    on_gpu = torch.cuda.is_available()
+    doc = report.document(
+        command=["ditmesh", *_typed(args)], settings=settings,
+        card=device_name(torch.device("cuda" if on_gpu else "cpu")), device_count=available,
+        versions={**versions(), **_peer_versions()}, rows=rows, model=settings["model"], height=settings["height"],
+        width=settings["width"], frames=settings["frames"], batch=settings["batch"], dtype=settings["dtype"])
+    written = report.write(out_path, doc)
+    print(report.markdown(doc))
+    print(f"ditmesh bench: wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _peer_versions() -> dict[str, str]:
+    """Versions of the optional peers that are installed, from their metadata (nothing is imported)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("xfuser", "yunchang", "distvae"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _typed(args) -> list[str]:
+    """The command line as typed, after ``ditmesh`` (set by ``ditmesh.cli.main``; else the process's own)."""
+    return list(getattr(args, "argv", None) or sys.argv[1:])
+
+
+def _settings(args) -> dict:
+    """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
+    from ..api import check_transport, check_ulysses_chunks
+    from ..config import ConfigError
+    from ..shared import DTYPES
+    from ..synth import get_arch
+
+    on_gpu = torch.cuda.is_available()
+    model = args.model or ("flux-dev" if on_gpu else "flux-tiny")
+    arch = get_arch(model)  # an unknown name raises a ValueError that lists the known ones
+    available = torch.cuda.device_count() if on_gpu else 2
+    try:
+        gpus = [int(g) for g in (args.gpus or ",".join(str(g) for g in (1, 2, 4) if g <= available)).split(",")]
+    except ValueError:
+        raise ConfigError(f"--gpus {args.gpus}: give process counts like 1,2,4") from None
+    if min(gpus) < 1:
+        raise ConfigError(f"--gpus {args.gpus}: process counts must be >= 1, e.g. 1,2,4")
+    if max(gpus) > available:
+        raise ConfigError(f"--gpus {args.gpus}: only {available} {'GPUs' if on_gpu else 'CPU processes'} here")
+    methods = [m.strip() for m in (args.methods or (GPU_METHODS if on_gpu else "ulysses")).split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
+    cuda_graph = on_gpu if args.cuda_graph is None else args.cuda_graph
+    if (cuda_graph or args.profile) and not on_gpu:
+        raise ConfigError(f"{'--cuda-graph' if cuda_graph else '--profile'} needs CUDA GPUs; none are visible here")
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: give at least 1 timed step and 0 or more "
+                          "warm-ups")
+    check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
+    check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if args.out and (Path(args.out).suffix != ".json" or Path(args.out).is_dir()):
+        raise ConfigError(f"--out {args.out}: give a .json file path (the .md table and .png plot go next to it)")
+    if args.baseline_src and not (Path(args.baseline_src) / "ditmesh" / "__init__.py").is_file():
+        raise ConfigError(f"--baseline-src {args.baseline_src}: no ditmesh package there (expected "
+                          f"{Path(args.baseline_src) / 'ditmesh' / '__init__.py'}); give a source folder such as "
+                          "the src/ of another checkout")
+    return dict(model=model, height=args.height or arch.default_size[0], width=args.width or arch.default_size[1],
+                frames=args.frames, batch=args.batch, gpus=gpus, methods=methods, steps=args.steps,
+                warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
+                ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
+                profile=args.profile, dtype=dtype, available=available,
+                baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
+
+
+def _measure(s: dict, tmp: Path) -> list[dict]:
+    """Launch every configuration of the settings ``s``; return the rows with their derived columns."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from ..runtime.launch import launch_local
+    from .worker import append_row
+
+    tmp.mkdir()
+    compiled = {"off": [False], "on": [True], "both": [False, True]}[s["compile"]]
+    peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
+    plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
+    plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]  # ditmesh on one GPU
+    plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"] if g > 1
+             for m in s["methods"]]
+    for method, g, comp, graph in plan:
+        degrees = METHODS[method](g)
+        product = 1
+        for d in degrees.values():
+            product *= d
+        if degrees and product != g:
+            append_row(tmp, {"method": method, "gpus": g, "compiled": comp, "graph": graph,
+                             "error": f"{method} needs another GPU count"})
+            continue
+        spec = dict(model=s["model"], height=s["height"], width=s["width"], frames=s["frames"], batch=s["batch"],
+                    method=method, gpus=g, degrees=degrees, steps=s["steps"],
+                    warmup=max(s["warmup"], 2 if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
+                    transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
+                    tmp=str(tmp))
+        label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+        print(f"ditmesh bench: {label} ...", flush=True)
+        try:
+            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))
+        except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
+            raise
+        except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
+            append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
+                             "error": str(exc).splitlines()[0]})
+    return _derive([json.loads(line) for line in open(tmp / "rows.jsonl")], tmp, s)
+
+
+def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
+    """Add each row's error against the 1-process output and its speedups against the 1-GPU rows."""
+    from ..testing import rel_err
+    from .worker import row_key
+
+    ref_path = tmp / "single-1-e.pt"
+    if not ref_path.exists():
+        ref_path = tmp / "single-1-c.pt"  # the eager row failed or was cut short
+    ref = torch.load(ref_path) if ref_path.exists() else None
+    singles = [r for r in rows if r.get("method") == "single" and "step_ms" in r]
+    base = {r.get("compiled"): r["step_ms"] for r in singles if not r.get("graph")}  # diffusers on one GPU
+    ours = {r.get("compiled"): r["step_ms"] for r in singles if r.get("graph")}  # ditmesh (CUDA graph) on one GPU
+    for r in rows:
+        out = tmp / f"{row_key(r)}.pt"
+        if ref is not None and out.exists():
+            r["rel_err_vs_1gpu"] = rel_err(torch.load(out), ref)
+        b = base.get(r.get("compiled"))
+        if b and "step_ms" in r:
+            r["speedup_vs_1gpu"] = round(b / r["step_ms"], 3)
+            r["efficiency"] = round(b / r["step_ms"] / r["gpus"], 3)
+            r["e2e_28_steps_s"] = round(r["step_ms"] * 28 / 1e3, 3)
+        if ours.get(r.get("compiled")) and "step_ms" in r:
+            r["speedup_vs_our_1gpu"] = round(ours[r.get("compiled")] / r["step_ms"], 3)
+        r.setdefault("height", s["height"])
+        r.setdefault("width", s["width"])
+    return rows
+
+
+def _baseline_rows(args, s: dict, tmp: str) -> list[dict]:
+    """The same command, run first with the ditmesh package of ``--baseline-src`` ahead on the path."""
+    from ..shared import strip_option
+
+    out = Path(tmp) / "baseline.json"  # a later --out wins over the command's own
+    argv = strip_option(_typed(args), "--baseline-src") + ["--out", str(out)]
+    path = os.pathsep.join(p for p in (s["baseline_src"], os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, TMPDIR=tmp)  # what an older tree leaves in its TMPDIR goes with ours
+    print(f"ditmesh bench: baseline tree {s['baseline_src']} ...", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "ditmesh", *argv], env=env)
+    if proc.returncode != 0 or not out.exists():
+        from ..runtime.launch import LaunchError
+
+        raise LaunchError(f"--baseline-src {s['baseline_src']}: the baseline run exited with code {proc.returncode} "
+                          "(its error is printed above)")
+    return json.loads(out.read_text())["rows"]
+

@@ -1,0 +1,144 @@
+"""What a ``ditmesh bench`` run leaves: one JSON document in the results schema, a Markdown table, a plot.
+
+The schema (``SCHEMA``), one JSON object per run:
+
+- ``schema``: ``"ditmesh-bench/1"``
+- ``command``: the command as typed (``["ditmesh", "bench", ...]``; a published document that several
+  commands produced has ``commands``, one argv each); ``settings``: every option as resolved (defaults filled
+  in), so a later default cannot change what the run meant
+- ``created``: ISO 8601 time; ``card``: the device's name; ``device_count``; ``versions``: ditmesh, Python,
+  torch, diffusers, transformers, CUDA, NCCL; ``env``: the NCCL and symmetric-memory variables that were set
+- ``model``, ``height``, ``width``, ``frames``, ``batch``, ``dtype``: the workload
+- ``rows``: one per configuration (``method``, ``gpus``, ``degrees``, ``compiled``, ``graph``, ``step_ms`` =
+  median of the timed steps, ``step_ms_all``, ``peak_gib_per_gpu``, ``rel_err_vs_1gpu``, speedups, ``card``;
+  ``breakdown`` with ``--profile``; ``error`` when the configuration could not run); with ``--baseline-src``
+  each row also has ``tree`` (``baseline`` or ``current``)
+
+Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
+folder, ``$DITMESH_CACHE`` or ``~/.cache/ditmesh``): never into a checkout unless asked. The project's
+published results live under ``bench/results/<date>_<card>/``, listed in ``bench/results/MANIFEST.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+SCHEMA = "ditmesh-bench/1"
+
+#: environment variables that change how collectives run, recorded with every run
+ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+
+
+def default_out_dir() -> Path:
+    """Where runs without ``--out`` are written: ``$DITMESH_BENCH_DIR``, else ``<ditmesh cache>/bench``."""
+    from ..runtime.models import cache_dir
+
+    return Path(os.environ.get("DITMESH_BENCH_DIR") or cache_dir() / "bench")
+
+
+def default_out_path(model: str, height: int, width: int) -> Path:
+    """``<default_out_dir>/<model>-<H>x<W>-<YYYYmmdd-HHMMSS>.json``."""
+    return default_out_dir() / f"{model}-{height}x{width}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
+def document(*, command: list[str], settings: dict, card: str, device_count: int, versions: dict, rows: list[dict],
+             **workload) -> dict:
+    """One run in the results schema (``workload``: model, height, width, frames, batch, dtype)."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {"schema": SCHEMA, "command": command, "settings": settings,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "card": card, "device_count": device_count,
+            "versions": versions, "env": env, **workload, "rows": rows}
+
+
+def write(path: Path, doc: dict) -> list[Path]:
+    """Write ``doc`` as JSON at ``path``, its Markdown table next to it (``.md``) and, where matplotlib is
+    installed, its plot (``.png``); return the paths written."""
+    from ..shared import atomic_write_bytes, write_json
+
+    write_json(path, doc)
+    written = [path, path.with_suffix(".md")]
+    atomic_write_bytes(written[1], (markdown(doc) + "\n").encode())
+    title = f"{doc['model']} {doc['height']}x{doc['width']}" + (f"x{doc['frames']}f" if doc.get("frames") else "")
+    if plot([r for r in doc["rows"] if r.get("tree", "current") == "current"], path.with_suffix(".png"), title):
+        written.append(path.with_suffix(".png"))
+    return written
+
+
+def markdown(doc: dict) -> str:
+    """The run as Markdown: what ran where, the rows' table, and the A/B table when there is a baseline."""
+    head = (f"`{' '.join(doc['command'])}`\n\n{doc['card']} x{doc['device_count']}, "
+            + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()) + "\n")
+    current = [r for r in doc["rows"] if r.get("tree", "current") == "current"]
+    parts = [head, rows_table(current)]
+    if any(r.get("tree") == "baseline" for r in doc["rows"]):
+        parts += ["", f"Against the baseline tree ({doc['settings'].get('baseline_src')}):", "", ab_table(doc["rows"])]
+    return "\n".join(parts)
+
+
+def rows_table(rows: list[dict]) -> str:
+    """Rows as a Markdown table (with the profiler's breakdown where rows have one)."""
+    head = ("| method | gpus | compiled | graph | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 "
+            "| compute / comm exposed / idle ms | note |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = r.get("rel_err_vs_1gpu")
+        b = r.get("breakdown")
+        split = f"{b['compute_ms']} / {b['comm_exposed_ms']} / {b['idle_ms']}" if b else ""
+        lines.append(
+            f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
+            f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
+            f"| {'' if err is None else f'{err:.2e}'} | {split} | {r.get('error', '')} |"
+        )
+    return "\n".join(lines)
+
+
+def ab_table(rows: list[dict]) -> str:
+    """Baseline against current step times, one line per configuration both trees ran."""
+    def key(r):
+        return r["method"], r["gpus"], bool(r.get("compiled")), bool(r.get("graph"))
+
+    base = {key(r): r for r in rows if r.get("tree") == "baseline"}
+    lines = ["| method | gpus | compiled | graph | baseline ms | current ms | current / baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get(key(r))
+        if r.get("tree") != "current" or b is None:
+            continue
+        ratio = f"{r['step_ms'] / b['step_ms']:.3f}" if "step_ms" in r and "step_ms" in b else ""
+        lines.append(f"| {r['method']} | {r['gpus']} | {bool(r.get('compiled'))} | {bool(r.get('graph'))} "
+                     f"| {b.get('step_ms', b.get('error', ''))} | {r.get('step_ms', r.get('error', ''))} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    """Latency and speedup against GPU count, one line per method (needs matplotlib; skipped without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    series: dict[str, list] = {}
+    for r in rows:
+        if "step_ms" in r:
+            name = r["method"] + (" (compiled)" if r.get("compiled") else "") + (" +graph" if r.get("graph") else "")
+            series.setdefault(name, []).append((r["gpus"], r["step_ms"], r.get("speedup_vs_1gpu", 0)))
+    singles = {k: v for k, v in series.items() if k.startswith("single")}
+    for name, points in series.items():
+        if name.startswith("single"):
+            continue
+        mode = (" (compiled)" if "compiled" in name else "") + (" +graph" if name.endswith("+graph") else "")
+        points = sorted(singles.get("single" + mode, []) + points)
+        ax1.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax2.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=name)
+    ax1.set(xlabel="GPUs", ylabel="ms per step", title=title)
+    ax2.set(xlabel="GPUs", ylabel="speedup vs 1 GPU", title="speedup")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,142 @@
+"""One rank of one ``ditmesh bench`` configuration (``ditmesh bench --worker SPEC``).
+
+Every rank builds the same seeded transformer and one denoising step's inputs, applies the row's method
+(ditmesh's ``parallelize``, or a peer from :mod:`ditmesh.bench.peers`), runs ``warmup + steps`` calls and
+times each after a barrier. Rank 0 appends the row to ``rows.jsonl`` in the run's temporary folder and saves
+its output there, for the error against the 1-process output.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed row's note: the exception's type and first line."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def row_key(row: dict) -> str:
+    """The file stem of a row's saved output: method, process count, compiled (c/e), CUDA graph (g)."""
+    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}"
+
+
+def append_row(tmp: str | Path, row: dict) -> None:
+    """Add one row to the run's ``rows.jsonl``."""
+    with open(Path(tmp) / "rows.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_worker(spec: dict) -> None:
+    """Measure one configuration on this rank (see the module docstring)."""
+    import torch.distributed as dist
+
+    from ..api import parallelize
+    from ..comm import all_gather_object
+    from ..config import ParallelConfig
+    from ..mesh import default_device
+    from ..models.base import adapter_for
+    from ..runtime.generate import _init_distributed
+    from ..runtime.report import device_name
+    from ..shared import DTYPES
+    from ..synth import build_transformer, get_arch
+
+    device = default_device()
+    _init_distributed(device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dtype = DTYPES[spec["dtype"]]
+    arch = get_arch(spec["model"])
+    model = build_transformer(arch, seed=0, device=device, dtype=dtype)
+    adapter = adapter_for(model)
+    gen = torch.Generator().manual_seed(1)
+    shape = dict(height=spec["height"], width=spec["width"])
+    if spec.get("frames"):
+        shape["frames"] = spec["frames"]
+    inputs = adapter.example_inputs(model, batch=spec.get("batch", 1), text_len=arch.max_sequence_length,
+                                    generator=gen, device=device, dtype=dtype, **shape)
+
+    class _Pipe:  # parallelize() needs only `.transformer`
+        transformer = model
+
+    row = {"method": spec["method"], "gpus": spec["gpus"], "degrees": spec["degrees"], "height": spec["height"],
+           "width": spec["width"], "compiled": spec["compile"], "graph": spec.get("graph", False),
+           "model": spec["model"], "dtype": spec["dtype"]}
+    ours = False  # parallelize() compiles our rows itself; peers and plain diffusers are compiled below
+    try:
+        if spec["method"].startswith("diffusers-"):
+            from .peers import enable_diffusers
+
+            enable_diffusers(model, spec["method"], spec["degrees"])
+        elif spec["method"].startswith("xdit-"):
+            from .peers import enable_xdit
+
+            model = enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
+        elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
+            runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
+                                  ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
+                                  transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False))
+            ours = True
+            if spec.get("fuse_qkv"):
+                row["fuse_qkv"] = True
+            sp = runtime.sequence()
+            if sp is not None and sp.ulysses_degree > 1 and sp.ring_degree == 1:  # USP runs one group
+                row["ulysses_chunks"] = sp.ulysses_chunks  # head groups as resolved (the default depends on compile)
+                row["transport"] = sp.transport
+    except Exception as exc:  # noqa: BLE001  (a configuration that cannot run is a row with its error)
+        row["error"] = error_text(exc)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)  # steady state: weights as placed + activations
+    if "error" not in row:
+        if spec["compile"] and not ours:
+            from ..api import compile_blocks
+
+            compile_blocks(model, adapter)
+        times = []
+        with torch.no_grad():
+            for i in range(spec["warmup"] + spec["steps"]):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if dist.is_initialized():
+                    dist.barrier()
+                t0 = time.perf_counter()
+                try:
+                    out = model(**inputs)[0]
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = error_text(exc)
+                    break
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= spec["warmup"]:
+                    times.append(time.perf_counter() - t0)
+    if "error" not in row and spec.get("profile") and device.type == "cuda":
+        from ..profiling import profile_step
+
+        if dist.is_initialized():
+            dist.barrier()  # start together, so that start-up skew does not read as communication
+        try:
+            with torch.no_grad():
+                row["breakdown"] = profile_step(lambda: model(**inputs), device)
+        except Exception as exc:  # noqa: BLE001  (the row keeps its timing; every rank goes on)
+            row["breakdown_error"] = error_text(exc)
+    if "error" not in row:
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        peaks = all_gather_object(peak)
+        row.update(step_ms=round(statistics.median(times) * 1e3, 3), step_ms_all=[round(t * 1e3, 3) for t in times],
+                   peak_gib_per_gpu=round(max(peaks) / 2**30, 3), card=device_name(device))
+        if rank == 0:
+            torch.save(out.float().cpu(), Path(spec["tmp"]) / f"{row_key(row)}.pt")
+    if rank == 0:
+        append_row(spec["tmp"], row)
+        print(f"ditmesh bench row: {json.dumps({k: v for k, v in row.items() if k != 'step_ms_all'})}", flush=True)
+    if dist.is_initialized():
+        from ..runtime.generate import end_rank_process
+
+        dist.barrier()
+        end_rank_process(0)
