@@ -183,3 +183,26 @@ def test_a_host_that_never_joins_ends_the_run_with_one_line(tmp_path, flux_tiny)
     assert procs[0].returncode == 2
     lines = error_lines(results[0][1])
     assert len(lines) == 1 and "not all 2 hosts joined the rendezvous" in lines[0]
+
+
+# -- compile caches and warm-up ---------------------------------------------------------------------------------
+def test_compile_caches_live_under_the_ditmesh_cache_unless_the_user_set_them(tmp_path, monkeypatch):
+    from ditmesh.runtime.generate import COMPILE_CACHE_ENV, persist_compile_caches
+
+    monkeypatch.setenv("DITMESH_CACHE", str(tmp_path))
+    for env in COMPILE_CACHE_ENV:
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
+    used = persist_compile_caches()
+    assert used["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")
+    assert used["TRITON_CACHE_DIR"] == "/mine"
+
+
+def test_warmup_only_runs_one_step_and_writes_nothing(tmp_path, flux_tiny, private_tmp):
+    out = tmp_path / "never.png"
+    proc = ditmesh("generate", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--warmup-only",
+                   "--out", str(out), env={"TMPDIR": str(private_tmp)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warmed up ulysses2 on 2 processes at 64x64" in proc.stdout
+    assert not out.exists() and not out.with_name(out.name + ".json").exists()
+    assert leftovers(private_tmp) == []
