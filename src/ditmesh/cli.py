@@ -141,6 +141,8 @@ EXTRA_COMMANDS = {
               "benchmark parallel configurations (per-step latency, memory, accuracy)"),
     "plan": (".planner.cli", "add_plan_parser", "run_plan",
              "predict memory, communication and latency of every configuration and recommend one"),
+    "analyze": (".analyze", "add_analyze_parser", "run_analyze",
+                "measure step-to-step redundancy per block (for step caching)"),
     "train-tiny": (".tiny.train", "add_train_parser", "run_train", "retrain the shipped tiny FLUX pipeline (resumable)"),
     "eval-tiny": (".tiny.evaluate", "add_eval_parser", "run_eval", "score the tiny pipeline on held-out captions"),
 }
