@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
@@ -39,6 +40,8 @@ class ParallelRuntime:
     context: ForwardContext = field(default_factory=ForwardContext)
     #: the parallelized transformers by pipeline component name (``transformer``, ``transformer_2``)
     transformers: dict[str, torch.nn.Module] = field(default_factory=dict)
+    #: the step caches by transformer (``ditmesh.cache.StepCache``; empty when caching is off)
+    caches: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     _undo: list = field(default_factory=list)
 
@@ -171,7 +174,7 @@ def check_transport(transport: str, device: torch.device, flag: str = "transport
 
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
-                fuse_qkv: bool = False, transport: str = "nccl") -> ParallelRuntime:
+                fuse_qkv: bool = False, transport: str = "nccl", cache=None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -199,6 +202,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host;
             Ulysses alone). With ``"symm"``, compile through ``compile=True``: a ``torch.compile`` of your own
             around the model must pass ``options=ditmesh.symm.COMPILE_OPTIONS`` (see that module).
+        cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.cache.CacheConfig` or its text form, e.g.
+            ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
+            reduced over the ranks that share a computation, so every rank agrees. Not with compile or CUDA graphs
+            yet.
     """
     models = transformers_of(pipe)
     if not models:
@@ -217,6 +224,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
+    cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
+    if cache_config.on and (compile or cuda_graph):
+        raise ConfigError(f"step caching ({cache_config.policy}) does not run with compiled blocks or CUDA graphs yet; "
+                          "drop compile/cuda_graph, or the cache")
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -236,6 +247,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
+        (f"cache({cache_config.policy})", lambda: step_cache.apply(runtime, cache_config)),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else []),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else []),
         ("cuda-graph", lambda: each(lambda m, a: graph.apply(m)) if cuda_graph else []),

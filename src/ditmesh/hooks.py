@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 #: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
 #: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
-#: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``.
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once")
+#: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
+#: transformer block (step caching, ``ditmesh.cache``).
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache")
 
 
 class Hook:

@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from .comm import all_gather_object
+from .comm import all_gather_object, all_reduce_sum
 
 #: what the probe measures per watched module
 QUANTITIES = ("output", "residual", "attention", "key", "value")
@@ -141,9 +140,9 @@ class RedundancyProbe:
         token_sums = torch.where(heads[:, None], torch.zeros_like(sums), sums)
         head_sums = sums - token_sums
         if self.token_group is not None:
-            dist.all_reduce(token_sums, group=self.token_group)
+            token_sums = all_reduce_sum(token_sums, self.token_group)
         if self.head_group is not None:
-            dist.all_reduce(head_sums, group=self.head_group)
+            head_sums = all_reduce_sum(head_sums, self.head_group)
         total = (token_sums + head_sums).cpu()
         component = next(c for c, m in self.runtime.transformers.items() if m is module)
         key = (component, self.ctx.step_index, self.ctx.call_in_step)

@@ -65,6 +65,11 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         from ..api import check_cuda_graph
 
         check_cuda_graph(config, default_device(), args.check_consistency)
+    if getattr(args, "cache", None):
+        from ..cache import CacheConfig
+
+        if CacheConfig.parse(args.cache).on and (getattr(args, "compile", False) or getattr(args, "cuda_graph", False)):
+            raise ConfigError(f"--cache {args.cache} does not run with --compile or --cuda-graph yet; drop one")
     return config, model
 
 
@@ -248,7 +253,7 @@ def run(args) -> int:
     defaults = read_defaults(path)
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
-                          transport=getattr(args, "transport", "nccl"))
+                          transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
@@ -329,6 +334,8 @@ def run(args) -> int:
             # what the first step paid beyond a steady one: compilation, CUDA graph capture, first collectives
             "first_step_extra_s": round(step_s[0] - sorted(step_s)[len(step_s) // 2], 4) if len(step_s) > 1 else None,
             "compile_breakdown_s": warmup_costs,
+            "cache": {name: {"setting": getattr(args, "cache", None), "calls": len(c.history),
+                             "skipped": sum(h["skip"] for h in c.history)} for name, c in runtime.caches.items()},
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,

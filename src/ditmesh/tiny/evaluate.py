@@ -112,6 +112,61 @@ def evaluate(model_path: str | None = None, captions: list[str] | None = None, s
     return EvalResult(n=len(prompts), steps=steps, accuracy=accuracy, rows=rows, seconds=seconds)
 
 
+def psnr_ssim(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """PSNR (dB, 8-bit) and SSIM (7x7 box windows on the luma, constants of Wang et al.) of two uint8 images."""
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    weights = np.array([0.299, 0.587, 0.114])
+    x, y = (img.astype(np.float64) @ weights for img in (a, b))
+
+    def box(z, k=7):  # mean over k x k windows (valid part), through a summed-area table
+        c = np.pad(z.cumsum(0).cumsum(1), ((1, 0), (1, 0)))
+        return (c[k:, k:] - c[:-k, k:] - c[k:, :-k] + c[:-k, :-k]) / (k * k)
+
+    mx, my = box(x), box(y)
+    vx, vy, cxy = box(x * x) - mx ** 2, box(y * y) - my ** 2, box(x * y) - mx * my
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    ssim = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+    return psnr, float(ssim.mean())
+
+
+def cache_sweep(model_path: str | None, settings: list[str], captions: list[str], steps: int = 28, seed: int = 0,
+                images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5) -> list[dict]:
+    """Quality of step-cache settings against the uncached images of the same captions, noise and batches: per
+    setting, transformer evaluations per image (blocks computed / all blocks, summed over steps), accuracies,
+    images that lost an attribute the uncached image had right, and mean PSNR / SSIM against it."""
+    from .. import ParallelConfig, parallelize, remove
+
+    pipe = load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [c for c in captions for _ in range(images_per_caption)]
+    reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+    ref_accuracy, ref_rows = score(reference, prompts)
+    attributes = ("colour", "shape", "position")
+    want = [tiny_data.parse_caption(p) for p in prompts]
+    ref_ok = [{k: r[k] == getattr(w, k) for k in attributes} for r, w in zip(ref_rows, want)]
+    rows = [{"cache": "off", "evaluations": float(steps), **ref_accuracy, "lost": 0, "psnr": float("inf"), "ssim": 1.0}]
+    for setting in settings:
+        runtime = parallelize(pipe, ParallelConfig(), cache=setting)
+        cache = runtime.caches["transformer"]
+        start = time.time()
+        images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+        seconds = time.time() - start
+        accuracy, got_rows = score(images, prompts)
+        total = len(cache.blocks)
+        kept = cache.config.first + cache.config.last
+        calls = len(cache.history)
+        evaluations = sum(kept / total if h["skip"] else 1.0 for h in cache.history) * steps / max(1, calls)
+        lost = sum(any(ok[k] and g[k] != getattr(w, k) for k in attributes)
+                   for ok, g, w in zip(ref_ok, got_rows, want))
+        quality = [psnr_ssim(a, b) for a, b in zip(images, reference)]
+        rows.append({"cache": setting, "evaluations": round(evaluations, 2), **accuracy, "lost": lost,
+                     "psnr": round(float(np.mean([q[0] for q in quality if np.isfinite(q[0])] or [float("inf")])), 2),
+                     "ssim": round(float(np.mean([q[1] for q in quality])), 4), "seconds": round(seconds, 1)})
+        remove(pipe)
+    return rows
+
+
 def write_samples(path: str, model_path: str | None = None, steps: int = 28, seed: int = 0, pipe=None) -> list[str]:
     """Draw :data:`SAMPLE_CAPTIONS` into one PNG grid (6 per row, 2x nearest upscale); returns the captions."""
     pipe = pipe or load_pipeline(model_path)
@@ -156,6 +211,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--grid", default=None, help="also save the generated images as a PNG grid")
     parser.add_argument("--samples", default=None, help="also draw the README sample grid (SAMPLE_CAPTIONS) to this PNG")
     parser.add_argument("--json", default=None, help="write accuracies and per-image readings to this file")
+    parser.add_argument("--cache-sweep", default=None, metavar="SETTINGS",
+                        help="semicolon-separated step-cache settings (e.g. 'fbcache:0.1;fbcache:0.2'): print each one's "
+                             "evaluations per image, accuracy, lost attributes and PSNR/SSIM against the uncached images")
     parser.set_defaults(func=run_eval)
     return parser
 
@@ -176,6 +234,19 @@ def run_eval(args: argparse.Namespace) -> int:
                           f"give a folder written by `ditmesh train-tiny`")
     torch.set_num_threads(args.threads)
     captions = eval_captions(args.split)[: args.limit]
+    if args.cache_sweep:
+        rows = cache_sweep(args.model, [c for c in args.cache_sweep.split(";") if c], captions, steps=args.steps,
+                           seed=args.seed, images_per_caption=args.images_per_caption,
+                           batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale)
+        print("| cache | evaluations per image | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['cache']} | {r['evaluations']} | {r['colour']:.3f} | {r['shape']:.3f} | {r['position']:.3f} "
+                  f"| {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} | {r['psnr']} | {r['ssim']} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     result = evaluate(args.model or default_model_path(), captions, steps=args.steps, seed=args.seed,
                       images_per_caption=args.images_per_caption, batch_size=args.batch_size,
                       guidance_scale=args.guidance_scale, grid=args.grid)

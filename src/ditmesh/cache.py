@@ -1,0 +1,212 @@
+"""Step caching whose decisions every rank shares: compute the first blocks, skip the rest while they barely change.
+
+Policy ``dbcache`` (``fbcache`` is its ``first=1`` case): at every transformer call the first ``first`` blocks
+run. Their residual on the main stream (``hidden_states`` after block ``first - 1`` minus ``hidden_states``
+entering block 0) is compared with the same residual at the previous step of the same branch: ``rel = sum|r_t -
+r_{t-1}| / sum|r_{t-1}|``. When ``rel < threshold`` (after ``warmup`` computed steps, and at most ``max_skips``
+cached steps in a row), the middle blocks are skipped: each returns its input, and the last of them adds the
+residual the middle blocks produced at the last step they ran (per carried stream, e.g. FLUX's text and image
+streams). The last ``last`` blocks always run.
+
+Cross-rank rule: the two sums are taken over this rank's part of the tensor and added, in float64, over every
+rank that holds another part of the same images (the sequence-parallel ranks, and the cfg ranks of a family that
+batches CFG; tensor-parallel ranks hold the whole stream), with one all-reduce per call; the decision reads that
+one scalar on the host. So every rank of a computation takes the same decision, the one a single process takes
+on the same images. Data-parallel groups decide for their own images; under sequential CFG each branch decides
+for itself, as it does on one process.
+
+Not yet: compiled blocks and CUDA graphs (a decision inside a traced block would break its graph), the
+TeaCache-like, Taylor and static policies. ``parallelize`` refuses those combinations in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm import all_reduce_sum
+from .config import ConfigError
+from .hooks import Hook, add_hook, bind_kwargs
+
+POLICIES = ("off", "dbcache", "fbcache")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A step-cache setting: ``policy`` and its knobs (see the module docstring)."""
+
+    policy: str = "off"
+    threshold: float = 0.08
+    first: int = 1
+    last: int = 0
+    warmup: int = 1
+    max_skips: int = 3
+
+    @classmethod
+    def parse(cls, text: str | None) -> "CacheConfig":
+        """``off``, ``fbcache:0.08``, or ``dbcache:threshold=0.1,first=2,last=1,warmup=2,max_skips=3``."""
+        if not text or text == "off":
+            return cls()
+        name, _, rest = text.partition(":")
+        if name not in POLICIES:
+            raise ConfigError(f"cache policy {name!r} is not one of: {', '.join(POLICIES)} "
+                              "(e.g. fbcache:0.08 or dbcache:threshold=0.1,first=2,last=1)")
+        values: dict = {"policy": "dbcache"}
+        if name == "fbcache":
+            values["first"] = 1
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                key, value = "threshold", key
+            if key not in ("threshold", "first", "last", "warmup", "max_skips"):
+                raise ConfigError(f"cache option {key!r} is not one of: threshold, first, last, warmup, max_skips")
+            try:
+                values[key] = float(value) if key == "threshold" else int(value)
+            except ValueError:
+                raise ConfigError(f"cache option {key}={value!r} is not a number") from None
+        config = cls(**values)
+        if not (config.threshold >= 0 and config.first >= 1 and config.last >= 0 and config.warmup >= 0
+                and config.max_skips >= 1):
+            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= 1, last >= 0, warmup >= 0, max_skips >= 1")
+        return config
+
+    @property
+    def on(self) -> bool:
+        return self.policy != "off"
+
+
+@dataclass
+class _Branch:
+    """What one branch (call within a step) keeps between steps."""
+
+    residual: torch.Tensor | None = None  # the first blocks' residual at the previous step
+    middle: dict = field(default_factory=dict)  # stream -> the middle blocks' residual when they last ran
+    skips_in_a_row: int = 0
+
+
+class StepCache:
+    """The cache of one transformer: hooks on its blocks, the decisions and their history."""
+
+    def __init__(self, model: torch.nn.Module, adapter, config: CacheConfig, ctx, group, name: str = "transformer"):
+        self.config, self.ctx, self.group, self.name = config, ctx, group, name
+        blocks = [(spec, block) for spec in adapter.blocks for block in model.get_submodule(spec.path)]
+        if config.first + config.last >= len(blocks):
+            raise ConfigError(f"cache first={config.first} + last={config.last} leaves no block of the "
+                              f"{len(blocks)} of {type(model).__name__} to skip; use smaller values")
+        self.blocks = blocks
+        self.middle = range(config.first, len(blocks) - config.last)
+        self.branches: dict[int, _Branch] = {}
+        self.entry: torch.Tensor | None = None
+        self.middle_in: dict = {}
+        self.skip = False
+        self.last_step: int | None = None
+        #: one entry per decision: step, branch, relative change (None at warm-up), skipped
+        self.history: list[dict] = []
+        #: also record this rank's own (unreduced) relative change, for tests: a second host read per step
+        self.record_local = False
+        self.undo = []
+        for index, (spec, block) in enumerate(blocks):
+            self.undo.append(add_hook(block, _BlockHook(self, index, spec, block.forward)))
+
+    # -- per block -----------------------------------------------------------------------------------------
+    def branch(self) -> _Branch:
+        step = self.ctx.step_index
+        if step is not None and self.last_step is not None and step < self.last_step:
+            self.branches.clear()  # a new pipeline call
+        self.last_step = step
+        return self.branches.setdefault(self.ctx.call_in_step, _Branch())
+
+    def decide(self, residual: torch.Tensor) -> bool:
+        """Whether this call skips the middle blocks; identical on every rank of the computation."""
+        state, config = self.branch(), self.config
+        previous, state.residual = state.residual, residual.detach()
+        step = self.ctx.step_index or 0
+        rel = None
+        if previous is not None and previous.shape == residual.shape:
+            sums = torch.stack([(residual - previous).abs().sum(), previous.abs().sum()]).double()
+            if self.record_local:
+                local_diff, local_base = sums.tolist()
+                self.history_local = local_diff / local_base if local_base else 0.0
+            if self.group is not None:
+                sums = all_reduce_sum(sums, self.group)
+            diff, base = sums.tolist()  # the one host read of the step
+            rel = diff / base if base else 0.0
+        skip = (rel is not None and rel < config.threshold and step >= config.warmup and bool(state.middle)
+                and state.skips_in_a_row < config.max_skips)
+        state.skips_in_a_row = state.skips_in_a_row + 1 if skip else 0
+        entry = {"step": step, "branch": self.ctx.call_in_step, "rel": rel, "skip": skip}
+        if self.record_local and rel is not None:
+            entry["local_rel"] = self.history_local
+        self.history.append(entry)
+        return skip
+
+    def remove(self) -> None:
+        for undo in self.undo:
+            undo()
+        self.undo.clear()
+
+
+class _BlockHook(Hook):
+    """A block's ``cache`` hook: record the entry, decide after the first blocks, skip or replay the middle."""
+
+    name = "cache"
+
+    def __init__(self, cache: StepCache, index: int, spec, forward):
+        self.cache, self.index, self.spec, self.forward = cache, index, spec, forward
+
+    def __call__(self, owner, call_next, args, kwargs):
+        cache, index, config = self.cache, self.index, self.cache.config
+        named = bind_kwargs(self.forward, args, kwargs)
+        if index == 0:
+            cache.entry = named["hidden_states"]
+            cache.skip = False
+        middle = cache.middle
+        if index in middle:
+            if index == middle.start:
+                cache.middle_in = {name: named[name] for name in self.spec.carries if named.get(name) is not None}
+            if cache.skip:
+                return self._replay(named, index == middle.stop - 1)
+        output = call_next((), named)
+        if index == config.first - 1:
+            hidden = self._stream(output, "hidden_states")
+            cache.skip = cache.decide(hidden - cache.entry)
+        if index == middle.stop - 1 and not cache.skip:
+            state = cache.branch()
+            state.middle = {name: self._stream(output, name) - before for name, before in cache.middle_in.items()
+                            if self._stream(output, name) is not None}
+        return output
+
+    def _stream(self, output, name: str):
+        outputs = output if isinstance(output, tuple) else (output,)
+        return outputs[self.spec.returns.index(name)] if name in self.spec.returns else None
+
+    def _replay(self, named: dict, last: bool):
+        """A skipped block returns its inputs; the last skipped one adds the middle blocks' cached residual."""
+        state = self.cache.branch()
+        outputs = []
+        for name in self.spec.returns:
+            value = named.get(name)
+            if last and value is not None and name in state.middle:
+                value = value + state.middle[name]
+            outputs.append(value)
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def apply(runtime, config: CacheConfig) -> list:
+    """Put a :class:`StepCache` on every transformer of ``runtime``; returns undo callables ([] when off)."""
+    from .models import adapter_for
+
+    if not config.on:
+        return []
+    mesh = runtime.mesh
+    batched = any(adapter_for(m).cfg_mode == "batched" for m in runtime.transformers.values())
+    axes = ("ring", "ulysses") + (("dp", "cfg") if batched else ())
+    group = mesh.group_of(*axes) if any(mesh.size(a) > 1 for a in axes) else None
+    undo = []
+    runtime.caches = {}
+    for name, model in runtime.transformers.items():
+        cache = StepCache(model, adapter_for(model), config, runtime.context, group, name)
+        runtime.caches[name] = cache
+        undo.append(cache.remove)
+    return undo

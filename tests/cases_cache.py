@@ -1,0 +1,40 @@
+"""Functions run on every rank of a gloo worker pool for the step-cache tests."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_PROMPTS = ("a red circle at the top left on a white background", "a blue square at the bottom on a gray background")
+
+
+def tiny_model() -> str:
+    from ditmesh.tiny import default_model_path
+
+    return default_model_path()
+
+
+def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 10, prompts=TINY_PROMPTS[:1],
+               cfg: bool = False, size: int = 64, **extra):
+    """Final latents, the cache's decisions and the collectives of the call, for ``model`` (default: the tiny
+    trained pipeline, whose steps repeat themselves as a real model's do) under ``config`` with ``cache``."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+
+    torch.manual_seed(0)
+    pipe = DiffusionPipeline.from_pretrained(model or tiny_model(), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    runtime = parallelize(pipe, ParallelConfig(**config), cache=cache)
+    for step_cache in runtime.caches.values():
+        step_cache.record_local = True
+    kwargs = dict(height=size, width=size, num_inference_steps=steps, max_sequence_length=16, output_type="latent",
+                  generator=torch.Generator().manual_seed(7))
+    if cfg:
+        kwargs.update(negative_prompt="", true_cfg_scale=2.0)
+    kwargs.update(extra)
+    with count_collectives() as counts:
+        latents = pipe(list(prompts), **kwargs).images if "num_frames" not in extra else \
+            pipe(list(prompts), **kwargs).frames
+    history = {name: c.history for name, c in runtime.caches.items()}
+    return latents, history, dict(counts)

@@ -1,0 +1,148 @@
+"""Step caching: a cached parallel run takes the decisions of the same cached run on one process and gives its
+result (the statistics are reduced over the ranks that share a computation), under every axis."""
+
+from __future__ import annotations
+
+import pytest
+
+from cases_cache import TINY_PROMPTS, cached_run
+from ditmesh.testing import rel_err
+
+FB = "fbcache:0.2"  # on the tiny trained pipeline at 10 steps: several steps cached (relative change 0.14-0.3)
+
+
+def decisions(history: dict) -> dict:
+    return {name: [(h["step"], h["branch"], h["skip"]) for h in entries] for name, entries in history.items()}
+
+
+_REF: dict = {}
+
+
+def reference(cache, **kwargs):
+    key = (cache, tuple(sorted(kwargs.items())))
+    if key not in _REF:
+        _REF[key] = cached_run(None, {}, cache, **kwargs)
+    return _REF[key]
+
+
+def assert_same_run(got, ref):
+    latents, history, _ = got
+    ref_latents, ref_history, _ = ref
+    assert decisions(history) == decisions(ref_history)
+    assert rel_err(latents, ref_latents) <= 1e-5
+
+
+def test_cache_off_and_threshold_zero_are_bit_identical_to_no_cache():
+    plain = reference(None)[0]
+    for setting in ("off", "dbcache:threshold=0"):
+        latents, history, _ = reference(setting)
+        assert (latents == plain).all()
+        assert not any(h["skip"] for entries in history.values() for h in entries)
+
+
+def test_the_cache_skips_steps_and_stays_close_on_the_trained_pipeline():
+    latents, history, _ = reference(FB)
+    skipped = sum(h["skip"] for h in history["transformer"])
+    assert 2 <= skipped <= 7, history
+    assert rel_err(latents, reference(None)[0]) < 0.05
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}], ids=str)
+def test_sequence_and_tensor_parallel_caches_decide_as_one_process(pools, config):
+    ref = reference(FB)
+    for got in pools(2).run(cached_run, None, config, FB):
+        assert_same_run(got, ref)
+
+
+def test_a_cached_ulysses_call_issues_one_decision_all_reduce(pools):
+    ref = reference(FB)
+    calls = len(ref[1]["transformer"])
+    skipped = sum(h["skip"] for h in ref[1]["transformer"])
+    for _, _, counts in pools(2).run(cached_run, None, {"ulysses": 2}, FB):
+        # tiny pipeline: 3 double + 4 single blocks, one attention each; fbcache computes block 0 when it skips
+        assert counts["all_to_all"] == 2 * (7 * (calls - skipped) + 1 * skipped)
+        assert counts["all_reduce"] == calls - 1  # the first call has no previous step to compare with
+        assert counts["all_gather"] == calls
+
+
+def assert_same_cfg_runs(runs, ref):
+    """Under cfg parallelism each cfg rank decides for its own branch: together they took one process's decisions."""
+    ref_latents, ref_history, _ = ref
+    merged = sorted({d for _, history, _ in runs for d in decisions(history)["transformer"]})
+    assert merged == sorted(decisions(ref_history)["transformer"])
+    for latents, _, _ in runs:
+        assert rel_err(latents, ref_latents) <= 1e-5
+
+
+def test_cfg_branches_decide_for_themselves_as_on_one_process(pools):
+    ref = reference(FB, cfg=True)
+    assert {h["branch"] for h in ref[1]["transformer"]} == {0, 1}
+    assert_same_cfg_runs(pools(2).run(cached_run, None, {"cfg": 2}, FB, cfg=True), ref)
+
+
+def test_data_parallel_groups_decide_for_their_own_images(pools):
+    import torch
+
+    # the same starting noise per image, whether it runs in the batch of two or alone
+    noise = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3))  # 64x64: 16 tokens of 64 channels
+    alone = [cached_run(None, {}, "dbcache:threshold=0", prompts=(p,), latents=noise[i:i + 1])[1]["transformer"]
+             for i, p in enumerate(TINY_PROMPTS)]
+    # a threshold between the two images' changes at one step, so that their decisions differ there
+    a, b = next((x["rel"], y["rel"]) for x, y in zip(alone[0], alone[1]) if x["rel"] and abs(x["rel"] - y["rel"]) > 1e-3)
+    setting = f"dbcache:threshold={(a + b) / 2:.6f},warmup=0,max_skips=100"
+    refs = [cached_run(None, {}, setting, prompts=(p,), latents=noise[i:i + 1]) for i, p in enumerate(TINY_PROMPTS)]
+    runs = pools(2).run(cached_run, None, {"dp": 2}, setting, prompts=TINY_PROMPTS, latents=noise)
+    for rank, (latents, history, _) in enumerate(runs):
+        assert rel_err(latents, torch.cat([r[0] for r in refs])) <= 1e-5
+        assert decisions(history) == decisions(refs[rank][1])  # each dp group took its own images' decisions
+    assert decisions(refs[0][1]) != decisions(refs[1][1])  # and the two images would have decided differently
+
+
+def test_usp_and_cfg_with_ulysses_decide_as_one_process(pools):
+    for got in pools(4).run(cached_run, None, {"ring": 2, "ulysses": 2}, FB):
+        assert_same_run(got, reference(FB))
+    assert_same_cfg_runs(pools(4).run(cached_run, None, {"cfg": 2, "ulysses": 2}, FB, cfg=True),
+                         reference(FB, cfg=True))
+
+
+def test_ranks_agree_where_their_own_shards_would_not(pools):
+    # First learn each rank's own statistic per step, then put the threshold between two ranks' values at a step:
+    # a rank deciding on its shard alone would disagree with its peer there (and hang in the next all-to-all).
+    probe = pools(2).run(cached_run, None, {"ulysses": 2}, "dbcache:threshold=0")
+    steps = [(i, [r[1]["transformer"][i].get("local_rel") for r in probe]) for i in range(len(probe[0][1]["transformer"]))]
+    split = [(i, locs) for i, locs in steps if None not in locs and abs(locs[0] - locs[1]) > 1e-3]
+    assert split, "the shards never differ"
+    i, locs = split[len(split) // 2]
+    threshold = (locs[0] + locs[1]) / 2
+    setting = f"dbcache:threshold={threshold:.6f},first=1,warmup=0,max_skips=100"
+    runs = pools(2).run(cached_run, None, {"ulysses": 2}, setting)
+    disagree = [h for h0, h1 in zip(runs[0][1]["transformer"], runs[1][1]["transformer"])
+                for h in [h0] if "local_rel" in h0 and (h0["local_rel"] < threshold) != (h1["local_rel"] < threshold)]
+    assert disagree, "no step where the shards' own statistics straddle the threshold"
+    ref = cached_run(None, {}, setting)
+    for got in runs:
+        assert_same_run(got, ref)
+
+
+def test_sd3_and_wan_caches_under_ulysses_decide_as_one_process(pools, model_checkpoints):
+    sd3 = model_checkpoints["sd3-tiny"]
+    setting = "dbcache:threshold=0.5,warmup=1"
+    ref = cached_run(sd3, {}, setting, steps=6, size=32, guidance_scale=5.0)
+    for got in pools(2).run(cached_run, sd3, {"ulysses": 2}, setting, steps=6, size=32, guidance_scale=5.0):
+        assert_same_run(got, ref)
+    wan = model_checkpoints["wan2.2-tiny"]
+    ref = cached_run(wan, {}, setting, steps=6, size=32, num_frames=5, guidance_scale=5.0)
+    for got in pools(2).run(cached_run, wan, {"ulysses": 2}, setting, steps=6, size=32, num_frames=5,
+                            guidance_scale=5.0):
+        assert_same_run(got, ref)
+
+
+def test_bad_cache_settings_are_refused_in_one_line():
+    from ditmesh.cache import CacheConfig
+    from ditmesh.config import ConfigError
+
+    for text, needle in [("teacache:0.1", "is not one of: off, dbcache, fbcache"),
+                         ("fbcache:abc", "is not a number"), ("dbcache:first=0", "first >= 1"),
+                         ("dbcache:speed=2", "cache option 'speed'")]:
+        with pytest.raises(ConfigError, match=needle):
+            CacheConfig.parse(text)
