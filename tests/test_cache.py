@@ -137,6 +137,40 @@ def test_sd3_and_wan_caches_under_ulysses_decide_as_one_process(pools, model_che
         assert_same_run(got, ref)
 
 
+@pytest.mark.parametrize("setting", ["static:skip=3-4+6-7", "taylor:interval=3,warmup=2"])
+def test_step_scheduled_policies_decide_alike_everywhere_without_a_collective(pools, setting):
+    ref = reference(setting)
+    assert any(h["skip"] for h in ref[1]["transformer"])
+    for got in pools(2).run(cached_run, None, {"ulysses": 2}, setting):
+        assert_same_run(got, ref)
+        assert "all_reduce" not in got[2]  # decided by the step alone
+    for got in pools(2).run(cached_run, None, {"tp": 2}, setting):
+        assert_same_run(got, ref)
+    assert_same_cfg_runs(pools(2).run(cached_run, None, {"cfg": 2}, setting, cfg=True), reference(setting, cfg=True))
+
+
+def test_taylor_extrapolation_beats_replaying_the_last_residual():
+    plain = reference(None, steps=28)[0]
+    taylor = reference("taylor:interval=3,warmup=3", steps=28)
+    replay = reference("static:skip=" + "+".join(str(h["step"]) for h in taylor[1]["transformer"] if h["skip"]),
+                       steps=28)
+    assert [h["skip"] for h in taylor[1]["transformer"]] == [h["skip"] for h in replay[1]["transformer"]]
+    assert rel_err(taylor[0], plain) < rel_err(replay[0], plain)
+
+
+def test_analyze_proposes_a_static_schedule_from_measured_change():
+    from ditmesh.analyze import suggest_schedule
+    from ditmesh.cache import CacheConfig
+
+    records = {"transformer": {"call0": {"output": {"b0": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
+                                                    "b1": [0.3, 0.05, 0.04, 0.03, 0.02, 0.3],
+                                                    "b2": [0.3, 0.05, 0.04, 0.03, 0.02, 0.3]}}}}
+    setting = suggest_schedule(records, 0.1)
+    # steps 2-5 change little, but at most 3 steps in a row replay the last run (step 1): step 5 runs
+    assert setting == "static:skip=2+3+4,first=1,last=0"
+    assert CacheConfig.parse(setting).skip == (2, 3, 4)
+
+
 def test_bad_cache_settings_are_refused_in_one_line():
     from ditmesh.cache import CacheConfig
     from ditmesh.config import ConfigError

@@ -42,6 +42,9 @@ def add_analyze_parser(sub) -> None:
     add_degree_flags(a)
     a.add_argument("--nproc", type=int, default=None, help="launch N local processes")
     a.add_argument("--out", default="out/analyze", help="output folder (default out/analyze)")
+    a.add_argument("--schedule", type=float, default=None, metavar="T",
+                   help="also propose a static cache schedule: the steps whose blocks after the first changed by "
+                        "less than T on average (print the --cache setting)")
     a.set_defaults(func=run_analyze)
 
 
@@ -100,12 +103,32 @@ def analyze_rank(args, config) -> int:
     probe.remove()
     if rank == 0:
         write_results(Path(args.out), records, args, config, model)
+        if args.schedule is not None:
+            print(f"ditmesh: proposed cache: --cache {suggest_schedule(records, args.schedule)}", flush=True)
     if dist.is_initialized():
         from .runtime.generate import end_rank_process
 
         dist.barrier()
         end_rank_process(0)
     return 0
+
+
+def suggest_schedule(records: dict, threshold: float, first: int = 1, last: int = 0) -> str:
+    """A ``static`` cache setting: the steps at which the blocks after the first ``first`` (and before the last
+    ``last``) changed from the previous step by less than ``threshold`` on average (first transformer, first
+    branch), never two steps before the blocks last ran."""
+    component = next(iter(records))
+    series = list(records[component]["call0"]["output"].values())
+    middle = series[first: len(series) - last if last else None]
+    skip, ran = [], 0
+    for i in range(len(middle[0])):
+        step = i + 1  # the records start at the second step
+        change = sum(s[i] for s in middle) / len(middle)
+        if change < threshold and step - ran <= 3:
+            skip.append(step)
+        else:
+            ran = step
+    return f"static:skip={'+'.join(map(str, skip)) or 'none'},first={first},last={last}"
 
 
 def write_results(out: Path, records: dict, args, config, model: str) -> list[str]:

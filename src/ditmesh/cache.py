@@ -15,8 +15,12 @@ one scalar on the host. So every rank of a computation takes the same decision, 
 on the same images. Data-parallel groups decide for their own images; under sequential CFG each branch decides
 for itself, as it does on one process.
 
-Not yet: compiled blocks and CUDA graphs (a decision inside a traced block would break its graph), the
-TeaCache-like, Taylor and static policies. ``parallelize`` refuses those combinations in one line.
+Policies decided by the step alone take no statistic and issue no collective: ``static`` skips the middle blocks at
+listed steps (``ditmesh analyze --schedule`` proposes them from measured redundancy); ``taylor`` runs them every
+``interval`` steps and extrapolates their residual linearly (TaylorSeer-like, first order) in between.
+
+Not yet: compiled blocks and CUDA graphs (a decision inside a traced block would break its graph) and the
+TeaCache-like policy. ``parallelize`` refuses compile and graphs with a cache in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .comm import all_reduce_sum
 from .config import ConfigError
 from .hooks import Hook, add_hook, bind_kwargs
 
-POLICIES = ("off", "dbcache", "fbcache")
+POLICIES = ("off", "dbcache", "fbcache", "static", "taylor")
 
 
 @dataclass(frozen=True)
@@ -42,38 +46,67 @@ class CacheConfig:
     last: int = 0
     warmup: int = 1
     max_skips: int = 3
+    #: static: the steps whose middle blocks are skipped
+    skip: tuple[int, ...] = ()
+    #: taylor: the middle blocks run every ``interval`` steps (after ``warmup``); in between, their residual is
+    #: extrapolated linearly from the last two steps they ran
+    interval: int = 2
 
     @classmethod
     def parse(cls, text: str | None) -> "CacheConfig":
-        """``off``, ``fbcache:0.08``, or ``dbcache:threshold=0.1,first=2,last=1,warmup=2,max_skips=3``."""
+        """``off``, ``fbcache:0.08``, ``dbcache:threshold=0.1,first=2,last=1,warmup=2,max_skips=3``,
+        ``static:skip=3-5+8+10-12,first=1`` or ``taylor:interval=3,warmup=2``."""
         if not text or text == "off":
             return cls()
         name, _, rest = text.partition(":")
         if name not in POLICIES:
             raise ConfigError(f"cache policy {name!r} is not one of: {', '.join(POLICIES)} "
                               "(e.g. fbcache:0.08 or dbcache:threshold=0.1,first=2,last=1)")
-        values: dict = {"policy": "dbcache"}
-        if name == "fbcache":
-            values["first"] = 1
+        values: dict = {"policy": "dbcache" if name == "fbcache" else name}
+        options = ("threshold", "first", "last", "warmup", "max_skips", "skip", "interval")
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
             if not eq:
                 key, value = "threshold", key
-            if key not in ("threshold", "first", "last", "warmup", "max_skips"):
-                raise ConfigError(f"cache option {key!r} is not one of: threshold, first, last, warmup, max_skips")
+            if key not in options:
+                raise ConfigError(f"cache option {key!r} is not one of: {', '.join(options)}")
             try:
-                values[key] = float(value) if key == "threshold" else int(value)
+                values[key] = (float(value) if key == "threshold" else _steps(value) if key == "skip" else int(value))
             except ValueError:
-                raise ConfigError(f"cache option {key}={value!r} is not a number") from None
+                raise ConfigError(f"cache option {key}={value!r} is not a number"
+                                  + (" (steps like 3-5+8)" if key == "skip" else "")) from None
         config = cls(**values)
         if not (config.threshold >= 0 and config.first >= 1 and config.last >= 0 and config.warmup >= 0
-                and config.max_skips >= 1):
-            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= 1, last >= 0, warmup >= 0, max_skips >= 1")
+                and config.max_skips >= 1 and config.interval >= 2):
+            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= 1, last >= 0, warmup >= 0, max_skips >= 1, "
+                              "interval >= 2")
         return config
+
+    def describe(self) -> str:
+        """The setting in the text form :meth:`parse` reads."""
+        if not self.on:
+            return "off"
+        common = f"first={self.first},last={self.last}"
+        if self.policy == "static":
+            return f"static:skip={'+'.join(map(str, self.skip))},{common}"
+        if self.policy == "taylor":
+            return f"taylor:interval={self.interval},warmup={self.warmup},{common}"
+        return f"dbcache:threshold={self.threshold},{common},warmup={self.warmup},max_skips={self.max_skips}"
 
     @property
     def on(self) -> bool:
         return self.policy != "off"
+
+
+def _steps(text: str) -> tuple[int, ...]:
+    """``3-5+8`` -> ``(3, 4, 5, 8)``; ``none`` -> ``()``."""
+    if text == "none":
+        return ()
+    out = []
+    for part in filter(None, text.split("+")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return tuple(sorted(set(out)))
 
 
 @dataclass
@@ -82,6 +115,9 @@ class _Branch:
 
     residual: torch.Tensor | None = None  # the first blocks' residual at the previous step
     middle: dict = field(default_factory=dict)  # stream -> the middle blocks' residual when they last ran
+    middle_step: int = 0  # the step it was taken at
+    earlier: dict = field(default_factory=dict)  # the one before (taylor), and its step
+    earlier_step: int = 0
     skips_in_a_row: int = 0
 
 
@@ -120,6 +156,15 @@ class StepCache:
     def decide(self, residual: torch.Tensor) -> bool:
         """Whether this call skips the middle blocks; identical on every rank of the computation."""
         state, config = self.branch(), self.config
+        if config.policy in ("static", "taylor"):  # decided by the step alone: no statistic, no collective
+            step = self.ctx.step_index or 0
+            if config.policy == "static":
+                skip = step in config.skip
+            else:
+                skip = step >= config.warmup and (step - config.warmup) % config.interval != 0
+            skip = skip and bool(state.middle) and (config.policy == "static" or bool(state.earlier))
+            self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
+            return skip
         previous, state.residual = state.residual, residual.detach()
         step = self.ctx.step_index or 0
         rel = None
@@ -173,8 +218,10 @@ class _BlockHook(Hook):
             cache.skip = cache.decide(hidden - cache.entry)
         if index == middle.stop - 1 and not cache.skip:
             state = cache.branch()
+            state.earlier, state.earlier_step = state.middle, state.middle_step
             state.middle = {name: self._stream(output, name) - before for name, before in cache.middle_in.items()
                             if self._stream(output, name) is not None}
+            state.middle_step = cache.ctx.step_index or 0
         return output
 
     def _stream(self, output, name: str):
@@ -184,11 +231,17 @@ class _BlockHook(Hook):
     def _replay(self, named: dict, last: bool):
         """A skipped block returns its inputs; the last skipped one adds the middle blocks' cached residual."""
         state = self.cache.branch()
+        taylor = self.cache.config.policy == "taylor"
         outputs = []
         for name in self.spec.returns:
             value = named.get(name)
             if last and value is not None and name in state.middle:
-                value = value + state.middle[name]
+                residual = state.middle[name]
+                if taylor and name in state.earlier:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
+                    span = max(1, state.middle_step - state.earlier_step)
+                    ahead = (self.cache.ctx.step_index or 0) - state.middle_step
+                    residual = residual + (residual - state.earlier[name]) * (ahead / span)
+                value = value + residual
             outputs.append(value)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
