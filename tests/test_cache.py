@@ -175,6 +175,7 @@ def test_bad_cache_settings_are_refused_in_one_line():
     from ditmesh.cache import CacheConfig
     from ditmesh.config import ConfigError
 
+    assert CacheConfig.parse("default") == CacheConfig.parse("taylor:interval=4,warmup=3")
     for text, needle in [("teacache:0.1", "is not one of: off, dbcache, fbcache"),
                          ("fbcache:abc", "is not a number"), ("dbcache:first=0", "first >= 1"),
                          ("dbcache:speed=2", "cache option 'speed'")]:
