@@ -14,7 +14,7 @@ def tiny_model() -> str:
 
 
 def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 10, prompts=TINY_PROMPTS[:1],
-               cfg: bool = False, size: int = 64, **extra):
+               cfg: bool = False, size: int = 64, compile: bool = False, **extra):
     """Final latents, the cache's decisions and the collectives of the call, for ``model`` (default: the tiny
     trained pipeline, whose steps repeat themselves as a real model's do) under ``config`` with ``cache``."""
     from diffusers import DiffusionPipeline
@@ -25,7 +25,7 @@ def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 
     torch.manual_seed(0)
     pipe = DiffusionPipeline.from_pretrained(model or tiny_model(), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    runtime = parallelize(pipe, ParallelConfig(**config), cache=cache)
+    runtime = parallelize(pipe, ParallelConfig(**config), cache=cache, compile=compile)
     for step_cache in runtime.caches.values():
         step_cache.record_local = True
     kwargs = dict(height=size, width=size, num_inference_steps=steps, max_sequence_length=16, output_type="latent",

@@ -149,6 +149,14 @@ def test_step_scheduled_policies_decide_alike_everywhere_without_a_collective(po
     assert_same_cfg_runs(pools(2).run(cached_run, None, {"cfg": 2}, setting, cfg=True), reference(setting, cfg=True))
 
 
+def test_compiled_blocks_run_inside_the_cache_and_decide_as_one_eager_process(pools):
+    # the decision stays on the host around each block; only the block's own forward is compiled
+    for setting in (FB, "taylor:interval=3,warmup=2"):
+        ref = reference(setting)
+        for got in pools(2).run(cached_run, None, {"ulysses": 2}, setting, compile=True):
+            assert_same_run(got, ref)
+
+
 def test_taylor_extrapolation_beats_replaying_the_last_residual():
     plain = reference(None, steps=28)[0]
     taylor = reference("taylor:interval=3,warmup=3", steps=28)

@@ -23,7 +23,7 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import SUPPORTED_AXES, ConfigError, ParallelConfig, check_supported  # noqa: F401  (re-exported)
-from .hooks import ContextHook, ForwardContext, add_hook, find_hook
+from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for
 from .parallel import batch, consistency, graph, sequence, tensor
@@ -118,12 +118,21 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) 
     hook = find_hook(model, "sequence")
     # the copy-engine transport returns views of persistent receive buffers: inductor must not reuse them
     options = symm.COMPILE_OPTIONS if hook is not None and hook.sp.transport == "symm" else None
+    inner = []
     for block in blocks:
-        block.compile(options=options)
+        if find_hook(block, "cache") is not None:
+            # a step cache decides on the host around the block: compile the block's own forward, inside its hooks
+            reg = registry(block)
+            reg.inner = torch.compile(reg.original(block), options=options)
+            inner.append(reg)
+        else:
+            block.compile(options=options)
 
     def undo():
         for block in blocks:
             block._compiled_call_impl = None
+        for reg in inner:
+            reg.inner = None
 
     return [undo]
 
@@ -204,8 +213,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             around the model must pass ``options=ditmesh.symm.COMPILE_OPTIONS`` (see that module).
         cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.cache.CacheConfig` or its text form, e.g.
             ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
-            reduced over the ranks that share a computation, so every rank agrees. Not with compile or CUDA graphs
-            yet.
+            reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
+            own forward is compiled inside the cache's hooks. Not with CUDA graphs yet.
     """
     models = transformers_of(pipe)
     if not models:
@@ -225,9 +234,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
-    if cache_config.on and (compile or cuda_graph):
-        raise ConfigError(f"step caching ({cache_config.policy}) does not run with compiled blocks or CUDA graphs yet; "
-                          "drop compile/cuda_graph, or the cache")
+    if cache_config.on and cuda_graph:
+        raise ConfigError(f"step caching ({cache_config.policy}) does not run with CUDA graphs yet (a graph holds one "
+                          "path); drop cuda_graph, or the cache")
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context

@@ -19,8 +19,9 @@ Policies decided by the step alone take no statistic and issue no collective: ``
 listed steps (``ditmesh analyze --schedule`` proposes them from measured redundancy); ``taylor`` runs them every
 ``interval`` steps and extrapolates their residual linearly (TaylorSeer-like, first order) in between.
 
-Not yet: compiled blocks and CUDA graphs (a decision inside a traced block would break its graph) and the
-TeaCache-like policy. ``parallelize`` refuses compile and graphs with a cache in one line.
+With ``compile``, ``api.compile_blocks`` compiles each block's own forward (the registry's ``inner``) instead of
+the whole block call, so this hook stays eager and the decision is taken on the host between compiled blocks.
+Not yet: CUDA graphs (a graph holds one path; refused in one line) and the TeaCache-like policy.
 """
 
 from __future__ import annotations

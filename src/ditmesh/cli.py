@@ -106,7 +106,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     g.add_argument("--cache", default=None, metavar="POLICY",
                    help="step caching: fbcache:THRESHOLD or dbcache:threshold=T,first=F,last=B,warmup=W,max_skips=M "
-                        "(decisions shared by every rank; not with --compile/--cuda-graph yet). See `ditmesh analyze`")
+                        "(decisions shared by every rank; not with --cuda-graph yet). See `ditmesh analyze`")
     g.add_argument("--warmup-only", action="store_true",
                    help="load, compile and run one step at this shape and configuration, then exit: later runs "
                         "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")

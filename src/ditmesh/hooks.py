@@ -52,6 +52,9 @@ class HookRegistry:
         # The class's function, not a bound method: the registry must not hold its owner alive (the weak map
         # keeps registries by owner).
         self._func = vars(owner)[method] if self.had_instance_attr else getattr(type(owner), method)
+        #: what the innermost hook calls instead of the method, when set (a compiled version of it: the hooks
+        #: around it stay eager, so they can take decisions on the host)
+        self.inner = None
 
     def original(self, owner):
         """``owner.method`` as it was before any hook, bound to ``owner``."""
@@ -98,7 +101,7 @@ class HookRegistry:
     def _call(self, *args, **kwargs):
         chain = self.chain()
         owner = self.owner_ref()
-        original = self.original(owner)
+        original = self.inner or self.original(owner)
 
         def run(i: int, args: tuple, kwargs: dict):
             if i == len(chain):

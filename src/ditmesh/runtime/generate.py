@@ -68,8 +68,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if getattr(args, "cache", None):
         from ..cache import CacheConfig
 
-        if CacheConfig.parse(args.cache).on and (getattr(args, "compile", False) or getattr(args, "cuda_graph", False)):
-            raise ConfigError(f"--cache {args.cache} does not run with --compile or --cuda-graph yet; drop one")
+        if CacheConfig.parse(args.cache).on and getattr(args, "cuda_graph", False):
+            raise ConfigError(f"--cache {args.cache} does not run with --cuda-graph yet; drop one")
     return config, model
 
 
