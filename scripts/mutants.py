@@ -2,7 +2,7 @@
 
     make mutants                                  # the whole list, with the Makefile's set-up
     python scripts/mutants.py --list              # what is planted where, and which tests must catch it
-    python scripts/mutants.py --only ring-merge-weights-swapped,cfg-branch-swapped
+    python scripts/mutants.py --only ring-merge-weights-swapped,cfg-branch-ranks-swapped
 
 Each :class:`Mutant` replaces one exact snippet of a file under ``src/ditmesh`` (a snippet that no longer occurs
 the expected number of times is a stale mutant: the run stops and names it). ``src/``, ``tests/`` and
