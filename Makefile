@@ -1,4 +1,4 @@
-# Two commands do all set-up: `make demo` and `make test`. Both create/update .venv first.
+# Two commands do all set-up: `make demo` and `make test`. Both create/update .venv first (so does `make mutants`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.ditmesh-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test mutants install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Plants each listed bug of the parallel core in a temporary copy of src/ and runs the tests that must catch it
+# (docs/testing.md).
+mutants: $(STAMP)
+	$(PY) scripts/mutants.py
 
 clean:
 	rm -rf out .pytest_cache

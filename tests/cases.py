@@ -10,6 +10,13 @@ def world_info():
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank_zero_fails_case():
+    """Rank 0 raises; every other rank then waits in a barrier rank 0 never joins."""
+    if dist.get_rank() == 0:
+        raise ValueError("rank 0 fails before the barrier")
+    dist.barrier()
+
+
 def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int = 1, batch: int = 2):
     """Ulysses attention on random shards vs full attention computed locally.
 

@@ -49,3 +49,21 @@ def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | 
     if frames is not None:
         kwargs["num_frames"] = frames
     return kwargs
+
+
+def transformer_call(arch: str, config: dict, inputs: dict):
+    """One call of the synthetic ``arch`` transformer (seed 0) on ``inputs`` under ``config`` on this rank (``{}``:
+    one process, not parallelized). Returns (output sample, collectives of the call)."""
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(arch, seed=0, dtype=torch.float32)
+    if config:
+        class Pipe:  # parallelize() needs only `.transformer`
+            transformer = model
+
+        parallelize(Pipe, ParallelConfig(**config))
+    with torch.no_grad(), count_collectives() as counts:
+        out = model(**inputs)[0]
+    return out, dict(counts)

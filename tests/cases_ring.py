@@ -115,3 +115,50 @@ def flux_latents_and_call_counts(model: str, config: dict, steps: int, height: i
              generator=torch.Generator().manual_seed(42), max_sequence_length=text_len, output_type="latent",
              callback_on_step_end=grab)
     return final["latents"], per_call, dict(total), tokens
+
+
+def bf16_attention_case(method: str, seq_len: int, heads: int, logit_scale: float, ring: int = 1, ulysses: int = 1,
+                        seed: int = 0):
+    """Sequence-parallel attention (``method``: ring, ulysses or usp) in bfloat16 on this rank's chunk, and the same
+    kernel in one pass over the whole sequence in bfloat16, both against float64 attention of the same bf16 inputs.
+
+    The local kernel is what the method runs in a pipeline: ``attention_with_lse`` for ring and USP (they merge
+    through the LSE), torch's SDPA for Ulysses. Returns (parallel error, single-pass error, output dtype), the
+    errors as (squared error, squared reference) sums over this rank's rows, so the caller can add up the ranks.
+    """
+    import torch.nn.functional as F
+
+    from ditmesh import ParallelConfig
+    from ditmesh.attention.local import attention_with_lse
+    from ditmesh.attention.ring import ring_attention
+    from ditmesh.attention.ulysses import ulysses_attention
+    from ditmesh.attention.usp import usp_attention
+    from ditmesh.comm import split_sizes
+    from ditmesh.mesh import ParallelMesh
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, seq_len, heads, 32, generator=g) for _ in range(3))
+    q, k, v = (q * logit_scale).bfloat16(), k.bfloat16(), v.bfloat16()
+    ref = reference_attention(q, k, v)
+
+    def sdpa(q_, k_, v_):
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q_, k_, v_))).transpose(1, 2)
+
+    mesh = ParallelMesh.build(ParallelConfig(ring=ring, ulysses=ulysses), torch.device("cpu"))
+    rank = mesh.flat_rank("ring", "ulysses")
+    sizes = split_sizes(seq_len, ring * ulysses)
+    local = [_shard(t, sizes, rank) for t in (q, k, v)]
+    if method == "ring":
+        out, single = ring_attention(*local, sizes, rank, mesh.group("ring")), attention_with_lse(q, k, v)[0]
+    elif method == "ulysses":
+        out, single = ulysses_attention(*local, sizes, rank, mesh.group("ulysses"), sdpa), sdpa(q, k, v)
+    else:
+        out = usp_attention(*local, sizes, ulysses, mesh.rank("ring"), mesh.rank("ulysses"), mesh.group("ring"),
+                            mesh.group("ulysses"))
+        single = attention_with_lse(q, k, v)[0]
+    ref = _shard(ref, sizes, rank)
+
+    def sums(x):
+        return float((x.double() - ref).pow(2).sum()), float(ref.pow(2).sum())
+
+    return sums(out), sums(_shard(single, sizes, rank)), str(out.dtype)

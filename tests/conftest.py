@@ -33,15 +33,22 @@ def model_checkpoints(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def pools():
-    """``pools(n)`` -> a ProcessPool of n gloo ranks, started once per session."""
+    """``pools(n)`` -> a ProcessPool of n gloo ranks, started once per session.
+
+    ``$DITMESH_TEST_TIMEOUT_S`` (default 300) bounds a collective's wait (the mutation check sets it low). A pool
+    that a failed case closed is started again.
+    """
     from ditmesh.testing import ProcessPool
 
+    timeout_s = float(os.environ.get("DITMESH_TEST_TIMEOUT_S", "300"))
+
     def get(n: int):
-        if n not in _POOLS:
-            _POOLS[n] = ProcessPool(n)
+        if n not in _POOLS or _POOLS[n].closed:
+            _POOLS[n] = ProcessPool(n, timeout_s)
         return _POOLS[n]
 
     yield get
     for pool in _POOLS.values():
-        pool.close()
+        if not pool.closed:
+            pool.close()
     _POOLS.clear()

@@ -2,7 +2,8 @@
 
 Matrix: model x parallel configuration x token counts that divide the degree or not. Add ring / USP
 configurations to ``CONFIGS`` (with their expected collectives in ``expected_counts``) and every model and
-shape runs under them.
+shape runs under them. Inputs no pipeline of the suite passes run through the transformer itself: Wan 2.2
+TI2V's per-token timesteps and SD3 ControlNet residuals, under ulysses 2 and ring 2, even and uneven.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from cases_models import pipeline_generate
+from cases_models import pipeline_generate, transformer_call
 from ditmesh.testing import rel_err
 
 #: per model: shapes whose token counts divide 2 and 4 ("even") and whose counts divide neither ("uneven")
@@ -83,6 +84,68 @@ def test_sequence_parallel_matches_single_process(pools, checkpoints, model, con
         assert calls == {"sd3-tiny": 2, "wan-tiny": 4}[model]
         assert counts == {kind: n * calls for kind, n in per_call.items()}
     assert torch.equal(outs[0][0], outs[-1][0])
+
+
+#: text tokens of the transformer-level cases (SD3 splits them as a stream of their own; Wan cross-attends to them)
+TEXT_TOKENS = {"even": 12, "uneven": 11}
+TRANSFORMER_CONFIGS = [{"ulysses": 2}, {"ring": 2}]
+
+
+def _transformer_inputs(arch: str, shape: str) -> dict:
+    """One denoising step's inputs of the synthetic ``arch`` transformer at ``SHAPES[arch][shape]`` (batch 2)."""
+    from ditmesh.models.base import adapter_for
+    from ditmesh.synth import build_transformer
+
+    size = {k: v for k, v in SHAPES[arch][shape].items() if k != "max_sequence_length"}
+    model = build_transformer(arch, dtype=torch.float32)
+    return adapter_for(model).example_inputs(model, batch=2, text_len=TEXT_TOKENS[shape], device="cpu",
+                                             dtype=torch.float32, generator=torch.Generator().manual_seed(3), **size)
+
+
+def _check_transformer_call(pools, arch: str, config: dict, inputs: dict) -> torch.Tensor:
+    """``arch``'s transformer on ``inputs`` under ``config`` (2 ranks) against one process: same output, and the
+    collectives of one call. Returns the single-process output."""
+    ref, _ = transformer_call(arch, {}, inputs)
+    for out, counts in pools(2).run(transformer_call, arch, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == expected_counts(arch, config)
+    return ref
+
+
+@pytest.mark.parametrize("shape", ["even", "uneven"])
+@pytest.mark.parametrize("config", TRANSFORMER_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_wan_per_token_timesteps_match_single_process(pools, config, shape):
+    # Wan 2.2 TI2V (expand_timesteps) passes one timestep per video token, [B, N]; here every token and sample
+    # has its own, so a split along the wrong dimension, or none, changes the output
+    inputs = _transformer_inputs("wan-tiny", shape)
+    hidden = inputs["hidden_states"]
+    tokens = hidden.shape[2] * (hidden.shape[3] // 2) * (hidden.shape[4] // 2)  # patch 1 x 2 x 2
+    assert tokens == {"even": 32, "uneven": 27}[shape]
+    inputs["timestep"] = torch.rand(2, tokens, generator=torch.Generator().manual_seed(4)) * 1000
+    ref = _check_transformer_call(pools, "wan-tiny", config, inputs)
+    inputs["timestep"] = inputs["timestep"].mean(1)  # the per-token values matter: one per sample gives another output
+    assert rel_err(transformer_call("wan-tiny", {}, inputs)[0], ref) > 1e-2
+
+
+@pytest.mark.parametrize("shape", ["even", "uneven"])
+@pytest.mark.parametrize("config", TRANSFORMER_CONFIGS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_sd3_controlnet_residuals_match_single_process(pools, config, shape):
+    # SD3 ControlNet adds one residual [B, N_image, D] per block group to the image tokens; the plan splits them
+    # with the image stream at the entry. sd3-tiny: 3 blocks, 3 residuals (the last block is context_pre_only
+    # and takes none)
+    from ditmesh.synth import get_arch
+
+    inputs = _transformer_inputs("sd3-tiny", shape)
+    latent = inputs["hidden_states"]
+    image_tokens = (latent.shape[2] // 2) * (latent.shape[3] // 2)  # patch 2
+    assert image_tokens == {"even": 16, "uneven": 9}[shape]
+    arch = get_arch("sd3-tiny").transformer
+    width = arch["num_attention_heads"] * arch["attention_head_dim"]
+    g = torch.Generator().manual_seed(5)
+    inputs["block_controlnet_hidden_states"] = [torch.randn(2, image_tokens, width, generator=g) for _ in range(3)]
+    ref = _check_transformer_call(pools, "sd3-tiny", config, inputs)
+    inputs.pop("block_controlnet_hidden_states")
+    assert rel_err(transformer_call("sd3-tiny", {}, inputs)[0], ref) > 1e-2  # the residuals matter
 
 
 def test_synth_sd3_and_wan_load_with_from_pretrained(checkpoints):

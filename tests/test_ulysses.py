@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from cases import flux_generate, ulysses_attention_case, world_info
+from cases import flux_generate, rank_zero_fails_case, ulysses_attention_case, world_info
 from ditmesh.comm import split_sizes
 from ditmesh.testing import rel_err
 
 
 def test_pool_ranks_are_real_processes(pools):
     assert pools(2).run(world_info) == [(0, 2), (1, 2)]
+
+
+def test_a_failed_rank_does_not_leave_the_others_waiting():
+    from ditmesh.testing import ProcessPool, RankError
+
+    pool = ProcessPool(2, timeout_s=300, error_grace_s=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankError, match="rank 0 fails before the barrier"):
+            pool.run(rank_zero_fails_case)
+        # rank 1 would wait out the 300 s collective timeout; the pool stops it instead
+        assert pool.closed and time.monotonic() - start < 60
+    finally:
+        pool.close(force=True)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

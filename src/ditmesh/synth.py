@@ -7,8 +7,11 @@ download). The architectures and the components of each family's pipeline come f
 (``synth_archs``, ``synth_components``); this module builds them with a :class:`Kit`.
 
 Weights: every parameter is drawn from a generator seeded by ``(seed, parameter name)``, normal with
-std ``1/sqrt(fan_in)`` for matrices (so activations keep their scale through deep stacks), ones for norm
-scales, zeros for biases. Same seed and device type -> same weights.
+std ``1/sqrt(fan_in)`` for matrices (so activations keep their scale through deep stacks), and, like a real
+checkpoint's, non-zero biases (normal, std :data:`BIAS_STD`) and norm scales off one (``1 + N(0,``
+:data:`NORM_STD` ``)``): a parallel plan that mishandles a bias or a norm weight changes the output.
+``affine="identity"`` gives zero biases and unit norm scales instead (the recipe the shipped tiny pipeline
+was trained from). Same seed and device type -> same weights.
 """
 
 from __future__ import annotations
@@ -98,25 +101,40 @@ def build_t5_tokenizer(words=WORDS, max_length: int = 512):
 # ---------------------------------------------------------------------------------------------------
 # seeded weights
 # ---------------------------------------------------------------------------------------------------
-def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Overwrite every parameter with values drawn from a generator seeded by ``(seed, name)``."""
+#: std of the seeded biases (real checkpoints' biases are small but not zero)
+BIAS_STD = 0.05
+#: std of the seeded norm scales around 1
+NORM_STD = 0.1
+#: how biases and norm scales are drawn: ``seeded`` (non-zero, like a real checkpoint) or ``identity`` (0 and 1)
+AFFINE = ("seeded", "identity")
+
+
+def seeded_init_(module: torch.nn.Module, seed: int, affine: str = "seeded") -> torch.nn.Module:
+    """Overwrite every parameter with values drawn from a generator seeded by ``(seed, name)``.
+
+    Matrices: normal with std ``1/sqrt(fan_in)``. Biases: normal with std :data:`BIAS_STD`; norm scales
+    (1-D weights): ``1 + N(0, NORM_STD)``; with ``affine="identity"``, zeros and ones. Other vectors: std 0.02.
+    """
+    if affine not in AFFINE:
+        raise ValueError(f"affine={affine!r} is not one of: {', '.join(AFFINE)}")
+    seeded = affine == "seeded"
     with torch.no_grad():
         for name, p in module.named_parameters():
             gen = torch.Generator(device=p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            normal = lambda std: torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(std)  # noqa: E731,B023
             leaf = name.rsplit(".", 1)[-1]
             if p.ndim >= 2:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(fan_in**-0.5))
-            elif leaf == "bias" or "bias" in leaf:
-                p.zero_()
+                p.copy_(normal(p[0].numel() ** -0.5))
+            elif "bias" in leaf:
+                p.copy_(normal(BIAS_STD) if seeded else torch.zeros(p.shape))
             elif "norm" in name.lower() or leaf in ("weight", "scale", "gamma"):
-                p.fill_(1.0)
+                p.copy_(normal(NORM_STD).add_(1.0) if seeded else torch.ones(p.shape))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(0.02))
+                p.copy_(normal(0.02))
     return module
 
 
-def _make_model(cls, cfg, seed: int, device: torch.device, dtype: torch.dtype):
+def _make_model(cls, cfg, seed: int, device: torch.device, dtype: torch.dtype, affine: str = "seeded"):
     # Initialize directly in the target dtype on the target device: a 12B-parameter model never
     # exists in float32 (48 GB) on the way.
     import transformers
@@ -128,17 +146,19 @@ def _make_model(cls, cfg, seed: int, device: torch.device, dtype: torch.dtype):
             model = cls(cfg) if isinstance(cfg, transformers.PretrainedConfig) else cls(**cfg)
     finally:
         torch.set_default_dtype(previous)
-    seeded_init_(model, seed)
+    seeded_init_(model, seed, affine)
     return model.to(dtype).eval()
 
 
-def build_transformer(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Only the transformer of ``arch``, seeded exactly as in :func:`build_pipeline` (used by benchmarks)."""
+def build_transformer(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                      affine: str = "seeded"):
+    """Only the transformer of ``arch``, seeded exactly as in :func:`build_pipeline` (used by benchmarks and tests)."""
     import diffusers
 
     arch = get_arch(arch) if isinstance(arch, str) else arch
     dtype = dtype or getattr(torch, arch.default_dtype)
-    return _make_model(getattr(diffusers, arch.transformer_class), arch.transformer, seed, torch.device(device), dtype)
+    return _make_model(getattr(diffusers, arch.transformer_class), arch.transformer, seed, torch.device(device), dtype,
+                       affine)
 
 
 @dataclass
@@ -149,11 +169,13 @@ class Kit:
     seed: int
     device: torch.device
     dtype: torch.dtype
+    #: how biases and norm scales are drawn (:data:`AFFINE`)
+    affine: str = "seeded"
 
     def make(self, cls, cfg, seed_offset: int):
         """A seeded ``cls(cfg)`` in the kit's dtype and device. Seed offsets: transformer 0, VAE 1, first CLIP 2,
         T5/UMT5 3, second CLIP 4, second transformer 5."""
-        return _make_model(cls, cfg, self.seed + seed_offset, self.device, self.dtype)
+        return _make_model(cls, cfg, self.seed + seed_offset, self.device, self.dtype, self.affine)
 
     def clip_tokenizer(self):
         return build_clip_tokenizer()
@@ -176,17 +198,19 @@ class Kit:
                             use_cache=False, **cfg)
 
 
-def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Build the diffusers pipeline of ``arch`` in memory with seeded random weights."""
+def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                   affine: str = "seeded"):
+    """Build the diffusers pipeline of ``arch`` in memory with seeded random weights (biases and norm scales
+    drawn as ``affine`` says, :func:`seeded_init_`)."""
     import diffusers
 
     arch = get_arch(arch) if isinstance(arch, str) else arch
     dtype = dtype or getattr(torch, arch.default_dtype)
     device = torch.device(device)
 
-    kit = Kit(arch, seed, device, dtype)
+    kit = Kit(arch, seed, device, dtype, affine)
     components = adapter_for_class(arch.transformer_class).synth_components(arch, kit)
-    components["transformer"] = build_transformer(arch, seed, device, dtype)
+    components["transformer"] = build_transformer(arch, seed, device, dtype, affine)
     if arch.transformer_2 is not None:
         cls = getattr(diffusers, arch.transformer_class)
         components["transformer_2"] = kit.make(cls, arch.transformer_2, 5)

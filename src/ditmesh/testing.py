@@ -3,7 +3,9 @@
 Starting a process costs seconds (importing torch + diffusers), so a :class:`ProcessPool` starts its N
 workers once, initializes a real gloo process group in each, and then runs many cases: ``pool.run(fn,
 *args)`` calls the module-level function ``fn(*args)`` on every rank and returns the list of results,
-rank 0 first. Exceptions on any rank are re-raised in the caller with the rank's traceback.
+rank 0 first. Exceptions on any rank are re-raised in the caller with the rank's traceback. Ranks that have
+not answered ``error_grace_s`` after another rank failed are taken to be waiting in a collective the failed rank
+never joins: the pool stops them and closes (``closed``), so a failure costs seconds, not a collective timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
+import queue
 import socket
 import traceback
 
@@ -60,9 +63,12 @@ class RankError(RuntimeError):
 class ProcessPool:
     """``world_size`` long-lived gloo worker processes on this machine."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0):
+    def __init__(self, world_size: int, timeout_s: float = 300.0, error_grace_s: float = 10.0):
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.error_grace_s = error_grace_s
+        #: the workers were stopped (by :meth:`close`, or after a failure left ranks waiting); start a new pool
+        self.closed = False
         ctx = mp.get_context("spawn")
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -82,19 +88,24 @@ class ProcessPool:
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
         for _ in range(self.world_size):
+            wait = self.error_grace_s if errors else self.timeout_s + 30
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s + 30)
-            except Exception as exc:  # queue.Empty
+                rank, ok, value = self._results.get(timeout=wait)
+            except queue.Empty as exc:
                 self.close(force=True)
-                raise RankError(f"{fn.__name__}: no result from all ranks within {self.timeout_s + 30:.0f}s") from exc
+                if errors:
+                    break  # the others wait in a collective the failed rank never joins: report its error
+                raise RankError(f"{fn.__name__}: no result from all ranks within {wait:.0f}s") from exc
             (out if ok else errors)[rank] = value
         if errors:
             first = min(errors)
-            raise RankError(f"{fn.__name__} failed on rank(s) {sorted(errors)}; rank {first}:\n{errors[first]}")
+            stopped = " (the other ranks were stopped waiting)" if self.closed else ""
+            raise RankError(f"{fn.__name__} failed on rank(s) {sorted(errors)}{stopped}; rank {first}:\n{errors[first]}")
         return [out[r] for r in range(self.world_size)]
 
     def close(self, force: bool = False) -> None:
-        """Stop the workers."""
+        """Stop the workers (``force``: kill them without waiting)."""
+        self.closed = True
         if not force:
             for q in self._tasks:
                 q.put(_STOP)

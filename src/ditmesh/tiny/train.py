@@ -343,7 +343,9 @@ def train(cfg: TrainConfig) -> Path:
     random.seed(cfg.seed)
     Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
     _log(cfg, f"config {dataclasses.asdict(cfg)}")
-    pipe = build_pipeline(tiny_arch(), seed=cfg.seed, device="cpu", dtype=torch.float32)
+    # The shipped weights were trained from zero biases and unit norm scales (the frozen text encoders keep
+    # them), so a retrain starts there too and reproduces them.
+    pipe = build_pipeline(tiny_arch(), seed=cfg.seed, device="cpu", dtype=torch.float32, affine="identity")
     train_scenes, held = tiny_data.split_scenes(cfg.seed)
     _log(cfg, f"{len(train_scenes)} training scenes, {len(held)} held out")
     train_vae(cfg, pipe.vae, train_scenes)

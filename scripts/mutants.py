@@ -1,0 +1,425 @@
+"""Mutation check: plant plausible bugs in the parallel core one at a time and run the tests that must catch each.
+
+    make mutants                                  # the whole list, with the Makefile's set-up
+    python scripts/mutants.py --list              # what is planted where, and which tests must catch it
+    python scripts/mutants.py --only ring-merge-weights-swapped,cfg-branch-ranks-swapped
+
+Each :class:`Mutant` replaces one exact snippet of a file under ``src/ditmesh`` (a snippet that no longer occurs
+the expected number of times is a stale mutant: the run stops and names it). ``src/``, ``tests/`` and
+``pyproject.toml`` are copied once into a temporary folder; each mutant is written into that copy, its tests run
+there (``PYTHONPATH`` puts the copy's ``src`` first, and spawned ranks inherit it) with ``pytest -x``, and the
+copy's file is put back. The working tree is never edited or read again, so an interrupted run leaves nothing
+changed and edits made during a run do not mix into it. A mutant is *killed* when its tests fail (or time
+out), *survives* when they pass. An *equivalent* mutant changes no result any test can observe; it is listed
+with the reason and run too, and must survive (a kill there means the reason is wrong).
+
+Before the mutants, the union of their tests runs once on the unchanged copy: a test that fails there would
+kill every mutant for nothing. ``$DITMESH_TEST_TIMEOUT_S`` (60 here) bounds each collective's wait, so a rank
+left waiting by a failed peer fails in a minute instead of hanging.
+
+Exit status 0 when every non-equivalent mutant is killed and every equivalent one survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "src/ditmesh"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: ``old`` (occurring exactly ``count`` times in ``PACKAGE/file``) becomes ``new``."""
+
+    id: str
+    file: str
+    old: str
+    new: str
+    #: pytest node ids that must fail, fastest killer first
+    tests: tuple[str, ...]
+    #: the bug, in words
+    bug: str
+    #: why no test can observe it (the parallel result is unchanged); empty for a bug that must be killed
+    equivalent: str = ""
+    count: int = 1
+
+
+T_RING = "tests/test_ring_usp.py::test_ring_attention_even_and_uneven_lengths_matches_full_attention"
+T_ULY = "tests/test_ulysses.py::test_ulysses_attention_matches_full_attention_even_and_uneven"
+T_ULY_GROUPS = "tests/test_ulysses.py::test_ulysses_head_group_pipeline_matches_full_attention"
+T_USP = "tests/test_ring_usp.py::test_usp_2x2_matches_full_attention_and_places_ulysses_inner"
+T_FLUX_SP = "tests/test_ring_usp.py::test_flux_sequence_parallel_matches_single_process"
+T_BF16 = "tests/test_attention_bf16.py::test_bf16_sequence_parallel_attention_is_as_accurate_as_one_bf16_pass"
+T_WAN_TS = "tests/test_models_sp.py::test_wan_per_token_timesteps_match_single_process"
+T_SD3_CN = "tests/test_models_sp.py::test_sd3_controlnet_residuals_match_single_process"
+T_FLUX_TP = "tests/test_tensor_parallel.py::test_flux_tp_matches_single_process"
+T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_process"
+T_BATCH = "tests/test_batch_parallel.py::"
+T_HOME = "tests/test_family_home.py::"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
+    Mutant("ring-merge-weights-swapped", "attention/ring.py",
+           "return out * weight + block_out * block_weight, new_lse",
+           "return out * block_weight + block_out * weight, new_lse",
+           ("tests/test_ring_usp.py::test_lse_merge_of_key_blocks_is_stable_for_large_logits", f"{T_RING}[2-16-2]"),
+           "the running result and the new block are weighted by each other's share"),
+    Mutant("ring-lse-in-kernel-dtype", "attention/ring.py",
+           "block_out, block_lse = block_out.float(), block_lse.float()",
+           "block_out, block_lse = block_out.float(), block_lse.to(block_out.dtype).float()",
+           (f"{T_BF16}[ring2-even]", f"{T_BF16}[usp2x2-even]"),
+           "the block's LSE is kept in the kernel's dtype (bf16) before the float32 merge"),
+    Mutant("ring-merge-naive-exp", "attention/ring.py",
+           "new_lse = torch.logaddexp(lse, block_lse)",
+           "new_lse = torch.log(torch.exp(lse) + torch.exp(block_lse))",
+           ("tests/test_ring_usp.py::test_lse_merge_of_key_blocks_is_stable_for_large_logits",
+            "tests/test_ring_usp.py::test_ring_attention_with_huge_logits_stays_finite_and_exact"),
+           "the LSEs are added through exp(), which overflows float32 for logits of 1e4"),
+    Mutant("ring-incoming-size-from-wrong-rank", "attention/ring.py",
+           "incoming_len = seq_sizes[(rank - step - 1) % world]",
+           "incoming_len = seq_sizes[(rank + step + 1) % world]",
+           (f"{T_RING}[4-7-3]",),
+           "the arriving chunk is sized from the next rank's length, not the one it comes from"),
+    Mutant("ring-direction-reversed", "attention/ring.py",
+           "send_to, recv_from = (rank + 1) % world, (rank - 1) % world",
+           "send_to, recv_from = (rank - 1) % world, (rank + 1) % world",
+           (f"{T_RING}[4-7-3]",),
+           "K/V travel the other way round the ring while receive sizes still assume the forward direction"),
+    Mutant("ring-missing-last-round", "attention/ring.py",
+           "for step in range(world):", "for step in range(world - 1):",
+           (f"{T_RING}[2-16-2]",),
+           "the loop stops before attending to the last chunk that arrived"),
+    Mutant("ring-extra-exchange-round", "attention/ring.py",
+           "if step < world - 1:", "if step < world:",
+           (f"{T_RING}[2-16-2]",),
+           "one more exchange round per layer (each rank's own chunk comes back, unused): an extra collective",
+           count=2),
+    # -- Ulysses: head offsets, split sizes, group order ------------------------------------------------------------
+    Mutant("ulysses-head-offsets-zero", "attention/ulysses.py",
+           "first = offsets(owned)", "first = [0] * world",
+           (f"{T_ULY}[2-16-4-1]",),
+           "every rank is sent heads counted from head 0 instead of its own first head"),
+    Mutant("ulysses-regular-pack-ignores-group-start", "attention/ulysses.py",
+           ".narrow(-2, head_starts[0], size)", ".narrow(-2, 0, size)",
+           (f"{T_ULY_GROUPS}[2-16-4-2-2-1]",),
+           "the one-copy packing of a regular head split takes each share's first heads, whatever the group"),
+    Mutant("ulysses-send-splits-use-own-heads", "attention/ulysses.py",
+           "in_splits = [lead_numel * xs[0].shape[-3] * head_sizes[j] * dim for j in range(world)]",
+           "in_splits = [lead_numel * xs[0].shape[-3] * head_sizes[rank] * dim for j in range(world)]",
+           (f"{T_ULY}[2-15-3-1]",),
+           "Q/K/V send sizes counted with this rank's head count for every peer (wrong for uneven heads)"),
+    Mutant("ulysses-return-splits-use-peer-length", "attention/ulysses.py",
+           "out_splits = [lead_numel * seq_sizes[rank] * head_sizes[j] * dim for j in range(world)]",
+           "out_splits = [lead_numel * seq_sizes[j] * head_sizes[j] * dim for j in range(world)]",
+           (f"{T_ULY}[2-15-3-1]",),
+           "the output's return trip expects each peer's sequence length instead of this rank's"),
+    Mutant("ulysses-head-groups-joined-group-major", "attention/ulysses.py",
+           "torch.cat([parts[c][j] for j in range(world) for c in range(len(groups))], dim=-2)",
+           "torch.cat([parts[c][j] for c in range(len(groups)) for j in range(world)], dim=-2)",
+           (f"{T_ULY_GROUPS}[2-16-4-2-2-1]",),
+           "pipelined head groups are joined group by group instead of rank by rank: heads out of order"),
+    Mutant("ulysses-always-two-head-groups", "attention/ulysses.py",
+           "groups = head_groups(query.shape[-2], world, max(1, chunks))",
+           "groups = head_groups(query.shape[-2], world, max(2, chunks))",
+           (f"{T_ULY}[2-16-4-1]",),
+           "two head groups whatever was asked: the same result with twice the all-to-alls (extra collectives)"),
+    # -- USP ------------------------------------------------------------------------------------------------------
+    Mutant("usp-ring-chunk-sizes", "attention/usp.py",
+           "return [sum(seq_sizes[r : r + ulysses_degree]) for r in range(0, len(seq_sizes), ulysses_degree)]",
+           "return [ulysses_degree * seq_sizes[r] for r in range(0, len(seq_sizes), ulysses_degree)]",
+           (f"{T_USP}[13-3]",),
+           "a ring rank's K/V length taken as ulysses x its first chunk (wrong when chunks are uneven)"),
+    Mutant("usp-ulysses-group-sizes", "attention/usp.py",
+           "group_sizes = seq_sizes[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]",
+           "group_sizes = seq_sizes[:ulysses_degree]",
+           (f"{T_USP}[13-3]",),
+           "every Ulysses group exchanges with the first group's chunk sizes"),
+    Mutant("usp-ring-and-ulysses-rank-swapped", "parallel/sequence.py",
+           "self.ulysses_degree, self.ring_rank, self.ulysses_rank,",
+           "self.ulysses_degree, self.ulysses_rank, self.ring_rank,",
+           (f"{T_FLUX_SP}[ulysses2xring2-uneven]",),
+           "the model's USP call passes the ring rank as the Ulysses rank and back"),
+    Mutant("mesh-flat-rank-axis-order", "mesh.py",
+           "for axis in (a for a in AXIS_ORDER if a in axes):",
+           "for axis in (a for a in reversed(AXIS_ORDER) if a in axes):",
+           (f"{T_USP}[16-4]",),
+           "a combined rank counts the inner axis slowest, unlike the flattened group's order"),
+    # -- chunk sizes and the exit gather --------------------------------------------------------------------------
+    Mutant("split-sizes-remainder-off-by-one", "comm.py",
+           "return [base + (1 if i < extra else 0) for i in range(parts)]",
+           "return [base + (1 if i <= extra else 0) for i in range(parts)]",
+           (f"{T_RING}[2-15-3]",),
+           "one chunk too many gets an extra item: the sizes no longer add up to the length"),
+    Mutant("split-sizes-remainder-on-last-chunks", "comm.py",
+           "return [base + (1 if i < extra else 0) for i in range(parts)]",
+           "return [base + (1 if i >= parts - extra else 0) for i in range(parts)]",
+           (f"{T_RING}[4-7-3]", f"{T_ULY}[4-7-6-1]", f"{T_WAN_TS}[ring2-uneven]"),
+           "the extra items of an uneven split go to the last chunks instead of the first",
+           equivalent="every rank derives every split, exchange and gather from this one function, so all agree "
+                      "on the other placement and the gathered result is the same; no contract fixes which chunks "
+                      "are longer"),
+    Mutant("offsets-shifted-by-one-chunk", "comm.py",
+           "        out.append(acc)\n        acc += s",
+           "        acc += s\n        out.append(acc)",
+           (f"{T_ULY}[2-16-4-2]",),
+           "each chunk starts where it should end"),
+    Mutant("uneven-gather-trims-the-wrong-end", "comm.py",
+           "c.narrow(dim, 0, s) for c, s in zip(chunks, sizes)",
+           "c.narrow(dim, c.size(dim) - s, s) for c, s in zip(chunks, sizes)",
+           (f"{T_WAN_TS}[ulysses2-uneven]",),
+           "the uneven all-gather keeps the padding of a short chunk instead of its data"),
+    Mutant("sequence-split-by-ulysses-rank", "parallel/sequence.py",
+           "return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])",
+           "return tensor.narrow(dim, sum(sizes[: self.ulysses_rank]), sizes[self.ulysses_rank])",
+           (f"{T_WAN_TS}[ring2-even]",),
+           "the entry split picks the chunk of the Ulysses rank, not the sequence-parallel rank (wrong under ring)"),
+    # -- where the model's tokens are: plans and processors ------------------------------------------------------
+    Mutant("wan-timestep-split-on-batch-dim", "models/wan.py",
+           '"timestep": Split(dim=1, stream="video", ndim=2)',
+           '"timestep": Split(dim=0, stream="video", ndim=2)',
+           (f"{T_WAN_TS}[ulysses2-even]",),
+           "Wan 2.2 TI2V's per-token timesteps [B, N] are split along the batch"),
+    Mutant("wan-per-token-timesteps-left-whole", "models/wan.py",
+           '"timestep": Split(dim=1, stream="video", ndim=2)',
+           '"timestep": Split(dim=1, stream="video", ndim=3)',
+           (f"{T_WAN_TS}[ulysses2-even]",),
+           "the timestep split expects 3-D tensors, so TI2V's per-token timesteps [B, N] are never split"),
+    Mutant("wan-rope-sin-not-split", "models/wan.py",
+           '{0: Split(dim=1, stream="video", ndim=4), 1: Split(dim=1, stream="video", ndim=4)}',
+           '{0: Split(dim=1, stream="video", ndim=4)}',
+           (f"{T_WAN_TS}[ulysses2-even]",),
+           "only the cos half of Wan's RoPE table is split with the tokens"),
+    Mutant("sd3-controlnet-residuals-not-split", "models/sd3.py",
+           '"block_controlnet_hidden_states": Split(dim=1, stream="image", ndim=3),',
+           '"block_controlnet_hidden_states": Split(dim=1, stream="image", ndim=4),',
+           (f"{T_SD3_CN}[ulysses2-even]",),
+           "the ControlNet residuals' split expects 4-D tensors, so the 3-D residuals stay whole"),
+    Mutant("sd3-joint-order-text-first", "models/sd3.py",
+           "q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)",
+           "q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)",
+           (f"{T_SD3_CN}[ulysses2-even]",),
+           "SD3's processor joins [text, image] while it reads the image output first"),
+    Mutant("sd3-attn2-attends-over-text-too", "models/sd3.py",
+           'streams = None if joint else ("image",)', "streams = None",
+           (f"{T_SD3_CN}[ulysses2-even]",),
+           "SD3.5's image-only attn2 is given the lengths of both streams"),
+    Mutant("flux-joint-order-image-first", "models/flux.py",
+           "q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)",
+           "q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)",
+           (f"{T_FLUX_SP}[ulysses2-even]",),
+           "FLUX's processor joins [image, text], so RoPE (built text first) rotates the wrong tokens"),
+    Mutant("flux-output-split-order", "models/flux.py",
+           "text_out, image_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)",
+           "image_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
+           (f"{T_FLUX_SP}[ulysses2-even]",),
+           "FLUX's attention output is cut image first, though its tokens are text first"),
+    # -- tensor parallelism -----------------------------------------------------------------------------------------
+    Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
+           "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"
+           "        return out if self.bias is None else out + self.bias",
+           "return all_reduce_sum(F.linear(x, self.weight, self.bias), self.group)",
+           (f"{T_FLUX_TP}[flux_tiny-config0]",),
+           "a row-parallel linear adds its bias on every rank before the all-reduce: counted tp times"),
+    Mutant("tp-colwise-bias-of-rank-0", "parallel/tensor.py",
+           "    if shard.kind == \"colwise\":\n        return 0, shard.ranges(rank, size)",
+           "    if shard.kind == \"colwise\":\n        return 0, shard.ranges(0, size)",
+           (f"{T_FLUX_TP}[flux_tiny-config0]",),
+           "every rank keeps rank 0's slice of a column-parallel bias"),
+    Mutant("tp-colwise-weight-of-rank-0", "parallel/tensor.py",
+           "out.append((start + rank * chunk, chunk))", "out.append((start, chunk))",
+           (f"{T_FLUX_TP}[flux_tiny-config0]",),
+           "every rank keeps rank 0's rows and columns of every sharded linear"),
+    Mutant("tp-packed-parts-from-zero", "parallel/tensor.py",
+           "            start += part\n", "",
+           ("tests/test_tensor_parallel.py::test_packed_proj_out_split_is_exact_and_a_contiguous_split_is_wrong",),
+           "the packed proj_out's second part (the MLP columns) is taken from the first part's columns"),
+    Mutant("tp-heads-not-divided", "parallel/tensor.py",
+           "setattr(module, attr, value // size)", "setattr(module, attr, value)",
+           (f"{T_MODELS_TP}[wan-tiny-tp2]",),
+           "attention modules keep their full head count on a tensor-parallel rank (FLUX's processors unflatten "
+           "by head_dim and never read it; Wan's cross-attention processor does)"),
+    Mutant("tp-sharded-norm-local-width", "parallel/tensor.py",
+           "square_sum / self.full + eps", "square_sum / x.shape[-1] + eps",
+           ("tests/test_tensor_parallel_models.py::test_sharded_rms_norm_is_exact_and_a_local_norm_is_wrong",),
+           "the sharded RMSNorm divides the summed squares by the local width"),
+    Mutant("tp-sharded-norm-drops-scale", "parallel/tensor.py",
+           "return out if self.weight is None else out * self.weight", "return out",
+           (f"{T_MODELS_TP}[wan-tiny-tp2]",),
+           "the sharded RMSNorm forgets its weight (no model whose norm scales are all one can show it)"),
+    Mutant("tp-encoder-broadcast-from-global-rank-0", "parallel/tensor.py",
+           "src = dist.get_global_rank(group, 0)", "src = 0",
+           (f"{T_HOME}test_remove_gives_back_a_flux_pipeline_equal_to_one_never_parallelized[4-config0-True]",),
+           "text embeddings are broadcast from global rank 0, which is not in the second tp group"),
+    # -- CFG and data parallelism --------------------------------------------------------------------------------
+    Mutant("cfg-branch-ranks-swapped", "parallel/batch.py",
+           'ctx.skip = (ctx.branch == "cond") != (self.cfg_rank == 0)',
+           'ctx.skip = (ctx.branch == "cond") == (self.cfg_rank == 0)',
+           (f"{T_BATCH}test_flux_true_cfg_cfg2_matches_single_with_one_exchange_per_step",),
+           "cfg rank 0 computes the uncond call and rank 1 the cond call, while the exchange assumes the opposite"),
+    Mutant("cfg-exchange-cond-uncond-swapped", "parallel/batch.py",
+           "cond, uncond = both[0], both[1]", "uncond, cond = both[0], both[1]",
+           (f"{T_BATCH}test_flux_true_cfg_cfg2_matches_single_with_one_exchange_per_step",),
+           "after the exchange the cond and uncond predictions trade places"),
+    Mutant("cfg-first-call-is-uncond", "parallel/batch.py",
+           '("cond", "uncond", "third")', '("uncond", "cond", "third")',
+           (f"{T_BATCH}test_flux_true_cfg_cfg2_matches_single_with_one_exchange_per_step",),
+           "the first call of a step is taken for the uncond branch"),
+    Mutant("dp-chunk-offset-from-own-size", "parallel/batch.py",
+           "start = sum(self.batch_sizes[: self.batch_rank])",
+           "start = self.batch_rank * self.batch_sizes[self.batch_rank]",
+           (f"{T_BATCH}test_flux_dp2_three_prompts_matches_single_same_order",),
+           "a dp rank's first prompt is its rank times its own chunk size (wrong for uneven chunks)"),
+    # -- the per-call context and the hook order -----------------------------------------------------------------
+    Mutant("context-call-in-step-never-resets", "hooks.py",
+           "self.call_in_step = self.call_in_step + 1 if same_step else 0",
+           "self.call_in_step = self.call_in_step + 1 if same_step else self.call_in_step",
+           (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
+           "the count of calls within a step carries over into the next step"),
+    Mutant("context-ignores-the-scheduler", "hooks.py",
+           'self.ctx.begin_call(scheduler_step_index(getattr(pipe, "scheduler", None)))',
+           "self.ctx.begin_call(None)",
+           (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
+           "the context never learns the step index"),
+    Mutant("hook-order-sequence-outside-batch", "hooks.py",
+           'ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once")',
+           'ORDER = ("context", "graph", "consistency", "sequence", "batch", "encode_once")',
+           (f"{T_BATCH}test_flux_cfg2_x_ulysses2_matches_single",),
+           "the sequence split runs outside the CFG/dp hook, so a skipped call's placeholder is one shard long"),
+    Mutant("consistency-check-always-passes", "comm.py",
+           "return bool(torch.equal(hi, lo))", "return True",
+           ("tests/test_ulysses.py::test_consistency_check_catches_ranks_with_different_latents",),
+           "the consistency check reports identical inputs whatever the ranks hold"),
+)
+
+
+def check_snippets(mutants) -> None:
+    """Stop with one line per stale mutant (its snippet is not in its file exactly ``count`` times)."""
+    stale = []
+    for m in mutants:
+        found = (ROOT / PACKAGE / m.file).read_text().count(m.old)
+        if found != m.count:
+            stale.append(f"{m.id}: its snippet occurs {found} times in {PACKAGE}/{m.file}, expected {m.count}")
+    ids = [m.id for m in mutants]
+    stale += [f"{i}: the id is listed twice" for i in sorted({i for i in ids if ids.count(i) > 1})]
+    if stale:
+        sys.exit("mutants: stale list; update scripts/mutants.py:\n  " + "\n  ".join(stale))
+
+
+def copy_env(copy: Path, **extra) -> dict:
+    """The environment that makes Python (and every process it spawns) import ditmesh from ``copy``."""
+    return dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **extra,
+                PYTHONPATH=os.pathsep.join(p for p in (str(copy / "src"), os.environ.get("PYTHONPATH")) if p))
+
+
+def run_tests(tests, copy: Path, timeout_s: float, collective_timeout_s: float) -> tuple[str, float, str]:
+    """Run pytest on ``tests`` in the copy; returns (outcome, seconds, output).
+
+    Outcome: ``failed`` (a test failed), ``passed``, ``timeout`` or ``error`` (pytest could not run them).
+    """
+    env = copy_env(copy, DITMESH_TEST_TIMEOUT_S=str(collective_timeout_s))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: the ranks go with it on a timeout
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", time.monotonic() - start, out
+    outcome = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
+    return outcome, time.monotonic() - start, out
+
+
+def verdict(m: Mutant, outcome: str) -> tuple[str, bool]:
+    """(what happened, whether it is what the list says should happen)."""
+    caught = outcome in ("failed", "timeout")
+    if outcome == "error":
+        return "ERROR", False
+    if m.equivalent:
+        return ("KILLED (listed equivalent)", False) if caught else ("equivalent", True)
+    return ("killed" + (" (timeout)" if outcome == "timeout" else ""), True) if caught else ("SURVIVED", False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--only", default="", help="comma-separated mutant ids to run")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant (default 300)")
+    parser.add_argument("--collective-timeout", type=float, default=60.0,
+                        help="seconds a rank waits in one collective (default 60)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run of the tests on the unchanged tree")
+    args = parser.parse_args(argv)
+
+    mutants = MUTANTS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = [w for w in wanted if w not in {m.id for m in MUTANTS}]
+        if unknown:
+            parser.error(f"unknown mutant id(s) {', '.join(unknown)}; see --list")
+        mutants = tuple(m for m in MUTANTS if m.id in wanted)
+    check_snippets(mutants)
+    if args.list:
+        for m in mutants:
+            print(f"{m.id}  [{m.file}]  {m.bug}" + (f"\n    equivalent: {m.equivalent}" if m.equivalent else ""))
+            print("    tests: " + " ".join(t.removeprefix("tests/") for t in m.tests))
+        print(f"{len(mutants)} mutants ({sum(bool(m.equivalent) for m in mutants)} listed equivalent)")
+        return 0
+
+    started = time.monotonic()
+    # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so the temporary copy is removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with tempfile.TemporaryDirectory(prefix="ditmesh-mutants-") as tmp:
+        copy = Path(tmp)
+        for part in ("src", "tests"):
+            shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
+        probe = subprocess.run([sys.executable, "-c", "import ditmesh; print(ditmesh.__file__)"], text=True,
+                               capture_output=True, cwd=copy, env=copy_env(copy))
+        if not probe.stdout.startswith(str(copy)):
+            sys.exit(f"mutants: the tests would not import the mutated copy (got {probe.stdout.strip() or probe.stderr})")
+        if not args.no_baseline:
+            union = list(dict.fromkeys(t for m in mutants for t in m.tests))
+            outcome, seconds, out = run_tests(union, copy, args.timeout * 3, args.collective_timeout)
+            print(f"baseline: {len(union)} tests on the unchanged tree {outcome} in {seconds:.0f} s", flush=True)
+            if outcome != "passed":
+                print(out[-3000:])
+                sys.exit("mutants: the selected tests fail without any mutant; fix them first")
+        rows, ok_count = [], 0
+        for i, m in enumerate(mutants, 1):
+            path = copy / PACKAGE / m.file
+            original = path.read_text()
+            path.write_text(original.replace(m.old, m.new))
+            try:
+                outcome, seconds, out = run_tests(m.tests, copy, args.timeout, args.collective_timeout)
+            finally:
+                path.write_text(original)
+            word, ok = verdict(m, outcome)
+            ok_count += ok
+            rows.append((m, word, seconds))
+            print(f"[{i:2d}/{len(mutants)}] {word:<10} {seconds:5.0f} s  {m.id}", flush=True)
+            if not ok:
+                print("    " + "\n    ".join(out.strip().splitlines()[-8:]))
+    to_kill = [r for r in rows if not r[0].equivalent]
+    killed = sum(word.startswith("killed") for _, word, _ in to_kill)
+    equivalent = len(rows) - len(to_kill)
+    print(f"\nmutation score: {killed}/{len(to_kill)} killed ({100 * killed / max(1, len(to_kill)):.0f}%), "
+          f"{equivalent} listed equivalent, {time.monotonic() - started:.0f} s in all")
+    for m, word, _ in rows:
+        if word not in ("killed", "killed (timeout)", "equivalent"):
+            print(f"  {word}: {m.id} ({m.bug})")
+    return 0 if ok_count == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
