@@ -124,6 +124,15 @@ def test_ranks_agree_where_their_own_shards_would_not(pools):
         assert_same_run(got, ref)
 
 
+def test_sd3_batched_cfg_cache_decides_over_both_halves_of_the_batch(pools, model_checkpoints):
+    # SD3 runs [uncond, cond] in one call: one process decides on the whole batch, so cfg ranks must add their sums
+    sd3 = model_checkpoints["sd3-tiny"]
+    setting = "dbcache:threshold=0.5,warmup=1"
+    ref = cached_run(sd3, {}, setting, steps=6, size=32, guidance_scale=5.0)
+    for got in pools(2).run(cached_run, sd3, {"cfg": 2}, setting, steps=6, size=32, guidance_scale=5.0):
+        assert_same_run(got, ref)
+
+
 def test_sd3_and_wan_caches_under_ulysses_decide_as_one_process(pools, model_checkpoints):
     sd3 = model_checkpoints["sd3-tiny"]
     setting = "dbcache:threshold=0.5,warmup=1"
