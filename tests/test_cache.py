@@ -158,9 +158,13 @@ def test_step_scheduled_policies_decide_alike_everywhere_without_a_collective(po
     for got in pools(2).run(cached_run, None, {"ulysses": 2}, setting):
         assert_same_run(got, ref)
         assert "all_reduce" not in got[2]  # decided by the step alone
-    for got in pools(2).run(cached_run, None, {"tp": 2}, setting):
-        assert_same_run(got, ref)
+    for config in ({"tp": 2}, {"ring": 2}):
+        for got in pools(2).run(cached_run, None, config, setting):
+            assert_same_run(got, ref)
     assert_same_cfg_runs(pools(2).run(cached_run, None, {"cfg": 2}, setting, cfg=True), reference(setting, cfg=True))
+    both = reference(setting, prompts=TINY_PROMPTS)  # the schedule is the same for every dp group's images
+    for got in pools(2).run(cached_run, None, {"dp": 2}, setting, prompts=TINY_PROMPTS):
+        assert_same_run(got, both)
 
 
 def test_compiled_blocks_run_inside_the_cache_and_decide_as_one_eager_process(pools):
