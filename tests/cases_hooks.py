@@ -173,3 +173,50 @@ def step_index_case(model: str, config: dict):
     pipe("a red circle", negative_prompt="", true_cfg_scale=2.0, height=32, width=32, num_inference_steps=3,
          max_sequence_length=32, output_type="latent", generator=torch.Generator().manual_seed(1))
     return seen
+
+
+def runs_in_a_row_case(model: str, config: dict):
+    """Two 1-step true-CFG runs, then a 2-step one: (step index, call in step) at every call."""
+    from ditmesh import ParallelConfig, parallelize
+
+    pipe = _load(model)
+    runtime = parallelize(pipe, ParallelConfig(**config))
+    seen = []
+    pipe.transformer.register_forward_hook(
+        lambda mod, args, out: seen.append((runtime.context.step_index, runtime.context.call_in_step)))
+    for steps in (1, 1, 2):
+        pipe("a red circle", negative_prompt="", true_cfg_scale=2.0, height=32, width=32, num_inference_steps=steps,
+             max_sequence_length=32, output_type="latent", generator=torch.Generator().manual_seed(1))
+    return seen
+
+
+def failed_parallelize_case(model: str):
+    """A parallelize that fails after sharding (a bad text-encoder choice) leaves the pipeline as it was."""
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.config import ConfigError
+    from ditmesh.parallel import tensor
+
+    pipe = _load(model)
+    before = _snapshot(pipe)
+    os.environ[tensor.TEXT_ENCODERS_ENV] = "bogus"
+    try:
+        parallelize(pipe, ParallelConfig(tp=2))
+    except ConfigError as exc:
+        message = str(exc)
+    finally:
+        os.environ.pop(tensor.TEXT_ENCODERS_ENV, None)
+    return message, _same(before, _snapshot(pipe))
+
+
+def cache_with_an_empty_dp_chunk_case(model: str):
+    """One prompt on two dp groups with a step cache: every rank refuses (instead of some waiting forever)."""
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.config import ConfigError
+
+    pipe = _load(model)
+    parallelize(pipe, ParallelConfig(dp=2), cache="fbcache:0.5")
+    try:
+        _call(pipe, num_inference_steps=3)
+    except ConfigError as exc:
+        return str(exc)
+    return None

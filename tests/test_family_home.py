@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_hooks import (remove_restores_case, remove_sharded_load_case, renamed_attention_case, step_index_case,
+from cases_hooks import (cache_with_an_empty_dp_chunk_case, failed_parallelize_case, remove_restores_case,
+                         remove_sharded_load_case, renamed_attention_case, runs_in_a_row_case, step_index_case,
                          two_transformers_case)
 from ditmesh.testing import rel_err
 
@@ -64,6 +65,51 @@ def test_step_index_comes_from_the_scheduler_not_from_counting_calls(flux_tiny):
 def test_step_index_under_cfg_parallelism(pools, flux_tiny):
     for seen in pools(2).run(step_index_case, flux_tiny, {"cfg": 2}):
         assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_every_pipeline_run_starts_its_steps_afresh(pools, flux_tiny):
+    # a 1-step run ends at step 0, and the next run's step 0 is a new run (new timesteps), not a third call
+    expected = [(0, 0), (0, 1), (0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert runs_in_a_row_case(flux_tiny, {}) == expected
+    for seen in pools(2).run(runs_in_a_row_case, flux_tiny, {"cfg": 2}):
+        assert seen == expected
+
+
+def test_a_failed_parallelize_leaves_the_pipeline_as_it_was(pools, flux_tiny):
+    for message, diffs in pools(2).run(failed_parallelize_case, flux_tiny):
+        assert "bogus" in message and diffs == []
+
+
+def test_a_cache_with_an_empty_dp_chunk_is_refused_on_every_rank(pools, flux_tiny):
+    for message in pools(2).run(cache_with_an_empty_dp_chunk_case, flux_tiny):
+        assert message is not None and "cannot give each of the 2 dp/cfg batch ranks an image" in message
+
+
+def test_offloaded_models_are_refused_and_foreign_wrappers_survive_remove(flux_tiny):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+    from diffusers import FluxPipeline
+
+    from ditmesh import ConfigError, ParallelConfig, parallelize, remove
+
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    add_hook_to_module(pipe.transformer, ModelHook())
+    with pytest.raises(ConfigError, match="accelerate offload hooks"):
+        parallelize(pipe, ParallelConfig())
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    parallelize(pipe, ParallelConfig())
+    add_hook_to_module(pipe.transformer, ModelHook())  # wraps our wrapper after parallelize
+    theirs = pipe.transformer.forward
+    with pytest.raises(ValueError, match="not parallelized"):
+        remove(pipe)  # a wrapper that copied our attributes is not ours: we no longer own forward
+    assert pipe.transformer.forward is theirs
+
+
+def test_abbreviated_options_are_refused(capsys):
+    from ditmesh.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--npro", "2"])
+    assert exit_info.value.code == 2 and "--npro" in capsys.readouterr().err
 
 
 # -- parallelize once, remove gives the pipeline back -----------------------------------------------------------

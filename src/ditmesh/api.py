@@ -219,6 +219,11 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     models = transformers_of(pipe)
     if not models:
         raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
+    offloaded = [name for name, m in models.items() if any(hasattr(sub, "_hf_hook") for sub in m.modules())]
+    if offloaded:
+        raise ConfigError(f"{', '.join(offloaded)} carries accelerate offload hooks (enable_model_cpu_offload or "
+                          "enable_sequential_cpu_offload), which replace forward; parallelize without offloading "
+                          "(ditmesh spreads the model over the GPUs instead)")
     done = [runtime for runtime in map(_runtime_of_model, models.values()) if runtime is not None]
     if done:
         raise ConfigError(f"this pipeline is already parallelized ({done[0].config.describe()}); call "
@@ -243,33 +248,41 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
-        """``step(model, adapter)`` on every transformer; their undo callables together."""
-        return [undo for model in models.values() for undo in step(model, adapter_for(model))]
+        """``step(model, adapter)`` on every transformer; each one's undo callables are kept as soon as they exist,
+        so a failure on a later transformer (or a later part of the step) still undoes the earlier ones."""
+        for model in models.values():
+            runtime._undo.extend(step(model, adapter_for(model)))
 
-    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> compile -> graph. Every step does
-    # nothing at degree 1 and returns the callables that undo it. Hooks take their place in the call chain from
-    # hooks.ORDER, whatever order they are added in.
+    def keep(undo):
+        runtime._undo.extend(undo)
+
+    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> compile -> graph. Every step
+    # does nothing at degree 1 and leaves the callables that undo it in runtime._undo. Hooks take their place in the
+    # call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
-        (f"tensor(tp={config.tp})", lambda: each(lambda m, a: tensor.apply(m, mesh, a)) + tensor.encode_once(pipe, mesh)),
-        ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else []),
+        (f"tensor(tp={config.tp})", lambda: (each(lambda m, a: tensor.apply(m, mesh, a)),
+                                             keep(tensor.encode_once(pipe, mesh)))),
+        ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
-        (f"cache({cache_config.policy})", lambda: step_cache.apply(runtime, cache_config)),
-        ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else []),
-        ("compile(blocks)", lambda: each(compile_blocks) if compile else []),
-        ("cuda-graph", lambda: each(lambda m, a: graph.apply(m)) if cuda_graph else []),
+        (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
+        ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
+        ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
+        ("cuda-graph", lambda: each(lambda m, a: graph.apply(m)) if cuda_graph else None),
     ]
     try:
         for name, step in steps:
-            undo = step()
-            if undo:
-                runtime._undo += undo
-                if name != "context":
-                    runtime.applied.append(name)
+            before = len(runtime._undo)
+            step()
+            if len(runtime._undo) > before and name != "context":
+                runtime.applied.append(name)
     except BaseException:
-        runtime.remove()  # a step that fails leaves the pipeline as it was
+        try:
+            runtime.remove()  # a step that fails leaves the pipeline as it was
+        except Exception as cleanup:  # noqa: BLE001  (the original error is the one to report)
+            log.warning("ditmesh: undoing a failed parallelize: %s", cleanup)
         raise
     log.info("ditmesh: %s applied to %s: %s", config.describe(), ", ".join(f"{n} ({type(m).__name__})" for n, m in
              models.items()), runtime.applied or ["nothing"])

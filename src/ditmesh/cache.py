@@ -143,7 +143,7 @@ class StepCache:
         self.entry: torch.Tensor | None = None
         self.middle_in: dict = {}
         self.skip = False
-        self.last_step: int | None = None
+        self.last_run: int | None = None
         #: one entry per decision: step, branch, relative change (None at warm-up), skipped
         self.history: list[dict] = []
         #: also record this rank's own (unreduced) relative change, for tests: a second host read per step
@@ -154,10 +154,9 @@ class StepCache:
 
     # -- per block -----------------------------------------------------------------------------------------
     def branch(self) -> _Branch:
-        step = self.ctx.step_index
-        if step is not None and self.last_step is not None and step < self.last_step:
-            self.branches.clear()  # a new pipeline call
-        self.last_step = step
+        if self.ctx.run != self.last_run:
+            self.branches.clear()  # a new pipeline run starts from nothing
+            self.last_run = self.ctx.run
         return self.branches.setdefault(self.ctx.call_in_step, _Branch())
 
     def decide(self, residual: torch.Tensor) -> bool:
@@ -226,9 +225,11 @@ class _BlockHook(Hook):
         if index == middle.stop - 1 and not cache.skip:
             state = cache.branch()
             state.earlier, state.earlier_step = state.middle, state.middle_step
-            state.middle = {name: self._stream(output, name) - before for name, before in cache.middle_in.items()
-                            if self._stream(output, name) is not None}
+            state.middle = {name: (self._stream(output, name) - before).detach()
+                            for name, before in cache.middle_in.items() if self._stream(output, name) is not None}
             state.middle_step = cache.ctx.step_index or 0
+        if index == middle.stop - 1:
+            cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output
 
     def _stream(self, output, name: str):
@@ -265,6 +266,12 @@ def apply(runtime, config: CacheConfig) -> list:
     group = mesh.group_of(*axes) if any(mesh.size(a) > 1 for a in axes) else None
     undo = []
     runtime.caches = {}
+    runtime.context.needs_full_batches = True
+
+    def release():
+        runtime.context.needs_full_batches = False
+
+    undo.append(release)
     for name, model in runtime.transformers.items():
         cache = StepCache(model, adapter_for(model), config, runtime.context, group, name)
         runtime.caches[name] = cache

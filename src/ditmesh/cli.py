@@ -57,7 +57,12 @@ def _finite_float(text: str) -> float:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block), exit code 2."""
+    """argparse with one-line errors (no usage block), exit code 2, and no abbreviated options (a launcher strips
+    options by their full name before it starts the ranks)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -52,6 +52,7 @@ class HookRegistry:
         # The class's function, not a bound method: the registry must not hold its owner alive (the weak map
         # keeps registries by owner).
         self._func = vars(owner)[method] if self.had_instance_attr else getattr(type(owner), method)
+        self.wrapper = None
         #: what the innermost hook calls instead of the method, when set (a compiled version of it: the hooks
         #: around it stay eager, so they can take decisions on the host)
         self.inner = None
@@ -76,6 +77,7 @@ class HookRegistry:
 
             wrapper = functools.wraps(self.original(owner))(call)
             setattr(wrapper, _REGISTRY_ATTR, self)
+            self.wrapper = wrapper
             setattr(owner, self.method, wrapper)
 
     def remove(self, name: str) -> None:
@@ -83,7 +85,7 @@ class HookRegistry:
         del self.hooks[name]
         if not self.hooks:
             owner = self.owner_ref()
-            if owner is not None:
+            if owner is not None and vars(owner).get(self.method) is self.wrapper:  # someone else's wrapper stays
                 if self.had_instance_attr:
                     setattr(owner, self.method, self._func)
                 else:
@@ -116,7 +118,10 @@ _REGISTRY_ATTR = "ditmesh_hooks"
 
 
 def _installed(owner, method: str) -> HookRegistry | None:
-    return getattr(vars(owner).get(method), _REGISTRY_ATTR, None)
+    fn = vars(owner).get(method)
+    reg = getattr(fn, _REGISTRY_ATTR, None)
+    # only our own wrapper counts (a wrapper copying our attributes, e.g. functools.update_wrapper, does not)
+    return reg if reg is not None and getattr(reg, "wrapper", None) is fn else None
 
 
 def registry(owner, method: str = "forward") -> HookRegistry:
@@ -182,10 +187,18 @@ class ForwardContext:
     skip: bool = False
     #: tokens of each sequence stream on each sequence-parallel rank, fixed at the first split of the stream
     stream_sizes: dict[str, list[int]] = field(default_factory=dict)
+    #: pipeline calls seen (a new one starts when the scheduler's timesteps are set anew); state kept between
+    #: steps (CFG pending, caches) belongs to one run
+    run: int = 0
+    #: a dimension needs every rank of a batch group to compute every call (step caching, the redundancy probe)
+    needs_full_batches: bool = False
 
-    def begin_call(self, step_index: int | None) -> None:
-        """Start a transformer call at ``step_index``."""
-        same_step = step_index is not None and step_index == self.step_index and self.calls > 0
+    def begin_call(self, step_index: int | None, new_run: bool = False) -> None:
+        """Start a transformer call at ``step_index`` (``new_run``: the first call of a new pipeline run)."""
+        if new_run:
+            self.run += 1
+            self.step_index, self.call_in_step = None, 0
+        same_step = step_index is not None and step_index == self.step_index and self.calls > 0 and not new_run
         self.call_in_step = self.call_in_step + 1 if same_step else 0
         self.step_index = step_index
         self.calls += 1
@@ -222,6 +235,11 @@ class ContextHook(Hook):
         self.pipe_ref = weakref.ref(pipe) if pipe is not None else (lambda: None)
 
     def __call__(self, owner, call_next, args, kwargs):
-        pipe = self.pipe_ref()
-        self.ctx.begin_call(scheduler_step_index(getattr(pipe, "scheduler", None)))
+        scheduler = getattr(self.pipe_ref(), "scheduler", None)
+        # a pipeline run sets the scheduler's timesteps anew: a new tensor object marks a new run
+        timesteps = getattr(scheduler, "timesteps", None)
+        new_run = timesteps is not None and timesteps is not getattr(self.ctx, "_timesteps", None)
+        if new_run:
+            self.ctx._timesteps = timesteps
+        self.ctx.begin_call(scheduler_step_index(scheduler), new_run)
         return call_next(args, kwargs)

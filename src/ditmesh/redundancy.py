@@ -82,6 +82,7 @@ class RedundancyProbe:
                         self.handles.append(linear.register_forward_hook(self._tensor_hook(w, split_width, True)))
         for model in runtime.transformers.values():
             self.handles.append(model.register_forward_hook(self._call_done))
+        self.ctx.needs_full_batches = True
 
     @staticmethod
     def _batched_cfg(runtime) -> bool:
@@ -96,6 +97,10 @@ class RedundancyProbe:
     # -- hooks -----------------------------------------------------------------------------------------------
     def _record(self, index: int, tensor: torch.Tensor, heads_split: bool = False) -> None:
         watch = self.watches[index]
+        if getattr(self, "_run", self.ctx.run) != self.ctx.run:  # a new pipeline run: nothing to compare with
+            for w in self.watches:
+                w.previous.clear()
+        self._run = self.ctx.run
         key = self.ctx.call_in_step
         current = tensor.detach().float()
         before = watch.previous.get(key)
@@ -174,5 +179,6 @@ class RedundancyProbe:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.ctx.needs_full_batches = False
         for watch in self.watches:
             watch.previous.clear()

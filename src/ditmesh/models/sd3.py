@@ -242,7 +242,8 @@ SD3 = register(
         layout=sd3_layout,
         text_tokens=333,  # 77 CLIP + 256 T5
         tensor_plan=SD3_TENSOR_PLAN,
-        batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
+        batch_inputs=("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep",
+                      "block_controlnet_hidden_states"),
         cfg_mode="batched",  # StableDiffusion3Pipeline runs [uncond, cond] in one transformer call
         output_channel_dim=1,
         out_channels=lambda model: model.out_channels,

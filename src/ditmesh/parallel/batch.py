@@ -85,6 +85,9 @@ class BatchParallel:
         """Set the call's branch and skip decision in the context; returns this rank's batch chunk of the inputs."""
         ctx = self.ctx
         self.batch_sizes = None
+        if ctx.run != getattr(self, "run", ctx.run):
+            self.pending = None  # a new pipeline run: nothing is owed from the last one
+        self.run = ctx.run
         if self.cfg > 1:
             self._check_guidance_on()
         if self.sequential:
@@ -104,13 +107,15 @@ class BatchParallel:
         if self.batch_degree > 1:
             batch = kwargs["hidden_states"].shape[0]
             self.batch_sizes = split_sizes(batch, self.batch_degree)
+            if 0 in self.batch_sizes and ctx.needs_full_batches:  # every rank computes the same sizes: all refuse
+                raise ConfigError(f"a batch of {batch} cannot give each of the {self.batch_degree} dp/cfg batch ranks an "
+                                  "image, which step caching and the redundancy probe need (each rank must compute "
+                                  f"every call); give at least {self.batch_degree} images or use smaller dp")
             start = sum(self.batch_sizes[: self.batch_rank])
             size = self.batch_sizes[self.batch_rank]
             kwargs = dict(kwargs)
             for name in self.adapter.batch_inputs:
-                t = kwargs.get(name)
-                if isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == batch:
-                    kwargs[name] = t.narrow(0, start, size)
+                kwargs[name] = _narrow_batch(kwargs.get(name), batch, start, size)
             ctx.skip = size == 0
         return kwargs
 
@@ -132,6 +137,15 @@ class BatchParallel:
                 sample = uncond if self.cfg_rank == 1 else uncond.clone()
                 self.pending = None
         return with_output_sample(output, sample)
+
+
+def _narrow_batch(value, batch: int, start: int, size: int):
+    """This rank's batch chunk of a tensor (or of each tensor of a list, e.g. ControlNet residuals)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_narrow_batch(v, batch, start, size) for v in value)
+    if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == batch:
+        return value.narrow(0, start, size)
+    return value
 
 
 class BatchHook(Hook):

@@ -155,8 +155,21 @@ def _first_failure(run_dir: Path, exc, nproc: int) -> str:
         return f"{first['message']} ({first['type']} on rank {first['rank']}; traceback in {kept})"
     failed = sorted(exc.failures)
     failure = exc.failures[failed[0]]
+    kept = _keep_logs(run_dir)
     return (f"rank {failure.local_rank} exited with code {failure.exitcode} ({len(failed)} of {nproc} local ranks "
-            "failed) without an error message")
+            f"failed) without an error message; the ranks' output is in {kept}")
+
+
+def _keep_logs(run_dir: Path) -> str:
+    """Copy the ranks' output of a run that failed without an error record where it outlives the run folder."""
+    from .models import cache_dir
+
+    target = cache_dir() / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        shutil.copytree(run_dir / "logs", target)
+    except OSError:
+        return "the ranks' consoles"
+    return str(target)
 
 
 def _keep_traceback(record: dict) -> str:
