@@ -329,7 +329,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_cache.py::test_taylor_extrapolation_beats_replaying_the_last_residual",),
            "the Taylor policy extrapolates backwards"),
     Mutant("cache-batched-cfg-not-in-group", "cache.py",
-           'axes = ("ring", "ulysses") + (("dp", "cfg") if batched else ())', 'axes = ("ring", "ulysses")',
+           'axes = ("ring", "ulysses") + (("dp", "cfg") if batched_cfg(runtime) else ())', 'axes = ("ring", "ulysses")',
            ("tests/test_cache.py::test_sd3_batched_cfg_cache_decides_over_both_halves_of_the_batch",),
            "a batched-CFG family (SD3) decides on each cfg rank's half of the batch alone"),
     Mutant("probe-heads-not-reduced-over-tp", "redundancy.py",

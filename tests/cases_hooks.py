@@ -161,8 +161,9 @@ def two_transformers_case(model: str, config: dict, steps: int = 3):
     return final["latents"], {name: {"calls": v["calls"], "counts": dict(v["counts"])} for name, v in per_model.items()}
 
 
-def step_index_case(model: str, config: dict):
-    """(step index, call within step) the context records at each transformer call of a true-CFG FLUX run."""
+def step_index_case(model: str, config: dict, runs: tuple = (3,)):
+    """(step index, call within step) the context records at each transformer call of true-CFG FLUX runs, one run
+    per entry of ``runs`` (its step count), one after the other on the same pipeline."""
     from ditmesh import ParallelConfig, parallelize
 
     pipe = _load(model)
@@ -170,21 +171,7 @@ def step_index_case(model: str, config: dict):
     seen = []
     pipe.transformer.register_forward_hook(
         lambda mod, args, out: seen.append((runtime.context.step_index, runtime.context.call_in_step)))
-    pipe("a red circle", negative_prompt="", true_cfg_scale=2.0, height=32, width=32, num_inference_steps=3,
-         max_sequence_length=32, output_type="latent", generator=torch.Generator().manual_seed(1))
-    return seen
-
-
-def runs_in_a_row_case(model: str, config: dict):
-    """Two 1-step true-CFG runs, then a 2-step one: (step index, call in step) at every call."""
-    from ditmesh import ParallelConfig, parallelize
-
-    pipe = _load(model)
-    runtime = parallelize(pipe, ParallelConfig(**config))
-    seen = []
-    pipe.transformer.register_forward_hook(
-        lambda mod, args, out: seen.append((runtime.context.step_index, runtime.context.call_in_step)))
-    for steps in (1, 1, 2):
+    for steps in runs:
         pipe("a red circle", negative_prompt="", true_cfg_scale=2.0, height=32, width=32, num_inference_steps=steps,
              max_sequence_length=32, output_type="latent", generator=torch.Generator().manual_seed(1))
     return seen

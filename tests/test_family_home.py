@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from cases_hooks import (cache_with_an_empty_dp_chunk_case, failed_parallelize_case, remove_restores_case,
-                         remove_sharded_load_case, renamed_attention_case, runs_in_a_row_case, step_index_case,
-                         two_transformers_case)
+                         remove_sharded_load_case, renamed_attention_case, step_index_case, two_transformers_case)
 from ditmesh.testing import rel_err
 
 
@@ -70,8 +69,8 @@ def test_step_index_under_cfg_parallelism(pools, flux_tiny):
 def test_every_pipeline_run_starts_its_steps_afresh(pools, flux_tiny):
     # a 1-step run ends at step 0, and the next run's step 0 is a new run (new timesteps), not a third call
     expected = [(0, 0), (0, 1), (0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1)]
-    assert runs_in_a_row_case(flux_tiny, {}) == expected
-    for seen in pools(2).run(runs_in_a_row_case, flux_tiny, {"cfg": 2}):
+    assert step_index_case(flux_tiny, {}, runs=(1, 1, 2)) == expected
+    for seen in pools(2).run(step_index_case, flux_tiny, {"cfg": 2}, runs=(1, 1, 2)):
         assert seen == expected
 
 

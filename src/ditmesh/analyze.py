@@ -82,7 +82,7 @@ def analyze_rank(args, config) -> int:
     from .api import parallelize
     from .mesh import default_device
     from .redundancy import RedundancyProbe
-    from .runtime.generate import _call_kwargs, _init_distributed
+    from .runtime.generate import _call_kwargs, _init_distributed, finish_rank
     from .runtime.models import local_model_path, read_defaults, resolve_model
 
     device = default_device()
@@ -105,11 +105,7 @@ def analyze_rank(args, config) -> int:
         write_results(Path(args.out), records, args, config, model)
         if args.schedule is not None:
             print(f"ditmesh: proposed cache: --cache {suggest_schedule(records, args.schedule)}", flush=True)
-    if dist.is_initialized():
-        from .runtime.generate import end_rank_process
-
-        dist.barrier()
-        end_rank_process(0)
+    finish_rank()
     return 0
 
 

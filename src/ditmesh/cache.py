@@ -33,6 +33,7 @@ import torch
 from .comm import all_reduce_sum
 from .config import ConfigError
 from .hooks import Hook, add_hook, bind_kwargs
+from .redundancy import batched_cfg, change_sums
 
 POLICIES = ("off", "dbcache", "fbcache", "static", "taylor", "default")
 
@@ -175,7 +176,7 @@ class StepCache:
         step = self.ctx.step_index or 0
         rel = None
         if previous is not None and previous.shape == residual.shape:
-            sums = torch.stack([(residual - previous).abs().sum(), previous.abs().sum()]).double()
+            sums = change_sums(residual, previous)
             if self.record_local:
                 local_diff, local_base = sums.tolist()
                 self.history_local = local_diff / local_base if local_base else 0.0
@@ -261,8 +262,7 @@ def apply(runtime, config: CacheConfig) -> list:
     if not config.on:
         return []
     mesh = runtime.mesh
-    batched = any(adapter_for(m).cfg_mode == "batched" for m in runtime.transformers.values())
-    axes = ("ring", "ulysses") + (("dp", "cfg") if batched else ())
+    axes = ("ring", "ulysses") + (("dp", "cfg") if batched_cfg(runtime) else ())
     group = mesh.group_of(*axes) if any(mesh.size(a) > 1 for a in axes) else None
     undo = []
     runtime.caches = {}

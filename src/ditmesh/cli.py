@@ -14,6 +14,7 @@ import sys
 import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
+from .shared import one_line
 from .shared import strip_option
 
 
@@ -204,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if os.environ.get("DITMESH_ERROR_DIR") and "RANK" in os.environ:  # a rank of our own launcher
-        from .runtime.launch import run_rank
+    from .runtime.launch import launched_rank, run_rank
 
+    if launched_rank():  # a rank of our own launcher: its errors go to the launcher, once
         return run_rank(lambda: _dispatch(args, argv))
     try:
         return _dispatch(args, argv)
     except (ConfigError, OSError, NotImplementedError, ValueError) as exc:
-        print(f"ditmesh: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"ditmesh: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C here, or the launcher's Interrupted (with the signal's code)
         return getattr(exc, "code", 130)
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         from .runtime.launch import LaunchError
 
         if isinstance(exc, LaunchError):  # on a fresh line: a rank's progress bar may have been cut short
-            print(f"\nditmesh: error: {_one_line(exc)}", file=sys.stderr)
+            print(f"\nditmesh: error: {one_line(exc)}", file=sys.stderr)
             return 2
         raise
 
@@ -230,8 +231,3 @@ def _dispatch(args, argv: list[str]) -> int:
     if args.command == "synth":
         return _cmd_synth(args)
     return args.func(args)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -192,6 +192,8 @@ class ForwardContext:
     run: int = 0
     #: a dimension needs every rank of a batch group to compute every call (step caching, the redundancy probe)
     needs_full_batches: bool = False
+    #: the scheduler's timesteps of the current run (a new tensor object marks a new run)
+    timesteps: object = field(default=None, repr=False)
 
     def begin_call(self, step_index: int | None, new_run: bool = False) -> None:
         """Start a transformer call at ``step_index`` (``new_run``: the first call of a new pipeline run)."""
@@ -238,8 +240,8 @@ class ContextHook(Hook):
         scheduler = getattr(self.pipe_ref(), "scheduler", None)
         # a pipeline run sets the scheduler's timesteps anew: a new tensor object marks a new run
         timesteps = getattr(scheduler, "timesteps", None)
-        new_run = timesteps is not None and timesteps is not getattr(self.ctx, "_timesteps", None)
+        new_run = timesteps is not None and timesteps is not self.ctx.timesteps
         if new_run:
-            self.ctx._timesteps = timesteps
+            self.ctx.timesteps = timesteps
         self.ctx.begin_call(scheduler_step_index(scheduler), new_run)
         return call_next(args, kwargs)

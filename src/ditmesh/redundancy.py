@@ -29,6 +29,20 @@ from .comm import all_gather_object, all_reduce_sum
 QUANTITIES = ("output", "residual", "attention", "key", "value")
 
 
+def change_sums(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``[sum |current - previous|, sum |previous|]`` in float64 over this rank's part: the two sums whose ratio is
+    the relative L1 change, added over ranks before it is taken (the probe and the step caches)."""
+    return torch.stack([(current - previous).abs().sum(), previous.abs().sum()]).double()
+
+
+def batched_cfg(runtime) -> bool:
+    """Whether a family of the pipeline runs CFG as one batched call ([uncond, cond]): its cfg ranks then hold
+    halves of the same call's batch."""
+    from .models import adapter_for
+
+    return any(adapter_for(m).cfg_mode == "batched" for m in runtime.transformers.values())
+
+
 @dataclass
 class _Watch:
     """One watched tensor stream: where it comes from and its previous-step value per branch."""
@@ -48,16 +62,18 @@ class RedundancyProbe:
         self.runtime = runtime
         self.ctx = runtime.context
         mesh = runtime.mesh
-        batch_axes = ("dp", "cfg") if self._batched_cfg(runtime) else ("dp",)
+        batched = batched_cfg(runtime)
+        batch_axes = ("dp", "cfg") if batched else ("dp",)
         token_axes = batch_axes + ("ring", "ulysses")
         self.token_group = mesh.group_of(*token_axes) if any(mesh.size(a) > 1 for a in token_axes) else None
         head_axes = token_axes + ("tp",)
         self.head_group = mesh.group_of(*head_axes) if any(mesh.size(a) > 1 for a in head_axes) else None
-        self.cfg_group = mesh.group("cfg") if mesh.size("cfg") > 1 and not self._batched_cfg(runtime) else None
+        self.cfg_group = mesh.group("cfg") if mesh.size("cfg") > 1 and not batched else None
         self.watches: list[_Watch] = []
         self.handles = []
         self.tp = mesh.size("tp")
         self._pending: list[tuple[int, torch.Tensor, bool]] = []  # (watch, [2] local sums, split by heads) this call
+        self._run = self.ctx.run  # the pipeline run the kept tensors belong to
         self._local: dict = {}  # (component, step, call_in_step) -> [(watch index, [2] sums)]
         for component, model in runtime.transformers.items():
             adapter = adapter_for(model)
@@ -84,12 +100,6 @@ class RedundancyProbe:
             self.handles.append(model.register_forward_hook(self._call_done))
         self.ctx.needs_full_batches = True
 
-    @staticmethod
-    def _batched_cfg(runtime) -> bool:
-        from .models import adapter_for
-
-        return any(adapter_for(m).cfg_mode == "batched" for m in runtime.transformers.values())
-
     def _watch(self, component: str, name: str, quantity: str) -> int:
         self.watches.append(_Watch(component, name, quantity))
         return len(self.watches) - 1
@@ -97,7 +107,7 @@ class RedundancyProbe:
     # -- hooks -----------------------------------------------------------------------------------------------
     def _record(self, index: int, tensor: torch.Tensor, heads_split: bool = False) -> None:
         watch = self.watches[index]
-        if getattr(self, "_run", self.ctx.run) != self.ctx.run:  # a new pipeline run: nothing to compare with
+        if self._run != self.ctx.run:  # a new pipeline run: nothing to compare with
             for w in self.watches:
                 w.previous.clear()
         self._run = self.ctx.run
@@ -105,8 +115,7 @@ class RedundancyProbe:
         current = tensor.detach().float()
         before = watch.previous.get(key)
         if before is not None and before.shape == current.shape:
-            sums = torch.stack([(current - before).abs().sum(), before.abs().sum()]).double()
-            self._pending.append((index, sums, heads_split))
+            self._pending.append((index, change_sums(current, before), heads_split))
         watch.previous[key] = current
 
     def _block_hook(self, spec, out_index: int, res_index: int):

@@ -16,6 +16,12 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16"}
 
 
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type when it has none): how every tool reports an error."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def __getattr__(name: str):
     if name == "DTYPES":  # dtype name -> torch.dtype, built on first use
         import torch

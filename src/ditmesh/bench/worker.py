@@ -135,8 +135,6 @@ def run_worker(spec: dict) -> None:
     if rank == 0:
         append_row(spec["tmp"], row)
         print(f"ditmesh bench row: {json.dumps({k: v for k, v in row.items() if k != 'step_ms_all'})}", flush=True)
-    if dist.is_initialized():
-        from ..runtime.generate import end_rank_process
+    from ..runtime.generate import finish_rank
 
-        dist.barrier()
-        end_rank_process(0)
+    finish_rank()

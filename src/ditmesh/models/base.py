@@ -274,9 +274,7 @@ class ModelAdapter:
         return (guidance_scale or 0) > 1
 
     def frames_error(self, frames: int) -> str | None:
-        """Why ``frames`` does not suit this family (one line), or None when it does."""
-        if frames < 1:
-            return f"--frames {frames} must be >= 1"
+        """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""
         if self.frame_step is None:
             return None
         if (frames - 1) % self.frame_step:

@@ -69,6 +69,7 @@ class BatchParallel:
         self.batch_sizes: list[int] | None = None
         # sequential CFG: the cond call's result (computed on cfg rank 0, a placeholder on cfg rank 1)
         self.pending: torch.Tensor | None = None
+        self.run = ctx.run  # the pipeline run ``pending`` belongs to
 
     # -- which branch ------------------------------------------------------------------------------
     def _branch(self) -> str:
@@ -85,7 +86,7 @@ class BatchParallel:
         """Set the call's branch and skip decision in the context; returns this rank's batch chunk of the inputs."""
         ctx = self.ctx
         self.batch_sizes = None
-        if ctx.run != getattr(self, "run", ctx.run):
+        if ctx.run != self.run:
             self.pending = None  # a new pipeline run: nothing is owed from the last one
         self.run = ctx.run
         if self.cfg > 1:

@@ -344,9 +344,7 @@ def run(args) -> int:
         write_json(report_path, report)
         print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
               f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        end_rank_process(0)
+    finish_rank()
     return 0
 
 
@@ -371,8 +369,6 @@ def persist_compile_caches() -> dict:
 def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: float, compiled: bool) -> int:
     """``generate --warmup-only``: one denoising step at the run's shape fills the compile caches (and opens the
     collectives); nothing is written but the caches. Returns 0."""
-    import torch.distributed as dist
-
     _sync(device)
     start = time.perf_counter()
     pipe(**dict(call, num_inference_steps=1, output_type="latent"))
@@ -382,9 +378,7 @@ def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: flo
         print(f"ditmesh: warmed up {config.describe()} on {world} process{'es' if world > 1 else ''} at "
               f"{call.get('height')}x{call.get('width')} (load {load_s:.1f} s, first step {time.perf_counter() - start:.1f} s)"
               + (f"; caches in {caches}" if caches else ""), flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        end_rank_process(0)
+    finish_rank()
     return 0
 
 
@@ -422,6 +416,16 @@ def transformer_components(path: str) -> list[str]:
     entries = json.loads(index.read_text())
     return [name for name, value in sorted(entries.items())
             if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
+
+
+def finish_rank() -> None:
+    """The end of every rank of a launched command: meet the others after the last collective, then leave (see
+    :func:`end_rank_process`); nothing to do for one process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        end_rank_process(0)
 
 
 def end_rank_process(code: int) -> None:

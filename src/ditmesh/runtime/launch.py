@@ -26,6 +26,7 @@ import traceback
 import uuid
 from pathlib import Path
 
+from ..shared import one_line
 from ..testing import free_port
 
 #: set by the launcher for its ranks: where a failing rank writes its error
@@ -48,7 +49,7 @@ class Interrupted(KeyboardInterrupt):
 # -- in a rank ---------------------------------------------------------------------------------------------------
 def launched_rank() -> bool:
     """Whether this process is a rank started by :func:`launch` (it reports errors through the run folder)."""
-    return ERROR_DIR_ENV in os.environ and "RANK" in os.environ
+    return bool(os.environ.get(ERROR_DIR_ENV)) and "RANK" in os.environ
 
 
 def run_rank(fn) -> int:
@@ -69,12 +70,6 @@ def run_rank(fn) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(2)
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type when it has none)."""
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 # -- the launcher ------------------------------------------------------------------------------------------------
@@ -160,11 +155,16 @@ def _first_failure(run_dir: Path, exc, nproc: int) -> str:
             f"failed) without an error message; the ranks' output is in {kept}")
 
 
-def _keep_logs(run_dir: Path) -> str:
-    """Copy the ranks' output of a run that failed without an error record where it outlives the run folder."""
+def _kept(name: str) -> Path:
+    """Where something of a failed run is kept after its run folder is gone: ``$DITMESH_CACHE/logs/<time>-<name>``."""
     from .models import cache_dir
 
-    target = cache_dir() / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cache_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+
+
+def _keep_logs(run_dir: Path) -> str:
+    """Copy the ranks' output of a run that failed without an error record where it outlives the run folder."""
+    target = _kept("run")
     try:
         shutil.copytree(run_dir / "logs", target)
     except OSError:
@@ -174,9 +174,7 @@ def _keep_logs(run_dir: Path) -> str:
 
 def _keep_traceback(record: dict) -> str:
     """Copy an unexpected error's traceback where it outlives the run folder; returns the path."""
-    from .models import cache_dir
-
-    path = cache_dir() / "logs" / f"error-{time.strftime('%Y%m%d-%H%M%S')}-rank{record['rank']}.txt"
+    path = _kept(f"error-rank{record['rank']}.txt")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(record["traceback"])

@@ -90,10 +90,11 @@ def read_adapter(model: str):
     from ..models import adapter_for_class
 
     index = Path(model) / "model_index.json"
-    if index.is_file() and not any(k.startswith("transformer") for k in json.loads(index.read_text())):
+    entries = json.loads(index.read_text()) if index.is_file() else None
+    if entries is not None and not any(k.startswith("transformer") for k in entries):
         from ..models import supported_classes
 
-        kind = json.loads(index.read_text()).get("_class_name", "this")
+        kind = entries.get("_class_name", "this")
         raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
                           f"(transformers: {', '.join(supported_classes())})")
     config = read_transformer_config(model)
