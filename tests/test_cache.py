@@ -9,6 +9,7 @@ from cases_cache import TINY_PROMPTS, cached_run
 from ditmesh.testing import rel_err
 
 FB = "fbcache:0.2"  # on the tiny trained pipeline at 10 steps: several steps cached (relative change 0.14-0.3)
+TC = "teacache:threshold=0.2"  # at 10 steps the modulated input changes by 0.15-0.2 a step: every other step cached
 
 
 def decisions(history: dict) -> dict:
@@ -34,7 +35,7 @@ def assert_same_run(got, ref):
 
 def test_cache_off_and_threshold_zero_are_bit_identical_to_no_cache():
     plain = reference(None)[0]
-    for setting in ("off", "dbcache:threshold=0"):
+    for setting in ("off", "dbcache:threshold=0", "teacache:threshold=0"):
         latents, history, _ = reference(setting)
         assert (latents == plain).all()
         assert not any(h["skip"] for entries in history.values() for h in entries)
@@ -184,6 +185,84 @@ def test_taylor_extrapolation_beats_replaying_the_last_residual():
     assert rel_err(taylor[0], plain) < rel_err(replay[0], plain)
 
 
+def test_teacache_decides_as_one_process_under_every_axis(pools):
+    import torch
+
+    ref = reference(TC)
+    calls = len(ref[1]["transformer"])
+    skipped = sum(h["skip"] for h in ref[1]["transformer"])
+    assert skipped >= 2
+    for config in ({"ulysses": 2}, {"ring": 2}, {"tp": 2}):
+        for got in pools(2).run(cached_run, None, config, TC):
+            assert_same_run(got, ref)
+            if config == {"ulysses": 2}:  # a skipped call runs no block: no all-to-all at all, one decision
+                assert got[2]["all_to_all"] == 2 * 7 * (calls - skipped)
+                assert got[2]["all_reduce"] == calls - 1
+    assert_same_cfg_runs(pools(2).run(cached_run, None, {"cfg": 2}, TC, cfg=True), reference(TC, cfg=True))
+    noise = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3))
+    refs = [cached_run(None, {}, TC, prompts=(p,), latents=noise[i:i + 1]) for i, p in enumerate(TINY_PROMPTS)]
+    for rank, got in enumerate(pools(2).run(cached_run, None, {"dp": 2}, TC, prompts=TINY_PROMPTS, latents=noise)):
+        assert rel_err(got[0], torch.cat([r[0] for r in refs])) <= 1e-5
+        assert decisions(got[1]) == decisions(refs[rank][1])
+
+
+def test_teacache_ranks_agree_where_their_own_shards_would_not(pools):
+    # at step 1 the accumulated change is that step's change alone: a threshold between the two ranks' own values
+    # there splits ranks that decided on their shards
+    probe = pools(2).run(cached_run, None, {"ulysses": 2}, "teacache:threshold=0")
+    locs = [r[1]["transformer"][1]["local_rel"] for r in probe]
+    assert abs(locs[0] - locs[1]) > 1e-4, locs
+    threshold = round((locs[0] + locs[1]) / 2, 6)
+    assert (locs[0] < threshold) != (locs[1] < threshold)  # on their own shards the ranks would disagree
+    setting = f"teacache:threshold={threshold}"
+    ref = cached_run(None, {}, setting)
+    for got in pools(2).run(cached_run, None, {"ulysses": 2}, setting):
+        assert_same_run(got, ref)
+
+
+def test_wan_teacache_reads_the_input_its_attention_reads_and_decides_as_one_process(pools, model_checkpoints):
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from ditmesh.hooks import bind_kwargs
+    from ditmesh.models import adapter_for
+
+    wan = model_checkpoints["wan2.2-tiny"]
+    pipe = DiffusionPipeline.from_pretrained(wan, dtype=torch.float32)
+    block = pipe.transformer.blocks[0]
+    seen = {}
+
+    def ours(module, args, kwargs):
+        seen["ours"] = adapter_for(pipe.transformer).modulated_input(module, bind_kwargs(module.forward, args, kwargs))
+
+    def attention(module, args):
+        seen["attention"] = args[0]
+
+    block.register_forward_pre_hook(ours, with_kwargs=True)
+    block.attn1.register_forward_pre_hook(attention)
+    pipe.set_progress_bar_config(disable=True)
+    pipe("a cat", height=32, width=32, num_frames=5, num_inference_steps=1, max_sequence_length=16,
+         output_type="latent")
+    assert torch.equal(seen["ours"], seen["attention"])
+    setting, kwargs = "teacache:threshold=0.3", dict(steps=6, size=32, num_frames=5, guidance_scale=5.0)
+    ref = cached_run(wan, {}, setting, **kwargs)
+    assert any(h["skip"] for h in ref[1]["transformer"])
+    for got in pools(2).run(cached_run, wan, {"ulysses": 2}, setting, **kwargs):
+        assert_same_run(got, ref)
+
+
+def test_analyze_fits_the_teacache_rescaling_from_measured_change():
+    from ditmesh.analyze import fit_teacache
+    from ditmesh.cache import CacheConfig
+
+    xs = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    records = {"transformer": {"call0": {"modulated": {"b.0": xs},
+                                         "output": {"b.0": [0.0] * 7, "b.1": [2 * x + 0.01 for x in xs]}}}}
+    fit = fit_teacache(records, degree=1)
+    assert fit["pairs"] == 7 and abs(fit["poly"][0] - 2) < 1e-9 and abs(fit["poly"][1] - 0.01) < 1e-9
+    assert CacheConfig.parse(fit["setting"]).poly == (2.0, 0.01)
+
+
 def test_analyze_proposes_a_static_schedule_from_measured_change():
     from ditmesh.analyze import suggest_schedule
     from ditmesh.cache import CacheConfig
@@ -202,7 +281,8 @@ def test_bad_cache_settings_are_refused_in_one_line():
     from ditmesh.config import ConfigError
 
     assert CacheConfig.parse("default") == CacheConfig.parse("taylor:interval=4,warmup=3")
-    for text, needle in [("teacache:0.1", "is not one of: off, dbcache, fbcache"),
+    for text, needle in [("magcache:0.1", "is not one of: off, dbcache, fbcache"),
+                         ("teacache:poly=1/x", "coefficients like"), ("teacache:first=-1", "first >= 0"),
                          ("fbcache:abc", "is not a number"), ("dbcache:first=0", "first >= 1"),
                          ("dbcache:speed=2", "cache option 'speed'")]:
         with pytest.raises(ConfigError, match=needle):

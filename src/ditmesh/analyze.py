@@ -9,6 +9,10 @@ Runs the pipeline once on a batch of prompts under any parallel configuration wi
 - ``heatmap.png``: blocks x steps of the block-output change (first branch of the first transformer);
 - ``curves.png``: per step, the mean over blocks of each quantity.
 
+Where the family names its first block's modulated input, the JSON also holds ``teacache``: a polynomial fitted
+(least squares, degree 4) from that input's change to the change of the last block's output over every step and
+branch, and the line prints the ``--cache teacache:...`` setting that uses it.
+
 The statistics are reduced over the ranks that share each computation, so a parallel run writes the numbers a
 single process writes (tests/test_analyze.py). The PNGs need matplotlib (``pip install 'ditmesh[plots]'``);
 without it the JSON is written and a line says so.
@@ -102,7 +106,10 @@ def analyze_rank(args, config) -> int:
     records = probe.records()
     probe.remove()
     if rank == 0:
-        write_results(Path(args.out), records, args, config, model)
+        fit = fit_teacache(records)
+        write_results(Path(args.out), records, args, config, model, fit)
+        if fit is not None:
+            print(f"ditmesh: teacache rescaling fitted on {fit['pairs']} steps: --cache {fit['setting']}", flush=True)
         if args.schedule is not None:
             print(f"ditmesh: proposed cache: --cache {suggest_schedule(records, args.schedule)}", flush=True)
     finish_rank()
@@ -127,14 +134,36 @@ def suggest_schedule(records: dict, threshold: float, first: int = 1, last: int 
     return f"static:skip={'+'.join(map(str, skip)) or 'none'},first={first},last={last}"
 
 
-def write_results(out: Path, records: dict, args, config, model: str) -> list[str]:
+def fit_teacache(records: dict, degree: int = 4, threshold: float = 0.4) -> dict | None:
+    """The TeaCache-like policy's rescaling polynomial: least squares from the first block's modulated-input change
+    to the last block's output change, over every step, branch and transformer; None when nothing was measured."""
+    import numpy as np
+
+    xs, ys = [], []
+    for branches in records.values():
+        for data in branches.values():
+            if "modulated" not in data:
+                continue
+            outputs = list(data["output"].values())
+            for series in data["modulated"].values():
+                xs += series
+                ys += outputs[-1][:len(series)]
+    if len(xs) <= degree:
+        return None
+    poly = [float(c) for c in np.polyfit(np.asarray(xs), np.asarray(ys), degree)]
+    text = "/".join(f"{c:.6g}" for c in poly)
+    return {"poly": poly, "degree": degree, "pairs": len(xs), "x": xs, "y": ys,
+            "setting": f"teacache:threshold={threshold},poly={text}"}
+
+
+def write_results(out: Path, records: dict, args, config, model: str, teacache: dict | None = None) -> list[str]:
     """The JSON and, where matplotlib is installed, the heat map and curves; returns the paths written."""
     from .shared import write_json
 
     doc = {"command": ["ditmesh", *getattr(args, "argv", [])], "model": model, "config": config.as_dict(),
            "steps": args.steps, "prompts": args.prompt, "seed": args.seed,
            "quantity": "relative L1 change from the previous step of the same branch: sum|x_t - x_t-1| / sum|x_t-1|",
-           "records": records}
+           "records": records, "teacache": teacache}
     written = [str(out / "redundancy.json")]
     write_json(written[0], doc)
     try:

@@ -15,13 +15,21 @@ one scalar on the host. So every rank of a computation takes the same decision, 
 on the same images. Data-parallel groups decide for their own images; under sequential CFG each branch decides
 for itself, as it does on one process.
 
+Policy ``teacache`` (TeaCache-like) decides before the first block, from the change of block 0's modulated input
+(the family's ``modulated_input``: FLUX's and SD3's ``norm1`` output, Wan's shifted and scaled ``norm1``): the
+relative L1 change against the previous step of the branch (reduced over ranks like ``dbcache``'s) is rescaled by a
+polynomial (``poly``, highest power first; ``ditmesh analyze`` fits it to the change of the blocks' output) and
+accumulated; while the sum stays below ``threshold`` the blocks from ``first`` (default 0: all of them) are skipped,
+and a computed step resets it. The first ``warmup`` steps and the run's last step are always computed.
+
 Policies decided by the step alone take no statistic and issue no collective: ``static`` skips the middle blocks at
 listed steps (``ditmesh analyze --schedule`` proposes them from measured redundancy); ``taylor`` runs them every
 ``interval`` steps and extrapolates their residual linearly (TaylorSeer-like, first order) in between.
 
 With ``compile``, ``api.compile_blocks`` compiles each block's own forward (the registry's ``inner``) instead of
 the whole block call, so this hook stays eager and the decision is taken on the host between compiled blocks.
-Not yet: CUDA graphs (a graph holds one path; refused in one line) and the TeaCache-like policy.
+With CUDA graphs, each block's forward is replayed from its own graph (``ditmesh.parallel.graph.apply_blocks``)
+and this hook stays outside them: the graphs hold exactly the paths taken, and a skip launches no block.
 """
 
 from __future__ import annotations
@@ -35,7 +43,10 @@ from .config import ConfigError
 from .hooks import Hook, add_hook, bind_kwargs
 from .redundancy import batched_cfg, change_sums
 
-POLICIES = ("off", "dbcache", "fbcache", "static", "taylor", "default")
+POLICIES = ("off", "dbcache", "fbcache", "teacache", "static", "taylor", "default")
+
+#: knobs whose default differs by policy
+_POLICY_DEFAULTS = {"teacache": {"threshold": 0.4, "first": 0}}
 
 #: what ``--cache default`` means: the setting that met the quality bar with the fewest evaluations on the tiny
 #: trained pipeline (docs/caching.md: 12.57 of 28 evaluations per image, no image lost an attribute)
@@ -57,11 +68,14 @@ class CacheConfig:
     #: taylor: the middle blocks run every ``interval`` steps (after ``warmup``); in between, their residual is
     #: extrapolated linearly from the last two steps they ran
     interval: int = 2
+    #: teacache: the rescaling polynomial of the modulated input's change, highest power first (identity by default)
+    poly: tuple[float, ...] = (1.0, 0.0)
 
     @classmethod
     def parse(cls, text: str | None) -> "CacheConfig":
         """``off``, ``fbcache:0.08``, ``dbcache:threshold=0.1,first=2,last=1,warmup=2,max_skips=3``,
-        ``static:skip=3-5+8+10-12,first=1`` or ``taylor:interval=3,warmup=2``."""
+        ``teacache:threshold=0.4,poly=498.7/-283.8/55.8/-3.82/0.264``, ``static:skip=3-5+8+10-12,first=1`` or
+        ``taylor:interval=3,warmup=2``."""
         if not text or text == "off":
             return cls()
         if text == "default":
@@ -70,8 +84,8 @@ class CacheConfig:
         if name not in POLICIES:
             raise ConfigError(f"cache policy {name!r} is not one of: {', '.join(POLICIES)} "
                               "(e.g. fbcache:0.08 or dbcache:threshold=0.1,first=2,last=1)")
-        values: dict = {"policy": "dbcache" if name == "fbcache" else name}
-        options = ("threshold", "first", "last", "warmup", "max_skips", "skip", "interval")
+        values: dict = {"policy": "dbcache" if name == "fbcache" else name, **_POLICY_DEFAULTS.get(name, {})}
+        options = ("threshold", "first", "last", "warmup", "max_skips", "skip", "interval", "poly")
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
             if not eq:
@@ -79,15 +93,17 @@ class CacheConfig:
             if key not in options:
                 raise ConfigError(f"cache option {key!r} is not one of: {', '.join(options)}")
             try:
-                values[key] = (float(value) if key == "threshold" else _steps(value) if key == "skip" else int(value))
+                values[key] = (float(value) if key == "threshold" else _steps(value) if key == "skip"
+                               else tuple(float(c) for c in value.split("/")) if key == "poly" else int(value))
             except ValueError:
-                raise ConfigError(f"cache option {key}={value!r} is not a number"
-                                  + (" (steps like 3-5+8)" if key == "skip" else "")) from None
+                hint = {"skip": " (steps like 3-5+8)", "poly": " (coefficients like 2.1/-0.3/0.01)"}.get(key, "")
+                raise ConfigError(f"cache option {key}={value!r} is not a number{hint}") from None
         config = cls(**values)
-        if not (config.threshold >= 0 and config.first >= 1 and config.last >= 0 and config.warmup >= 0
+        least_first = 0 if config.policy == "teacache" else 1
+        if not (config.threshold >= 0 and config.first >= least_first and config.last >= 0 and config.warmup >= 0
                 and config.max_skips >= 1 and config.interval >= 2):
-            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= 1, last >= 0, warmup >= 0, max_skips >= 1, "
-                              "interval >= 2")
+            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= {least_first}, last >= 0, warmup >= 0, "
+                              "max_skips >= 1, interval >= 2")
         return config
 
     def describe(self) -> str:
@@ -99,11 +115,23 @@ class CacheConfig:
             return f"static:skip={'+'.join(map(str, self.skip))},{common}"
         if self.policy == "taylor":
             return f"taylor:interval={self.interval},warmup={self.warmup},{common}"
+        if self.policy == "teacache":
+            poly = "/".join(f"{c:.6g}" for c in self.poly)
+            return (f"teacache:threshold={self.threshold},poly={poly},{common},warmup={self.warmup},"
+                    f"max_skips={self.max_skips}")
         return f"dbcache:threshold={self.threshold},{common},warmup={self.warmup},max_skips={self.max_skips}"
 
     @property
     def on(self) -> bool:
         return self.policy != "off"
+
+
+def _polyval(coefficients: tuple[float, ...], x: float) -> float:
+    """The polynomial with ``coefficients`` (highest power first) at ``x``."""
+    value = 0.0
+    for c in coefficients:
+        value = value * x + c
+    return value
 
 
 def _steps(text: str) -> tuple[int, ...]:
@@ -121,7 +149,8 @@ def _steps(text: str) -> tuple[int, ...]:
 class _Branch:
     """What one branch (call within a step) keeps between steps."""
 
-    residual: torch.Tensor | None = None  # the first blocks' residual at the previous step
+    previous: torch.Tensor | None = None  # the statistic's tensor at the previous step (residual / modulated input)
+    accumulated: float = 0.0  # teacache: rescaled change summed since the blocks last ran
     middle: dict = field(default_factory=dict)  # stream -> the middle blocks' residual when they last ran
     middle_step: int = 0  # the step it was taken at
     earlier: dict = field(default_factory=dict)  # the one before (taylor), and its step
@@ -134,11 +163,15 @@ class StepCache:
 
     def __init__(self, model: torch.nn.Module, adapter, config: CacheConfig, ctx, group, name: str = "transformer"):
         self.config, self.ctx, self.group, self.name = config, ctx, group, name
+        if config.policy == "teacache" and adapter.modulated_input is None:
+            raise ConfigError(f"cache teacache needs the modulated input of {type(model).__name__}'s first block, "
+                              f"which the {adapter.name} adapter does not name; use dbcache, taylor or static")
         blocks = [(spec, block) for spec in adapter.blocks for block in model.get_submodule(spec.path)]
         if config.first + config.last >= len(blocks):
             raise ConfigError(f"cache first={config.first} + last={config.last} leaves no block of the "
                               f"{len(blocks)} of {type(model).__name__} to skip; use smaller values")
         self.blocks = blocks
+        self.modulated_input = adapter.modulated_input
         self.middle = range(config.first, len(blocks) - config.last)
         self.branches: dict[int, _Branch] = {}
         self.entry: torch.Tensor | None = None
@@ -160,11 +193,12 @@ class StepCache:
             self.last_run = self.ctx.run
         return self.branches.setdefault(self.ctx.call_in_step, _Branch())
 
-    def decide(self, residual: torch.Tensor) -> bool:
-        """Whether this call skips the middle blocks; identical on every rank of the computation."""
+    def decide(self, statistic: torch.Tensor) -> bool:
+        """Whether this call skips the middle blocks; identical on every rank of the computation. ``statistic`` is
+        the first blocks' residual (dbcache) or block 0's modulated input (teacache); static and taylor ignore it."""
         state, config = self.branch(), self.config
+        step = self.ctx.step_index or 0
         if config.policy in ("static", "taylor"):  # decided by the step alone: no statistic, no collective
-            step = self.ctx.step_index or 0
             if config.policy == "static":
                 skip = step in config.skip
             else:
@@ -172,11 +206,10 @@ class StepCache:
             skip = skip and bool(state.middle) and (config.policy == "static" or bool(state.earlier))
             self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
             return skip
-        previous, state.residual = state.residual, residual.detach()
-        step = self.ctx.step_index or 0
+        previous, state.previous = state.previous, statistic.detach()
         rel = None
-        if previous is not None and previous.shape == residual.shape:
-            sums = change_sums(residual, previous)
+        if previous is not None and previous.shape == statistic.shape:
+            sums = change_sums(statistic, previous)
             if self.record_local:
                 local_diff, local_base = sums.tolist()
                 self.history_local = local_diff / local_base if local_base else 0.0
@@ -184,8 +217,18 @@ class StepCache:
                 sums = all_reduce_sum(sums, self.group)
             diff, base = sums.tolist()  # the one host read of the step
             rel = diff / base if base else 0.0
-        skip = (rel is not None and rel < config.threshold and step >= config.warmup and bool(state.middle)
-                and state.skips_in_a_row < config.max_skips)
+        allowed = (rel is not None and step >= config.warmup and bool(state.middle)
+                   and state.skips_in_a_row < config.max_skips)
+        if config.policy == "teacache":
+            timesteps = self.ctx.timesteps
+            allowed = allowed and (timesteps is None or step < len(timesteps) - 1)  # the last step always runs
+            # a change is never negative: a fitted polynomial that dips below zero counts as no change
+            state.accumulated = state.accumulated + max(0.0, _polyval(config.poly, rel)) if allowed else 0.0
+            skip = allowed and state.accumulated < config.threshold
+            if not skip:
+                state.accumulated = 0.0
+        else:
+            skip = allowed and rel < config.threshold
         state.skips_in_a_row = state.skips_in_a_row + 1 if skip else 0
         entry = {"step": step, "branch": self.ctx.call_in_step, "rel": rel, "skip": skip}
         if self.record_local and rel is not None:
@@ -212,7 +255,7 @@ class _BlockHook(Hook):
         named = bind_kwargs(self.forward, args, kwargs)
         if index == 0:
             cache.entry = named["hidden_states"]
-            cache.skip = False
+            cache.skip = config.policy == "teacache" and cache.decide(cache.modulated_input(owner, named))
         middle = cache.middle
         if index in middle:
             if index == middle.start:
@@ -220,7 +263,7 @@ class _BlockHook(Hook):
             if cache.skip:
                 return self._replay(named, index == middle.stop - 1)
         output = call_next((), named)
-        if index == config.first - 1:
+        if index == config.first - 1 and config.policy != "teacache":
             hidden = self._stream(output, "hidden_states")
             cache.skip = cache.decide(hidden - cache.entry)
         if index == middle.stop - 1 and not cache.skip:

@@ -5,7 +5,9 @@ adapter's block lists), every attention layer, and the key and value projections
 every transformer call it records, per watched module, two sums against the same module's tensor at the
 previous step of the same branch (the context's ``call_in_step``: cond and uncond are compared with
 themselves): ``sum |x_t - x_{t-1}|`` and ``sum |x_{t-1}|``. Their ratio is the relative L1 change that step
-caches decide on. For a block the probe measures its output and its residual (output minus input).
+caches decide on. For a block the probe measures its output and its residual (output minus input); for the first
+block of a family that names one (``modulated_input``), also its modulated input, which the TeaCache-like cache
+decides on.
 
 Cross-rank rule, so that a parallel run records exactly what one process records: each rank sums over the part
 of a tensor it holds, and the sums are added over the ranks that hold the other parts of the same call's
@@ -26,7 +28,7 @@ import torch
 from .comm import all_gather_object, all_reduce_sum
 
 #: what the probe measures per watched module
-QUANTITIES = ("output", "residual", "attention", "key", "value")
+QUANTITIES = ("output", "residual", "attention", "key", "value", "modulated")
 
 
 def change_sums(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -84,6 +86,12 @@ class RedundancyProbe:
                     res_w = self._watch(component, name, "residual")
                     self.handles.append(block.register_forward_hook(self._block_hook(spec, out_w, res_w),
                                                                     with_kwargs=True))
+            if adapter.modulated_input is not None:
+                first_spec = adapter.blocks[0]
+                first_block = model.get_submodule(first_spec.path)[0]
+                w = self._watch(component, f"{first_spec.path}.0", "modulated")
+                self.handles.append(first_block.register_forward_pre_hook(
+                    self._modulated_hook(adapter.modulated_input, w), with_kwargs=True))
             for name, attn in adapter.attention_modules(model):
                 # an attention output as wide as all heads is split by heads under tp (some processors return it
                 # before the output projection: FLUX's single blocks); one as wide as the model is whole
@@ -130,6 +138,14 @@ class RedundancyProbe:
             self._record(out_index, out)
             if isinstance(inp, torch.Tensor) and inp.shape == out.shape:
                 self._record(res_index, out - inp)
+
+        return hook
+
+    def _modulated_hook(self, modulated_input, index: int):
+        def hook(module, args, kwargs):
+            from .hooks import bind_kwargs
+
+            self._record(index, modulated_input(module, bind_kwargs(module.forward, args, kwargs)))
 
         return hook
 

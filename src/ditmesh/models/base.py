@@ -140,6 +140,12 @@ class BlockList:
     returns: tuple[str, ...]
 
 
+def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
+    """The modulated input of a block whose ``norm1`` is an AdaLN-Zero layer returning the modulated stream first
+    (FLUX's and SD3's joint blocks)."""
+    return block.norm1(named["hidden_states"], emb=named["temb"])[0]
+
+
 # -- what the planner and the benchmark build ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
@@ -250,6 +256,10 @@ class ModelAdapter:
     synth_archs: tuple[SynthArch, ...] = ()
     #: (arch, make(cls, config, seed_offset)) -> the pipeline's components other than transformer(s) and scheduler
     synth_components: Callable | None = None
+    #: (first block, its call inputs by name) -> the block's modulated input (the normalized, timestep-modulated main
+    #: stream its attention reads), shaped and split like ``hidden_states``: what the TeaCache-like step cache and
+    #: ``ditmesh analyze`` measure. None: the family does not name one
+    modulated_input: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

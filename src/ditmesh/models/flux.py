@@ -19,7 +19,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, norm1_modulated_input, register, spatial_latent)
 
 
 class FluxSequenceParallelProcessor:
@@ -235,6 +235,7 @@ FLUX = register(
                           ("encoder_hidden_states", "hidden_states")),
                 BlockList("single_transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("encoder_hidden_states", "hidden_states"))),
+        modulated_input=norm1_modulated_input,
         example_inputs=flux_example_inputs,
         layout=flux_layout,
         text_tokens=512,

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, norm1_modulated_input, register, spatial_latent)
 from .flux import FLUX_VAE
 
 
@@ -238,6 +238,7 @@ SD3 = register(
         sequence_processor=SD3SequenceParallelProcessor,
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("encoder_hidden_states", "hidden_states")),),
+        modulated_input=norm1_modulated_input,
         example_inputs=sd3_example_inputs,
         layout=sd3_layout,
         text_tokens=333,  # 77 CLIP + 256 T5

@@ -97,6 +97,19 @@ def wan_example_inputs(model, height, width, batch, text_len, generator, device,
     return inputs
 
 
+def wan_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
+    """The input of a Wan block's self-attention: ``norm1`` shifted and scaled by the block's timestep modulation
+    (per token where ``temb`` has a token dim, Wan 2.2 TI2V), as the block computes it."""
+    temb = named["temb"].float()
+    if temb.ndim == 4:
+        shift, scale = (block.scale_shift_table.unsqueeze(0) + temb)[:, :, :2].unbind(2)
+    else:
+        shift, scale = (block.scale_shift_table + temb)[:, :2].unbind(1)
+        shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
+    hidden = named["hidden_states"]
+    return (block.norm1(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+
+
 def wan_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
     """Token counts of a WanPipeline call: 8x spatial and 4x temporal VAE, then ``patch_size`` patches. Text
     is cross-attention context only, so the split sequence is the video tokens."""
@@ -237,6 +250,7 @@ WAN = register(
         attention=AttentionSelector(class_names=("WanAttention",)),
         sequence_processor=WanSequenceParallelProcessor,
         blocks=(BlockList("blocks", ("hidden_states",), ("hidden_states",)),),
+        modulated_input=wan_modulated_input,
         example_inputs=wan_example_inputs,
         layout=wan_layout,
         text_tokens=512,  # umT5, cross-attention only
