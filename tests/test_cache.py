@@ -176,6 +176,18 @@ def test_compiled_blocks_run_inside_the_cache_and_decide_as_one_eager_process(po
             assert_same_run(got, ref)
 
 
+def test_block_graphs_replay_the_paths_the_cache_takes_and_decide_as_one_process(pools):
+    from cases_cache import graphed_cached_run
+
+    for setting in (TC, "taylor:interval=3,warmup=2"):
+        ref = reference(setting)
+        computed = sum(not h["skip"] for h in ref[1]["transformer"])
+        for latents, history, counts in pools(2).run(graphed_cached_run, {"ulysses": 2}, setting):
+            assert_same_run((latents, history, None), ref)
+            for block in counts[1:-1]:  # a middle block: one graph, run eagerly once, captured, then replayed
+                assert block == [(True, computed - 2)], (setting, counts)  # a skip launches no block
+
+
 def test_taylor_extrapolation_beats_replaying_the_last_residual():
     plain = reference(None, steps=28)[0]
     taylor = reference("taylor:interval=3,warmup=3", steps=28)

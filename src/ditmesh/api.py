@@ -214,7 +214,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.cache.CacheConfig` or its text form, e.g.
             ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
             reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
-            own forward is compiled inside the cache's hooks. Not with CUDA graphs yet.
+            own forward is compiled inside the cache's hooks; with ``cuda_graph``, each block's forward is replayed from
+            its own graph there (``ditmesh.parallel.graph.apply_blocks``).
     """
     models = transformers_of(pipe)
     if not models:
@@ -239,9 +240,6 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
-    if cache_config.on and cuda_graph:
-        raise ConfigError(f"step caching ({cache_config.policy}) does not run with CUDA graphs yet (a graph holds one "
-                          "path); drop cuda_graph, or the cache")
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -270,7 +268,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
-        ("cuda-graph", lambda: each(lambda m, a: graph.apply(m)) if cuda_graph else None),
+        # with a step cache the path changes between blocks: each block gets its own graphs, inside the cache's hook
+        ("cuda-graph", lambda: each(graph.apply_blocks if cache_config.on else lambda m, a: graph.apply(m))
+         if cuda_graph else None),
     ]
     try:
         for name, step in steps:

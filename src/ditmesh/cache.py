@@ -46,7 +46,7 @@ from .redundancy import batched_cfg, change_sums
 POLICIES = ("off", "dbcache", "fbcache", "teacache", "static", "taylor", "default")
 
 #: knobs whose default differs by policy
-_POLICY_DEFAULTS = {"teacache": {"threshold": 0.4, "first": 0}}
+_POLICY_DEFAULTS = {"teacache": {"threshold": 0.2, "first": 0}}
 
 #: what ``--cache default`` means: the setting that met the quality bar with the fewest evaluations on the tiny
 #: trained pipeline (docs/caching.md: 12.57 of 28 evaluations per image, no image lost an attribute)

@@ -111,8 +111,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     g.add_argument("--cache", default=None, metavar="POLICY",
-                   help="step caching: fbcache:THRESHOLD or dbcache:threshold=T,first=F,last=B,warmup=W,max_skips=M "
-                        "(decisions shared by every rank; not with --cuda-graph yet). See `ditmesh analyze`")
+                   help="step caching: default, fbcache:T, dbcache:threshold=T,first=F,last=B,..., teacache:threshold=T,"
+                        "poly=..., static:skip=2-4+6, taylor:interval=N,warmup=W (decisions shared by every rank; "
+                        "docs/caching.md). See `ditmesh analyze`")
     g.add_argument("--warmup-only", action="store_true",
                    help="load, compile and run one step at this shape and configuration, then exit: later runs "
                         "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")

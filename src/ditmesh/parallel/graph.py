@@ -20,7 +20,10 @@ two tensor arguments share memory, or when a non-tensor argument is not a plain 
 float, str, dtype, device, or tuples of these), since such a signature cannot be told apart safely.
 
 Limits: the call must not depend on Python state that changes between steps and is not an argument
-(autocast or attention-backend contexts, stateful hooks such as step caches). ditmesh's data- and
+(autocast or attention-backend contexts, stateful hooks such as step caches). With a step cache, whose
+decision between blocks changes the path, :func:`apply_blocks` graphs each block's own forward instead
+(inside the cache's hook, one memory pool shared by the blocks' graphs): the graphs hold exactly the paths the
+cache takes, a skipped block launches nothing, and the host takes the decision between block replays. ditmesh's data- and
 CFG-parallel hooks choose per call what to run, so graphs are refused with ``dp`` or ``cfg`` > 1 (and with
 the consistency check, which reads values on the host). Graphs are kept for the life of the wrapper, one
 memory pool each.
@@ -55,24 +58,40 @@ def _leaf_key(leaf):
     return ("value", type(leaf), leaf)
 
 
-def signature(leaves, devices: tuple[str, ...] = ("cuda",)) -> tuple | None:
-    """The graph key of a call's flattened arguments, or None when the call must run without a graph."""
+def signature(leaves, devices: tuple[str, ...] = ("cuda",), aliased_ok: bool = False) -> tuple | None:
+    """The graph key of a call's flattened arguments, or None when the call must run without a graph.
+    ``aliased_ok``: inputs that share memory may get buffers of their own (the callee never writes its inputs)."""
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if any(t.device.type not in devices for t in tensors) or not all(
             _plain(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)):
         return None
     storages = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
-    if len(set(storages)) != len(storages):  # aliased inputs: separate static buffers would break the aliasing
+    if not aliased_ok and len(set(storages)) != len(storages):  # aliased inputs: separate static buffers would break the aliasing
         return None
     return tuple(_leaf_key(leaf) for leaf in leaves)
 
 
-def cuda_capture(fn: Callable[[], object]):
-    """Capture ``fn()`` in a CUDA graph; returns ``(replay, output)`` (``output`` is written by each replay)."""
+def cuda_capture(fn: Callable[[], object], pool=None):
+    """Capture ``fn()`` in a CUDA graph; returns ``(replay, output)`` (``output`` is written by each replay).
+    ``pool``: a memory pool shared with other graphs (``torch.cuda.graph_pool_handle()``)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph.replay, out
+
+
+def shared_pool_capture() -> Callable:
+    """A capture function whose graphs share one memory pool. Safe for graphs replayed one after another on one
+    stream whose outputs are copied out (:class:`GraphedCall`): a graph's live output buffer is never handed to
+    another, and the scratch memory they share is only used while one of them runs."""
+    pool = []
+
+    def capture(fn):
+        if not pool:
+            pool.append(torch.cuda.graph_pool_handle())
+        return cuda_capture(fn, pool[0])
+
+    return capture
 
 
 def side_stream_run(fn):
@@ -95,6 +114,7 @@ class _Entry:
         self.static: list = []
         self.out = None
         self.capture_s = 0.0  # the side-stream run and the capture, on the host
+        self.replays = 0
 
 
 class GraphedCall:
@@ -106,8 +126,9 @@ class GraphedCall:
     """
 
     def __init__(self, call: Callable, capture: Callable = cuda_capture, warmup: int = 1,
-                 devices: tuple[str, ...] = ("cuda",)):
+                 devices: tuple[str, ...] = ("cuda",), aliased_ok: bool = False):
         self.call = call
+        self.aliased_ok = aliased_ok
         self.devices = devices
         self.capture = capture
         self.warmup = warmup
@@ -117,7 +138,7 @@ class GraphedCall:
         if torch.is_grad_enabled():
             return self.call(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
-        key = signature(leaves, self.devices)
+        key = signature(leaves, self.devices, self.aliased_ok)
         if key is None:
             return self.call(*args, **kwargs)
         entry = self.entries.setdefault((repr(spec), key), _Entry())
@@ -132,6 +153,7 @@ class GraphedCall:
             if isinstance(buf, torch.Tensor):
                 buf.copy_(leaf)
         entry.replay()
+        entry.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.out)
 
     def _capture(self, entry: _Entry, leaves, spec, args, kwargs):
@@ -187,3 +209,31 @@ class GraphHook(Hook):
 def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)) -> list:
     """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook); returns the undo callable."""
     return [add_hook(model, GraphHook(capture, devices))]
+
+
+def apply_blocks(model: torch.nn.Module, adapter, capture: Callable | None = None,
+                 devices: tuple[str, ...] = ("cuda",)) -> list:
+    """Replay each repeated block's own forward (its registry's ``inner``, compiled or not) from CUDA graphs that
+    share one memory pool, leaving the hooks around it (a step cache's) eager. Returns the undo callable."""
+    from ..hooks import registry
+
+    capture = capture or shared_pool_capture()
+    regs = [registry(block) for block in adapter.block_modules(model)]
+    before = [reg.inner for reg in regs]
+    for reg, block in zip(regs, adapter.block_modules(model)):
+        # a block never writes its inputs, so streams that are views of one tensor (FLUX's single blocks return
+        # text and image as slices of one output) may be copied into buffers of their own
+        reg.inner = GraphedCall(reg.inner or reg.original(block), capture, devices=devices, aliased_ok=True)
+
+    def undo():
+        for reg, inner in zip(regs, before):
+            reg.inner = inner
+
+    return [undo]
+
+
+def graphed_blocks(model: torch.nn.Module, adapter) -> list[GraphedCall]:
+    """The :class:`GraphedCall` of each block that :func:`apply_blocks` graphed, in block order."""
+    from ..hooks import registry
+
+    return [reg.inner for reg in map(registry, adapter.block_modules(model)) if isinstance(reg.inner, GraphedCall)]
