@@ -67,6 +67,9 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows' Ulysses all-to-alls: nccl, or symm (copy engines; CUDA GPUs of one host)")
     b.add_argument("--fuse-qkv", action="store_true",
                    help="ditmesh rows compute Q, K and V with one GEMM (parallelize(fuse_qkv=True))")
+    b.add_argument("--cache", default=None, metavar="POLICY",
+                   help="ditmesh rows run with this step cache (--cache of generate); the timed calls are steps "
+                        "0, 1, ... of one run, on the same inputs (rows note the cached steps)")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -164,6 +167,10 @@ def _settings(args) -> dict:
                           "warm-ups")
     check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
     check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    if args.cache:
+        from ..cache import CacheConfig
+
+        CacheConfig.parse(args.cache)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -177,7 +184,7 @@ def _settings(args) -> dict:
                 frames=args.frames, batch=args.batch, gpus=gpus, methods=methods, steps=args.steps,
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
-                profile=args.profile, dtype=dtype, available=available,
+                profile=args.profile, dtype=dtype, available=available, cache=args.cache,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
 
 
@@ -208,7 +215,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     method=method, gpus=g, degrees=degrees, steps=s["steps"],
                     warmup=max(s["warmup"], 2 if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
-                    tmp=str(tmp))
+                    cache=s.get("cache"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         print(f"ditmesh bench: {label} ...", flush=True)
         try:

@@ -89,9 +89,16 @@ def rows_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
             f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
-            f"| {'' if err is None else f'{err:.2e}'} | {split} | {r.get('error', '')} |"
+            f"| {'' if err is None else f'{err:.2e}'} | {split} | {r.get('error', '') or _cache_note(r)} |"
         )
     return "\n".join(lines)
+
+
+def _cache_note(row: dict) -> str:
+    """A cached row's note: the cache setting and how many timed steps it skipped."""
+    if not row.get("cache"):
+        return ""
+    return f"cache {row['cache']}, {row.get('cache_skipped', 0)} timed steps cached"
 
 
 def ab_table(rows: list[dict]) -> str:

@@ -61,12 +61,18 @@ def run_worker(spec: dict) -> None:
     inputs = adapter.example_inputs(model, batch=spec.get("batch", 1), text_len=arch.max_sequence_length,
                                     generator=gen, device=device, dtype=dtype, **shape)
 
-    class _Pipe:  # parallelize() needs only `.transformer`
+    class _Steps:  # a denoising loop's position, so that a step cache decides per step as in a pipeline run
+        step_index = 0
+        timesteps = torch.arange(spec["warmup"] + spec["steps"] + 1)
+
+    class _Pipe:  # parallelize() needs only `.transformer` (and the scheduler's position, for a step cache)
         transformer = model
+        scheduler = _Steps
 
     row = {"method": spec["method"], "gpus": spec["gpus"], "degrees": spec["degrees"], "height": spec["height"],
            "width": spec["width"], "compiled": spec["compile"], "graph": spec.get("graph", False),
            "model": spec["model"], "dtype": spec["dtype"]}
+
     ours = False  # parallelize() compiles our rows itself; peers and plain diffusers are compiled below
     try:
         if spec["method"].startswith("diffusers-"):
@@ -78,9 +84,12 @@ def run_worker(spec: dict) -> None:
 
             model = enable_xdit(model, arch.transformer, spec, text_len=arch.max_sequence_length)
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
+            if spec.get("cache"):
+                row["cache"] = spec["cache"]
             runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
                                   ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
-                                  transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False))
+                                  transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
+                                  cache=row.get("cache"))
             ours = True
             if spec.get("fuse_qkv"):
                 row["fuse_qkv"] = True
@@ -101,6 +110,7 @@ def run_worker(spec: dict) -> None:
         times = []
         with torch.no_grad():
             for i in range(spec["warmup"] + spec["steps"]):
+                _Steps.step_index = i
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if dist.is_initialized():
@@ -121,10 +131,14 @@ def run_worker(spec: dict) -> None:
         if dist.is_initialized():
             dist.barrier()  # start together, so that start-up skew does not read as communication
         try:
+            _Steps.step_index += 1
             with torch.no_grad():
                 row["breakdown"] = profile_step(lambda: model(**inputs), device)
         except Exception as exc:  # noqa: BLE001  (the row keeps its timing; every rank goes on)
             row["breakdown_error"] = error_text(exc)
+    if "error" not in row and row.get("cache"):
+        caches = runtime.caches.values()
+        row["cache_skipped"] = sum(h["skip"] for c in caches for h in c.history[spec["warmup"]:])
     if "error" not in row:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         peaks = all_gather_object(peak)
