@@ -1,0 +1,73 @@
+"""Parallel VAE cases executed on every rank of a gloo worker pool (module-level so workers can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ditmesh.testing import rel_err
+
+#: tiny VAEs of the real classes: a 3-level AutoencoderKL (4x, two stride-2 down-samplings, mid-block attention)
+#: and a Wan 2.1 causal 3-D VAE (8x spatial, 4x temporal)
+TINY_VAES = {
+    "kl": ("AutoencoderKL", dict(block_out_channels=(8, 8, 16), down_block_types=("DownEncoderBlock2D",) * 3,
+                                 up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, norm_num_groups=4,
+                                 latent_channels=4)),
+    "wan": ("AutoencoderKLWan", dict(base_dim=8, z_dim=4, num_res_blocks=1)),
+}
+
+
+def tiny_vae(kind: str):
+    """A tiny VAE of ``kind`` (see :data:`TINY_VAES`) with seeded random weights, float32, eval mode."""
+    import diffusers
+
+    cls_name, config = TINY_VAES[kind]
+    torch.manual_seed(0)
+    vae = getattr(diffusers, cls_name)(**config).eval()
+    with torch.no_grad():  # random norms and biases too, so a missed statistic or a shifted row shows
+        for p in vae.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return vae
+
+
+def _inputs(vae, kind: str, what: str, rows: int, cols: int, frames: int, batch: int) -> torch.Tensor:
+    from ditmesh.models.base import vae_plan_for
+
+    g = torch.Generator().manual_seed(7)
+    factor = 1 if what == "decode" else vae_plan_for(vae).spatial_factor(vae)
+    channels = vae.config.latent_channels if kind == "kl" and what == "decode" else (
+        vae.config.z_dim if what == "decode" else 3)
+    time = () if kind == "kl" else (frames,)
+    return torch.randn(batch, channels, *time, rows * factor, cols * factor, generator=g)
+
+
+def _run(vae, what: str, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if what == "decode":
+            return vae.decode(x).sample
+        return vae.encode(x).latent_dist.parameters
+
+
+def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto"):
+    """``what`` (decode or encode) of a tiny ``kind`` VAE on ``rows`` x ``cols`` latent rows and columns, whole and
+    split over the world. Returns the rel err against the whole run, the collectives of the split call, and whether
+    removing the hooks gave back the VAE (same state dict, no instance attributes left, same output)."""
+    from ditmesh.comm import count_collectives
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+
+    vae = tiny_vae(kind)
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    x = _inputs(vae, kind, what, rows, cols, frames, batch)
+    ref = _run(vae, what, x)
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on")
+    with count_collectives() as counts:
+        out = _run(vae, what, x)
+    for fn in reversed(undo):
+        fn()
+    after = vae.state_dict()
+    restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
+                and not any(k in vars(m) for m in vae.modules() for k in ("forward", "decode", "_encode"))
+                and torch.equal(_run(vae, what, x), ref))
+    return dict(err=rel_err(out, ref), shape=tuple(out.shape), counts=dict(counts), restored=restored,
+                hooked=len(undo))
