@@ -71,3 +71,62 @@ def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch:
                 and torch.equal(_run(vae, what, x), ref))
     return dict(err=rel_err(out, ref), shape=tuple(out.shape), counts=dict(counts), restored=restored,
                 hooked=len(undo))
+
+
+def local_norms_case(kind: str, rows: int, cols: int):
+    """The split decode with each group norm's statistics taken over this rank's rows only (what a patch-wise
+    parallel VAE without the between-rank variance term does). Returns the rel err against the whole decode."""
+    from torch import nn
+
+    from ditmesh.hooks import Hook, registry
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+
+    vae = tiny_vae(kind)
+    z = _inputs(vae, kind, "decode", rows, cols, 1, 1)
+    ref = _run(vae, "decode", z)
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD)
+    for module in vae.modules():
+        if isinstance(module, nn.GroupNorm) and "vae" in registry(module).hooks:
+            registry(module).hooks["vae"] = Hook()  # passes through: the norm sees the local rows alone
+    out = _run(vae, "decode", z)
+    for fn in reversed(undo):
+        fn()
+    return rel_err(out, ref)
+
+
+def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False):
+    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode``; returns the image,
+    the collectives of the VAE decode, and (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize, remove as ditmesh_remove
+    from ditmesh.comm import count_collectives
+
+    torch.manual_seed(0)
+    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    state = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
+    types = [type(m) for m in pipe.vae.modules()]
+    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode)
+    decode = pipe.vae.decode
+    counts = {}
+
+    def counted(*args, **kwargs):
+        with count_collectives() as c:
+            out = decode(*args, **kwargs)
+        counts.update(c)
+        return out
+
+    pipe.vae.decode = counted
+    image = pipe("a red circle", height=64, width=48, num_inference_steps=2, guidance_scale=3.5,
+                 generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="pt").images
+    pipe.vae.decode = decode
+    restored = None
+    if remove:
+        ditmesh_remove(pipe)
+        after = pipe.vae.state_dict()
+        restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
+                    and [type(m) for m in pipe.vae.modules()] == types
+                    and not any(k in vars(m) for m in pipe.vae.modules() for k in ("forward", "decode", "_encode")))
+    return dict(image=image, counts=counts, restored=restored)

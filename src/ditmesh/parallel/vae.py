@@ -47,17 +47,6 @@ from ..hooks import Hook, add_hook
 
 log = logging.getLogger("ditmesh")
 
-#: what ``vae_parallel`` takes: ``auto`` (split when more than one rank holds the image, else run whole, and run a
-#: call whole when it cannot be split), ``on`` (like auto, but a call or a VAE that cannot be split is an error),
-#: ``off`` (every rank runs the whole VAE)
-MODES = ("auto", "on", "off")
-
-
-def check_mode(mode: str, flag: str = "vae_parallel=") -> None:
-    """Raise :class:`ConfigError` unless ``mode`` is one of :data:`MODES`."""
-    if mode not in MODES:
-        raise ConfigError(f"{flag}{mode!r} is not a mode; use one of {', '.join(MODES)}")
-
 
 # -- the geometry of one convolution along height ------------------------------------------------------------
 @dataclass(frozen=True)
