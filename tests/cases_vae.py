@@ -14,6 +14,10 @@ TINY_VAES = {
                                  up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, norm_num_groups=4,
                                  latent_channels=4)),
     "wan": ("AutoencoderKLWan", dict(base_dim=8, z_dim=4, num_res_blocks=1)),
+    # Wan 2.2's layout: 2x2 patches around the VAE (16x), residual blocks with pixel-shuffle shortcuts
+    "wan22": ("AutoencoderKLWan", dict(base_dim=8, decoder_base_dim=8, z_dim=4, num_res_blocks=1, is_residual=True,
+                                       patch_size=2, scale_factor_spatial=16, in_channels=12, out_channels=12,
+                                       dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True])),
 }
 
 

@@ -36,10 +36,15 @@ def test_group_norm_over_local_rows_alone_is_wrong(pools):
         assert err > 1e-3
 
 
-@pytest.mark.parametrize("what,rows,cols,frames", [("decode", 5, 3, 3), ("encode", 5, 3, 5)])
-def test_wan_causal_vae_split_along_height_matches_single_process(pools, what, rows, cols, frames):
+@pytest.mark.parametrize("kind,what,rows,cols,frames", [
+    ("wan", "decode", 5, 3, 3),
+    ("wan", "encode", 5, 3, 5),
+    ("wan22", "decode", 3, 2, 2),  # 2x2 patches, residual blocks with pixel-shuffle shortcuts
+    ("wan22", "encode", 3, 2, 5),
+])
+def test_wan_causal_vae_split_along_height_matches_single_process(pools, kind, what, rows, cols, frames):
     # the temporal cache stays on each rank with its own rows; frames are not split
-    for r in pools(2).run(vae_case, "wan", what, rows, cols, frames):
+    for r in pools(2).run(vae_case, kind, what, rows, cols, frames):
         assert r["err"] <= 1e-5, r["err"]
         assert r["restored"]
         # one gather per latent frame chunk for the mid-block attention (decode: one chunk per latent frame;
