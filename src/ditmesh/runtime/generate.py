@@ -338,6 +338,9 @@ def run(args) -> int:
             "compile_breakdown_s": warmup_costs,
             "cache": {name: {"setting": getattr(args, "cache", None), "calls": len(c.history),
                              "skipped": sum(h["skip"] for h in c.history)} for name, c in runtime.caches.items()},
+            # whether the VAE ran split along height over the ranks (``--vae-parallel``)
+            "vae_parallel": {"mode": getattr(args, "vae_parallel", "auto"),
+                             "split": any(name.startswith("vae(") for name in runtime.applied)},
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
