@@ -204,7 +204,9 @@ class VaePlan:
     """How a family's VAE runs split along height over the ranks that hold the same image (``ditmesh.parallel.vae``).
 
     The parallel VAE finds convolutions, group norms, zero pads and diffusers' ``Downsample2D`` by their torch and
-    diffusers types; the plan says what only the family knows.
+    diffusers types; the plan says what only the family knows. Only height is split, never frames: a video VAE
+    with a causal temporal cache (Wan's) keeps its frames whole on every rank, and each rank's cache holds its own
+    rows (a convolution's cache input is extended with halo rows like its input).
 
     - ``class_names``: the VAE classes it covers.
     - ``spatial_factor``: (vae) -> image rows per latent row (8 for the 2-D KL VAE and Wan 2.1's).
@@ -213,8 +215,6 @@ class VaePlan:
     - ``conv_padding``: (conv) -> (top, bottom) zero rows a convolution adds along height, for a convolution that
       keeps its padding outside ``conv.padding`` (Wan's causal 3-D convolution); None for the default
       (``conv.padding`` along height, both sides).
-    - ``causal_time``: the VAE walks frames with a causal temporal cache (Wan): frames stay whole on every rank,
-      and each rank's cache holds its own rows (the halo rows are exchanged anew for every convolution).
     - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
       (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
       distribution is built from them).
@@ -224,7 +224,6 @@ class VaePlan:
     spatial_factor: Callable
     gathered: tuple[str, ...] = ()
     conv_padding: Callable | None = None
-    causal_time: bool = False
     decode_method: str = "decode"
     encode_method: str = "_encode"
 

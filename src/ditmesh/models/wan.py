@@ -226,7 +226,6 @@ WAN_VAE_PLAN = VaePlan(
     spatial_factor=lambda vae: vae.spatial_compression_ratio,
     gathered=("WanAttentionBlock",),
     conv_padding=wan_conv_padding,
-    causal_time=True,
 )
 
 
