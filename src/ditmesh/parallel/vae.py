@@ -34,6 +34,7 @@ them (usually its neighbours).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -119,12 +120,14 @@ class VaeParallel:
         """Whether the layers now run on this rank's rows (a split call, outside gathered modules)."""
         return self.units is not None and not self.whole_depth
 
-    def scale(self, rows: int) -> int:
-        """Rows per latent row of a local tensor with ``rows`` own rows."""
-        m, rest = divmod(rows, self.units[self.rank])
+    def scale(self, rows: int, units: list[int] | None = None) -> int:
+        """Rows per latent row of a local tensor with ``rows`` own rows (under the split ``units``, default the
+        call's)."""
+        unit = (units or self.units)[self.rank]
+        m, rest = divmod(rows, unit)
         if rest or not m:
             raise RuntimeError(f"ditmesh parallel VAE: {rows} rows on rank {self.rank} are not a whole multiple of its "
-                               f"{self.units[self.rank]} latent rows; this layer does not keep the row layout")
+                               f"{unit} latent rows; this layer does not keep the row layout")
         return m
 
     def sizes(self, m: int) -> list[int]:
@@ -156,14 +159,18 @@ class SplitHook(Hook):
 
     name = "vae"
 
-    def __init__(self, state: VaeParallel, factor, what: str):
+    def __init__(self, state: VaeParallel, factor, what: str, input_name: str):
         self.state = state
         self.factor = factor  # (vae) -> input rows per latent row: 1 for decode, the spatial factor for encode
         self.what = what
+        self.input_name = input_name  # the method's first parameter (``z``, ``x``), when it is passed by name
 
     def __call__(self, vae, call_next, args, kwargs):
         state = self.state
-        if state.units is not None or not args:  # nested, or an unusual call: leave it alone
+        if not args and self.input_name in kwargs:
+            kwargs = dict(kwargs)
+            args = (kwargs.pop(self.input_name),)
+        if state.units is not None or not args:  # nested, or no input: leave it alone
             return call_next(args, kwargs)
         x = args[0]
         factor = self.factor(vae)
@@ -197,11 +204,7 @@ class SplitHook(Hook):
         """``out`` with its sample (a tensor, the first item of a tuple, or ``.sample``) all-gathered along height."""
         def whole(t):
             dim = t.ndim - 2
-            self.state.units = units
-            try:
-                m = self.state.scale(t.shape[dim])
-            finally:
-                self.state.units = None
+            m = self.state.scale(t.shape[dim], units)
             return all_gather_uneven(t, dim, [u * m for u in units], self.state.group)
 
         if isinstance(out, torch.Tensor):
@@ -420,7 +423,8 @@ def apply(vae: nn.Module, plan, group, strict: bool = False) -> list:
         entries = ((plan.decode_method, lambda v: 1, "decode"), (plan.encode_method, plan.spatial_factor, "encode"))
         for method, factor, what in entries:
             if callable(getattr(vae, method, None)):
-                undo.append(add_hook(vae, SplitHook(state, factor, what), method))
+                first = next(iter(inspect.signature(getattr(vae, method)).parameters))
+                undo.append(add_hook(vae, SplitHook(state, factor, what, first), method))
     except BaseException:
         for fn in reversed(undo):
             fn()
