@@ -31,6 +31,8 @@ def test_generate_ulysses2_matches_single_process(tmp_path, flux_tiny):
     assert rel_err(l2, l1) <= 1e-5
     assert np.abs(img1 - img2).max() <= 1
     assert r2["world_size"] == 2 and r2["config"]["ulysses"] == 2
+    # the image above was decoded with the VAE split over both ranks (the default)
+    assert r2["vae_parallel"] == {"mode": "auto", "split": True} and not r1["vae_parallel"]["split"]
     for key in ("config", "world_size", "devices", "versions", "step_latency_s", "total_latency_s", "peak_memory_bytes"):
         assert key in r2
     assert len(r2["step_latency_s"]) == 3 and len(r2["peak_memory_bytes"]) == 2 and len(r2["devices"]) == 2

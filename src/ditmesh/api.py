@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
-Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequence -> cfg/data -> (compile)
--> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequence -> cfg/data -> (cache) ->
+VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -22,11 +22,13 @@ from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
-from .config import SUPPORTED_AXES, ConfigError, ParallelConfig, check_supported  # noqa: F401  (re-exported)
+from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_supported,  # noqa: F401
+                     check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
-from .models.base import ModelAdapter, adapter_for
+from .models.base import ModelAdapter, adapter_for, vae_plan_for
 from .parallel import batch, consistency, graph, sequence, tensor
+from .parallel import vae as parallel_vae
 
 log = logging.getLogger("ditmesh")
 
@@ -181,9 +183,36 @@ def check_transport(transport: str, device: torch.device, flag: str = "transport
                           f"{local_world} processes; use nccl across hosts")
 
 
+def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
+    """Split the pipeline's VAE along height over every rank (``ditmesh.parallel.vae``); returns undo callables.
+
+    Every rank holds the same final latents (the pipeline call runs whole on each rank; only the transformer call
+    is divided), so the ranks that share an image are all of them. ``auto``: on when there are several ranks and
+    the family's adapter has a VAE plan for this VAE class, with calls that cannot be split run whole (logged);
+    ``on``: the same, but a VAE or a call that cannot be split raises :class:`ConfigError`; ``off``: nothing.
+    """
+    check_vae_parallel(mode)
+    vae = getattr(pipe, "vae", None)
+    if mode == "off" or mesh.config.world_size == 1:
+        return []
+    if not isinstance(vae, torch.nn.Module):
+        if mode == "on":
+            raise ConfigError(f"vae_parallel='on', but {type(pipe).__name__} has no VAE; use auto or off")
+        return []
+    plan = vae_plan_for(vae)
+    if plan is None:
+        reason = f"no model adapter has a parallel plan for {type(vae).__name__}"
+        if mode == "on":
+            raise ConfigError(f"vae_parallel='on': {reason}; use auto (runs it whole on every rank) or off")
+        log.info("ditmesh: the VAE runs whole on every rank: %s", reason)
+        return []
+    return parallel_vae.apply(vae, plan, mesh.group_of(*AXIS_ORDER), strict=mode == "on")
+
+
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
-                fuse_qkv: bool = False, transport: str = "nccl", cache=None) -> ParallelRuntime:
+                fuse_qkv: bool = False, transport: str = "nccl", cache=None,
+                vae_parallel: str = "auto") -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -216,6 +245,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
             own forward is compiled inside the cache's hooks; with ``cuda_graph``, each block's forward is replayed from
             its own graph there (``ditmesh.parallel.graph.apply_blocks``).
+        vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
+            height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
     """
     models = transformers_of(pipe)
     if not models:
@@ -239,6 +270,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
+    check_vae_parallel(vae_parallel)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
@@ -254,8 +286,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     def keep(undo):
         runtime._undo.extend(undo)
 
-    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> compile -> graph. Every step
-    # does nothing at degree 1 and leaves the callables that undo it in runtime._undo. Hooks take their place in the
+    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> vae -> compile -> graph. Every
+    # step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. Hooks take their place in the
     # call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
@@ -266,6 +298,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
+        (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         # with a step cache the path changes between blocks: each block gets its own graphs, inside the cache's hook

@@ -123,6 +123,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--transport", default="nccl",
                    help="how Ulysses all-to-alls travel: nccl (NCCL kernels), or symm (copy engines writing into the "
                         "peers' symmetric memory; CUDA GPUs of one host)")
+    g.add_argument("--vae-parallel", default="auto", metavar="MODE",
+                   help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
+                        "than one process; a size that cannot be split runs whole), on (an error instead), off")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -183,6 +183,23 @@ def ring_exchange_wait(works: list) -> None:
         work.wait()
 
 
+def exchange_rows(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
+    """Point-to-point, all at once: send ``sends[q]`` to group rank ``q`` and receive ``recvs[q]`` (filled in place)
+    from ``q``; waits for all of it. Counted once as ``"halo"`` (the parallel VAE's halo rows of a convolution).
+
+    Cross-rank rule: ``q`` sends to this rank exactly when this rank receives from ``q``, with the same element
+    count; both sides derive the sizes from global shapes.
+    """
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, q), group=group)
+           for q, t in sends.items() if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, q), group=group) for q, t in recvs.items() if t.numel()]
+    if not ops:
+        return
+    _count("halo")
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def broadcast_tensors(obj, src: int, group, device: torch.device):
     """Broadcast ``obj`` (a tensor, or a tuple/list holding tensors and small picklable values) from global rank ``src``.
 

@@ -124,6 +124,17 @@ class ParallelConfig:
             )
 
 
+#: what ``vae_parallel`` takes: ``auto`` (split the VAE along height when there are several ranks; a call that
+#: cannot be split runs whole on every rank), ``on`` (the same, but what cannot be split is an error), ``off``
+VAE_PARALLEL_MODES = ("auto", "on", "off")
+
+
+def check_vae_parallel(mode: str, flag: str = "vae_parallel=") -> None:
+    """Raise :class:`ConfigError` unless ``mode`` is one of :data:`VAE_PARALLEL_MODES`."""
+    if mode not in VAE_PARALLEL_MODES:
+        raise ConfigError(f"{flag}{mode!r} is not a mode; use one of {', '.join(VAE_PARALLEL_MODES)}")
+
+
 def check_supported(config: ParallelConfig) -> None:
     """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
     for axis, message in _NOT_YET.items():

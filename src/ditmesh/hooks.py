@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 #: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
 #: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
-#: transformer block (step caching, ``ditmesh.cache``).
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache")
+#: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
+#: (``ditmesh.parallel.vae``).
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae")
 
 
 class Hook:

@@ -204,6 +204,36 @@ class SynthArch:
     pipeline_config: dict = field(default_factory=dict)
 
 
+# -- the VAE --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VaePlan:
+    """How a family's VAE runs split along height over the ranks that hold the same image (``ditmesh.parallel.vae``).
+
+    The parallel VAE finds convolutions, group norms, zero pads and diffusers' ``Downsample2D`` by their torch and
+    diffusers types; the plan says what only the family knows. Only height is split, never frames: a video VAE
+    with a causal temporal cache (Wan's) keeps its frames whole on every rank, and each rank's cache holds its own
+    rows (a convolution's cache input is extended with halo rows like its input).
+
+    - ``class_names``: the VAE classes it covers.
+    - ``spatial_factor``: (vae) -> image rows per latent row (8 for the 2-D KL VAE and Wan 2.1's).
+    - ``gathered``: class names of modules that mix all rows of a frame (the mid-block attention): they run on the
+      all-gathered rows and keep their own rows of the result.
+    - ``conv_padding``: (conv) -> (top, bottom) zero rows a convolution adds along height, for a convolution that
+      keeps its padding outside ``conv.padding`` (Wan's causal 3-D convolution); None for the default
+      (``conv.padding`` along height, both sides).
+    - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
+      (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
+      distribution is built from them).
+    """
+
+    class_names: tuple[str, ...]
+    spatial_factor: Callable
+    gathered: tuple[str, ...] = ()
+    conv_padding: Callable | None = None
+    decode_method: str = "decode"
+    encode_method: str = "_encode"
+
+
 # -- the adapter ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelAdapter:
@@ -260,6 +290,8 @@ class ModelAdapter:
     #: stream its attention reads), shaped and split like ``hidden_states``: what the TeaCache-like step cache and
     #: ``ditmesh analyze`` measure. None: the family does not name one
     modulated_input: Callable | None = None
+    #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
+    vae: VaePlan | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -326,6 +358,14 @@ def adapter_for_class(class_name: str) -> ModelAdapter:
 def adapter_for(model: torch.nn.Module) -> ModelAdapter:
     """The adapter of ``model``'s class; a clear error naming the supported classes otherwise."""
     return adapter_for_class(type(model).__name__)
+
+
+def vae_plan_for(vae: torch.nn.Module) -> VaePlan | None:
+    """The :class:`VaePlan` of ``vae``'s class (from any adapter whose plan names it), or None."""
+    for adapter in adapters():
+        if adapter.vae is not None and type(vae).__name__ in adapter.vae.class_names:
+            return adapter.vae
+    return None
 
 
 def synth_archs() -> dict[str, SynthArch]:

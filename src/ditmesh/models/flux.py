@@ -19,7 +19,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, norm1_modulated_input, register, spatial_latent)
+                   TensorPlan, VaePlan, norm1_modulated_input, register, spatial_latent)
 
 
 class FluxSequenceParallelProcessor:
@@ -147,6 +147,15 @@ FLUX_VAE = dict(
     force_upcast=True,
 )
 
+#: The 2-D KL VAE of FLUX.1 and SD3 (``AutoencoderKL``) split along height: its convolutions, group norms and
+#: ``Downsample2D`` pads are found by type; the mid-block self-attention (diffusers' ``Attention`` over all
+#: positions) runs on the gathered rows. ``2 ** (levels - 1)`` image rows per latent row.
+KL_VAE_PLAN = VaePlan(
+    class_names=("AutoencoderKL",),
+    spatial_factor=lambda vae: 2 ** (len(vae.config.block_out_channels) - 1),
+    gathered=("Attention",),
+)
+
 FLUX_DEV = SynthArch(
     name="flux-dev",
     description="FLUX.1-dev transformer (19 double + 38 single blocks, 24 heads x 128, 11.9B params), full VAE",
@@ -251,5 +260,6 @@ FLUX = register(
         pipelines=("FluxPipeline",),
         synth_archs=FLUX_ARCHS,
         synth_components=flux_components,
+        vae=KL_VAE_PLAN,
     )
 )

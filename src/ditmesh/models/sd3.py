@@ -28,7 +28,7 @@ import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, norm1_modulated_input, register, spatial_latent)
-from .flux import FLUX_VAE
+from .flux import FLUX_VAE, KL_VAE_PLAN
 
 
 class SD3SequenceParallelProcessor:
@@ -251,5 +251,6 @@ SD3 = register(
         pipelines=("StableDiffusion3Pipeline",),
         synth_archs=SD3_ARCHS,
         synth_components=sd3_components,
+        vae=KL_VAE_PLAN,
     )
 )

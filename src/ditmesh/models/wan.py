@@ -26,12 +26,13 @@ transformers).
 from __future__ import annotations
 
 import torch
+from diffusers.models.autoencoders import autoencoder_kl_wan
 from diffusers.models.transformers import transformer_wan
 
 import dataclasses
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, VaePlan, register, spatial_latent)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -220,6 +221,27 @@ WAN_ARCHS = (
 )
 
 
+def wan_conv_padding(conv) -> tuple[int, int] | None:
+    """Zero rows a Wan VAE convolution adds along height: the causal 3-D convolution keeps its padding in
+    ``_padding`` (width, width, height top, height bottom, time front, time back) and pads itself in ``forward``;
+    None for any other convolution (its ``padding``)."""
+    if isinstance(conv, autoencoder_kl_wan.WanCausalConv3d):
+        return conv._padding[2], conv._padding[3]
+    return None
+
+
+#: The Wan causal 3-D VAE split along height. Frames stay whole: it decodes (and encodes) chunk by chunk with a
+#: causal temporal cache, and each rank's cache holds its own rows. Its norms are RMS norms over the channels of
+#: one position (no statistics across rows); the mid-block attention is per frame over all positions and runs on
+#: the gathered rows. Wan 2.2's VAE (patch size 2, 16x) patchifies the local rows, which stay aligned.
+WAN_VAE_PLAN = VaePlan(
+    class_names=("AutoencoderKLWan",),
+    spatial_factor=lambda vae: vae.spatial_compression_ratio,
+    gathered=("WanAttentionBlock",),
+    conv_padding=wan_conv_padding,
+)
+
+
 def wan_components(arch: SynthArch, kit) -> dict:
     """WanPipeline's other components: AutoencoderKLWan (video VAE) and a UMT5 text encoder with a T5 tokenizer."""
     import diffusers
@@ -265,5 +287,6 @@ WAN = register(
         pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline"),
         synth_archs=WAN_ARCHS,
         synth_components=wan_components,
+        vae=WAN_VAE_PLAN,
     )
 )

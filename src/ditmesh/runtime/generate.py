@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from ..config import ConfigError, ParallelConfig, check_supported
+from ..config import ConfigError, ParallelConfig, check_supported, check_vae_parallel
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .models import local_model_path, read_adapter, read_defaults, read_transformer_config, resolve_model
 
@@ -45,6 +45,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPE_NAMES))}")
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
+    check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
     check_output_paths(args)
     model = resolve_model(args.model)  # from here on, checks read the model's family
     tcfg = read_transformer_config(model)
@@ -252,7 +253,8 @@ def run(args) -> int:
     defaults = read_defaults(path)
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
-                          transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None))
+                          transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
+                          vae_parallel=getattr(args, "vae_parallel", "auto"))
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
@@ -335,6 +337,9 @@ def run(args) -> int:
             "compile_breakdown_s": warmup_costs,
             "cache": {name: {"setting": getattr(args, "cache", None), "calls": len(c.history),
                              "skipped": sum(h["skip"] for h in c.history)} for name, c in runtime.caches.items()},
+            # whether the VAE ran split along height over the ranks (``--vae-parallel``)
+            "vae_parallel": {"mode": getattr(args, "vae_parallel", "auto"),
+                             "split": any(name.startswith("vae(") for name in runtime.applied)},
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,

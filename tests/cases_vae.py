@@ -1,0 +1,136 @@
+"""Parallel VAE cases executed on every rank of a gloo worker pool (module-level so workers can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ditmesh.testing import rel_err
+
+#: tiny VAEs of the real classes: a 3-level AutoencoderKL (4x, two stride-2 down-samplings, mid-block attention)
+#: and a Wan 2.1 causal 3-D VAE (8x spatial, 4x temporal)
+TINY_VAES = {
+    "kl": ("AutoencoderKL", dict(block_out_channels=(8, 8, 16), down_block_types=("DownEncoderBlock2D",) * 3,
+                                 up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, norm_num_groups=4,
+                                 latent_channels=4)),
+    "wan": ("AutoencoderKLWan", dict(base_dim=8, z_dim=4, num_res_blocks=1)),
+    # Wan 2.2's layout: 2x2 patches around the VAE (16x), residual blocks with pixel-shuffle shortcuts
+    "wan22": ("AutoencoderKLWan", dict(base_dim=8, decoder_base_dim=8, z_dim=4, num_res_blocks=1, is_residual=True,
+                                       patch_size=2, scale_factor_spatial=16, in_channels=12, out_channels=12,
+                                       dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True])),
+}
+
+
+def tiny_vae(kind: str):
+    """A tiny VAE of ``kind`` (see :data:`TINY_VAES`) with seeded random weights, float32, eval mode."""
+    import diffusers
+
+    cls_name, config = TINY_VAES[kind]
+    torch.manual_seed(0)
+    vae = getattr(diffusers, cls_name)(**config).eval()
+    with torch.no_grad():  # random norms and biases too, so a missed statistic or a shifted row shows
+        for p in vae.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return vae
+
+
+def _inputs(vae, kind: str, what: str, rows: int, cols: int, frames: int, batch: int) -> torch.Tensor:
+    from ditmesh.models.base import vae_plan_for
+
+    g = torch.Generator().manual_seed(7)
+    factor = 1 if what == "decode" else vae_plan_for(vae).spatial_factor(vae)
+    channels = vae.config.latent_channels if kind == "kl" and what == "decode" else (
+        vae.config.z_dim if what == "decode" else 3)
+    time = () if kind == "kl" else (frames,)
+    return torch.randn(batch, channels, *time, rows * factor, cols * factor, generator=g)
+
+
+def _run(vae, what: str, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        if what == "decode":
+            return vae.decode(z=x).sample  # by name: the split hook finds it there too
+        return vae.encode(x).latent_dist.parameters
+
+
+def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto"):
+    """``what`` (decode or encode) of a tiny ``kind`` VAE on ``rows`` x ``cols`` latent rows and columns, whole and
+    split over the world. Returns the rel err against the whole run, the collectives of the split call, and whether
+    removing the hooks gave back the VAE (same state dict, no instance attributes left, same output)."""
+    from ditmesh.comm import count_collectives
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+
+    vae = tiny_vae(kind)
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    x = _inputs(vae, kind, what, rows, cols, frames, batch)
+    ref = _run(vae, what, x)
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on")
+    with count_collectives() as counts:
+        out = _run(vae, what, x)
+    for fn in reversed(undo):
+        fn()
+    after = vae.state_dict()
+    restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
+                and not any(k in vars(m) for m in vae.modules() for k in ("forward", "decode", "_encode"))
+                and torch.equal(_run(vae, what, x), ref))
+    return dict(err=rel_err(out, ref), shape=tuple(out.shape), counts=dict(counts), restored=restored,
+                hooked=len(undo))
+
+
+def local_norms_case(kind: str, rows: int, cols: int):
+    """The split decode with each group norm's statistics taken over this rank's rows only (what a patch-wise
+    parallel VAE without the between-rank variance term does). Returns the rel err against the whole decode."""
+    from torch import nn
+
+    from ditmesh.hooks import Hook, registry
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+
+    vae = tiny_vae(kind)
+    z = _inputs(vae, kind, "decode", rows, cols, 1, 1)
+    ref = _run(vae, "decode", z)
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD)
+    for module in vae.modules():
+        if isinstance(module, nn.GroupNorm) and "vae" in registry(module).hooks:
+            registry(module).hooks["vae"] = Hook()  # passes through: the norm sees the local rows alone
+    out = _run(vae, "decode", z)
+    for fn in reversed(undo):
+        fn()
+    return rel_err(out, ref)
+
+
+def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False):
+    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode``; returns the image,
+    the collectives of the VAE decode, and (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize, remove as ditmesh_remove
+    from ditmesh.comm import count_collectives
+
+    torch.manual_seed(0)
+    pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    state = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
+    types = [type(m) for m in pipe.vae.modules()]
+    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode)
+    decode = pipe.vae.decode
+    counts = {}
+
+    def counted(*args, **kwargs):
+        with count_collectives() as c:
+            out = decode(*args, **kwargs)
+        counts.update(c)
+        return out
+
+    pipe.vae.decode = counted
+    image = pipe("a red circle", height=64, width=48, num_inference_steps=2, guidance_scale=3.5,
+                 generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="pt").images
+    pipe.vae.decode = decode
+    restored = None
+    if remove:
+        ditmesh_remove(pipe)
+        after = pipe.vae.state_dict()
+        restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
+                    and [type(m) for m in pipe.vae.modules()] == types
+                    and not any(k in vars(m) for m in pipe.vae.modules() for k in ("forward", "decode", "_encode")))
+    return dict(image=image, counts=counts, restored=restored)
