@@ -115,3 +115,34 @@ def test_sd3_lora_tp2_before_and_after_match_single_process(pools, model_checkpo
     for before in (False, True):
         _assert_matches(pools(2).run(lora_case, sd3, {"tp": 2}, loras, plan, before=before), ref)
 
+
+def test_generate_lora_option_tp2_matches_single_process(tmp_path, flux_tiny, flux_loras):
+    """`generate --lora PATH:SCALE` (repeated): the adapters are loaded after parallelizing, with their scales."""
+    from test_generate_cli import generate
+
+    (style, _), (detail, _) = flux_loras
+    opts = ["--model", flux_tiny, "--lora", f"{style}:0.7", "--lora", f"{detail}:-0.5"]
+    one, latents_one, _ = generate(tmp_path, "one", *opts, "--nproc", "1")
+    tp2, latents_tp2, _ = generate(tmp_path, "tp2", *opts, "--nproc", "2", "--tp", "2")
+    _, latents_none, _ = generate(tmp_path, "none", "--model", flux_tiny, "--nproc", "1")
+    assert rel_err(latents_tp2, latents_one) <= TOLERANCE
+    assert rel_err(latents_one, latents_none) > 0.05
+    assert tp2["loras"] == [{"path": style, "scale": 0.7}, {"path": detail, "scale": -0.5}]
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("/no/such/lora.safetensors", "--lora /no/such/lora.safetensors: no such file or folder"),
+    ("{lora}:strong", "scale 'strong' is not a number; give PATH or PATH:SCALE"),
+    ("{lora}:nan", "scale nan is not a finite number"),
+    ("{empty}", "has no .safetensors file"),
+])
+def test_generate_lora_bad_path_or_scale_is_one_line_error(value, needle, tmp_path, capsys, monkeypatch):
+    from ditmesh.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lora.safetensors").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    value = value.format(lora=tmp_path / "lora.safetensors", empty=tmp_path / "empty")
+    assert main(["generate", "--lora", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
