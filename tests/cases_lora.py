@@ -16,7 +16,8 @@ ATTENTION_FFN_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "f
                          "ffn.net.2"]
 
 
-def make_lora(model: str, path: str, seed: int, rank: int = 4, targets=None, lora_bias: bool = False) -> str:
+def make_lora(model: str, path: str, seed: int, rank: int = 4, targets=None, lora_bias: bool = False,
+              use_dora: bool = False) -> str:
     """Write a LoRA for the pipeline in folder ``model`` as its pipeline class saves one (peft's format, with the
     adapter's metadata), with random, non-zero A and B; returns the file path."""
     import re
@@ -29,7 +30,7 @@ def make_lora(model: str, path: str, seed: int, rank: int = 4, targets=None, lor
     targets = targets or FLUX_TARGETS
     names = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
              and any(re.search(t if t.startswith("^") else rf"(^|\.){re.escape(t)}$", n) for t in targets)]
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names, lora_bias=lora_bias)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=names, lora_bias=lora_bias, use_dora=use_dora)
     transformer.add_adapter(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -113,3 +114,26 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
     return dict(latents=latents, counts=counts if count else None,
                 state={k: v.clone() for k, v in pipe.transformer.state_dict().items()},
                 fused=sum(getattr(m, "fused_projections", False) is True for m in pipe.transformer.modules()))
+
+
+def hook_on_row_parallel_case(model: str) -> dict:
+    """A forward hook put on a linear that tensor parallelism swaps (row-parallel ``to_out.0``) before
+    ``parallelize``: does it still run, on the whole (all-reduced) output, and is it there after ``remove``?"""
+    from ditmesh import ParallelConfig, parallelize
+
+    pipe = _pipeline_class(model).from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    linear = pipe.transformer.transformer_blocks[0].attn.to_out[0]
+    seen = []
+    handle = linear.register_forward_hook(lambda m, args, out: seen.append(out.shape[-1]))
+    runtime = parallelize(pipe, ParallelConfig(tp=2))
+    _run(pipe, {}, 1)
+    during = list(seen)
+    runtime.remove()
+    seen.clear()
+    _run(pipe, {}, 1)
+    after = list(seen)
+    handle.remove()
+    seen.clear()
+    _run(pipe, {}, 1)
+    return dict(during=during, after=after, removed=seen, width=linear.out_features)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_lora import ATTENTION_FFN_TARGETS, lora_case, make_lora
+from cases_lora import ATTENTION_FFN_TARGETS, hook_on_row_parallel_case, lora_case, make_lora
 from ditmesh.testing import rel_err
 
 #: every call of a plan against one process
@@ -146,3 +146,40 @@ def test_generate_lora_bad_path_or_scale_is_one_line_error(value, needle, tmp_pa
     assert main(["generate", "--lora", value]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_hook_on_a_swapped_linear_keeps_running(pools, flux_tiny):
+    """Row-parallel linears are swapped modules sharing the original's hook tables: a hook registered before
+    parallelize runs on the whole output while swapped and after remove, and its handle still removes it."""
+    for r in pools(2).run(hook_on_row_parallel_case, flux_tiny):
+        assert r["during"] == [r["width"]] and r["after"] == [r["width"]] and r["removed"] == []
+
+
+def test_unload_after_parallelize_then_remove_gives_back_the_plain_pipeline(pools, flux_tiny, flux_loras):
+    """unload_lora_weights puts peft's base layers back (our row-parallel swap included); remove() still finds
+    and undoes everything."""
+    plan = [("adapters", ["style", "detail"], [0.7, -0.5]), ("unload",), ("remove",)]
+    ref = _reference(flux_tiny, [], [("run",)])
+    for r in pools(2).run(lora_case, flux_tiny, {"tp": 2}, flux_loras, plan):
+        assert rel_err(r["latents"][1], ref["latents"][0]) <= TOLERANCE
+        assert rel_err(r["latents"][2], ref["latents"][0]) <= TOLERANCE
+        assert r["state"].keys() == ref["state"].keys()
+        assert all(torch.equal(r["state"][k], ref["state"][k]) for k in ref["state"])
+
+
+def test_dora_under_tp_is_refused_before_loading(pools, flux_tiny, tmp_path):
+    from ditmesh.testing import RankError
+
+    loras = [(make_lora(flux_tiny, str(tmp_path / "dora"), 6, targets=["to_q", "ff.net.2"], use_dora=True), "dora")]
+    with pytest.raises(RankError, match="DoRA adapter .* cannot be split over tensor-parallel ranks"):
+        pools(2).run(lora_case, flux_tiny, {"tp": 2}, loras, [("run",)])
+
+
+def test_lora_with_bias_tp2_matches_single_process(pools, flux_tiny, tmp_path):
+    """B's bias (peft's lora_bias): split with the rows of a column-parallel layer, whole (added once, after A's
+    all-reduce) for a row-parallel one; fused into the bias shards."""
+    loras = [(make_lora(flux_tiny, str(tmp_path / "biased"), 7, lora_bias=True), "biased")]
+    plan = [("run",), ("fuse", 0.5), ("unfuse",)]
+    ref = _reference(flux_tiny, loras, plan)
+    for before in (False, True):
+        _assert_matches(pools(2).run(lora_case, flux_tiny, {"tp": 2}, loras, plan, before=before), ref)

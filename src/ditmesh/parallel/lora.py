@@ -90,6 +90,9 @@ class LoadAdapter(Hook):
                 raise ConfigError(f"{type(owner).__name__} is tensor-parallel: load a LoRA file through the pipeline's "
                                   "load_lora_weights (or pass load_lora_adapter a state dict), so it is cut to this "
                                   "rank's shard")
+            if any("lora_magnitude_vector" in key or "dora_scale" in key for key in source):
+                raise ConfigError("a DoRA adapter (magnitude vectors) cannot be split over tensor-parallel ranks: its "
+                                  "norm reads whole weight rows; use plain LoRA, or tp=1 with sequence parallelism")
             source = shard_state_dict(source, layers, self.rank, self.size)
             args, kwargs = ((source,) + tuple(args[1:]), kwargs) if args else \
                 ((), {**kwargs, "pretrained_model_name_or_path_or_dict": source})
