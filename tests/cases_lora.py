@@ -72,14 +72,15 @@ def _run(pipe, call: dict, steps: int):
 
 
 def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = False, prefuse: float | None = None,
-              fuse_qkv: bool = False, call: dict | None = None, steps: int = 2, count: bool = False) -> dict:
+              fuse_qkv: bool = False, call: dict | None = None, steps: int = 2, count: bool = False,
+              load: dict | None = None) -> dict:
     """Load ``loras`` ([(file, adapter name)]) into the pipeline in ``model``, before or after ``parallelize(config)``
     (``prefuse``: then ``fuse_lora(lora_scale=prefuse)``, before parallelize when ``before``), and run one pipeline
     call after each entry of ``plan``. Returns ``latents`` (one per entry), ``counts`` (collectives of each call when
     ``count``), the transformer's ``state`` after the last entry, and how many attention layers have ``fused``
     Q/K/V projections.
 
-    ``plan`` entries: ``("run",)``, ``("adapters", names, weights)`` (set_adapters), ``("fuse", scale)``
+    ``load``: more arguments of ``load_lora_weights`` (Wan 2.2's ``load_into_transformer_2``). ``plan`` entries: ``("run",)``, ``("adapters", names, weights)`` (set_adapters), ``("fuse", scale)``
     (fuse_lora), ``("unfuse",)``, ``("disable",)``, ``("enable",)``, ``("unload",)``, ``("remove",)``
     (ditmesh.remove).
     """
@@ -90,17 +91,17 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
     pipe = _pipeline_class(model).from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
 
-    def load():
+    def load_all():
         for file, name in loras:
-            pipe.load_lora_weights(file, adapter_name=name)
+            pipe.load_lora_weights(file, adapter_name=name, **(load or {}))
         if prefuse is not None:
             pipe.fuse_lora(lora_scale=prefuse)
 
     if before:
-        load()
+        load_all()
     runtime = parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv)
     if not before:
-        load()
+        load_all()
     actions = {"adapters": lambda names, weights: pipe.set_adapters(names, weights),
                "fuse": lambda scale: pipe.fuse_lora(lora_scale=scale), "unfuse": pipe.unfuse_lora,
                "disable": pipe.disable_lora, "enable": pipe.enable_lora, "unload": pipe.unload_lora_weights,

@@ -183,3 +183,16 @@ def test_lora_with_bias_tp2_matches_single_process(pools, flux_tiny, tmp_path):
     ref = _reference(flux_tiny, loras, plan)
     for before in (False, True):
         _assert_matches(pools(2).run(lora_case, flux_tiny, {"tp": 2}, loras, plan, before=before), ref)
+
+
+def test_wan22_lora_into_both_transformers_tp2_matches_single_process(pools, model_checkpoints, tmp_path):
+    """Wan 2.2 (two transformers): one LoRA loaded into both, after and before parallelize."""
+    wan = model_checkpoints["wan2.2-tiny"]
+    loras = [(make_lora(wan, str(tmp_path / "wan"), 8, targets=ATTENTION_FFN_TARGETS), "style")]
+    plan = [("run",), ("fuse", 0.5)]
+    kwargs = dict(call={"num_frames": 5}, load={"load_into_transformer_2": True})
+    ref = _reference(wan, loras, plan, **kwargs)
+    off = _reference(wan, [], [("run",)], call={"num_frames": 5})
+    assert rel_err(ref["latents"][0], off["latents"][0]) > 0.05
+    for before in (False, True):
+        _assert_matches(pools(2).run(lora_case, wan, {"tp": 2}, loras, plan, before=before, **kwargs), ref)
