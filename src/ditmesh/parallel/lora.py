@@ -38,7 +38,8 @@ from .tensor import LinearShard, check_lora, reduce_lora_inputs, sharded_layers,
 
 #: a LoRA tensor's key: the adapted module, which factor (A / B; ``down`` / ``up`` in older diffusers files),
 #: an optional adapter name, and the parameter
-_KEY = re.compile(r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?|lora[._](?P<du>down|up))\.(?P<param>weight|bias)$")
+_KEY = re.compile(r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?|lora[._](?P<du>down|up))"
+                  r"\.(?P<param>weight|bias)$")
 
 
 def shard_state_dict(state_dict: dict, layers: dict[str, LinearShard], rank: int, size: int) -> dict:

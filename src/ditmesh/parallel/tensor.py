@@ -49,7 +49,7 @@ def shard_of(model: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def sharded_layers(model: torch.nn.Module) -> dict[str, "LinearShard"]:
-    """The layers :func:`apply` split on ``model`` by module name, with full sizes (empty when it is not tensor-parallel)."""
+    """The layers :func:`apply` split on ``model``, by module name, with full sizes (empty unless tensor-parallel)."""
     return _LAYERS.get(model, {})
 
 
@@ -186,9 +186,13 @@ def _slot(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 def check_lora(name: str, module: torch.nn.Module) -> None:
     """Refuse LoRA variants whose arithmetic is not split like plain LoRA (DoRA's norm reads whole rows)."""
-    if lora_layer(module) and (getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values())):
-        raise ConfigError(f"{name}: a LoRA variant ({', '.join(module.lora_variant) or 'DoRA'}) cannot be split over "
-                          "tensor-parallel ranks; use plain LoRA, or tp=1 with sequence parallelism")
+    if not lora_layer(module):
+        return
+    variants = set(getattr(module, "lora_variant", None) or ())
+    variants |= {adapter for adapter, on in getattr(module, "use_dora", {}).items() if on}
+    if variants:
+        raise ConfigError(f"{name}: adapter {', '.join(sorted(variants))} is a LoRA variant (such as DoRA) that "
+                          "cannot be split over tensor-parallel ranks; use plain LoRA, or tp=1 with sequence parallelism")
 
 
 def lora_tensors(module: torch.nn.Module, shard: LinearShard) -> list[tuple[torch.nn.Module, str, int]]:
@@ -263,7 +267,7 @@ def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, 
     default the slice is taken from the model's own full parameter. Installs no collective: see :func:`apply`.
     """
     shards = resolve_plan(model, plan, size)
-    for name, shard in shards.items():
+    for name in shards:
         check_lora(name, model.get_submodule(name))
     for name, shard in shards.items():
         wrapper = model.get_submodule(name)
@@ -456,7 +460,8 @@ def unshard_model(model, plan: TensorPlan, shards: dict[str, LinearShard], rank:
         for param in ("weight", "bias"):
             where = shard_slices(shard, param, rank, size) if module._parameters.get(param) is not None else None
             if where is not None:
-                _set_param(module, param, _gather_shards(module._parameters[param].detach(), where[0], shard, size, group))
+                local = module._parameters[param].detach()
+                _set_param(module, param, _gather_shards(local, where[0], shard, size, group))
         _resize(module, shard, size, 1)
         for lin, param, dim in lora_tensors(wrapper, shard):
             _set_param(lin, param, _gather_shards(lin._parameters[param].detach(), dim, shard, size, group))

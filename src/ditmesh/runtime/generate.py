@@ -116,7 +116,8 @@ def load_loras(pipe, loras: list[tuple[str, float]]) -> list[str]:
     if not loras:
         return []
     if not hasattr(pipe, "load_lora_weights"):
-        raise ConfigError(f"--lora: {type(pipe).__name__} cannot load LoRA weights (diffusers has no LoRA loader for it)")
+        raise ConfigError(f"--lora: {type(pipe).__name__} cannot load LoRA weights (diffusers has no LoRA loader "
+                          "for it)")
     names = [f"lora{i}" for i in range(len(loras))]
     for name, (path, _) in zip(names, loras):
         pipe.load_lora_weights(str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
