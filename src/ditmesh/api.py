@@ -27,7 +27,7 @@ from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, ch
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, consistency, graph, sequence, tensor
+from .parallel import batch, consistency, graph, lora, sequence, tensor
 from .parallel import vae as parallel_vae
 
 log = logging.getLogger("ditmesh")
@@ -287,13 +287,15 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         runtime._undo.extend(undo)
 
     # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> vae -> compile -> graph. Every
-    # step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. Hooks take their place in the
+    # step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora` hooks let an
+    # adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take their place in the
     # call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
         (f"tensor(tp={config.tp})", lambda: (each(lambda m, a: tensor.apply(m, mesh, a)),
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
+        ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
@@ -309,7 +311,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         for name, step in steps:
             before = len(runtime._undo)
             step()
-            if len(runtime._undo) > before and name != "context":
+            if len(runtime._undo) > before and name not in ("context", "lora"):  # hooks alone, nothing changed yet
                 runtime.applied.append(name)
     except BaseException:
         try:

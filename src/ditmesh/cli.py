@@ -108,6 +108,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                                ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
     g.add_argument("--report", default=None, help="JSON report path (default: the output path + .json, e.g. out/image.png.json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
+    g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
+                   help="load a LoRA (a .safetensors file or folder in diffusers' or peft's format, or a hub id) with "
+                        "weight SCALE (default 1.0); repeat for several. Loaded after parallelizing: under --tp each "
+                        "rank keeps its shard of it")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     g.add_argument("--cache", default=None, metavar="POLICY",

@@ -14,10 +14,11 @@ and V in that order. Measured on 4x H200 it gained nothing (docs/lab/ulysses-ove
 it off unless asked.
 
 While fused: ``state_dict()`` lists the weights twice (``to_qkv`` and ``to_q``/``to_k``/``to_v``, one
-storage); moving the model afterwards (``.to()``, CPU offload) breaks the sharing and adds a copy; adapters
-such as LoRA loaded afterwards onto ``to_q``/``to_k``/``to_v`` are bypassed by the fused path. Fuse last,
-after moving and loading; undo (``ParallelRuntime.remove``) restores the separate path and gives the separate
-linears their own storage again.
+storage); moving the model afterwards (``.to()``, CPU offload) breaks the sharing and adds a copy. An attention
+layer with an adapted projection (peft's LoRA layer in place of a linear) is left unfused; a LoRA loaded afterwards
+would be bypassed by the fused path, so ``parallelize``'s ``lora`` hook refuses that load
+(``ditmesh.parallel.lora``). Fuse last, after moving and loading; undo (``ParallelRuntime.remove``) restores the
+separate path and gives the separate linears their own storage again.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
                   if all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in parts)]
         if not groups or groups[0][1] != "to_qkv":  # the added (text) projections alone are never fused
             continue
+        present = [p for parts, _ in _GROUPS for p in parts if getattr(attn, p, None) is not None]
+        if len(present) != sum(len(parts) for parts, _ in groups):
+            continue  # a projection wrapped by an adapter (peft's LoRA layer) must run as it is: leave them separate
         for parts, fused_name in groups:
             setattr(attn, fused_name, _fused_linear([getattr(attn, p) for p in parts]))
         had_flag = "fused_projections" in vars(attn)

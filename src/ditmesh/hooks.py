@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
 #: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
 #: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
-#: (``ditmesh.parallel.vae``).
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae")
+#: (``ditmesh.parallel.vae``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
+#: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``.
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "lora")
 
 
 class Hook:
@@ -50,9 +51,9 @@ class HookRegistry:
         self.hooks: dict[str, Hook] = {}
         #: whether ``method`` was already an instance attribute (then it is put back rather than deleted)
         self.had_instance_attr = method in vars(owner)
-        # The class's function, not a bound method: the registry must not hold its owner alive (the weak map
-        # keeps registries by owner).
-        self._func = vars(owner)[method] if self.had_instance_attr else getattr(type(owner), method)
+        # The class's function (or classmethod), not a bound method: the registry must not hold its owner alive
+        # (the weak map keeps registries by owner).
+        self._func = vars(owner)[method] if self.had_instance_attr else inspect.getattr_static(type(owner), method)
         self.wrapper = None
         #: what the innermost hook calls instead of the method, when set (a compiled version of it: the hooks
         #: around it stay eager, so they can take decisions on the host)
@@ -60,7 +61,7 @@ class HookRegistry:
 
     def original(self, owner):
         """``owner.method`` as it was before any hook, bound to ``owner``."""
-        return self._func if self.had_instance_attr else self._func.__get__(owner)
+        return self._func if self.had_instance_attr else self._func.__get__(owner, type(owner))
 
     # -- adding and removing -----------------------------------------------------------------------
     def add(self, hook: Hook) -> None:

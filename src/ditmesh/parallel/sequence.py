@@ -116,6 +116,27 @@ class SequenceParallel:
         return all_gather_uneven(tensor, dim, self.ctx.stream_sizes[stream], self.group)
 
 
+class AtPath:
+    """A torch hook on whichever module is at ``path`` of the model: :meth:`follow` moves it when another module
+    has taken that place (peft wraps a linear in a LoRA layer when an adapter is loaded, and puts the linear back
+    when it is unloaded), so a split or gather point stays where the plan names it."""
+
+    def __init__(self, model: torch.nn.Module, path: str, register):
+        self.path, self.register = path, register
+        self.module = model.get_submodule(path)
+        self.handle = register(self.module)
+
+    def follow(self, model: torch.nn.Module) -> None:
+        """Re-register the hook if the module at ``path`` is no longer the one holding it."""
+        module = model.get_submodule(self.path)
+        if module is not self.module:
+            self.handle.remove()
+            self.module, self.handle = module, self.register(module)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
 class SequenceEntry(Hook):
     """The transformer's ``sequence`` hook: starts the call's split and cuts the entry inputs of the plan."""
 
@@ -123,8 +144,12 @@ class SequenceEntry(Hook):
 
     def __init__(self, sp: SequenceParallel, splits: dict[str, Split], forward):
         self.sp, self.splits, self.forward = sp, splits, forward
+        #: the split and gather points inside the model (:class:`AtPath`)
+        self.points: list[AtPath] = []
 
     def __call__(self, owner, call_next, args, kwargs):
+        for point in self.points:
+            point.follow(owner)
         self.sp.begin()
         kwargs = bind_kwargs(self.forward, args, kwargs)
         kwargs = {k: (self.sp.split_value(v, self.splits[k]) if k in self.splits else v) for k, v in kwargs.items()}
@@ -201,16 +226,17 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     check_attention_selection(model, adapter)
     sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport)
     plan = adapter.sequence_plan
-    undo = [add_hook(model, SequenceEntry(sp, plan.inputs.get("", {}), model.forward))]
-    handles = []
+    entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
+    undo = [add_hook(model, entry)]
+    points = entry.points
     for path, splits in plan.inputs.items():
         if path:
-            handles.append(_split_inputs_hook(sp, model.get_submodule(path), splits))
+            points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(sp, m, splits)))
     for path, splits in plan.outputs.items():
-        handles.append(_split_outputs_hook(sp, model.get_submodule(path), splits))
+        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(sp, m, splits)))
     for path, spec in plan.gathers.items():
-        handles.append(_gather_hook(sp, model.get_submodule(path), spec))
-    undo += [h.remove for h in handles]
+        points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
+    undo += [p.remove for p in points]
     previous = {}
     for name, attn in adapter.attention_modules(model):
         previous[name] = attn.processor

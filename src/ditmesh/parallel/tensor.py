@@ -39,11 +39,18 @@ from ..models.base import ModelAdapter, TensorPlan, adapter_for, name_pattern
 _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Transformers loaded as a shard by :func:`load_sharded_transformer`: their whole weights never existed here
 _LOADED_SHARDED: weakref.WeakSet = weakref.WeakSet()
+#: Tensor-parallel transformers -> their sharded layers by module name (full sizes), set by :func:`apply`
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shard_of(model: torch.nn.Module) -> tuple[int, int] | None:
     """``(tp_rank, tp_size)`` when ``model`` holds one tensor-parallel shard, else None."""
     return _SHARDS.get(model)
+
+
+def sharded_layers(model: torch.nn.Module) -> dict[str, "LinearShard"]:
+    """The layers :func:`apply` split on ``model``, by module name, with full sizes (empty unless tensor-parallel)."""
+    return _LAYERS.get(model, {})
 
 
 def loaded_sharded(model: torch.nn.Module) -> bool:
@@ -97,16 +104,16 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
     """
     shards: dict[str, LinearShard] = {}
     for pattern, hits in _matching(model, plan.colwise).items():
-        shards.update({n: LinearShard("colwise", (m.out_features,)) for n, m in hits})
+        shards.update({n: LinearShard("colwise", (base_layer(m).out_features,)) for n, m in hits})
     for pattern, hits in _matching(model, plan.rowwise).items():
-        shards.update({n: LinearShard("rowwise", (m.in_features,)) for n, m in hits})
+        shards.update({n: LinearShard("rowwise", (base_layer(m).in_features,)) for n, m in hits})
     for pattern, hits in _matching(model, plan.packed_rowwise).items():
         for name, linear in hits:
             parent = model.get_submodule(name.rpartition(".")[0])
-            parts = tuple(parent.get_submodule(p).out_features for p in plan.packed_rowwise[pattern])
-            if sum(parts) != linear.in_features:
+            parts = tuple(base_layer(parent.get_submodule(p)).out_features for p in plan.packed_rowwise[pattern])
+            if sum(parts) != base_layer(linear).in_features:
                 raise ValueError(f"{name}: packed parts {plan.packed_rowwise[pattern]} have {sum(parts)} features, "
-                                 f"the linear reads {linear.in_features}")
+                                 f"the linear reads {base_layer(linear).in_features}")
             shards[name] = LinearShard("packed_rowwise", parts)
     for pattern, hits in _matching(model, plan.sharded_norms).items():
         for name, norm in hits:
@@ -142,6 +149,69 @@ def shard_slices(shard: LinearShard, param: str, rank: int, size: int) -> tuple[
 def take(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
     """The given ranges of ``t`` along ``dim``, concatenated into a new tensor (never a view of ``t``)."""
     return torch.cat([t.narrow(dim, start, length) for start, length in ranges], dim=dim)
+
+
+# -- peft's LoRA layers (as diffusers' load_lora_weights injects them) -----------------------------------------
+# A LoRA layer takes the place of a linear and holds it as ``base_layer``, with one ``lora_A`` (rank x in) and one
+# ``lora_B`` (out x rank) linear per adapter: out = base(x) + scale * B(A(x)). Recognised by that shape, so the
+# core does not import peft. Under tensor parallelism the adapter is split like the layer it adapts: a
+# column-parallel layer keeps its rows of B (and of B's bias), A whole; a row-parallel layer keeps its columns of
+# A (per packed part), B whole, and A's product (rank wide) is summed over the group with its own all-reduce, so
+# B and B's bias act on the full A(x) and everything after it is replicated. A fused (merged) adapter lives in
+# the base weight and is split with it; peft's merge and unmerge then work on the shards.
+
+
+def lora_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA layer: a ``base_layer`` and ``lora_A`` / ``lora_B`` per adapter."""
+    return hasattr(module, "base_layer") and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+
+
+def base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The layer a LoRA layer adapts (``module`` itself when it is not one)."""
+    while lora_layer(module):
+        module = module.base_layer
+    return module
+
+
+def _slot(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """(owner, attribute) that holds the base layer of module ``name``: its innermost LoRA layer, or its parent."""
+    module = model.get_submodule(name)
+    if not lora_layer(module):
+        parent, _, attr = name.rpartition(".")
+        return model.get_submodule(parent), attr
+    while lora_layer(module.base_layer):
+        module = module.base_layer
+    return module, "base_layer"
+
+
+def check_lora(name: str, module: torch.nn.Module) -> None:
+    """Refuse LoRA variants whose arithmetic is not split like plain LoRA (DoRA's norm reads whole rows)."""
+    if not lora_layer(module):
+        return
+    variants = set(getattr(module, "lora_variant", None) or ())
+    variants |= {adapter for adapter, on in getattr(module, "use_dora", {}).items() if on}
+    if variants:
+        raise ConfigError(f"{name}: adapter {', '.join(sorted(variants))} is a LoRA variant (such as DoRA) that "
+                          "cannot be split over tensor-parallel ranks; use plain LoRA, or tp=1 with sequence parallelism")
+
+
+def lora_tensors(module: torch.nn.Module, shard: LinearShard) -> list[tuple[torch.nn.Module, str, int]]:
+    """``(linear, parameter, dim)`` of every LoRA tensor of ``module`` split like its layer (none for norms)."""
+    if not lora_layer(module) or shard.kind == "norm":
+        return []
+    if shard.kind == "colwise":
+        return [(lin, p, 0) for lin in module.lora_B.values() for p in ("weight", "bias")
+                if lin._parameters.get(p) is not None]
+    return [(lin, "weight", 1) for lin in module.lora_A.values()]
+
+
+def _sync_features(module: torch.nn.Module) -> None:
+    # peft builds new adapters from the LoRA layer's in/out_features: keep them those of the (sharded) base
+    if lora_layer(module):
+        base = base_layer(module)
+        module.in_features, module.out_features = base.in_features, base.out_features
+        for lin in [*module.lora_A.values(), *module.lora_B.values()]:
+            lin.out_features, lin.in_features = lin.weight.shape
 
 
 def partition_bytes(model: torch.nn.Module, plan: TensorPlan, size: int) -> tuple[int, int]:
@@ -197,8 +267,11 @@ def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, 
     default the slice is taken from the model's own full parameter. Installs no collective: see :func:`apply`.
     """
     shards = resolve_plan(model, plan, size)
+    for name in shards:
+        check_lora(name, model.get_submodule(name))
     for name, shard in shards.items():
-        module = model.get_submodule(name)
+        wrapper = model.get_submodule(name)
+        module = base_layer(wrapper)
         for param in ("weight", "bias"):
             if module._parameters.get(param) is None:
                 continue
@@ -212,17 +285,46 @@ def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, 
                 value = take(module._parameters[param].detach(), *where)
             _set_param(module, param, value)
         _resize(module, shard, 1, size)
+        for lin, param, dim in lora_tensors(wrapper, shard):
+            _set_param(lin, param, take(lin._parameters[param].detach(), dim, shard.ranges(rank, size)))
+        _sync_features(wrapper)
     _divide_attrs(model, plan, size)
     _SHARDS[model] = (rank, size)
     return shards
 
 
-class RowParallelLinear(torch.nn.Linear):
+#: torch's hook tables of a module: a swapped-in module shares those of the module it replaces
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called")
+
+
+class _Swapped(torch.nn.Module):
+    """A module put in the place of another (``replaced``), sharing its Parameters and its torch hooks.
+
+    The hook tables are the replaced module's own dicts, so a hook registered on either (before or after the
+    swap) runs on whichever is in place, and its handle removes it from both. ``replaced`` is kept outside the
+    module tree (it is not a submodule), and :meth:`restore` gives it back with the current Parameters.
+    """
+
+    def _take_place_of(self, replaced: torch.nn.Module) -> None:
+        object.__setattr__(self, "replaced", replaced)
+        for table in _HOOK_TABLES:
+            object.__setattr__(self, table, getattr(replaced, table))
+
+    def restore(self) -> torch.nn.Module:
+        """The replaced module, holding this module's Parameters (an adapter may have set new ones)."""
+        for name, param in self._parameters.items():
+            setattr(self.replaced, name, param)
+        return self.replaced
+
+
+class RowParallelLinear(_Swapped, torch.nn.Linear):
     """A row-parallel linear: this rank's input columns, ONE all-reduce of the partial product, the bias once.
 
     It takes the place of the sharded ``nn.Linear`` under the same attribute and shares its ``weight`` and
     ``bias`` Parameters, so parameter names stay those of the checkpoint; the bias is whole on every rank,
-    so it goes in once, after the sum.
+    so it goes in once, after the sum. It also takes the place of the ``lora_A`` linears of a row-parallel
+    LoRA layer (see "peft's LoRA layers" above).
     """
 
     def __init__(self, linear: torch.nn.Linear, group):
@@ -230,13 +332,14 @@ class RowParallelLinear(torch.nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.group = group
+        self._take_place_of(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce_sum(F.linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
 
-class ShardedRMSNorm(torch.nn.Module):
+class ShardedRMSNorm(_Swapped):
     """RMSNorm over a feature dimension split across the tensor-parallel ranks (Wan's QK-norms under tp).
 
     This rank holds ``local`` of the ``full`` features (and the matching slice of the weight). The mean of
@@ -250,6 +353,7 @@ class ShardedRMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = norm.weight  # None when not elementwise_affine
         self.eps, self.full, self.group = norm.eps, full, group
+        self._take_place_of(norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -286,8 +390,10 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         raise ConfigError(f"ulysses={mesh.size('ulysses')} exceeds the {local_heads} heads a tp={size} rank holds; "
                           f"use ulysses <= {local_heads} or a smaller tp")
     remove_all_reduces = install_all_reduces(model, shards, group)
+    _LAYERS[model] = shards
 
     def undo():
+        _LAYERS.pop(model, None)
         remove_all_reduces()
         if loaded_sharded(model):
             raise RuntimeError(f"{type(model).__name__} was loaded as tensor-parallel shard {rank} of {size} "
@@ -302,45 +408,64 @@ def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], 
     """Give every row-parallel linear of ``shards`` its all-reduce (bias added after it) and swap every sharded
     norm for a :class:`ShardedRMSNorm`; returns the undo callable.
 
-    Both swaps put a module sharing the original's Parameters under the same attribute, so parameter names
-    stay those of the checkpoint. ``shards`` holds full sizes.
+    Both swaps put a module sharing the original's Parameters under the same attribute (the base layer's slot
+    inside a LoRA layer), so parameter names stay those of the checkpoint. The ``lora_A`` linears of a
+    row-parallel LoRA layer get their all-reduce too (:func:`reduce_lora_inputs`). ``shards`` holds full sizes.
+    The undo looks at the model as it is then, so it also finds what an adapter loaded or unloaded since.
     """
-    swapped = []
     for name, shard in shards.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        original = getattr(parent, attr)
+        owner, attr = _slot(model, name)
         if shard.kind in ("rowwise", "packed_rowwise"):
-            setattr(parent, attr, RowParallelLinear(original, group))
+            setattr(owner, attr, RowParallelLinear(getattr(owner, attr), group))
+            reduce_lora_inputs(model.get_submodule(name), group)
         elif shard.kind == "norm":
-            setattr(parent, attr, ShardedRMSNorm(original, shard.parts[0], group))
-        else:
-            continue
-        swapped.append((parent, attr, original))
+            setattr(owner, attr, ShardedRMSNorm(getattr(owner, attr), shard.parts[0], group))
 
     def undo():
-        for parent, attr, original in swapped:
-            setattr(parent, attr, original)
+        for name in shards:
+            owner, attr = _slot(model, name)
+            if isinstance(getattr(owner, attr), _Swapped):
+                setattr(owner, attr, getattr(owner, attr).restore())
+            module = model.get_submodule(name)
+            if lora_layer(module):
+                for key, lin in module.lora_A.items():
+                    if isinstance(lin, _Swapped):
+                        module.lora_A[key] = lin.restore()
 
     return undo
+
+
+def reduce_lora_inputs(module: torch.nn.Module, group) -> None:
+    """Sum the product of every ``lora_A`` of a row-parallel LoRA layer over the group (one all-reduce each)."""
+    if lora_layer(module):
+        for key, lin in module.lora_A.items():
+            if not isinstance(lin, RowParallelLinear):
+                module.lora_A[key] = RowParallelLinear(lin, group)
+
+
+def _gather_shards(local: torch.Tensor, dim: int, shard: LinearShard, size: int, group) -> torch.Tensor:
+    """The whole tensor from every rank's shard along ``dim`` (one all-gather), parts back in model order."""
+    gathered = all_gather_uneven(local, dim, [local.size(dim)] * size, group)
+    # gathered is rank-major [r0 part0, r0 part1, r1 part0, ...]; the model wants part-major.
+    chunks = gathered.split([p // size for _ in range(size) for p in shard.parts], dim=dim)
+    n = len(shard.parts)
+    return torch.cat([chunks[r * n + i] for i in range(n) for r in range(size)], dim=dim)
 
 
 def unshard_model(model, plan: TensorPlan, shards: dict[str, LinearShard], rank: int, size: int, group) -> None:
     """Gather the full weights back on every rank (the inverse of :func:`shard_model`; one all-gather per tensor)."""
     for name, shard in shards.items():
-        module = model.get_submodule(name)
+        wrapper = model.get_submodule(name)
+        module = base_layer(wrapper)
         for param in ("weight", "bias"):
             where = shard_slices(shard, param, rank, size) if module._parameters.get(param) is not None else None
-            if where is None:
-                continue
-            dim = where[0]
-            local = module._parameters[param].detach()
-            gathered = all_gather_uneven(local, dim, [local.size(dim)] * size, group)
-            # gathered is rank-major [r0 part0, r0 part1, r1 part0, ...]; the model wants part-major.
-            chunks = gathered.split([p // size for _ in range(size) for p in shard.parts], dim=dim)
-            n = len(shard.parts)
-            _set_param(module, param, torch.cat([chunks[r * n + i] for i in range(n) for r in range(size)], dim=dim))
+            if where is not None:
+                local = module._parameters[param].detach()
+                _set_param(module, param, _gather_shards(local, where[0], shard, size, group))
         _resize(module, shard, size, 1)
+        for lin, param, dim in lora_tensors(wrapper, shard):
+            _set_param(lin, param, _gather_shards(lin._parameters[param].detach(), dim, shard, size, group))
+        _sync_features(wrapper)
     for pattern, hits in _matching(model, plan.per_rank_attrs).items():
         for _, module in hits:
             for attr in plan.per_rank_attrs[pattern]:

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
+    for text in getattr(args, "lora", None) or ():
+        check_lora_path(parse_lora(text)[0], text)
     check_output_paths(args)
     model = resolve_model(args.model)  # from here on, checks read the model's family
     tcfg = read_transformer_config(model)
@@ -71,6 +74,56 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
 
         CacheConfig.parse(args.cache)
     return config, model
+
+
+#: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """``--lora PATH[:SCALE]``: the LoRA's path (file, folder or hub id) and its weight (default 1.0).
+
+    The scale is what follows the last ``:``, unless that holds a path separator (then it is all a path).
+    """
+    path, sep, scale = text.rpartition(":")
+    if not sep or not path or "/" in scale or "\\" in scale:
+        return text, 1.0
+    try:
+        value = float(scale)
+    except ValueError:
+        raise ConfigError(f"--lora {text}: scale {scale!r} is not a number; give PATH or PATH:SCALE, e.g. "
+                          "style.safetensors:0.8") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"--lora {text}: scale {scale} is not a finite number; give one like 0.8")
+    return path, value
+
+
+def check_lora_path(path: str, text: str) -> None:
+    """Raise ConfigError unless ``path`` is a LoRA file, a folder with a .safetensors file, or a hub id."""
+    local = Path(path).expanduser()
+    if local.is_dir() and not any(local.glob("*.safetensors")):
+        raise ConfigError(f"--lora {text}: the folder {path} has no .safetensors file")
+    if not local.exists() and (not _HUB_ID.match(path) or local.suffix in (".safetensors", ".bin")):
+        raise ConfigError(f"--lora {text}: no such file or folder")
+
+
+def load_loras(pipe, loras: list[tuple[str, float]]) -> list[str]:
+    """Load each ``(path, scale)`` as adapter ``lora<i>`` and activate them all with their scales; the names.
+
+    Called after ``parallelize`` on every rank alike, so under tensor parallelism each rank keeps its shard
+    (``ditmesh.parallel.lora``).
+    """
+    if not loras:
+        return []
+    if not hasattr(pipe, "load_lora_weights"):
+        raise ConfigError(f"--lora: {type(pipe).__name__} cannot load LoRA weights (diffusers has no LoRA loader "
+                          "for it)")
+    names = [f"lora{i}" for i in range(len(loras))]
+    for name, (path, _) in zip(names, loras):
+        pipe.load_lora_weights(str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
+                               adapter_name=name)
+    pipe.set_adapters(names, [scale for _, scale in loras])
+    return names
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -255,6 +308,8 @@ def run(args) -> int:
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
                           vae_parallel=getattr(args, "vae_parallel", "auto"))
+    loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
+    load_loras(pipe, loras)
     load_s = time.perf_counter() - t_load
     load_peaks = all_gather_object(peak_memory_bytes(device))
     placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
@@ -327,6 +382,7 @@ def run(args) -> int:
             "true_cfg_scale": args.true_cfg_scale if args.negative_prompt is not None else None,
             "prompt": args.prompt,
             "seed": args.seed,
+            "loras": [{"path": path, "scale": scale} for path, scale in loras],
             "versions": versions(),
             "load_s": round(load_s, 4),
             "load_peak_memory_bytes": load_peaks,

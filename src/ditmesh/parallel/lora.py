@@ -1,0 +1,135 @@
+"""LoRA adapters loaded into a parallelized pipeline: ``pipe.load_lora_weights(...)`` as usual, after ``parallelize``.
+
+LoRA is weights. Under sequence, CFG and data parallelism every rank holds the whole model, so an adapter
+loads as it would on one process; the sequence split and gather points follow a linear that peft wraps (see
+``parallel.sequence``). Under tensor parallelism the model's linears hold one shard, so a full-size adapter
+cannot go into them as it is. The ``lora`` hooks cut it on its way in:
+
+- around the pipeline's ``lora_state_dict`` (which ``load_lora_weights`` calls first, and which converts the
+  other LoRA formats into peft's): the transformer's LoRA tensors come out already cut to this rank's part,
+  so the shape checks that follow (FLUX's expansion of Control LoRA layers) see matching shapes;
+- around each transformer's ``load_lora_adapter``: a state dict given there directly is cut the same way
+  (a tensor already cut is left as it is), and after peft has made the new LoRA layers, the ``lora_A`` of each
+  row-parallel one gets its all-reduce.
+
+How each tensor is cut is ``parallel.tensor``'s ("peft's LoRA layers"): B's rows for a column-parallel layer,
+A's columns for a row-parallel one. An adapter loaded *before* ``parallelize`` is split there, with the base
+weights. Afterwards, ``fuse_lora``, ``unfuse_lora``, ``set_adapters``, ``disable_lora`` and
+``unload_lora_weights`` are peft's own, on the shards.
+
+Fused Q/K/V projections (``parallelize(fuse_qkv=True)``) compute Q, K and V without calling ``to_q``, so
+an adapter loaded on them afterwards would be skipped: that load is refused (an adapter loaded before is fine:
+adapted attention layers are not fused).
+
+Cross-rank rule: every rank loads the same adapters in the same order (as every rank calls ``pipe(...)``
+alike); ``remove()`` gathers the adapters' shards back with one all-gather per tensor.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import ConfigError
+from ..hooks import Hook, add_hook
+from ..mesh import ParallelMesh
+from .tensor import LinearShard, check_lora, reduce_lora_inputs, sharded_layers, take
+
+#: a LoRA tensor's key: the adapted module, which factor (A / B; ``down`` / ``up`` in older diffusers files),
+#: an optional adapter name, and the parameter
+_KEY = re.compile(r"^(?P<module>.+)\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?|lora[._](?P<du>down|up))"
+                  r"\.(?P<param>weight|bias)$")
+
+
+def shard_state_dict(state_dict: dict, layers: dict[str, LinearShard], rank: int, size: int) -> dict:
+    """``state_dict`` with the LoRA tensors of sharded layers cut to tensor-parallel rank ``rank`` of ``size``.
+
+    Keys may carry one component prefix (``transformer.``). B (``up``) of a column-parallel layer keeps its
+    rows, A (``down``) of a row-parallel layer its columns; a tensor that does not have the layer's full size
+    on that dimension (already cut) and every other tensor are passed on as they are.
+    """
+    out = {}
+    for key, value in state_dict.items():
+        match = _KEY.match(key)
+        if match is not None and isinstance(value, torch.Tensor):
+            name = match["module"]
+            if name not in layers and "." in name:
+                name = name.split(".", 1)[1]
+            shard = layers.get(name)
+            factor = match["ab"] or ("A" if match["du"] == "down" else "B")
+            dim = {("colwise", "B"): 0, ("rowwise", "A"): 1, ("packed_rowwise", "A"): 1}.get(
+                (shard.kind, factor)) if shard is not None else None
+            if dim is not None and dim < value.ndim and value.shape[dim] == sum(shard.parts):
+                value = take(value, dim, shard.ranges(rank, size))
+        out[key] = value
+    return out
+
+
+def _fused(model: torch.nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if getattr(module, "fused_projections", False) is True]
+
+
+class LoadAdapter(Hook):
+    """A transformer's ``lora`` hook around ``load_lora_adapter`` (see the module's docstring)."""
+
+    name = "lora"
+
+    def __init__(self, rank: int, size: int, group):
+        self.rank, self.size, self.group = rank, size, group
+
+    def __call__(self, owner, call_next, args, kwargs):
+        fused = _fused(owner)
+        if fused:
+            raise ConfigError(f"{type(owner).__name__} computes Q/K/V with fused projections ({fused[0]} and "
+                              f"{len(fused) - 1} more), which would skip a LoRA loaded on to_q/to_k/to_v now; load the "
+                              "LoRA before parallelize, or parallelize without fuse_qkv")
+        layers = sharded_layers(owner)
+        if layers:
+            source = args[0] if args else kwargs.get("pretrained_model_name_or_path_or_dict")
+            if not isinstance(source, dict):
+                raise ConfigError(f"{type(owner).__name__} is tensor-parallel: load a LoRA file through the pipeline's "
+                                  "load_lora_weights (or pass load_lora_adapter a state dict), so it is cut to this "
+                                  "rank's shard")
+            if any("lora_magnitude_vector" in key or "dora_scale" in key for key in source):
+                raise ConfigError("a DoRA adapter (magnitude vectors) cannot be split over tensor-parallel ranks: its "
+                                  "norm reads whole weight rows; use plain LoRA, or tp=1 with sequence parallelism")
+            source = shard_state_dict(source, layers, self.rank, self.size)
+            args, kwargs = ((source,) + tuple(args[1:]), kwargs) if args else \
+                ((), {**kwargs, "pretrained_model_name_or_path_or_dict": source})
+        result = call_next(args, kwargs)
+        for name, shard in layers.items():
+            module = owner.get_submodule(name)
+            check_lora(name, module)
+            if shard.kind in ("rowwise", "packed_rowwise"):
+                reduce_lora_inputs(module, self.group)
+        return result
+
+
+class CutStateDict(Hook):
+    """A pipeline's ``lora`` hook around ``lora_state_dict``: the transformer's LoRA tensors cut to this rank."""
+
+    name = "lora"
+
+    def __init__(self, transformer: torch.nn.Module, rank: int, size: int):
+        self.transformer, self.rank, self.size = transformer, rank, size
+
+    def __call__(self, owner, call_next, args, kwargs):
+        result = call_next(args, kwargs)
+        layers = sharded_layers(self.transformer)
+        if isinstance(result, tuple):  # (state_dict, network_alphas?, metadata?)
+            return (shard_state_dict(result[0], layers, self.rank, self.size),) + result[1:]
+        return shard_state_dict(result, layers, self.rank, self.size)
+
+
+def apply(pipe, models: dict[str, torch.nn.Module], mesh: ParallelMesh) -> list:
+    """Install the ``lora`` hooks on the transformers that can load adapters, and under tp > 1 on the pipeline's
+    ``lora_state_dict``. Undo callables."""
+    rank, size = mesh.rank("tp"), mesh.size("tp")
+    group = mesh.group("tp") if size > 1 else None
+    undo = [add_hook(model, LoadAdapter(rank, size, group), method="load_lora_adapter")
+            for model in models.values() if hasattr(model, "load_lora_adapter")]
+    transformer = models.get(getattr(pipe, "transformer_name", "transformer"))
+    if size > 1 and transformer is not None and hasattr(pipe, "lora_state_dict"):
+        undo.append(add_hook(pipe, CutStateDict(transformer, rank, size), method="lora_state_dict"))
+    return undo
