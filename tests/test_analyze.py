@@ -39,7 +39,8 @@ def reference(model, **kwargs):
 def test_the_probe_records_every_block_attention_and_kv_from_the_second_step(flux_tiny):
     records = reference(flux_tiny)
     data = records["transformer"]["call0"]
-    assert set(data) == {"output", "residual", "attention", "key", "value"}
+    assert set(data) == {"output", "residual", "attention", "key", "value", "modulated"}
+    assert list(data["modulated"]) == ["transformer_blocks.0"] and len(data["modulated"]["transformer_blocks.0"]) == 2
     # flux-tiny: 2 double + 2 single blocks, one attention each
     assert list(data["output"]) == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
                                     "single_transformer_blocks.1"]
