@@ -61,3 +61,50 @@ def graphed_cached_run(config: dict, cache: str, steps: int = 10):
     counts = [[(e.replay is not None, e.replays) for e in g.entries.values()]
               for g in graph.graphed_blocks(pipe.transformer, adapter)]
     return latents, {name: c.history for name, c in runtime.caches.items()}, counts
+
+
+def _python_state(step_cache) -> list:
+    """What a step cache keeps on the host between calls: a replayed CUDA graph runs no Python, so none of it may
+    change inside a call whose path was planned before it."""
+    return [len(step_cache.history)] + [
+        (key, s.computed, s.middle_step, s.earlier_step, s.skips_in_a_row,
+         sorted((n, id(t)) for n, t in s.middle.items()), sorted((n, id(t)) for n, t in s.earlier.items()))
+        for key, s in sorted(step_cache.branches.items())]
+
+
+def path_graphed_cached_run(config: dict, cache: str, steps: int = 10, cfg: bool = False):
+    """``cached_run`` with the whole transformer call replayed from one graph per planned path (``graph.apply`` with
+    the cache). On CPU the capture re-runs the call on the captured buffers; each such replay checks that the
+    cache's host-side state does not change inside the call (as a real replay could not change it)."""
+    from diffusers import DiffusionPipeline
+
+    from cases import rerun_capture
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel import graph
+
+    torch.manual_seed(0)
+    pipe = DiffusionPipeline.from_pretrained(tiny_model(), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    runtime = parallelize(pipe, ParallelConfig(**config), cache=cache)
+    step_cache = runtime.caches["transformer"]
+
+    def frozen_capture(fn):
+        replay, out = rerun_capture(fn)
+
+        def checked():
+            before = _python_state(step_cache)
+            replay()
+            assert _python_state(step_cache) == before, "host state changed inside a replayed call"
+
+        return checked, out
+
+    hook_undo = graph.apply(pipe.transformer, capture=frozen_capture, devices=("cpu",), cache=step_cache)
+    kwargs = dict(negative_prompt="", true_cfg_scale=2.0) if cfg else {}
+    latents = pipe(list(TINY_PROMPTS[:1]), height=64, width=64, num_inference_steps=steps, max_sequence_length=16,
+                   output_type="latent", generator=torch.Generator().manual_seed(7), **kwargs).images
+    from ditmesh.hooks import find_hook
+
+    entries = {key[2]: (e.replay is not None, e.replays) for key, e in
+               find_hook(pipe.transformer, "graph").graphed.entries.items()}
+    hook_undo[0]()
+    return latents, {"transformer": step_cache.history}, entries

@@ -188,6 +188,22 @@ def test_block_graphs_replay_the_paths_the_cache_takes_and_decide_as_one_process
                 assert block == [(True, computed - 2)], (setting, counts)  # a skip launches no block
 
 
+@pytest.mark.parametrize("setting", ["static:skip=3-4+6-7", "taylor:interval=3,warmup=2"])
+def test_step_scheduled_policies_replay_one_whole_call_graph_per_path(pools, setting):
+    from cases_cache import path_graphed_cached_run
+
+    ref = reference(setting)
+    one = path_graphed_cached_run({}, setting)
+    for latents, history, entries in [one] + pools(2).run(path_graphed_cached_run, {"ulysses": 2}, setting):
+        assert_same_run((latents, history, None), ref)
+        # one graph per path: computed, or skipped with each extrapolation factor; each path that came back after
+        # its capture was replayed
+        skips = [h["skip"] for h in ref[1]["transformer"]]
+        assert {path[0] for path in entries} == {False, True}
+        assert len(entries) == (2 if setting.startswith("static") else 5), entries
+        assert entries[(False, 0.0)] == (True, skips.count(False) - 2)
+
+
 def test_taylor_extrapolation_beats_replaying_the_last_residual():
     plain = reference(None, steps=28)[0]
     taylor = reference("taylor:interval=3,warmup=3", steps=28)

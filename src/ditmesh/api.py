@@ -243,8 +243,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.cache.CacheConfig` or its text form, e.g.
             ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
             reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
-            own forward is compiled inside the cache's hooks; with ``cuda_graph``, each block's forward is replayed from
-            its own graph there (``ditmesh.parallel.graph.apply_blocks``).
+            own forward is compiled inside the cache's hooks. With ``cuda_graph``, static and taylor replay one
+            whole-call graph per path; dbcache and teacache replay each block from its own graph inside the cache's hooks
+            (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
             height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
     """
@@ -286,6 +287,14 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     def keep(undo):
         runtime._undo.extend(undo)
 
+    def graph_step(model, adapter):
+        """A whole-call graph per call signature; with a step cache, per planned path (static, taylor), or one graph
+        per block inside the cache's hook where the path is decided inside the call (dbcache, teacache)."""
+        cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
+        if cache is not None and not cache.known_in_advance:
+            return graph.apply_blocks(model, adapter)
+        return graph.apply(model, cache=cache)
+
     # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> vae -> compile -> graph. Every
     # step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora` hooks let an
     # adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take their place in the
@@ -303,9 +312,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
-        # with a step cache the path changes between blocks: each block gets its own graphs, inside the cache's hook
-        ("cuda-graph", lambda: each(graph.apply_blocks if cache_config.on else lambda m, a: graph.apply(m))
-         if cuda_graph else None),
+        ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),
     ]
     try:
         for name, step in steps:

@@ -147,15 +147,27 @@ def _steps(text: str) -> tuple[int, ...]:
 
 @dataclass
 class _Branch:
-    """What one branch (call within a step) keeps between steps."""
+    """What one branch (call within a step) keeps between steps.
+
+    The middle blocks' residuals live in buffers written in place (``middle``, and ``earlier`` for taylor): a CUDA
+    graph captured once keeps reading and writing the same memory. The counters and steps are Python state,
+    updated when a decision is taken, never inside the transformer call, so a replayed graph needs nothing else.
+    """
 
     previous: torch.Tensor | None = None  # the statistic's tensor at the previous step (residual / modulated input)
     accumulated: float = 0.0  # teacache: rescaled change summed since the blocks last ran
     middle: dict = field(default_factory=dict)  # stream -> the middle blocks' residual when they last ran
-    middle_step: int = 0  # the step it was taken at
-    earlier: dict = field(default_factory=dict)  # the one before (taylor), and its step
-    earlier_step: int = 0
+    earlier: dict = field(default_factory=dict)  # stream -> the one before (taylor)
+    computed: int = 0  # calls of this run whose middle blocks ran (or are about to)
+    middle_step: int = 0  # the step of the last of them
+    earlier_step: int = 0  # and of the one before
     skips_in_a_row: int = 0
+
+    def restart(self) -> None:
+        """A new pipeline run: forget the counters and the statistic; keep the buffers, which the next computed
+        call overwrites before any skip reads them (captured graphs keep their addresses)."""
+        self.previous, self.accumulated, self.computed, self.skips_in_a_row = None, 0.0, 0, 0
+        self.middle_step = self.earlier_step = 0
 
 
 class StepCache:
@@ -177,6 +189,10 @@ class StepCache:
         self.entry: torch.Tensor | None = None
         self.middle_in: dict = {}
         self.skip = False
+        #: the decision taken before this call (``plan_call``), or None: the hooks decide
+        self.planned: bool | None = None
+        #: taylor: how far ahead of the last computed step a skipped call extrapolates, in units of the last span
+        self.factor = 0.0
         self.last_run: int | None = None
         #: one entry per decision: step, branch, relative change (None at warm-up), skipped
         self.history: list[dict] = []
@@ -189,23 +205,41 @@ class StepCache:
     # -- per block -----------------------------------------------------------------------------------------
     def branch(self) -> _Branch:
         if self.ctx.run != self.last_run:
-            self.branches.clear()  # a new pipeline run starts from nothing
+            for state in self.branches.values():  # a new pipeline run starts from nothing
+                state.restart()
             self.last_run = self.ctx.run
         return self.branches.setdefault(self.ctx.call_in_step, _Branch())
+
+    @property
+    def known_in_advance(self) -> bool:
+        """Whether the policy decides from the step alone, before the call (static, taylor)."""
+        return self.config.policy in ("static", "taylor")
+
+    def plan_call(self):
+        """Take this call's decision before the call (static and taylor only) and return the path it takes, for a
+        graph key: ``(skip, extrapolation factor)``. The call's hooks then use this decision."""
+        self.planned = self.decide(None)
+        return (self.planned, self.factor)
+
+    def end_call(self) -> None:
+        self.planned = None
 
     def decide(self, statistic: torch.Tensor) -> bool:
         """Whether this call skips the middle blocks; identical on every rank of the computation. ``statistic`` is
         the first blocks' residual (dbcache) or block 0's modulated input (teacache); static and taylor ignore it."""
         state, config = self.branch(), self.config
         step = self.ctx.step_index or 0
-        if config.policy in ("static", "taylor"):  # decided by the step alone: no statistic, no collective
+        self.factor = 0.0
+        if self.known_in_advance:  # decided by the step alone: no statistic, no collective
             if config.policy == "static":
-                skip = step in config.skip
+                skip = step in config.skip and state.computed >= 1
             else:
-                skip = step >= config.warmup and (step - config.warmup) % config.interval != 0
-            skip = skip and bool(state.middle) and (config.policy == "static" or bool(state.earlier))
+                skip = (step >= config.warmup and (step - config.warmup) % config.interval != 0
+                        and state.computed >= 2)
+                if skip:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
+                    self.factor = (step - state.middle_step) / max(1, state.middle_step - state.earlier_step)
             self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
-            return skip
+            return self._decided(state, skip, step)
         previous, state.previous = state.previous, statistic.detach()
         rel = None
         if previous is not None and previous.shape == statistic.shape:
@@ -217,7 +251,7 @@ class StepCache:
                 sums = all_reduce_sum(sums, self.group)
             diff, base = sums.tolist()  # the one host read of the step
             rel = diff / base if base else 0.0
-        allowed = (rel is not None and step >= config.warmup and bool(state.middle)
+        allowed = (rel is not None and step >= config.warmup and state.computed >= 1
                    and state.skips_in_a_row < config.max_skips)
         if config.policy == "teacache":
             timesteps = self.ctx.timesteps
@@ -229,11 +263,20 @@ class StepCache:
                 state.accumulated = 0.0
         else:
             skip = allowed and rel < config.threshold
-        state.skips_in_a_row = state.skips_in_a_row + 1 if skip else 0
         entry = {"step": step, "branch": self.ctx.call_in_step, "rel": rel, "skip": skip}
         if self.record_local and rel is not None:
             entry["local_rel"] = self.history_local
         self.history.append(entry)
+        return self._decided(state, skip, step)
+
+    @staticmethod
+    def _decided(state: _Branch, skip: bool, step: int) -> bool:
+        """Book a decision: a computed call's middle residual becomes the last one (its buffers are written by the
+        call itself)."""
+        state.skips_in_a_row = state.skips_in_a_row + 1 if skip else 0
+        if not skip:
+            state.computed += 1
+            state.earlier_step, state.middle_step = state.middle_step, step
         return skip
 
     def remove(self) -> None:
@@ -255,7 +298,12 @@ class _BlockHook(Hook):
         named = bind_kwargs(self.forward, args, kwargs)
         if index == 0:
             cache.entry = named["hidden_states"]
-            cache.skip = config.policy == "teacache" and cache.decide(cache.modulated_input(owner, named))
+            if cache.planned is not None:  # taken before the call (a graph replays this path)
+                cache.skip = cache.planned
+            elif cache.known_in_advance:
+                cache.skip = cache.decide(None)
+            else:
+                cache.skip = config.policy == "teacache" and cache.decide(cache.modulated_input(owner, named))
         middle = cache.middle
         if index in middle:
             if index == middle.start:
@@ -263,15 +311,26 @@ class _BlockHook(Hook):
             if cache.skip:
                 return self._replay(named, index == middle.stop - 1)
         output = call_next((), named)
-        if index == config.first - 1 and config.policy != "teacache":
+        if index == config.first - 1 and config.policy == "dbcache":
             hidden = self._stream(output, "hidden_states")
             cache.skip = cache.decide(hidden - cache.entry)
         if index == middle.stop - 1 and not cache.skip:
             state = cache.branch()
-            state.earlier, state.earlier_step = state.middle, state.middle_step
-            state.middle = {name: (self._stream(output, name) - before).detach()
-                            for name, before in cache.middle_in.items() if self._stream(output, name) is not None}
-            state.middle_step = cache.ctx.step_index or 0
+            taylor = config.policy == "taylor"
+            for name, before in cache.middle_in.items():
+                out = self._stream(output, name)
+                if out is None:
+                    continue
+                residual = (out - before).detach()
+                kept = state.middle.get(name)
+                if kept is None or kept.shape != residual.shape or kept.dtype != residual.dtype:
+                    state.middle[name] = residual.clone()
+                    if taylor:
+                        state.earlier[name] = residual.clone()
+                    continue
+                if taylor:
+                    state.earlier[name].copy_(kept)
+                kept.copy_(residual)  # in place: a captured graph reads and writes this memory
         if index == middle.stop - 1:
             cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output
@@ -283,16 +342,14 @@ class _BlockHook(Hook):
     def _replay(self, named: dict, last: bool):
         """A skipped block returns its inputs; the last skipped one adds the middle blocks' cached residual."""
         state = self.cache.branch()
-        taylor = self.cache.config.policy == "taylor"
+        factor = self.cache.factor  # taylor: set with the decision
         outputs = []
         for name in self.spec.returns:
             value = named.get(name)
             if last and value is not None and name in state.middle:
                 residual = state.middle[name]
-                if taylor and name in state.earlier:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
-                    span = max(1, state.middle_step - state.earlier_step)
-                    ahead = (self.cache.ctx.step_index or 0) - state.middle_step
-                    residual = residual + (residual - state.earlier[name]) * (ahead / span)
+                if factor:
+                    residual = residual + (residual - state.earlier[name]) * factor
                 value = value + residual
             outputs.append(value)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]

@@ -20,10 +20,12 @@ two tensor arguments share memory, or when a non-tensor argument is not a plain 
 float, str, dtype, device, or tuples of these), since such a signature cannot be told apart safely.
 
 Limits: the call must not depend on Python state that changes between steps and is not an argument
-(autocast or attention-backend contexts, stateful hooks such as step caches). With a step cache, whose
-decision between blocks changes the path, :func:`apply_blocks` graphs each block's own forward instead
-(inside the cache's hook, one memory pool shared by the blocks' graphs): the graphs hold exactly the paths the
-cache takes, a skipped block launches nothing, and the host takes the decision between block replays. ditmesh's data- and
+(autocast or attention-backend contexts, stateful hooks such as step caches). A step cache that knows each
+call's path before the call (static, taylor) takes its decision in this hook, and the path is part of the graph's
+key: one whole-call graph per path, the cache's kept residuals in buffers written in place. A cache that decides
+inside the call (dbcache, teacache) gets :func:`apply_blocks` instead: each block's own forward graphed inside the
+cache's hook (one memory pool shared by the blocks' graphs), so the host takes the decision between block replays
+and a skipped block launches nothing. ditmesh's data- and
 CFG-parallel hooks choose per call what to run, so graphs are refused with ``dp`` or ``cfg`` > 1 (and with
 the consistency check, which reads values on the host). Graphs are kept for the life of the wrapper, one
 memory pool each.
@@ -129,6 +131,8 @@ class GraphedCall:
                  devices: tuple[str, ...] = ("cuda",), aliased_ok: bool = False):
         self.call = call
         self.aliased_ok = aliased_ok
+        #: part of the next calls' key that is not in their arguments (the path a step cache planned)
+        self.extra_key = None
         self.devices = devices
         self.capture = capture
         self.warmup = warmup
@@ -141,7 +145,7 @@ class GraphedCall:
         key = signature(leaves, self.devices, self.aliased_ok)
         if key is None:
             return self.call(*args, **kwargs)
-        entry = self.entries.setdefault((repr(spec), key), _Entry())
+        entry = self.entries.setdefault((repr(spec), key, self.extra_key), _Entry())
         if entry.failed:
             return self.call(*args, **kwargs)
         if entry.replay is None:
@@ -187,12 +191,17 @@ class GraphedCall:
 
 
 class GraphHook(Hook):
-    """The transformer's ``graph`` hook: everything inside it replayed by one :class:`GraphedCall`."""
+    """The transformer's ``graph`` hook: everything inside it replayed by one :class:`GraphedCall`.
+
+    ``cache``: a step cache whose policy knows each call's path before the call (static, taylor): its decision is
+    taken here, before the call, and keys the graph, so each path (computed, or skipped with each extrapolation
+    factor) gets a whole-call graph of its own."""
 
     name = "graph"
 
-    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)):
+    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None):
         self._next = None
+        self.cache = cache
         self.graphed = GraphedCall(self._run_next, capture, devices=devices)
 
     def _run_next(self, *args, **kwargs):
@@ -200,15 +209,21 @@ class GraphHook(Hook):
 
     def __call__(self, owner, call_next, args, kwargs):
         self._next = call_next  # the inner chain is the same on every call; only a warm-up or capture runs it
+        if self.cache is not None:
+            self.graphed.extra_key = self.cache.plan_call()
         try:
             return self.graphed(*args, **kwargs)
         finally:
             self._next = None
+            if self.cache is not None:
+                self.cache.end_call()
 
 
-def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",)) -> list:
-    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook); returns the undo callable."""
-    return [add_hook(model, GraphHook(capture, devices))]
+def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",),
+          cache=None) -> list:
+    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given);
+    returns the undo callable."""
+    return [add_hook(model, GraphHook(capture, devices, cache))]
 
 
 def apply_blocks(model: torch.nn.Module, adapter, capture: Callable | None = None,
