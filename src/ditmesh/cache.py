@@ -28,8 +28,10 @@ listed steps (``ditmesh analyze --schedule`` proposes them from measured redunda
 
 With ``compile``, ``api.compile_blocks`` compiles each block's own forward (the registry's ``inner``) instead of
 the whole block call, so this hook stays eager and the decision is taken on the host between compiled blocks.
-With CUDA graphs, each block's forward is replayed from its own graph (``ditmesh.parallel.graph.apply_blocks``)
-and this hook stays outside them: the graphs hold exactly the paths taken, and a skip launches no block.
+With CUDA graphs, static and taylor decide before the call (``plan_call``, from the ``graph`` hook) and each path
+gets a whole-call graph; so nothing kept here changes on the host inside a call (residuals are written in place,
+counters booked at the decision). dbcache and teacache decide inside the call: each block's forward is replayed
+from its own graph (``ditmesh.parallel.graph.apply_blocks``) and this hook stays outside them.
 """
 
 from __future__ import annotations
