@@ -234,6 +234,22 @@ def test_teacache_decides_as_one_process_under_every_axis(pools):
         assert decisions(got[1]) == decisions(refs[rank][1])
 
 
+def test_teacache_accumulates_rescaled_change_and_resets_when_it_computes():
+    # the rule, written out again: after warm-up, add poly(rel) each step; skip while the sum stays under the
+    # threshold; a computed step (and the last step) starts the sum afresh
+    setting = "teacache:threshold=0.5,poly=2/0,max_skips=9"
+    history = reference(setting)[1]["transformer"]
+    acc, expected = 0.0, []
+    for i, h in enumerate(history):
+        allowed = h["rel"] is not None and h["step"] >= 1 and i < len(history) - 1
+        acc = acc + 2 * h["rel"] if allowed else 0.0
+        skip = allowed and acc < 0.5
+        acc = acc if skip else 0.0
+        expected.append(skip)
+    assert [h["skip"] for h in history] == expected
+    assert sum(expected) >= 2 and not all(expected[1:-1])  # it skipped, and it also had to compute again
+
+
 def test_teacache_ranks_agree_where_their_own_shards_would_not(pools):
     # at step 1 the accumulated change is that step's change alone: a threshold between the two ranks' own values
     # there splits ranks that decided on their shards
