@@ -27,7 +27,7 @@ from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, ch
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, consistency, graph, lora, sequence, tensor
+from .parallel import batch, chunk, consistency, graph, lora, sequence, tensor
 from .parallel import vae as parallel_vae
 
 log = logging.getLogger("ditmesh")
@@ -212,7 +212,7 @@ def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
-                vae_parallel: str = "auto") -> ParallelRuntime:
+                vae_parallel: str = "auto", chunk_tokens: int | str | None = None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -248,6 +248,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
             height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
+        chunk_tokens: run each block's feed-forward on pieces of at most this many tokens (exact; caps the widest
+            activation of a long sequence), ``"auto"`` to size the pieces from free CUDA memory, or None (default):
+            whole (``ditmesh.parallel.chunk``).
     """
     models = transformers_of(pipe)
     if not models:
@@ -272,6 +275,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
     check_vae_parallel(vae_parallel)
+    chunk.check_chunk(chunk_tokens, "chunk_tokens=")
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
@@ -305,6 +309,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device)))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),

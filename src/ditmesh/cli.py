@@ -130,6 +130,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--vae-parallel", default="auto", metavar="MODE",
                    help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
                         "than one process; a size that cannot be split runs whole), on (an error instead), off")
+    g.add_argument("--chunk", default=None, metavar="TOKENS",
+                   help="run each block's feed-forward on pieces of at most TOKENS tokens (exact; caps the widest "
+                        "activation of long sequences), or auto: sized from free GPU memory (default: whole)")
     g.add_argument("--check-consistency", action="store_true",
                    help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 #: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
 #: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
 #: (``ditmesh.parallel.vae``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
-#: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``.
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "lora")
+#: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the
+#: sequence (``ditmesh.parallel.chunk``).
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "lora", "chunk")
 
 
 class Hook:

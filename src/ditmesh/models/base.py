@@ -290,6 +290,9 @@ class ModelAdapter:
     #: stream its attention reads), shaped and split like ``hidden_states``: what the TeaCache-like step cache and
     #: ``ditmesh analyze`` measure. None: the family does not name one
     modulated_input: Callable | None = None
+    #: module-name patterns of the modules that act on each token alone (the feed-forwards), which
+    #: ``parallelize(chunk=...)`` may run on pieces of the sequence
+    token_wise: tuple[str, ...] = ()
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
     notes: dict = field(default_factory=dict)

@@ -244,6 +244,7 @@ FLUX = register(
                           ("encoder_hidden_states", "hidden_states")),
                 BlockList("single_transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("encoder_hidden_states", "hidden_states"))),
+        token_wise=("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
         modulated_input=norm1_modulated_input,
         example_inputs=flux_example_inputs,
         layout=flux_layout,

@@ -238,6 +238,7 @@ SD3 = register(
         sequence_processor=SD3SequenceParallelProcessor,
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("encoder_hidden_states", "hidden_states")),),
+        token_wise=("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
         modulated_input=norm1_modulated_input,
         example_inputs=sd3_example_inputs,
         layout=sd3_layout,

@@ -47,6 +47,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
+    chunk_setting(getattr(args, "chunk", None))
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
     check_output_paths(args)
@@ -128,6 +129,20 @@ def load_loras(pipe, loras: list[tuple[str, float]]) -> list[str]:
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
+
+
+def chunk_setting(text: str | None) -> int | str | None:
+    """``--chunk``'s value for ``parallelize(chunk_tokens=...)``: None, ``"auto"`` or a positive token count;
+    anything else is a ConfigError naming it."""
+    if text is None or text == "auto":
+        return text
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise ConfigError(f"--chunk {text!r} is not a token count; give a positive integer (e.g. 4096) or auto")
+    return tokens
 
 
 def check_output_paths(args) -> None:
@@ -307,6 +322,7 @@ def run(args) -> int:
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
+                          chunk_tokens=chunk_setting(getattr(args, "chunk", None)),
                           vae_parallel=getattr(args, "vae_parallel", "auto"))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
@@ -396,6 +412,9 @@ def run(args) -> int:
             # whether the VAE ran split along height over the ranks (``--vae-parallel``)
             "vae_parallel": {"mode": getattr(args, "vae_parallel", "auto"),
                              "split": any(name.startswith("vae(") for name in runtime.applied)},
+            # feed-forwards run on pieces of the sequence (``--chunk``): the setting, and whether it applied
+            "chunk": {"setting": getattr(args, "chunk", None),
+                      "applied": any(name.startswith("chunk(") for name in runtime.applied)},
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
