@@ -1,0 +1,72 @@
+"""Image-conditioned pipelines (img2img, Kontext editing, inpainting, Fill) under every axis that applies, each equal
+to one process; the condition image is VAE-encoded split over the ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from cases_image import image_case
+from ditmesh.testing import rel_err
+
+TOLERANCE = 1e-5
+IMG2IMG = ("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})
+#: a condition image of another size than the output: 16 + 12 image tokens
+KONTEXT = ("FluxKontextPipeline", {"image": (48, 64)})
+INPAINT = ("FluxInpaintPipeline", {"image": (64, 64), "mask_image": (64, 64), "strength": 0.9})
+FILL = ("FluxFillPipeline", {"image": (64, 64), "mask_image": (64, 64)})
+CFG = {"negative_prompt": "a blue square", "true_cfg_scale": 4.0}
+DP = {"prompt": ["a red circle", "a green square"]}
+
+
+@pytest.fixture(scope="module")
+def flux_fill_tiny(tmp_path_factory) -> str:
+    from ditmesh.synth import write_checkpoint
+
+    return str(write_checkpoint("flux-fill-tiny", tmp_path_factory.mktemp("ckpt") / "flux-fill-tiny", seed=0,
+                                device="cpu"))
+
+
+def _check(pools, model, config, runs):
+    ref = image_case(model, {}, runs)
+    results = pools(2).run(image_case, model, config, runs)
+    errors = []
+    for r in results:
+        for (cls, _), got, want in zip(runs, r, ref):
+            err = rel_err(got["latents"], want["latents"])
+            errors.append(err)
+            print(f"rel err {cls} {config}: {err:.2e}")
+            assert err <= TOLERANCE, (cls, config, err)
+    return ref, results, max(errors)
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}], ids=["ulysses2", "ring2", "tp2"])
+def test_img2img_kontext_inpaint_match_single_process(pools, flux_tiny, config):
+    """Sequence and tensor parallelism: img2img and inpainting start part-way (strength), Kontext's condition tokens
+    join the image stream (16 + 12 tokens, split as one stream); the VAE encode runs split over both ranks."""
+    runs = [IMG2IMG, KONTEXT, INPAINT]
+    ref, results, _ = _check(pools, flux_tiny, config, runs)
+    img2img, kontext, inpaint = results[0]
+    assert kontext["tokens"] == 16 + 12 and ref[1]["tokens"] == 28
+    # img2img starts part-way: 4 steps at strength 0.6 run steps 1..3 of the schedule
+    assert img2img["steps"] == [1, 2, 3] and kontext["steps"] == [0, 1, 2, 3]
+    assert img2img["encoder_rows"] == [32] and ref[0]["encoder_rows"] == [64]  # the encode was split
+    assert inpaint["encoder_rows"] == [32, 32]  # the image and the masked image
+
+
+@pytest.mark.parametrize("config,call", [({"cfg": 2}, CFG), ({"dp": 2}, DP)], ids=["cfg2", "dp2"])
+def test_img2img_and_kontext_batch_parallel_match_single_process(pools, flux_tiny, config, call):
+    """True CFG (a negative prompt) split over cfg ranks, two prompts over dp ranks; the cond/uncond branch of each
+    call is found from the step index, which starts part-way for img2img."""
+    runs = [(cls, {**kw, **call}) for cls, kw in (IMG2IMG, KONTEXT)]
+    ref, results, _ = _check(pools, flux_tiny, config, runs)
+    if config.get("cfg"):
+        assert results[0][0]["steps"] == [1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}, {"dp": 2}],
+                         ids=["ulysses2", "ring2", "tp2", "dp2"])
+def test_fill_matches_single_process(pools, flux_fill_tiny, config):
+    """FLUX.1-Fill (no true CFG in diffusers): the masked image's latents and the mask on the transformer's input
+    channels (384 in, 64 out)."""
+    runs = [(FILL[0], {**FILL[1], **(DP if config.get("dp") else {})})]
+    _check(pools, flux_fill_tiny, config, runs)
