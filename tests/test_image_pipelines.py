@@ -3,6 +3,8 @@ to one process; the condition image is VAE-encoded split over the ranks."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cases_image import image_case
@@ -70,3 +72,56 @@ def test_fill_matches_single_process(pools, flux_fill_tiny, config):
     channels (384 in, 64 out)."""
     runs = [(FILL[0], {**FILL[1], **(DP if config.get("dp") else {})})]
     _check(pools, flux_fill_tiny, config, runs)
+
+
+def test_generate_image_options_match_single_process(tmp_path, flux_tiny, flux_fill_tiny):
+    """`generate --image [--mask] [--strength]`: the family's image pipeline on the same checkpoint, split over two
+    processes (the condition image encoded split), equal to one process; the report names the pipeline."""
+    from cases_image import condition_image, condition_mask
+    from test_generate_cli import generate
+
+    condition_image().save(tmp_path / "cond.png")
+    condition_mask().save(tmp_path / "mask.png")
+    image = ["--image", str(tmp_path / "cond.png")]
+    mask = ["--mask", str(tmp_path / "mask.png")]
+    for name, opts, procs in (
+        ("img2img", ["--model", flux_tiny, *image, "--strength", "0.6"], ["--ulysses", "2"]),
+        ("fill", ["--model", flux_fill_tiny, *image, *mask], ["--dp", "1", "--tp", "2"]),
+    ):
+        one, latents_one, _ = generate(tmp_path, f"{name}-1", *opts, "--nproc", "1")
+        two, latents_two, _ = generate(tmp_path, f"{name}-2", *opts, "--nproc", "2", *procs)
+        err = rel_err(latents_two, latents_one)
+        print(f"rel err generate {name} {procs}: {err:.2e}")
+        assert err <= TOLERANCE, (name, err)
+        assert two["image"] == str(tmp_path / "cond.png") and two["vae_parallel"]["split"]
+    assert one["pipeline"] == "FluxFillPipeline" and one["strength"] == 1.0 and one["mask"] == mask[1]
+    img2img = json.loads((tmp_path / "img2img-2.png.json").read_text())
+    assert img2img["pipeline"] == "FluxImg2ImgPipeline" and img2img["strength"] == 0.6
+    assert len(img2img["step_latency_s"]) == 2  # 3 steps at strength 0.6 run the last two
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--mask", "{mask}"], "--mask needs --image PATH"),
+    (["--image", "{missing}"], "no such file"),
+    (["--image", "{bad}"], "not an image Pillow can read"),
+    (["--image", "{cond}", "--strength", "0"], "--strength 0.0 must be in (0, 1]"),
+    (["--image", "{cond}", "--model", "wan2.2-tiny"], "wan has no image-conditioned pipeline"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "fill", "--mask", "{mask}"],
+     "fill needs a Fill checkpoint"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "kontext", "--mask", "{mask}"],
+     "takes no mask; use --image-mode inpaint or fill"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "kontext", "--strength", "0.5"], "has no strength"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "zoom"], "flux has no image mode 'zoom'"),
+])
+def test_generate_bad_image_options_are_one_line_errors(extra, needle, tmp_path, capsys):
+    from cases_image import condition_image, condition_mask
+    from ditmesh.cli import main
+
+    condition_image().save(tmp_path / "cond.png")
+    condition_mask().save(tmp_path / "mask.png")
+    (tmp_path / "bad.png").write_text("not an image")
+    paths = dict(cond=tmp_path / "cond.png", mask=tmp_path / "mask.png", bad=tmp_path / "bad.png",
+                 missing=tmp_path / "missing.png")
+    assert main(["generate", "--out", str(tmp_path / "o.png"), *(e.format(**paths) for e in extra)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

@@ -345,7 +345,7 @@ class ModelAdapter:
         by_mode = {p.mode: p for p in self.image_pipelines}
         if mode is not None:
             if mode not in by_mode:
-                raise ValueError(f"--image-mode {mode}: {self.name} has {', '.join(by_mode)}")
+                raise ValueError(f"{self.name} has no image mode {mode!r} (its modes: {', '.join(by_mode)})")
             return by_mode[mode]
         for p in self.image_pipelines:
             if p.pipeline == checkpoint_pipeline:
