@@ -27,26 +27,27 @@ def condition_mask(height: int = 64, width: int = 64):
     return mask
 
 
-def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_parallel: str = "auto") -> list[dict]:
+def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_parallel: str = "auto",
+               cache: str | None = None) -> list[dict]:
     """Each run ``(pipeline class name, call arguments)`` on the pipeline in folder ``model``, loaded with that class
     and parallelized with ``config`` (``{}``: one process). ``call`` may hold ``image`` / ``mask_image`` as
     ``(height, width)`` of :func:`condition_image` / :func:`condition_mask`. Returns per run the final latents, the
     transformer's inputs' token counts of the first call (``tokens``), the step indices the context saw
-    (``steps``), and the heights the VAE encoder's first convolution saw on this rank (``encoder_rows``)."""
+    (``steps``), the heights the VAE encoder's first convolution saw on this rank (``encoder_rows``), and with a step
+    ``cache`` its decisions (``cache``: (run step, skipped) per call)."""
     import inspect
 
     import diffusers
 
     from ditmesh import ParallelConfig, parallelize
-    from ditmesh.api import runtime_of
 
     results = []
     for class_name, call in runs:
         torch.manual_seed(0)
         pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        if config:
-            parallelize(pipe, ParallelConfig(**config), vae_parallel=vae_parallel)
+        runtime = parallelize(pipe, ParallelConfig(**config), vae_parallel=vae_parallel, cache=cache) \
+            if config or cache else None
         seen, rows = {"tokens": None, "steps": []}, []
 
         def pre(module, args, kwargs):
@@ -54,7 +55,6 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
                 seen["tokens"] = kwargs["hidden_states"].shape[1]
 
         def post(module, args, out):  # after ditmesh's context hook (inside forward) opened this call
-            runtime = runtime_of(pipe)
             seen["steps"].append(runtime.context.step_index if runtime is not None else None)
 
         pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
@@ -76,5 +76,6 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
         kwargs = dict(prompt="a red circle", num_inference_steps=steps, generator=torch.Generator().manual_seed(42),
                       max_sequence_length=32, output_type="latent", callback_on_step_end=grab, **size)
         pipe(**{**kwargs, **call})
-        results.append(dict(latents=final["latents"], encoder_rows=rows, **seen))
+        decisions = [(h["step"], h["skip"]) for c in runtime.caches.values() for h in c.history] if cache else None
+        results.append(dict(latents=final["latents"], encoder_rows=rows, cache=decisions, **seen))
     return results

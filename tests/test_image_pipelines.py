@@ -28,9 +28,9 @@ def flux_fill_tiny(tmp_path_factory) -> str:
                                 device="cpu"))
 
 
-def _check(pools, model, config, runs):
-    ref = image_case(model, {}, runs)
-    results = pools(2).run(image_case, model, config, runs)
+def _check(pools, model, config, runs, **kwargs):
+    ref = image_case(model, {}, runs, **kwargs)
+    results = pools(2).run(image_case, model, config, runs, **kwargs)
     errors = []
     for r in results:
         for (cls, _), got, want in zip(runs, r, ref):
@@ -63,6 +63,15 @@ def test_img2img_and_kontext_batch_parallel_match_single_process(pools, flux_tin
     ref, results, _ = _check(pools, flux_tiny, config, runs)
     if config.get("cfg"):
         assert results[0][0]["steps"] == [1, 1, 2, 2, 3, 3]
+
+
+def test_step_cache_counts_steps_from_where_img2img_starts(pools, flux_tiny):
+    """A run that starts part-way (strength 0.6 of 6 steps: scheduler steps 2..5) counts its cache steps from its
+    first one, as diffusers' step callbacks do: ``static:skip=1`` skips the run's second step, under ulysses too."""
+    runs = [("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})]
+    ref, results, _ = _check(pools, flux_tiny, {"ulysses": 2}, runs, steps=6, cache="static:skip=1")
+    assert results[0][0]["steps"] == [2, 3, 4, 5]
+    assert ref[0]["cache"] == results[0][0]["cache"] == [(0, False), (1, True), (2, False), (3, False)]
 
 
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}, {"dp": 2}],

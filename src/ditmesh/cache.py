@@ -197,7 +197,7 @@ class StepCache:
         """Whether this call skips the middle blocks; identical on every rank of the computation. ``statistic`` is
         the first blocks' residual (dbcache) or block 0's modulated input (teacache); static and taylor ignore it."""
         state, config = self.branch(), self.config
-        step = self.ctx.step_index or 0
+        step = self.ctx.run_step  # counted from the run's first step (an img2img run starts part-way)
         if config.policy in ("static", "taylor"):  # decided by the step alone: no statistic, no collective
             if config.policy == "static":
                 skip = step in config.skip
@@ -220,8 +220,8 @@ class StepCache:
         allowed = (rel is not None and step >= config.warmup and bool(state.middle)
                    and state.skips_in_a_row < config.max_skips)
         if config.policy == "teacache":
-            timesteps = self.ctx.timesteps
-            allowed = allowed and (timesteps is None or step < len(timesteps) - 1)  # the last step always runs
+            steps = self.ctx.run_steps
+            allowed = allowed and (steps is None or step < steps - 1)  # the last step always runs
             # a change is never negative: a fitted polynomial that dips below zero counts as no change
             state.accumulated = state.accumulated + max(0.0, _polyval(config.poly, rel)) if allowed else 0.0
             skip = allowed and state.accumulated < config.threshold
@@ -271,7 +271,7 @@ class _BlockHook(Hook):
             state.earlier, state.earlier_step = state.middle, state.middle_step
             state.middle = {name: (self._stream(output, name) - before).detach()
                             for name, before in cache.middle_in.items() if self._stream(output, name) is not None}
-            state.middle_step = cache.ctx.step_index or 0
+            state.middle_step = cache.ctx.run_step
         if index == middle.stop - 1:
             cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output
@@ -291,7 +291,7 @@ class _BlockHook(Hook):
                 residual = state.middle[name]
                 if taylor and name in state.earlier:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
                     span = max(1, state.middle_step - state.earlier_step)
-                    ahead = (self.cache.ctx.step_index or 0) - state.middle_step
+                    ahead = self.cache.ctx.run_step - state.middle_step
                     residual = residual + (residual - state.earlier[name]) * (ahead / span)
                 value = value + residual
             outputs.append(value)
