@@ -230,7 +230,7 @@ class StepCache:
         """Whether this call skips the middle blocks; identical on every rank of the computation. ``statistic`` is
         the first blocks' residual (dbcache) or block 0's modulated input (teacache); static and taylor ignore it."""
         state, config = self.branch(), self.config
-        step = self.ctx.step_index or 0
+        step = self.ctx.run_step  # counted from the run's first step (an img2img run starts part-way)
         self.factor = 0.0
         if self.known_in_advance:  # decided by the step alone: no statistic, no collective
             if config.policy == "static":
@@ -256,8 +256,8 @@ class StepCache:
         allowed = (rel is not None and step >= config.warmup and state.computed >= 1
                    and state.skips_in_a_row < config.max_skips)
         if config.policy == "teacache":
-            timesteps = self.ctx.timesteps
-            allowed = allowed and (timesteps is None or step < len(timesteps) - 1)  # the last step always runs
+            steps = self.ctx.run_steps
+            allowed = allowed and (steps is None or step < steps - 1)  # the last step always runs
             # a change is never negative: a fitted polynomial that dips below zero counts as no change
             state.accumulated = state.accumulated + max(0.0, _polyval(config.poly, rel)) if allowed else 0.0
             skip = allowed and state.accumulated < config.threshold

@@ -197,6 +197,19 @@ class ForwardContext:
     needs_full_batches: bool = False
     #: the scheduler's timesteps of the current run (a new tensor object marks a new run)
     timesteps: object = field(default=None, repr=False)
+    #: the step index of the run's first call: 0, or where an image-to-image run starts part-way (its strength)
+    first_step: int = 0
+
+    @property
+    def run_step(self) -> int:
+        """The step's place in this run, counted from its first step as diffusers' step callbacks count it (a run
+        that starts part-way has step_index ``first_step`` at its step 0): what step caching counts in."""
+        return (self.step_index or 0) - self.first_step
+
+    @property
+    def run_steps(self) -> int | None:
+        """Steps this run computes (the scheduler's timesteps from ``first_step`` on), or None without a scheduler."""
+        return None if self.timesteps is None else len(self.timesteps) - self.first_step
 
     def begin_call(self, step_index: int | None, new_run: bool = False) -> None:
         """Start a transformer call at ``step_index`` (``new_run``: the first call of a new pipeline run)."""
@@ -206,6 +219,8 @@ class ForwardContext:
         same_step = step_index is not None and step_index == self.step_index and self.calls > 0 and not new_run
         self.call_in_step = self.call_in_step + 1 if same_step else 0
         self.step_index = step_index
+        if new_run:
+            self.first_step = step_index or 0
         self.calls += 1
         self.branch, self.skip = None, False
         self.stream_sizes = {}

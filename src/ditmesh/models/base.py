@@ -234,6 +234,24 @@ class VaePlan:
     encode_method: str = "_encode"
 
 
+# -- image-conditioned pipelines ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImagePipeline:
+    """One image-conditioned pipeline of a family, as ``generate --image`` runs it.
+
+    ``mode`` names it on the command line (``--image-mode``); ``pipeline`` is the diffusers class that loads the
+    same checkpoint folder. ``mask``: it takes a mask (``--mask``, required) or refuses one; ``strength``: it takes
+    ``--strength`` (how far into the schedule the run starts). ``check``: (transformer config dict) -> why this
+    checkpoint's transformer cannot run it (one line), or None.
+    """
+
+    mode: str
+    pipeline: str
+    mask: bool = False
+    strength: bool = True
+    check: Callable | None = None
+
+
 # -- the adapter ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelAdapter:
@@ -295,6 +313,8 @@ class ModelAdapter:
     token_wise: tuple[str, ...] = ()
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
+    #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
+    image_pipelines: tuple[ImagePipeline, ...] = ()
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -317,6 +337,26 @@ class ModelAdapter:
         if self.cfg_switch == "true_cfg_scale":
             return negative_prompt is not None and (true_cfg_scale or 0) > 1
         return (guidance_scale or 0) > 1
+
+    def image_pipeline(self, mode: str | None, checkpoint_pipeline: str | None, mask: bool) -> ImagePipeline:
+        """The image-conditioned pipeline of a run: ``mode`` when given; else the checkpoint's own pipeline class
+        (``model_index.json``) when it is one of them (an editing or fill checkpoint); else the first without a mask,
+        or the first with one when ``mask``. Raises ValueError (one line) for a family without one or a mode it lacks.
+        """
+        if not self.image_pipelines:
+            raise ValueError(f"{self.name} has no image-conditioned pipeline in ditmesh")
+        by_mode = {p.mode: p for p in self.image_pipelines}
+        if mode is not None:
+            if mode not in by_mode:
+                raise ValueError(f"{self.name} has no image mode {mode!r} (its modes: {', '.join(by_mode)})")
+            return by_mode[mode]
+        for p in self.image_pipelines:
+            if p.pipeline == checkpoint_pipeline:
+                return p
+        fitting = [p for p in self.image_pipelines if p.mask == mask]
+        if not fitting:
+            raise ValueError(f"{self.name} has no image-conditioned pipeline {'with' if mask else 'without'} a mask")
+        return fitting[0]
 
     def frames_error(self, frames: int) -> str | None:
         """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""

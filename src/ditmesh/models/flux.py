@@ -18,8 +18,8 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, VaePlan, norm1_modulated_input, register, spatial_latent)
+from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
+                   SynthArch, TensorPlan, VaePlan, norm1_modulated_input, register, spatial_latent)
 
 
 class FluxSequenceParallelProcessor:
@@ -200,11 +200,48 @@ FLUX_ARCHS = (
     _FLUX_TINY,
     dataclasses.replace(
         _FLUX_TINY,
+        name="flux-fill-tiny",
+        description="flux-tiny as FLUX.1-Fill: the masked image's latents and the mask concatenated on channels "
+                    "(384 in, 64 out), FluxFillPipeline",
+        pipeline="FluxFillPipeline",
+        transformer=dict(_FLUX_TINY.transformer, in_channels=384, out_channels=64),
+    ),
+    dataclasses.replace(
+        _FLUX_TINY,
         name="flux-tiny-tp",
         description="flux-tiny with 4 heads x 16 (64 wide), so tensor parallelism of degree 4 divides the heads",
         transformer=dict(_FLUX_TINY.transformer, num_attention_heads=4),
     ),
     FLUX_DEV,
+)
+
+
+# -- image-conditioned pipelines ------------------------------------------------------------------------------
+def _fill_transformer(config: dict) -> bool:
+    """FLUX.1-Fill's transformer reads the latents, the masked image's latents and the mask, concatenated on
+    channels: more input channels than output channels."""
+    return config.get("out_channels") not in (None, config.get("in_channels"))
+
+
+def _needs_plain(config: dict) -> str | None:
+    return ("this checkpoint's transformer is a Fill one (masked-image channels); use --image-mode fill with --mask"
+            if _fill_transformer(config) else None)
+
+
+def _needs_fill(config: dict) -> str | None:
+    return (None if _fill_transformer(config) else
+            "fill needs a Fill checkpoint (FLUX.1-Fill: masked-image channels on the transformer's input); "
+            "use --image-mode inpaint with this one")
+
+
+#: img2img and inpaint start part-way into the schedule (``--strength``); Kontext appends the condition image's
+#: tokens to the image stream (``hidden_states`` and ``img_ids`` grow, the output is sliced back by the pipeline),
+#: so the sequence plan splits the longer stream as it is; Fill concatenates on channels (same tokens).
+FLUX_IMAGE_PIPELINES = (
+    ImagePipeline("img2img", "FluxImg2ImgPipeline", check=_needs_plain),
+    ImagePipeline("kontext", "FluxKontextPipeline", strength=False, check=_needs_plain),
+    ImagePipeline("inpaint", "FluxInpaintPipeline", mask=True, check=_needs_plain),
+    ImagePipeline("fill", "FluxFillPipeline", mask=True, check=_needs_fill),
 )
 
 
@@ -258,9 +295,10 @@ FLUX = register(
         output_channel_dim=-1,
         fuse_qkv=True,
         out_channels=lambda model: model.proj_out.out_features,
-        pipelines=("FluxPipeline",),
+        pipelines=("FluxPipeline",) + tuple(p.pipeline for p in FLUX_IMAGE_PIPELINES),
         synth_archs=FLUX_ARCHS,
         synth_components=flux_components,
         vae=KL_VAE_PLAN,
+        image_pipelines=FLUX_IMAGE_PIPELINES,
     )
 )

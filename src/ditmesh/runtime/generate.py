@@ -17,7 +17,9 @@ from pathlib import Path
 
 from ..config import ConfigError, ParallelConfig, check_supported, check_vae_parallel
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
-from .models import local_model_path, read_adapter, read_defaults, read_transformer_config, resolve_model
+from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
+from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
+                     resolve_model)
 
 
 def parallel_config_from_args(args) -> ParallelConfig:
@@ -50,6 +52,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     chunk_setting(getattr(args, "chunk", None))
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
+    check_image_args(args)
     check_output_paths(args)
     model = resolve_model(args.model)  # from here on, checks read the model's family
     tcfg = read_transformer_config(model)
@@ -62,6 +65,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         validate_frames(adapter, args.frames)
     if config.cfg > 1:
         check_guidance_on(adapter, args)
+    if adapter is not None and image_args_given(args):
+        image_pipeline_class(args, model, adapter, tcfg, config)
     from ..api import check_transport
     from ..mesh import default_device
 
@@ -75,6 +80,28 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
 
         CacheConfig.parse(args.cache)
     return config, model
+
+
+def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
+                         config: ParallelConfig | None = None):
+    """The diffusers pipeline class an ``--image`` run loads (``runtime.image``); reads a hub id's configs when the
+    family was not known before loading. ``--cfg 2`` needs a pipeline with true CFG (a negative prompt)."""
+    import diffusers
+
+    checkpoint = read_pipeline_class(model)
+    if adapter is None:  # a hub id: its model index and transformer config (small files) name the family
+        from ..models import adapter_for_class
+
+        index = diffusers.DiffusionPipeline.load_config(model)
+        checkpoint = index.get("_class_name")
+        transformer_class = index["transformer"][1]
+        adapter = adapter_for_class(transformer_class)
+        transformer_config = getattr(diffusers, transformer_class).load_config(model, subfolder="transformer")
+    chosen = choose_image_pipeline(args, adapter, checkpoint, transformer_config)
+    cls = getattr(diffusers, chosen.pipeline)
+    if config is not None and config.cfg > 1 and "negative_prompt" not in inspect.signature(cls.__call__).parameters:
+        raise ConfigError(f"--cfg {config.cfg}: {chosen.pipeline} has no negative prompt (no true CFG); use --cfg 1")
+    return cls
 
 
 #: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
@@ -274,6 +301,8 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
         kwargs["true_cfg_scale"] = args.true_cfg_scale
+    if image_args_given(args):
+        kwargs.update(image_call_kwargs(args, kwargs["height"], kwargs["width"]))
     accepted = inspect.signature(pipe.__call__).parameters
     return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
 
@@ -308,16 +337,18 @@ def run(args) -> int:
     path = local_model_path(model) if rank == 0 else None
     if world > 1:
         path = all_gather_object(path)[0]  # rank 0 synthesizes a named architecture once
+    pipeline_class = (image_pipeline_class(args, path, read_adapter(path), read_transformer_config(path), config)
+                      if image_args_given(args) else DiffusionPipeline)
     if config.tp > 1:
         # Each rank materialises only its tensor-parallel shard of the transformer (tp is the innermost mesh axis).
         from ..parallel.tensor import load_sharded_transformer
 
         names = transformer_components(path)
-        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
+        pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
         pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype, name)
                                  for name in names})
     else:
-        pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
+        pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
     defaults = read_defaults(path)
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
@@ -337,8 +368,9 @@ def run(args) -> int:
     def on_step_end(p, i, t, kw):
         _sync(device)
         marks.append(time.perf_counter())
-        if i == args.steps - 1 or i == len(p.scheduler.timesteps) - 1:
-            final["latents"] = kw["latents"].detach().float().cpu()
+        # the last step's latents are the result; a run that starts part-way (--strength) has fewer steps than
+        # --steps, so every step's are kept (a reference: each step makes a new tensor) and the last one is saved
+        final["latents"] = kw["latents"]
         return kw
 
     call = _call_kwargs(pipe, args, defaults)
@@ -382,7 +414,7 @@ def run(args) -> int:
         if args.save_latents:
             from safetensors.torch import save as st_save
 
-            atomic_write_bytes(args.save_latents, st_save({"latents": final["latents"].contiguous()}))
+            atomic_write_bytes(args.save_latents, st_save({"latents": final["latents"].detach().float().cpu().contiguous()}))
         report = {
             "model": model,
             "config": config.as_dict(),
@@ -399,6 +431,8 @@ def run(args) -> int:
             "prompt": args.prompt,
             "seed": args.seed,
             "loras": [{"path": path, "scale": scale} for path, scale in loras],
+            # the pipeline class that ran, and for --image runs the condition files and the strength used
+            **image_report(args, pipe, call),
             "versions": versions(),
             "load_s": round(load_s, 4),
             "load_peak_memory_bytes": load_peaks,

@@ -82,6 +82,16 @@ def read_transformer_config(model: str) -> dict | None:
     return json.loads(cfg.read_text()) if cfg.is_file() else None
 
 
+def read_pipeline_class(model: str) -> str | None:
+    """The pipeline class a local folder or synthetic architecture was saved as (``model_index.json``), or None."""
+    from ..synth import ARCHS
+
+    if model in ARCHS:
+        return ARCHS[model].pipeline
+    index = Path(model) / "model_index.json"
+    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+
+
 def read_adapter(model: str):
     """The model adapter of a local folder's or synthetic architecture's transformer (None for hub ids).
 

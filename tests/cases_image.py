@@ -1,0 +1,81 @@
+"""Image-conditioned pipeline cases run on every rank of a gloo worker pool (module-level so workers can import them),
+and the condition images they read."""
+
+from __future__ import annotations
+
+import torch
+
+
+def condition_image(height: int = 64, width: int = 64, seed: int = 0):
+    """A seeded RGB test image: smooth gradients plus noise, so every latent row differs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (height + width)], -1)
+    rgb = np.clip(rgb + rng.normal(0, 30, rgb.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(rgb)
+
+
+def condition_mask(height: int = 64, width: int = 64):
+    """A mask (white = repaint) over a rectangle that crosses the middle row, where the VAE split cuts."""
+    from PIL import Image, ImageDraw
+
+    mask = Image.new("L", (width, height), 0)
+    ImageDraw.Draw(mask).rectangle([width // 4, height // 4, 3 * width // 4, 3 * height // 4], fill=255)
+    return mask
+
+
+def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_parallel: str = "auto",
+               cache: str | None = None) -> list[dict]:
+    """Each run ``(pipeline class name, call arguments)`` on the pipeline in folder ``model``, loaded with that class
+    and parallelized with ``config`` (``{}``: one process). ``call`` may hold ``image`` / ``mask_image`` as
+    ``(height, width)`` of :func:`condition_image` / :func:`condition_mask`. Returns per run the final latents, the
+    transformer's inputs' token counts of the first call (``tokens``), the step indices the context saw
+    (``steps``), the heights the VAE encoder's first convolution saw on this rank (``encoder_rows``), and with a step
+    ``cache`` its decisions (``cache``: (run step, skipped) per call)."""
+    import inspect
+
+    import diffusers
+
+    from ditmesh import ParallelConfig, parallelize
+
+    results = []
+    for class_name, call in runs:
+        torch.manual_seed(0)
+        pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        runtime = parallelize(pipe, ParallelConfig(**config), vae_parallel=vae_parallel, cache=cache) \
+            if config or cache else None
+        seen, rows = {"tokens": None, "steps": []}, []
+
+        def pre(module, args, kwargs):
+            if seen["tokens"] is None:
+                seen["tokens"] = kwargs["hidden_states"].shape[1]
+
+        def post(module, args, out):  # after ditmesh's context hook (inside forward) opened this call
+            seen["steps"].append(runtime.context.step_index if runtime is not None else None)
+
+        pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
+        pipe.transformer.register_forward_hook(post)
+        pipe.vae.encoder.conv_in.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[-2]))
+        final = {}
+
+        def grab(p, i, t, kw):
+            final["latents"] = kw["latents"].clone()
+            return kw
+
+        call = dict(call)
+        for key, make in (("image", condition_image), ("mask_image", condition_mask)):
+            if key in call:
+                call[key] = make(*call[key])
+        size = dict(height=64, width=64)
+        if "max_area" in inspect.signature(pipe.__call__).parameters:  # an editing pipeline: keep both sizes as given
+            size.update(max_area=64 * 64, _auto_resize=False)
+        kwargs = dict(prompt="a red circle", num_inference_steps=steps, generator=torch.Generator().manual_seed(42),
+                      max_sequence_length=32, output_type="latent", callback_on_step_end=grab, **size)
+        pipe(**{**kwargs, **call})
+        decisions = [(h["step"], h["skip"]) for c in runtime.caches.values() for h in c.history] if cache else None
+        results.append(dict(latents=final["latents"], encoder_rows=rows, cache=decisions, **seen))
+    return results

@@ -1,0 +1,136 @@
+"""Image-conditioned pipelines (img2img, Kontext editing, inpainting, Fill) under every axis that applies, each equal
+to one process; the condition image is VAE-encoded split over the ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cases_image import image_case
+from ditmesh.testing import rel_err
+
+TOLERANCE = 1e-5
+IMG2IMG = ("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})
+#: a condition image of another size than the output: 16 + 12 image tokens
+KONTEXT = ("FluxKontextPipeline", {"image": (48, 64)})
+INPAINT = ("FluxInpaintPipeline", {"image": (64, 64), "mask_image": (64, 64), "strength": 0.9})
+FILL = ("FluxFillPipeline", {"image": (64, 64), "mask_image": (64, 64)})
+CFG = {"negative_prompt": "a blue square", "true_cfg_scale": 4.0}
+DP = {"prompt": ["a red circle", "a green square"]}
+
+
+@pytest.fixture(scope="module")
+def flux_fill_tiny(tmp_path_factory) -> str:
+    from ditmesh.synth import write_checkpoint
+
+    return str(write_checkpoint("flux-fill-tiny", tmp_path_factory.mktemp("ckpt") / "flux-fill-tiny", seed=0,
+                                device="cpu"))
+
+
+def _check(pools, model, config, runs, **kwargs):
+    ref = image_case(model, {}, runs, **kwargs)
+    results = pools(2).run(image_case, model, config, runs, **kwargs)
+    errors = []
+    for r in results:
+        for (cls, _), got, want in zip(runs, r, ref):
+            err = rel_err(got["latents"], want["latents"])
+            errors.append(err)
+            print(f"rel err {cls} {config}: {err:.2e}")
+            assert err <= TOLERANCE, (cls, config, err)
+    return ref, results, max(errors)
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}], ids=["ulysses2", "ring2", "tp2"])
+def test_img2img_kontext_inpaint_match_single_process(pools, flux_tiny, config):
+    """Sequence and tensor parallelism: img2img and inpainting start part-way (strength), Kontext's condition tokens
+    join the image stream (16 + 12 tokens, split as one stream); the VAE encode runs split over both ranks."""
+    runs = [IMG2IMG, KONTEXT, INPAINT]
+    ref, results, _ = _check(pools, flux_tiny, config, runs)
+    img2img, kontext, inpaint = results[0]
+    assert kontext["tokens"] == 16 + 12 and ref[1]["tokens"] == 28
+    # img2img starts part-way: 4 steps at strength 0.6 run steps 1..3 of the schedule
+    assert img2img["steps"] == [1, 2, 3] and kontext["steps"] == [0, 1, 2, 3]
+    assert img2img["encoder_rows"] == [32] and ref[0]["encoder_rows"] == [64]  # the encode was split
+    assert inpaint["encoder_rows"] == [32, 32]  # the image and the masked image
+
+
+@pytest.mark.parametrize("config,call", [({"cfg": 2}, CFG), ({"dp": 2}, DP)], ids=["cfg2", "dp2"])
+def test_img2img_and_kontext_batch_parallel_match_single_process(pools, flux_tiny, config, call):
+    """True CFG (a negative prompt) split over cfg ranks, two prompts over dp ranks; the cond/uncond branch of each
+    call is found from the step index, which starts part-way for img2img."""
+    runs = [(cls, {**kw, **call}) for cls, kw in (IMG2IMG, KONTEXT)]
+    ref, results, _ = _check(pools, flux_tiny, config, runs)
+    if config.get("cfg"):
+        assert results[0][0]["steps"] == [1, 1, 2, 2, 3, 3]
+
+
+def test_step_cache_counts_steps_from_where_img2img_starts(pools, flux_tiny):
+    """A run that starts part-way (strength 0.6 of 6 steps: scheduler steps 2..5) counts its cache steps from its
+    first one, as diffusers' step callbacks do: ``static:skip=1`` skips the run's second step, under ulysses too."""
+    runs = [("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})]
+    ref, results, _ = _check(pools, flux_tiny, {"ulysses": 2}, runs, steps=6, cache="static:skip=1")
+    assert results[0][0]["steps"] == [2, 3, 4, 5]
+    assert ref[0]["cache"] == results[0][0]["cache"] == [(0, False), (1, True), (2, False), (3, False)]
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}, {"dp": 2}],
+                         ids=["ulysses2", "ring2", "tp2", "dp2"])
+def test_fill_matches_single_process(pools, flux_fill_tiny, config):
+    """FLUX.1-Fill (no true CFG in diffusers): the masked image's latents and the mask on the transformer's input
+    channels (384 in, 64 out)."""
+    runs = [(FILL[0], {**FILL[1], **(DP if config.get("dp") else {})})]
+    _check(pools, flux_fill_tiny, config, runs)
+
+
+def test_generate_image_options_match_single_process(tmp_path, flux_tiny, flux_fill_tiny):
+    """`generate --image [--mask] [--strength]`: the family's image pipeline on the same checkpoint, split over two
+    processes (the condition image encoded split), equal to one process; the report names the pipeline."""
+    from cases_image import condition_image, condition_mask
+    from test_generate_cli import generate
+
+    condition_image().save(tmp_path / "cond.png")
+    condition_mask().save(tmp_path / "mask.png")
+    image = ["--image", str(tmp_path / "cond.png")]
+    mask = ["--mask", str(tmp_path / "mask.png")]
+    for name, opts, procs in (
+        ("img2img", ["--model", flux_tiny, *image, "--strength", "0.6"], ["--ulysses", "2"]),
+        ("fill", ["--model", flux_fill_tiny, *image, *mask], ["--dp", "1", "--tp", "2"]),
+    ):
+        one, latents_one, _ = generate(tmp_path, f"{name}-1", *opts, "--nproc", "1")
+        two, latents_two, _ = generate(tmp_path, f"{name}-2", *opts, "--nproc", "2", *procs)
+        err = rel_err(latents_two, latents_one)
+        print(f"rel err generate {name} {procs}: {err:.2e}")
+        assert err <= TOLERANCE, (name, err)
+        assert two["image"] == str(tmp_path / "cond.png") and two["vae_parallel"]["split"]
+    assert one["pipeline"] == "FluxFillPipeline" and one["strength"] == 1.0 and one["mask"] == mask[1]
+    img2img = json.loads((tmp_path / "img2img-2.png.json").read_text())
+    assert img2img["pipeline"] == "FluxImg2ImgPipeline" and img2img["strength"] == 0.6
+    assert len(img2img["step_latency_s"]) == 2  # 3 steps at strength 0.6 run the last two
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--mask", "{mask}"], "--mask needs --image PATH"),
+    (["--image", "{missing}"], "no such file"),
+    (["--image", "{bad}"], "not an image Pillow can read"),
+    (["--image", "{cond}", "--strength", "0"], "--strength 0.0 must be in (0, 1]"),
+    (["--image", "{cond}", "--model", "wan2.2-tiny"], "wan has no image-conditioned pipeline"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "fill", "--mask", "{mask}"],
+     "fill needs a Fill checkpoint"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "kontext", "--mask", "{mask}"],
+     "takes no mask; use --image-mode inpaint or fill"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "kontext", "--strength", "0.5"], "has no strength"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "zoom"], "flux has no image mode 'zoom'"),
+])
+def test_generate_bad_image_options_are_one_line_errors(extra, needle, tmp_path, capsys):
+    from cases_image import condition_image, condition_mask
+    from ditmesh.cli import main
+
+    condition_image().save(tmp_path / "cond.png")
+    condition_mask().save(tmp_path / "mask.png")
+    (tmp_path / "bad.png").write_text("not an image")
+    paths = dict(cond=tmp_path / "cond.png", mask=tmp_path / "mask.png", bad=tmp_path / "bad.png",
+                 missing=tmp_path / "missing.png")
+    assert main(["generate", "--out", str(tmp_path / "o.png"), *(e.format(**paths) for e in extra)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
