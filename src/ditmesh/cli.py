@@ -90,14 +90,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="video pipelines: frames to generate (default: the model's; the family's frame rule applies, e.g. 4k+1); writes a video")
     g.add_argument("--image", default=None, metavar="PATH",
                    help="condition image: runs the family's image-conditioned pipeline on the same checkpoint "
-                        "(img2img by default, the checkpoint's own for an editing or fill checkpoint; see --image-mode)")
+                        "(img2img by default, the checkpoint's own for an editing or fill checkpoint; see --image-mode); "
+                        "for a video family, image-to-video with the image as the first frame")
     g.add_argument("--mask", default=None, metavar="PATH",
                    help="with --image: inpainting mask (white = repaint); picks the family's masked pipeline")
     g.add_argument("--strength", type=float, default=None, metavar="S",
                    help="with --image: how much of the schedule runs, in (0, 1] (1 = from noise; default: the "
                         "pipeline's, e.g. 0.6 for img2img)")
     g.add_argument("--image-mode", default=None, metavar="MODE",
-                   help="with --image: the family's image pipeline by name (FLUX: img2img, kontext, inpaint, fill)")
+                   help="with --image: the family's image pipeline by name (FLUX: img2img, kontext, inpaint, fill; video: i2v)")
     g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
     g.add_argument("--guidance", type=_finite_float, default=3.5, help="guidance scale (default 3.5)")
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

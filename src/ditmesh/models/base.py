@@ -242,7 +242,8 @@ class ImagePipeline:
     ``mode`` names it on the command line (``--image-mode``); ``pipeline`` is the diffusers class that loads the
     same checkpoint folder. ``mask``: it takes a mask (``--mask``, required) or refuses one; ``strength``: it takes
     ``--strength`` (how far into the schedule the run starts). ``check``: (transformer config dict) -> why this
-    checkpoint's transformer cannot run it (one line), or None.
+    checkpoint's transformer cannot run it (one line), or None. ``setup``: () -> None, called before the pipeline
+    class is used (it makes up for what the diffusers pipeline expects of the environment), or None.
     """
 
     mode: str
@@ -250,6 +251,7 @@ class ImagePipeline:
     mask: bool = False
     strength: bool = True
     check: Callable | None = None
+    setup: Callable | None = None
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------

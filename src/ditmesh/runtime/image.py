@@ -1,4 +1,5 @@
-"""Image-conditioned runs of ``ditmesh generate --image PATH [--mask PATH] [--strength S] [--image-mode MODE]``.
+"""Image-conditioned runs of ``ditmesh generate --image PATH [--mask PATH] [--strength S] [--image-mode MODE]``, and
+of ``--image PATH --frames N`` for a video family (image-to-video: the image is the first frame).
 
 The family's adapter lists its image-conditioned pipelines (``ModelAdapter.image_pipelines``); the run loads the same
 checkpoint folder with the chosen class. Which one, in this order:
@@ -10,7 +11,8 @@ checkpoint folder with the chosen class. Which one, in this order:
 
 The arguments are checked before torch is imported where they can be: the files (readable images), a mask without an
 image, a strength outside (0, 1]; what depends on the family (a mode it lacks, a mask the pipeline cannot take, a
-checkpoint whose transformer does not fit the pipeline) is checked once the family is known, before any weight loads.
+checkpoint whose transformer does not fit the pipeline, ``--frames`` for an image family) is checked once the family is
+known, before any weight loads.
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ def check_image_args(args) -> None:
         return
     if strength is not None and not (math.isfinite(strength) and 0 < strength <= 1):
         raise ConfigError(f"--strength {strength} must be in (0, 1] (1 = start from noise; e.g. 0.6)")
-    if getattr(args, "frames", None) is not None:
-        raise ConfigError("--image conditions image pipelines; leave out --frames")
     for flag, path in (("--image", image), ("--mask", mask)):
         if path is not None:
             check_image_file(flag, path)
@@ -77,6 +77,8 @@ def choose_image_pipeline(args, adapter, checkpoint_pipeline: str | None, transf
     why = chosen.check(transformer_config) if chosen.check and transformer_config else None
     if why:
         raise ConfigError(f"--image-mode {chosen.mode}: {why}")
+    if chosen.setup is not None:
+        chosen.setup()
     return chosen
 
 
