@@ -28,10 +28,11 @@ def condition_mask(height: int = 64, width: int = 64):
 
 
 def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_parallel: str = "auto",
-               cache: str | None = None) -> list[dict]:
+               cache: str | None = None, size: tuple[int, int] = (64, 64), frames: int | None = None) -> list[dict]:
     """Each run ``(pipeline class name, call arguments)`` on the pipeline in folder ``model``, loaded with that class
     and parallelized with ``config`` (``{}``: one process). ``call`` may hold ``image`` / ``mask_image`` as
-    ``(height, width)`` of :func:`condition_image` / :func:`condition_mask`. Returns per run the final latents, the
+    ``(height, width)`` of :func:`condition_image` / :func:`condition_mask`. The output is ``size`` (height,
+    width), with ``frames`` video frames when given. Returns per run the final latents, the
     transformer's inputs' token counts of the first call (``tokens``), the step indices the context saw
     (``steps``), the heights the VAE encoder's first convolution saw on this rank (``encoder_rows``), and with a step
     ``cache`` its decisions (``cache``: (run step, skipped) per call)."""
@@ -41,8 +42,13 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
 
     from ditmesh import ParallelConfig, parallelize
 
+    from ditmesh.models import adapters
+
+    setups = {p.pipeline: p.setup for a in adapters() for p in a.image_pipelines if p.setup}
     results = []
     for class_name, call in runs:
+        if class_name in setups:
+            setups[class_name]()
         torch.manual_seed(0)
         pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
@@ -57,8 +63,10 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
         def post(module, args, out):  # after ditmesh's context hook (inside forward) opened this call
             seen["steps"].append(runtime.context.step_index if runtime is not None else None)
 
-        pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
-        pipe.transformer.register_forward_hook(post)
+        for transformer in (pipe.transformer, getattr(pipe, "transformer_2", None)):
+            if transformer is not None:  # Wan 2.2's second expert runs the low-noise steps
+                transformer.register_forward_pre_hook(pre, with_kwargs=True)
+                transformer.register_forward_hook(post)
         pipe.vae.encoder.conv_in.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[-2]))
         final = {}
 
@@ -70,11 +78,13 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
         for key, make in (("image", condition_image), ("mask_image", condition_mask)):
             if key in call:
                 call[key] = make(*call[key])
-        size = dict(height=64, width=64)
+        out_size = dict(height=size[0], width=size[1])
+        if frames is not None:
+            out_size["num_frames"] = frames
         if "max_area" in inspect.signature(pipe.__call__).parameters:  # an editing pipeline: keep both sizes as given
-            size.update(max_area=64 * 64, _auto_resize=False)
+            out_size.update(max_area=size[0] * size[1], _auto_resize=False)
         kwargs = dict(prompt="a red circle", num_inference_steps=steps, generator=torch.Generator().manual_seed(42),
-                      max_sequence_length=32, output_type="latent", callback_on_step_end=grab, **size)
+                      max_sequence_length=32, output_type="latent", callback_on_step_end=grab, **out_size)
         pipe(**{**kwargs, **call})
         decisions = [(h["step"], h["skip"]) for c in runtime.caches.values() for h in c.history] if cache else None
         results.append(dict(latents=final["latents"], encoder_rows=rows, cache=decisions, **seen))

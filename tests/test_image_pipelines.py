@@ -1,11 +1,12 @@
-"""Image-conditioned pipelines (img2img, Kontext editing, inpainting, Fill) under every axis that applies, each equal
-to one process; the condition image is VAE-encoded split over the ranks."""
+"""Image-conditioned pipelines (img2img, Kontext editing, inpainting, Fill; Wan image-to-video) under every axis that
+applies, each equal to one process; the condition image is VAE-encoded split over the ranks."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from cases_image import image_case
 from ditmesh.testing import rel_err
@@ -18,6 +19,9 @@ INPAINT = ("FluxInpaintPipeline", {"image": (64, 64), "mask_image": (64, 64), "s
 FILL = ("FluxFillPipeline", {"image": (64, 64), "mask_image": (64, 64)})
 CFG = {"negative_prompt": "a blue square", "true_cfg_scale": 4.0}
 DP = {"prompt": ["a red circle", "a green square"]}
+#: Wan 2.2 I2V-A14B style: 5 frames of 32x32 (2 latent frames of 4x4, 8 tokens), 3 steps over both experts
+I2V = ("WanImageToVideoPipeline", {"image": (32, 32)})
+VIDEO = dict(size=(32, 32), frames=5, steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +29,14 @@ def flux_fill_tiny(tmp_path_factory) -> str:
     from ditmesh.synth import write_checkpoint
 
     return str(write_checkpoint("flux-fill-tiny", tmp_path_factory.mktemp("ckpt") / "flux-fill-tiny", seed=0,
+                                device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def wan_i2v_tiny(tmp_path_factory) -> str:
+    from ditmesh.synth import write_checkpoint
+
+    return str(write_checkpoint("wan2.2-i2v-tiny", tmp_path_factory.mktemp("ckpt") / "wan2.2-i2v-tiny", seed=0,
                                 device="cpu"))
 
 
@@ -83,6 +95,27 @@ def test_fill_matches_single_process(pools, flux_fill_tiny, config):
     _check(pools, flux_fill_tiny, config, runs)
 
 
+@pytest.mark.parametrize("config,call", [({"ulysses": 2}, {}), ({"ring": 2}, {}), ({"tp": 2}, {}), ({"cfg": 2}, {}),
+                                         ({"dp": 2}, DP)], ids=["ulysses2", "ring2", "tp2", "cfg2", "dp2"])
+def test_wan_i2v_matches_single_process(pools, wan_i2v_tiny, config, call):
+    """Wan image-to-video (two experts, CFG on at guidance 5): the condition video (the image, then black frames) is
+    encoded split over the ranks, and its latents and the first-frame mask join the noise on channels (36 in)."""
+    ref, results, _ = _check(pools, wan_i2v_tiny, config, [(I2V[0], {**I2V[1], **call})], **VIDEO)
+    assert ref[0]["tokens"] == 36  # Wan's hidden_states are [B, C, F, H, W]: the noise, the mask, the condition
+    assert ref[0]["encoder_rows"] == [32, 32]  # the encoder's causal chunks: the first frame, then the other 4
+    for r in results:
+        assert r[0]["encoder_rows"] == [16, 16]  # the encode was split
+        assert r[0]["steps"] == [0, 0, 1, 1, 2, 2]  # cond and uncond calls of each step, over both experts
+
+
+def test_wan_i2v_condition_image_changes_the_video(wan_i2v_tiny):
+    """The image conditions the output: another image (another seed of the test image) gives another video."""
+    one, other = image_case(wan_i2v_tiny, {}, [I2V, (I2V[0], {"image": (32, 32, 1)})], **VIDEO)
+    err = rel_err(other["latents"], one["latents"])
+    print(f"rel change with another image: {err:.2e}")
+    assert err > 1e-2
+
+
 def test_generate_image_options_match_single_process(tmp_path, flux_tiny, flux_fill_tiny):
     """`generate --image [--mask] [--strength]`: the family's image pipeline on the same checkpoint, split over two
     processes (the condition image encoded split), equal to one process; the report names the pipeline."""
@@ -109,12 +142,53 @@ def test_generate_image_options_match_single_process(tmp_path, flux_tiny, flux_f
     assert len(img2img["step_latency_s"]) == 2  # 3 steps at strength 0.6 run the last two
 
 
+def test_generate_image_to_video_matches_single_process(tmp_path, wan_i2v_tiny):
+    """`generate --image PATH --frames 5` on an image-to-video checkpoint, split over two processes (ulysses, the
+    condition video encoded split), equals the pipeline called in this process with the same arguments."""
+    import subprocess
+    import sys
+
+    import diffusers
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from cases_image import condition_image
+    from ditmesh.models import adapters
+
+    condition_image(32, 32).save(tmp_path / "cond.png")
+    out = tmp_path / "video.gif"
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", wan_i2v_tiny, "--image", str(tmp_path / "cond.png"),
+           "--frames", "5", "--height", "32", "--width", "32", "--steps", "3", "--out", str(out),
+           "--save-latents", str(tmp_path / "latents.safetensors"), "--nproc", "2", "--ulysses", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    assert report["pipeline"] == I2V[0] and report["frames"] == 5 and report["vae_parallel"]["split"]
+    assert Image.open(out).n_frames == 5
+
+    next(p.setup for a in adapters() for p in a.image_pipelines if p.pipeline == I2V[0])()
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(wan_i2v_tiny, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(image=Image.open(tmp_path / "cond.png").convert("RGB"), prompt=report["prompt"][0], height=32, width=32,
+                num_frames=5, num_inference_steps=3, guidance_scale=report["guidance"],
+                generator=torch.Generator("cpu").manual_seed(report["seed"]), max_sequence_length=32,
+                output_type="latent").frames
+    err = rel_err(load_file(str(tmp_path / "latents.safetensors"))["latents"], want)
+    print(f"rel err generate i2v ulysses 2: {err:.2e}")
+    assert err <= TOLERANCE
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--mask", "{mask}"], "--mask needs --image PATH"),
     (["--image", "{missing}"], "no such file"),
     (["--image", "{bad}"], "not an image Pillow can read"),
     (["--image", "{cond}", "--strength", "0"], "--strength 0.0 must be in (0, 1]"),
-    (["--image", "{cond}", "--model", "wan2.2-tiny"], "wan has no image-conditioned pipeline"),
+    (["--image", "{cond}", "--model", "wan2.2-tiny"], "i2v needs an image-to-video checkpoint"),
+    (["--image", "{cond}", "--model", "wan2.2-i2v-tiny", "--strength", "0.5"], "i2v (WanImageToVideoPipeline) has no "
+                                                                                 "strength"),
+    (["--image", "{cond}", "--model", "wan2.2-i2v-tiny", "--mask", "{mask}"], "wan has no masked pipeline"),
+    (["--image", "{cond}", "--model", "wan2.2-i2v-tiny", "--frames", "6"], "--frames 6 must be 4k+1"),
+    (["--image", "{cond}", "--model", "flux-tiny", "--frames", "5"], "flux pipelines generate images"),
     (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "fill", "--mask", "{mask}"],
      "fill needs a Fill checkpoint"),
     (["--image", "{cond}", "--model", "flux-tiny", "--image-mode", "kontext", "--mask", "{mask}"],

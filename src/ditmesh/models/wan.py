@@ -19,8 +19,8 @@ is cross-attention to the text (and, for I2V, the image) context: the context is
 and the query is local, so it needs no communication at all; the model's own processor runs it.
 
 This file is everything ditmesh knows about Wan: the plans, the processor, the blocks, example inputs, the
-planner's layout, the frame rule and the synthetic architectures (Wan 2.1, and Wan 2.2 A14B's pair of
-transformers).
+planner's layout, the frame rule, the image-to-video pipeline and the synthetic architectures (Wan 2.1, Wan 2.2
+A14B's pair of transformers, and its image-to-video form).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from diffusers.models.transformers import transformer_wan
 
 import dataclasses
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, VaePlan, register, spatial_latent)
+from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
+                   SynthArch, TensorPlan, VaePlan, register, spatial_latent)
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,6 +218,18 @@ WAN_ARCHS = (
         transformer_2=_WAN_TINY.transformer,
         pipeline_config=dict(boundary_ratio=0.9),
     ),
+    # Wan 2.2 I2V-A14B: no image encoder; the pipeline VAE-encodes the condition video (the image, then zero
+    # frames) and concatenates a 4-channel first-frame mask and those latents to the noise: 16 + 4 + 16 = 36 in.
+    dataclasses.replace(
+        _WAN_TINY,
+        name="wan2.2-i2v-tiny",
+        description="Wan 2.2 I2V-A14B layout shrunk for CPU tests: two wan-tiny transformers reading the noise, the "
+                    "first-frame mask and the encoded condition video (36 in, 16 out), WanImageToVideoPipeline",
+        pipeline="WanImageToVideoPipeline",
+        transformer=dict(_WAN_TINY.transformer, in_channels=36),
+        transformer_2=dict(_WAN_TINY.transformer, in_channels=36),
+        pipeline_config=dict(boundary_ratio=0.9),
+    ),
 )
 
 
@@ -240,6 +252,40 @@ WAN_VAE_PLAN = VaePlan(
     gathered=("WanAttentionBlock",),
     conv_padding=wan_conv_padding,
 )
+
+
+# -- image-conditioned pipelines ------------------------------------------------------------------------------
+def _needs_i2v(config: dict) -> str | None:
+    """Why this transformer cannot run WanImageToVideoPipeline, or None. The pipeline concatenates to the noise
+    (``out_channels``) a first-frame mask (the VAE's 4x temporal factor: 4 channels) and the encoded condition
+    video: ``in_channels = 2 * out_channels + 4`` (Wan 2.1 I2V, Wan 2.2 I2V-A14B). Wan 2.2 TI2V (one transformer,
+    ``in_channels == out_channels`` with the 48-channel Wan 2.2 VAE) writes the encoded frame over the first latent
+    frame instead."""
+    cin, cout = config.get("in_channels"), config.get("out_channels")
+    if cin is None or cout is None or cin == 2 * cout + 4 or cin == cout == 48:
+        return None
+    return (f"i2v needs an image-to-video checkpoint (transformer in_channels = 2 x out_channels + 4: the noise, "
+            f"the first-frame mask and the encoded image); this one reads {cin} channels (text-to-video)")
+
+
+def _i2v_setup() -> None:
+    """WanImageToVideoPipeline cleans prompts with ``ftfy`` unconditionally (WanPipeline only when it is installed);
+    without ftfy, give its module an ``ftfy`` that leaves text as it is, which is what WanPipeline does then."""
+    import types
+
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+    from diffusers.utils import is_ftfy_available
+
+    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
+        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+
+
+#: Image-to-video: the condition image is VAE-encoded (as the first frame of an otherwise black video, split over
+#: the ranks like any encode) and joins the transformer's input on channels, so the tokens, the sequence plan and
+#: the tensor plan are those of text-to-video; Wan 2.1 I2V checkpoints also cross-attend to CLIP image tokens
+#: (``add_k_proj``/``add_v_proj``, in the tensor plan). No strength: every run starts from noise.
+WAN_IMAGE_PIPELINES = (ImagePipeline("i2v", "WanImageToVideoPipeline", strength=False, check=_needs_i2v,
+                                     setup=_i2v_setup),)
 
 
 def wan_components(arch: SynthArch, kit) -> dict:
@@ -286,6 +332,7 @@ WAN = register(
         frame_step=4,  # the Wan VAE compresses time 4x: 4k+1 frames
         fps=16,  # Wan 2.1 is trained on 16 fps clips
         pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline"),
+        image_pipelines=WAN_IMAGE_PIPELINES,
         synth_archs=WAN_ARCHS,
         synth_components=wan_components,
         vae=WAN_VAE_PLAN,
