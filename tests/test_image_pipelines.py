@@ -40,6 +40,14 @@ def wan_i2v_tiny(tmp_path_factory) -> str:
                                 device="cpu"))
 
 
+@pytest.fixture(scope="module")
+def wan21_i2v_tiny(tmp_path_factory) -> str:
+    from ditmesh.synth import write_checkpoint
+
+    return str(write_checkpoint("wan2.1-i2v-tiny", tmp_path_factory.mktemp("ckpt") / "wan2.1-i2v-tiny", seed=0,
+                                device="cpu"))
+
+
 def _check(pools, model, config, runs, **kwargs):
     ref = image_case(model, {}, runs, **kwargs)
     results = pools(2).run(image_case, model, config, runs, **kwargs)
@@ -106,6 +114,14 @@ def test_wan_i2v_matches_single_process(pools, wan_i2v_tiny, config, call):
     for r in results:
         assert r[0]["encoder_rows"] == [16, 16]  # the encode was split
         assert r[0]["steps"] == [0, 0, 1, 1, 2, 2]  # cond and uncond calls of each step, over both experts
+
+
+@pytest.mark.parametrize("config,call", [({"ulysses": 2}, {}), ({"tp": 2}, {}), ({"dp": 2}, DP)],
+                         ids=["ulysses2", "tp2", "dp2"])
+def test_wan21_i2v_with_clip_image_tokens_matches_single_process(pools, wan21_i2v_tiny, config, call):
+    """Wan 2.1 I2V: the transformer also cross-attends to the image's CLIP tokens (replicated context; under tp the
+    image key/value projections and their norm are split like the text ones)."""
+    _check(pools, wan21_i2v_tiny, config, [(I2V[0], {**I2V[1], **call})], **VIDEO)
 
 
 def test_wan_i2v_condition_image_changes_the_video(wan_i2v_tiny):

@@ -230,6 +230,18 @@ WAN_ARCHS = (
         transformer_2=dict(_WAN_TINY.transformer, in_channels=36),
         pipeline_config=dict(boundary_ratio=0.9),
     ),
+    # Wan 2.1 I2V: one transformer that also cross-attends to the condition image's CLIP tokens (the image encoder's
+    # second-to-last hidden states: image_dim wide, projected by attn2's add_k_proj / add_v_proj)
+    dataclasses.replace(
+        _WAN_TINY,
+        name="wan2.1-i2v-tiny",
+        description="Wan 2.1 I2V layout shrunk for CPU tests: wan-tiny reading 36 channels and cross-attending to "
+                    "the image tokens of a tiny CLIP vision encoder (5 tokens of 32), WanImageToVideoPipeline",
+        pipeline="WanImageToVideoPipeline",
+        transformer=dict(_WAN_TINY.transformer, in_channels=36, image_dim=32, added_kv_proj_dim=96),
+        clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=16),
+    ),
 )
 
 
@@ -289,15 +301,23 @@ WAN_IMAGE_PIPELINES = (ImagePipeline("i2v", "WanImageToVideoPipeline", strength=
 
 
 def wan_components(arch: SynthArch, kit) -> dict:
-    """WanPipeline's other components: AutoencoderKLWan (video VAE) and a UMT5 text encoder with a T5 tokenizer."""
+    """WanPipeline's other components: AutoencoderKLWan (video VAE) and a UMT5 text encoder with a T5 tokenizer;
+    for a transformer with ``image_dim`` (Wan 2.1 I2V) also a CLIP vision encoder (``arch.clip``) and its image
+    processor (CLIP's normalization, resized and cropped to the encoder's image size)."""
     import diffusers
     import transformers
 
     t5_tok = kit.t5_tokenizer(arch.max_sequence_length)
-    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1),
-                text_encoder=kit.make(transformers.UMT5EncoderModel,
-                                      kit.t5_config(t5_tok, arch.t5, transformers.UMT5Config), 3),
-                tokenizer=t5_tok)
+    components = dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1),
+                      text_encoder=kit.make(transformers.UMT5EncoderModel,
+                                            kit.t5_config(t5_tok, arch.t5, transformers.UMT5Config), 3),
+                      tokenizer=t5_tok)
+    if arch.transformer.get("image_dim"):
+        side = arch.clip["image_size"]
+        components["image_encoder"] = kit.make(transformers.CLIPVisionModel, transformers.CLIPVisionConfig(**arch.clip), 2)
+        components["image_processor"] = transformers.CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    return components
 
 
 WAN = register(
