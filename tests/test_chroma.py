@@ -3,6 +3,8 @@ keys (Ulysses, ring), shards with the heads (TP) and with each CFG branch (cfg).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -37,26 +39,25 @@ def reference(path: str, shape: str) -> torch.Tensor:
 def expected_counts(config: dict) -> dict:
     """Collectives of one pipeline call: 2 steps x 2 transformer calls (prompt, negative prompt)."""
     calls = 2 * STEPS
-    if "ulysses" in config:
-        return {"all_to_all": 2 * ATTENTION_LAYERS * calls, "all_gather": calls}
-    if "ring" in config:
-        return {"ring_p2p": ATTENTION_LAYERS * calls, "all_gather": calls}
     if "cfg" in config:
         return {"all_gather": STEPS}  # the two branches exchanged once per step
-    return {"all_reduce": (4 * 2 + 1 * 2) * calls}  # tp: 4 per double block, 1 per single block (FLUX's plan)
+    if "tp" in config:
+        return {"all_reduce": (4 * 2 + 1 * 2) * calls}  # 4 per double block, 1 per single block (FLUX's plan)
+    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
+    return {**{kind: n * ATTENTION_LAYERS * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
 
 
 @pytest.mark.parametrize("shape", ["even", "uneven"])
-@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}, {"cfg": 2}],
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}, {"cfg": 2}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_chroma_pipeline_matches_single_process(pools, chroma_tiny, config, shape):
     ref = reference(chroma_tiny, shape)
-    outs = pools(2).run(pipeline_generate, chroma_tiny, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
+    outs = pools(math.prod(config.values())).run(pipeline_generate, chroma_tiny, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
     for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5, rel_err(latents, ref)
+        assert rel_err(latents, ref) <= 1e-5
         assert calls == 2 * STEPS
         assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][0], outs[-1][0])
 
 
 def test_chroma_mask_changes_the_output(chroma_tiny):
