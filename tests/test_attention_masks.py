@@ -51,3 +51,11 @@ def test_masked_sequence_parallel_attention_matches_single_process(pools, ring, 
         assert finite and err <= 1e-5, err
         # the mask costs no collective: each rank slices its own copy
         assert counts == {k: n for k, n in {"all_to_all": 2 * chunks if ulysses > 1 else 0, "ring_p2p": ring - 1}.items() if n}
+
+
+@pytest.mark.parametrize("ring,ulysses", [(1, 2), (2, 1)], ids=["ulysses2", "ring2"])
+def test_masked_attention_over_one_stream_keeps_the_model_order(pools, ring, ulysses):
+    # one stream (no text tokens): the ranks' order is the model's, so the mask is used without a reorder
+    for kind in ("padding", "general"):
+        for err, finite, _ in pools(2).run(sp_masked_attention_case, ring, ulysses, 0, 11, 4, kind):
+            assert finite and err <= 1e-5

@@ -64,6 +64,8 @@ class SequenceParallel:
         self.transport = transport
         #: local attention sequence length of each sp rank (sum over the streams split so far in this call)
         self.seq_sizes: list[int] = []
+        #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
+        self._orders: dict[tuple, tuple] = {}
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
@@ -108,12 +110,18 @@ class SequenceParallel:
         """``mask`` (``[B, S]`` key padding or ``[B, 1 or H, S or 1, S]``, global token order over ``streams``) with
         its key columns, and its query rows when it has one per query, in the sp ranks' order."""
         mask = score_mask(mask)
-        order = self.gathered_order(streams)
-        if mask.shape[-1] != len(order) or mask.shape[-2] not in (1, len(order)):
+        sizes = self.ctx.stream_sizes
+        key = (tuple(streams), tuple(tuple(sizes.get(s, ())) for s in streams), mask.device)
+        if key not in self._orders:  # once per shape: every layer of a call reuses it
+            order = self.gathered_order(streams)
+            identity = order == list(range(len(order)))  # one stream: the ranks' order is the model's
+            self._orders[key] = (len(order), None if identity else torch.tensor(order, device=mask.device))
+        length, index = self._orders[key]
+        if mask.shape[-1] != length or mask.shape[-2] not in (1, length):
             raise ValueError(f"the attention mask covers {mask.shape[-2]} queries x {mask.shape[-1]} keys but the "
-                             f"attention runs over "
-                             f"{len(order)} tokens of {tuple(streams)}")
-        index = torch.tensor(order, device=mask.device)
+                             f"attention runs over {length} tokens of {tuple(streams)}")
+        if index is None:
+            return mask
         mask = mask.index_select(-1, index)
         return mask.index_select(-2, index) if mask.shape[-2] != 1 else mask
 
