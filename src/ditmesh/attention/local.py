@@ -8,6 +8,12 @@ Layout, whatever computes it:
 Backends return the LSE in different shapes: CUDA flash/efficient give ``[B, H, S]`` or ``[B, H, S, 1]``
 depending on the torch build; ROCm's flash kernel in torch >= 2.9 gives ``[B, H, S]`` where CUDA's gives
 ``[B, H, S, 1]``. :func:`normalize_lse` decides from the tensor's ``ndim`` (never from a version check).
+
+Masks (:func:`score_mask`): a boolean mask keeps the scores where it is True (SDPA's meaning); a floating mask is
+added to the scores (also SDPA's meaning: diffusers' pipelines that pass 0/1 floats get a +1 bias, not a cut). A
+key-padding mask ``[B, S_k]`` applies to every query and head. A query row whose keys are all masked out attends
+to nothing: its output is 0 and its LSE ``-inf`` (torch's SDPA returns 0 there too, for boolean and ``-inf``
+masks alike), so such a row adds nothing when partial results are merged.
 """
 
 from __future__ import annotations
@@ -36,19 +42,59 @@ def normalize_lse(lse: torch.Tensor, batch: int, heads: int, seq_q: int) -> torc
     return lse[:, :, :seq_q].float()
 
 
-def _math_attention(q, k, v, scale):
+def score_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``mask`` in the scores' layout ``[B, 1 or H, S_q, S_k]`` (broadcast): a key-padding mask ``[B, S_k]`` becomes
+    ``[B, 1, 1, S_k]``; a 3-D ``[B, S_q, S_k]`` mask gains the head dim; a 4-D mask is returned as is."""
+    if mask is None or mask.ndim == 4:
+        return mask
+    if mask.ndim == 2:
+        return mask[:, None, None, :]
+    if mask.ndim == 3:
+        return mask[:, None]
+    raise ValueError(f"attention mask of shape {tuple(mask.shape)}: expected [B, S_k], [B, S_q, S_k] or [B, H, S_q, S_k]")
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean or floating mask as the bias added to the scores, in ``dtype`` (False -> ``-inf``)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _math_attention(q, k, v, scale, mask):
     # [B, S, H, D] -> [B, H, S, D]; scores in float32 for a stable LSE.
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + additive_mask(mask, torch.float32)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    # a row with every key masked has lse = -inf: shift it by 0 instead, so exp(-inf) = 0 and the row's output is 0
+    shift = lse if mask is None else lse.masked_fill(torch.isneginf(lse), 0.0)
+    probs = torch.exp(scores - shift.unsqueeze(-1))
     out = torch.matmul(probs.to(vh.dtype), vh)
     return out.to(q.dtype).transpose(1, 2), lse
 
 
-def _cuda_attention(q, k, v, scale):
+def _cuda_bias(mask: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The memory-efficient kernel's ``attn_bias``: ``[B, H, S_q, S_k]`` in ``dtype``, its rows 16-element aligned."""
+    b, h, s_q, s_k = shape
+    padded = torch.empty(b, h, s_q, -(-s_k // 16) * 16, dtype=dtype, device=mask.device)
+    bias = padded[..., :s_k]
+    bias.copy_(additive_mask(mask, dtype).expand(b, h, s_q, s_k))
+    return bias
+
+
+def _cuda_attention(q, k, v, scale, mask):
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     b, h, s, _ = qh.shape
+    if mask is not None:  # the flash kernel takes no mask: the memory-efficient one adds it as a bias
+        bias = _cuda_bias(mask, q.dtype, (b, h, s, kh.shape[2]))
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qh, kh, vh, bias, True, 0.0, False,
+                                                                          scale=scale)[:2]
+        out, lse = out.transpose(1, 2), normalize_lse(lse, b, h, s)
+        # a fully masked row: 0 out, -inf LSE, whatever the kernel left there
+        empty = torch.isneginf(lse) | torch.isnan(lse)
+        return out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
     if q.dtype in (torch.float16, torch.bfloat16):
         try:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, False, False, scale=scale)[:2]
@@ -60,14 +106,17 @@ def _cuda_attention(q, k, v, scale):
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over all keys; returns ``(out [B,S,H,D], lse [B,H,S] float32)``.
 
-    CUDA/ROCm use the fused SDPA kernels (flash for half precision, memory-efficient otherwise);
-    CPU uses a float32 math path.
+    ``mask`` (optional): boolean (True keeps) or floating (added to the scores), ``[B, S_k]`` or broadcastable to
+    ``[B, H, S_q, S_k]`` (module docstring; a fully masked row gives 0 and LSE ``-inf``). CUDA/ROCm use the fused
+    SDPA kernels (flash for half precision, memory-efficient otherwise and with a mask); CPU uses a float32 math
+    path.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    mask = score_mask(mask)
     if q.is_cuda:
-        return _cuda_attention(q, k, v, scale)
-    return _math_attention(q, k, v, scale)
+        return _cuda_attention(q, k, v, scale, mask)
+    return _math_attention(q, k, v, scale, mask)

@@ -11,6 +11,11 @@ Partial results are merged through their log-sum-exp in float32 (:func:`merge_pa
 ``logaddexp`` form, so logits of any size neither overflow nor underflow. Key order does not matter to
 softmax attention without a mask, so the result equals attention over the full sequence.
 
+Masks: every rank holds the whole mask in the ring's key order (the keys of ring rank 0, then rank 1, ...), so the
+chunk that started on rank ``j`` is attended with its own slice of the key columns and nothing travels beside K/V.
+A query row that the chunk in hand masks entirely gives 0 with LSE ``-inf`` and adds nothing to the merge; a row
+masked in every chunk ends at 0, as torch's SDPA gives for a fully masked row (``attention.local``).
+
 Uneven chunks: ``seq_sizes[j]`` is the K/V length rank ``j`` started with. Every rank derives the list
 from global lengths, so a receiver allocates the arriving chunk from ``seq_sizes`` alone; no sizes are
 exchanged and there is no host sync in the loop.
@@ -23,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import ring_exchange_start, ring_exchange_wait
-from .local import attention_with_lse
+from ..comm import offsets, ring_exchange_start, ring_exchange_wait
+from .local import attention_with_lse, score_mask
 
 
 def merge_partial(
@@ -34,14 +39,16 @@ def merge_partial(
 
     ``out``/``block_out`` are ``[B, S, H, D]``, ``lse``/``block_lse`` ``[B, H, S]``; ``out is None`` starts
     the merge. ``lse' = logaddexp(lse, block_lse)`` and each side is weighted by ``exp(its_lse - lse')``,
-    a number in [0, 1]: stable for any logit size.
+    a number in [0, 1]: stable for any logit size. A row with ``-inf`` on both sides (no key kept so far) stays at
+    ``-inf`` with weights 0, never NaN.
     """
     block_out, block_lse = block_out.float(), block_lse.float()
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
-    block_weight = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    shift = new_lse.masked_fill(torch.isneginf(new_lse), 0.0)
+    weight = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
+    block_weight = torch.exp(block_lse - shift).transpose(1, 2).unsqueeze(-1)
     return out * weight + block_out * block_weight, new_lse
 
 
@@ -53,13 +60,21 @@ def ring_attention(
     rank: int,
     group,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of local queries ``[B, S_rank, H, D]`` over the keys of every rank; returns ``[B, S_rank, H, D]``.
 
     ``seq_sizes[j]`` is the K/V sequence length of ring rank ``j``; ``rank`` is this rank's index in
     ``group``. Issues ``len(seq_sizes) - 1`` exchange rounds (each one async send + one receive of K and V).
+    ``mask`` (optional, as :func:`attention_with_lse` takes it) covers the keys of every rank in ring order,
+    ``sum(seq_sizes)`` columns, and either one row for all queries or the queries of every rank in that order
+    (``[B, 1 or H, sum(seq_sizes), sum(seq_sizes)]``): this rank uses its own rows.
     """
     world = len(seq_sizes)
+    starts = offsets(seq_sizes)
+    mask = score_mask(mask)
+    if mask is not None and mask.shape[-2] != 1:
+        mask = mask.narrow(-2, starts[rank], seq_sizes[rank])
     if key.shape[1] != seq_sizes[rank]:
         raise ValueError(f"ring rank {rank} holds {key.shape[1]} keys but seq_sizes says {seq_sizes[rank]}")
     send_to, recv_from = (rank + 1) % world, (rank - 1) % world
@@ -74,7 +89,9 @@ def ring_attention(
             arriving = [t.new_empty(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
             works = ring_exchange_start(in_hand, arriving, send_to, recv_from, group)
         if in_hand[0].shape[1]:
-            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale)
+            source = (rank - step) % world  # the rank this chunk started on: its key columns of the mask
+            chunk_mask = None if mask is None else mask.narrow(-1, starts[source], seq_sizes[source])
+            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale, chunk_mask)
             out, lse = merge_partial(out, lse, block_out, block_lse)
         if step < world - 1:
             ring_exchange_wait(works)

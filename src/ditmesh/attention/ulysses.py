@@ -12,6 +12,10 @@ heads are cut into ``chunks`` groups; the Q/K/V of group ``c + 1`` travels while
 the output of group ``c`` travels back while group ``c + 1`` attends. Only the first Q/K/V transfer and
 the last output transfer are exposed.
 
+Masks: after the all-to-all each rank holds every token, in the order of the ranks' chunks (rank 0's tokens, then
+rank 1's, ...), for its heads. A mask in that order for queries and keys, ``[B, S_total]`` or
+``[B, 1 or H, S_total, S_total]``, therefore applies as is; one with a head dim gives each head group its heads.
+
 Cross-rank rule: all ranks of the Ulysses group call :func:`ulysses_attention` for every attention
 layer, in the same order, with the same ``seq_sizes`` (derived from global lengths at the model entry)
 and the same ``chunks``.
@@ -27,6 +31,7 @@ import torch
 
 from .. import symm
 from ..comm import all_to_all_start, offsets, split_sizes, wait
+from .local import score_mask
 
 #: how the all-to-alls travel: NCCL kernels (any backend's functional all-to-all) or copy engines (``ditmesh.symm``)
 TRANSPORTS = ("nccl", "symm")
@@ -183,23 +188,32 @@ def ulysses_attention(
     local_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     chunks: int = 1,
     transport: str = "nccl",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the full sequence from sequence shards ``[B, S_rank, H, D]``; returns ``[B, S_rank, H, D]``.
 
-    ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout. ``chunks``
-    head groups are pipelined against the transfers (module docstring). Collectives: 2 all-to-alls per
-    non-empty head group, through ``transport`` (:data:`TRANSPORTS`).
+    ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout; with a ``mask``
+    (in the gathered order, module docstring) it is called as ``local_attention(q, k, v, mask)`` with the mask as
+    ``[B, 1 or h, S_total or 1, S_total]``. ``chunks`` head groups are pipelined against the transfers (module
+    docstring). Collectives: 2 all-to-alls per non-empty head group, through ``transport`` (:data:`TRANSPORTS`).
     """
     world = len(seq_sizes)
+    mask = score_mask(mask)
     qkv = (query, key, value)
     groups = head_groups(query.shape[-2], world, max(1, chunks))
     pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group, transport, 0)
     returning = []
-    for c, (_, sizes) in enumerate(groups):
+    for c, (starts, sizes) in enumerate(groups):
         following = (seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group, transport, c + 1)
                      if c + 1 < len(groups) else None)
         q, k, v = pending()
-        out = local_attention(q, k, v) if sizes[rank] else q
+        if not sizes[rank]:
+            out = q
+        elif mask is None:
+            out = local_attention(q, k, v)
+        else:
+            heads = mask if mask.shape[1] == 1 else mask.narrow(1, starts[rank], sizes[rank])
+            out = local_attention(q, k, v, heads)
         returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group, transport, c))
         pending = following
     parts = [finish() for finish in returning]  # parts[c][j]: rank j's heads of group c

@@ -14,6 +14,10 @@ Placement: Ulysses is a latency-bound all-to-all on the critical path, so it tak
 (consecutive ranks, the fastest links); the ring's point-to-point transfers overlap compute, so it takes
 the outer axis and can cross slower links (see docs/architecture.md).
 
+Masks: the ring's key order is the sp ranks' chunks in order, the order a Ulysses-only all-to-all gives. A mask
+in that order (``[B, S_total]`` or ``[B, 1 or H, S_total, S_total]``) goes to the ring with this Ulysses rank's
+heads; the ring takes the rows of its queries (those of the Ulysses group) and each chunk's key columns.
+
 Cross-rank rule: every rank of the sp group calls :func:`usp_attention` for every attention layer, in the
 same order, with the same ``seq_sizes``.
 """
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import offsets, split_sizes
+from .local import score_mask
 from .ring import ring_attention
 from .ulysses import heads_to_seq, seq_to_heads
 
@@ -42,15 +48,22 @@ def usp_attention(
     ring_group,
     ulysses_group,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full-sequence attention from sp shards ``[B, S_sp, H, D]``; returns ``[B, S_sp, H, D]``.
 
     ``seq_sizes`` holds the sequence length of every sp rank, ring-major (``len == ring * ulysses_degree``);
     ``ring_rank``/``ulysses_rank`` are this rank's indices in ``ring_group``/``ulysses_group``.
     Collectives: 2 all-to-alls in the Ulysses group and ``ring - 1`` exchange rounds in the ring group.
+    ``mask``: optional, over the sp ranks' chunks in order (module docstring).
     """
     group_sizes = seq_sizes[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
     num_heads = query.shape[-2]
+    mask = score_mask(mask)
+    if mask is not None and mask.shape[1] != 1:  # this Ulysses rank's heads, as seq_to_heads gives them
+        heads = split_sizes(num_heads, ulysses_degree)
+        mask = mask.narrow(1, offsets(heads)[ulysses_rank], heads[ulysses_rank])
     qkv = seq_to_heads((query, key, value), group_sizes, ulysses_rank, ulysses_group)
-    out = ring_attention(qkv[0], qkv[1], qkv[2], ring_chunk_sizes(seq_sizes, ulysses_degree), ring_rank, ring_group, scale)
+    out = ring_attention(qkv[0], qkv[1], qkv[2], ring_chunk_sizes(seq_sizes, ulysses_degree), ring_rank, ring_group,
+                         scale, mask)
     return heads_to_seq(out, group_sizes, num_heads, ulysses_rank, ulysses_group)

@@ -26,7 +26,8 @@ class FluxSequenceParallelProcessor:
     """Attention processor for ``FluxAttention`` whose core attention runs sequence-parallel.
 
     Projections, QK-norms and RoPE are computed on the local tokens exactly as diffusers'
-    ``FluxAttnProcessor`` does; only the softmax attention itself goes through ``sp.attention``.
+    ``FluxAttnProcessor`` does; only the softmax attention itself goes through ``sp.attention``, with the
+    ``attention_mask`` the model passes (global ``[text, image]`` order, as diffusers' processor takes it).
     """
 
     _parallel_config = None
@@ -36,8 +37,6 @@ class FluxSequenceParallelProcessor:
         self._attention_backend = getattr(previous, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        if attention_mask is not None:
-            raise NotImplementedError("ditmesh sequence parallelism does not support an attention_mask for FLUX")
         q, k, v, eq, ek, ev = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
         q, k = attn.norm_q(q), attn.norm_k(k)
@@ -50,7 +49,7 @@ class FluxSequenceParallelProcessor:
             q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
             k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
 
-        out = self.sp.attention(q, k, v, backend=self._attention_backend)
+        out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=attention_mask)
         out = out.flatten(2, 3).to(q.dtype)
 
         if not joint:

@@ -7,6 +7,13 @@ output is gathered (``proj_out``). Inside, every block works on the local shard;
 through the adapter's processor, which calls :meth:`SequenceParallel.attention`. The chunk sizes of each
 stream live in the call's :class:`~ditmesh.hooks.ForwardContext`.
 
+Masks. A processor passes the mask its model built, in the model's own (global) token order: the streams the
+attention covers, each whole, in the plan's order (FLUX-like: all text, then all image). The local sequence of
+sp rank ``j`` is its chunk of each stream in that order, and Ulysses, ring and USP all see the keys as the ranks'
+local sequences one after another (``[text_0, image_0, text_1, image_1, ...]``). :meth:`SequenceParallel.
+gathered_mask` reorders the mask's key columns (and its query rows, when it has one per query) into that order,
+from the stream sizes of the call, so the attention functions slice it by rank like the keys.
+
 Cross-rank rules: chunk sizes come from global lengths only (identical on every rank, nothing is
 exchanged); every rank runs every attention layer in the same order.
 """
@@ -16,10 +23,11 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
+from ..attention.local import score_mask
 from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
-from ..comm import all_gather_uneven, group_name, split_sizes
+from ..comm import all_gather_uneven, group_name, offsets, split_sizes
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
 from ..models.base import Gather, ModelAdapter, Split, is_attention
@@ -56,28 +64,66 @@ class SequenceParallel:
         self.transport = transport
         #: local attention sequence length of each sp rank (sum over the streams split so far in this call)
         self.seq_sizes: list[int] = []
+        #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
+        self._orders: dict[tuple, tuple] = {}
 
-    def attention(self, query, key, value, backend=None, streams=None):
+    def attention(self, query, key, value, backend=None, streams=None, mask=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
         Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
         USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
         flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
+        ``mask``: optional, in the model's global token order (:meth:`gathered_mask`), boolean (True keeps)
+        or floating (added to the scores), as SDPA takes it.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
         seq_sizes = self.seq_sizes if streams is None else self.local_lengths(streams)
+        if mask is not None:
+            mask = self.gathered_mask(mask, self.plan.streams if streams is None else streams)
         if self.ring_degree == 1:
 
-            def local(q, k, v):
-                return dispatch_attention_fn(q, k, v, backend=backend)
+            def local(q, k, v, mask=None):
+                return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
 
             return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
-                                     chunks=self.ulysses_chunks, transport=self.transport)
+                                     chunks=self.ulysses_chunks, transport=self.transport, mask=mask)
         if self.ulysses_degree == 1:
-            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group)
+            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                             self.ring_group, self.ulysses_group)
+                             self.ring_group, self.ulysses_group, mask=mask)
+
+    def gathered_order(self, streams) -> list[int]:
+        """Global positions of the tokens of ``streams`` in the sp ranks' order: rank 0's chunk of each stream (in
+        ``streams``' order), then rank 1's, ... The global order is the streams whole, one after another."""
+        sizes = self.ctx.stream_sizes
+        present = [s for s in streams if s in sizes]
+        starts = dict(zip(present, offsets([sum(sizes[s]) for s in present])))
+        order: list[int] = []
+        for j in range(self.degree):
+            for s in present:
+                first = starts[s] + sum(sizes[s][:j])
+                order.extend(range(first, first + sizes[s][j]))
+        return order
+
+    def gathered_mask(self, mask: torch.Tensor, streams) -> torch.Tensor:
+        """``mask`` (``[B, S]`` key padding or ``[B, 1 or H, S or 1, S]``, global token order over ``streams``) with
+        its key columns, and its query rows when it has one per query, in the sp ranks' order."""
+        mask = score_mask(mask)
+        sizes = self.ctx.stream_sizes
+        key = (tuple(streams), tuple(tuple(sizes.get(s, ())) for s in streams), mask.device)
+        if key not in self._orders:  # once per shape: every layer of a call reuses it
+            order = self.gathered_order(streams)
+            identity = order == list(range(len(order)))  # one stream: the ranks' order is the model's
+            self._orders[key] = (len(order), None if identity else torch.tensor(order, device=mask.device))
+        length, index = self._orders[key]
+        if mask.shape[-1] != length or mask.shape[-2] not in (1, length):
+            raise ValueError(f"the attention mask covers {mask.shape[-2]} queries x {mask.shape[-1]} keys but the "
+                             f"attention runs over {length} tokens of {tuple(streams)}")
+        if index is None:
+            return mask
+        mask = mask.index_select(-1, index)
+        return mask.index_select(-2, index) if mask.shape[-2] != 1 else mask
 
     # -- split points ------------------------------------------------------------------------------
     def begin(self) -> None:

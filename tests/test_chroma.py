@@ -1,0 +1,90 @@
+"""Chroma under every axis on real gloo process groups, against one process: its padded-text mask travels with the
+keys (Ulysses, ring), shards with the heads (TP) and with each CFG branch (cfg)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cases_models import pipeline_generate
+from ditmesh.testing import rel_err
+
+#: two prompts of different lengths: each sample pads its text differently, so the mask differs per sample
+PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
+#: image tokens (H/16 * W/16) and text tokens (max_sequence_length): 16 + 32 divide 2; 9 + 15 do not
+SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
+          "uneven": dict(height=48, width=48, max_sequence_length=15)}
+ATTENTION_LAYERS = 4  # 2 double + 2 single blocks
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def chroma_tiny(tmp_path_factory) -> str:
+    from ditmesh.synth import write_checkpoint
+
+    return str(write_checkpoint("chroma-tiny", tmp_path_factory.mktemp("chroma") / "chroma-tiny", seed=0, device="cpu"))
+
+
+_REFERENCES: dict = {}
+
+
+def reference(path: str, shape: str) -> torch.Tensor:
+    if shape not in _REFERENCES:
+        _REFERENCES[shape] = pipeline_generate(path, {}, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])[0]
+    return _REFERENCES[shape]
+
+
+def expected_counts(config: dict) -> dict:
+    """Collectives of one pipeline call: 2 steps x 2 transformer calls (prompt, negative prompt)."""
+    calls = 2 * STEPS
+    if "cfg" in config:
+        return {"all_gather": STEPS}  # the two branches exchanged once per step
+    if "tp" in config:
+        return {"all_reduce": (4 * 2 + 1 * 2) * calls}  # 4 per double block, 1 per single block (FLUX's plan)
+    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
+    return {**{kind: n * ATTENTION_LAYERS * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
+
+
+@pytest.mark.parametrize("shape", ["even", "uneven"])
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}, {"cfg": 2}],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_chroma_pipeline_matches_single_process(pools, chroma_tiny, config, shape):
+    ref = reference(chroma_tiny, shape)
+    outs = pools(math.prod(config.values())).run(pipeline_generate, chroma_tiny, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
+    for latents, counts, calls in outs:
+        assert rel_err(latents, ref) <= 1e-5
+        assert calls == 2 * STEPS
+        assert counts == expected_counts(config)
+    assert torch.equal(outs[0][0], outs[-1][0])
+
+
+def test_chroma_mask_changes_the_output(chroma_tiny):
+    # the mask the parallel runs must carry matters: dropping it inside the transformer gives another result
+    from diffusers import ChromaPipeline
+
+    from cases_models import call_kwargs
+
+    pipe = ChromaPipeline.from_pretrained(chroma_tiny, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+
+    def drop_mask(module, args, kwargs):
+        seen.append(kwargs["attention_mask"])
+        return args, dict(kwargs, attention_mask=None)
+
+    pipe.transformer.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    final = {}
+    pipe(PROMPTS, **call_kwargs(final, STEPS, frames=None, guidance_scale=5.0, **SHAPES["even"]))
+    mask = seen[0]
+    assert mask.shape == (2, 32 + 16) and not torch.equal(mask[0], mask[1])  # per-sample padding
+    assert rel_err(final["latents"], reference(chroma_tiny, "even")) > 1e-3
+
+
+def test_chroma_real_size_matches_the_published_config():
+    from ditmesh.synth import get_arch
+
+    hd = get_arch("chroma1-hd").transformer
+    assert (hd["num_layers"], hd["num_single_layers"], hd["num_attention_heads"], hd["attention_head_dim"]) == (19, 38, 24, 128)
+    assert (hd["approximator_hidden_dim"], hd["approximator_layers"], hd["joint_attention_dim"]) == (5120, 5, 4096)
