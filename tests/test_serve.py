@@ -1,5 +1,5 @@
 """`ditmesh serve` as a client meets it: a real server process on 127.0.0.1 with the tiny pipeline (64x64, 2
-steps), its HTTP API, bad requests, the bearer token, metrics, progress events, a bounded load test, the web
+steps, two replicas of one rank), its HTTP API, bad requests, the bearer token, metrics, progress events, a bounded load test, the web
 page in a headless chromium, and a rank killed and stopped mid-request on gloo (2 ranks)."""
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def decode(b64: str) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN, "--max-steps", "8",
+    with running_server("--replicas", "2", "--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN,
+                        "--max-steps", "8",
                         "--max-pixels", str(128 * 128), "--max-n", "2") as (base, _):
         with httpx.Client(base_url=base, headers=AUTH, timeout=120) as client:
             yield client
@@ -186,6 +187,8 @@ def test_load_every_request_is_answered_exactly_once(server):
           f"rank RSS {rss_before / 2**20:.0f} -> {_rss_bytes(pid) / 2**20:.0f} MiB")
     assert _rss_bytes(pid) - rss_before < 256 * 2**20
     assert _metric(server, "ditmesh_queue_length") == 0
+    # the two replicas (independent process groups) both took requests
+    assert all(r["served"] >= 3 for r in server.get("/health").json()["replicas"])
 
 
 def _metric(client, name: str) -> float:

@@ -62,6 +62,7 @@ class Replica:
         self.load_timeout = load_timeout
         self.ranks: list[RankState] = []
         self.restarts = 0
+        self.served = 0  # requests answered with pictures
         self.state = "stopped"  # starting, ready, busy, restarting, failed
         self.load_s: list[float] = []
         self._in_request = False  # between sending a request and its answer
@@ -141,6 +142,7 @@ class Replica:
                 _, _, _, ok, payload, seconds = event
                 if not ok:
                     raise RequestFailed(payload)
+                self.served += 1
                 return payload, seconds
 
     def check(self) -> None:
