@@ -16,6 +16,10 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
     from .app import Service, create_app
     from .replica import RankFault, Replica
 
+    import os
+
+    # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
     replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
     t0 = time.perf_counter()
