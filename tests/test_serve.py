@@ -311,7 +311,7 @@ def _progress_then(client, job_id: str, min_step: int, action) -> tuple[str, dic
     raise AssertionError("the event stream ended without an answer")
 
 
-def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts():
+def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it():
     with running_server("--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64", "--width", "64",
                         "--step-timeout", "4", "--max-steps", "200") as (base, _):
         with httpx.Client(base_url=base, timeout=180) as client:
@@ -327,8 +327,15 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
             assert event == "done", data
             health = client.get("/health").json()["replicas"][0]
             assert health["restarts"] == 1 and not set(health["pids"]) & set(pids)
-            # stopped (a hang): no step and no heartbeat from rank 1 within --step-timeout
             pids = health["pids"]
+            # cancelled while it runs: both ranks stop after the same step, no restart, the next request runs
+            job = client.post("/jobs", json={"prompt": "to cancel", "steps": 200}).json()["id"]
+            event, data = _progress_then(client, job, 2, lambda: client.delete(f"/jobs/{job}").raise_for_status())
+            assert event == "error" and data["status"] == 499 and "cancelled after step" in data["message"], data
+            assert client.post("/generate", json={"prompt": "after the cancel"}).status_code == 200
+            health = client.get("/health").json()["replicas"][0]
+            assert health["restarts"] == 1 and health["pids"] == pids
+            # stopped (a hang): no step and no heartbeat from rank 1 within --step-timeout
             job = client.post("/jobs", json={"prompt": "another long one", "steps": 200}).json()["id"]
             t0 = time.time()
             event, data = _progress_then(client, job, 2, lambda: os.kill(pids[1], signal.SIGSTOP))

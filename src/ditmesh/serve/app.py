@@ -21,7 +21,7 @@ from pathlib import Path
 
 from fastapi import Request  # at module level: the routes' annotations are resolved here
 
-from .replica import RankFault, Replica, RequestFailed
+from .replica import RankFault, Replica, RequestCancelled, RequestFailed
 from .requests import BadRequest, Limits, native_options, openai_options, parse_json
 
 #: upper bounds of the latency histogram (seconds, from arrival to answer)
@@ -93,13 +93,16 @@ class Service:
         return job
 
     def cancel(self, job: Job) -> bool:
-        """Cancel a job that still waits in the queue (its dispatcher skips it); False once it runs."""
+        """Cancel a job: one that waits is answered at once (its dispatcher skips it); one that runs is stopped by
+        its ranks after their next step and answered then. False once it has finished."""
         with self.lock:
+            if job.state == "running":
+                return any(r.cancel(job.id) for r in self.replicas)
             if job.state != "queued":
                 return False
             job.state = "cancelled"
         self.counts["cancelled"] += 1
-        job.future.set_result({"error": (499, f"request {job.id} was cancelled")})
+        job.future.set_result({"error": (499, f"request {job.id} was cancelled while it waited"), "seconds": 0.0})
         return True
 
     def _finish(self, job: Job, state: str, result: dict | None = None, error: tuple | None = None) -> None:
@@ -114,7 +117,8 @@ class Service:
                 self.latency_sum += seconds
                 self.counts["done"] += 1
             else:
-                self.counts[{429: "failures_queue_full", 500: "failures_fault"}.get(error[0], "failures_refused")] += 1
+                self.counts[{429: "failures_queue_full", 500: "failures_fault", 499: "cancelled"}.get(
+                    error[0], "failures_refused")] += 1
             job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4)))
 
     def _dispatch(self, replica: Replica) -> None:
@@ -141,6 +145,8 @@ class Service:
             try:
                 pictures, _ = replica.run(job.id, job.options, on_step)
                 self._finish(job, "done", {"images": pictures})
+            except RequestCancelled as exc:
+                self._finish(job, "cancelled", error=(499, str(exc)))
             except RequestFailed as exc:
                 self._finish(job, "failed", error=(422, f"the pipeline refused the request: {exc}"))
             except RankFault as exc:
@@ -283,8 +289,9 @@ def create_app(service: Service, token: str | None = None):
     async def cancel_job(job_id: str):
         job = find(job_id)
         if not service.cancel(job):
-            raise BadRequest(f"request {job_id} is {job.state}; only waiting requests can be cancelled", 409)
-        return {"id": job.id, "state": job.state}
+            raise BadRequest(f"request {job_id} is {job.state}; only waiting and running requests can be cancelled",
+                             409)
+        return {"id": job.id, "state": "cancelled" if job.state == "cancelled" else "cancelling"}
 
     @app.get("/jobs/{job_id}/events")
     async def job_events(job_id: str):

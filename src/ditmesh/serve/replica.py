@@ -41,6 +41,10 @@ class RequestFailed(RuntimeError):
     """The pipeline refused the request on every rank alike (the group is fine)."""
 
 
+class RequestCancelled(RuntimeError):
+    """The request was cancelled while it ran; every rank stopped after the same step (the group is fine)."""
+
+
 @dataclass
 class RankState:
     """What the front end knows of one rank."""
@@ -76,12 +80,13 @@ class Replica:
         ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._events = ctx.Queue()
+        self._cancel = ctx.Event()
         port = free_port()
         self.ranks = []
         for rank in range(self.world):
             process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
                                   args=(rank, self.world, self.index * self.world + rank, port, self.options,
-                                        self._requests, self._events))
+                                        self._requests, self._events, self._cancel))
             process.start()
             self.ranks.append(RankState(process))
         ready = {}
@@ -127,6 +132,7 @@ class Replica:
         self.state = "busy"
         self._job, self._steps = job_id, options.get("steps", self.options["steps"])
         self._in_request = True
+        self._cancel.clear()
         self._requests.put({"id": job_id, "options": options})
         while True:
             event = self._next_event(None, None)
@@ -137,6 +143,9 @@ class Replica:
                 self.ranks[rank].step, self.ranks[rank].progress = event[3], time.time()
                 if rank == 0 and on_step is not None:
                     on_step(event[3], event[4])
+            elif kind == "cancelled" and event[2] == job_id:
+                self.state, self._in_request = "ready", False
+                raise RequestCancelled(f"request {job_id} was cancelled after step {event[3]} of {event[4]}")
             elif kind == "done" and event[2] == job_id:
                 self.state, self._in_request = "ready", False
                 _, _, _, ok, payload, seconds = event
@@ -149,6 +158,13 @@ class Replica:
                     raise RequestFailed(payload)
                 self.served += 1
                 return payload, seconds
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask the ranks to stop ``job_id`` if it is the request in flight (they stop after the next step)."""
+        if self._in_request and self._job == job_id:
+            self._cancel.set()
+            return True
+        return False
 
     def check(self) -> None:
         """While idle: take the heartbeats and raise RankFault for a rank that died or stopped."""

@@ -5,7 +5,8 @@ Cross-rank rule: rank 0 alone reads the front end's request queue; every loop tu
 (a request, or None when nothing came within :data:`IDLE_TICK_S`) to the other ranks, so every rank enters the
 same pipeline call in the same order, and an idle group still meets once a tick (no collective waits longer
 than the process group's timeout). Every rank reports each finished step and a heartbeat on the replica's event
-queue; rank 0 alone reports the result. A failure inside a call that every rank sees alike (a bad value the
+queue; rank 0 alone reports the result. After every step rank 0 broadcasts whether the front end asked to
+cancel the request, so every rank stops after the same step (one small broadcast per step). A failure inside a call that every rank sees alike (a bad value the
 pipeline refuses) is answered as that request's error and the loop goes on; anything else (a dead or stuck
 peer) is found by the front end (``replica.py``), which restarts the group.
 """
@@ -23,9 +24,10 @@ import traceback
 IDLE_TICK_S = 1.0
 
 
-def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, requests, events) -> None:
+def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, requests, events, cancel) -> None:
     """The body of a rank process (``multiprocessing`` spawn target). ``options`` are the server's ``generate``
-    options; ``requests`` (read by rank 0) carries requests, ``events`` carries this rank's reports."""
+    options; ``requests`` (read by rank 0) carries requests, ``events`` carries this rank's reports, ``cancel``
+    (an Event, read by rank 0) asks to stop the request in flight."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
     parent = os.getppid()
@@ -37,6 +39,7 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
 
         events.put(("load_error", rank, one_line(exc), traceback.format_exc()))
         _leave(2)
+    state.update(cancel=cancel, world=world)
     _serve(rank, world, state, requests, events, parent)
 
 
@@ -99,30 +102,48 @@ def _serve(rank: int, world: int, state: dict, requests, events, parent: int) ->
 
 
 def _run_request(rank: int, request: dict, state: dict, events) -> None:
+    from ..comm import broadcast_tensors
     from ..runtime.generate import _call_kwargs
     from ..shared import one_line
 
     job = request["id"]
+    steps = request["options"].get("steps", state["options"]["steps"])
     args = argparse.Namespace(**{**state["options"], **request["options"]})
     args.prompt = [args.prompt] if isinstance(args.prompt, str) else args.prompt
     start = time.perf_counter()
     try:
         pipe = state["pipe"]
         call = _call_kwargs(pipe, args, state["defaults"])
-        steps = args.steps
 
         def on_step_end(p, i, t, kw):
             events.put(("step", rank, job, i + 1, steps))
+            # cancelling: rank 0 reads the front end's flag and every rank learns it at the same step
+            stop = state["cancel"].is_set() if rank == 0 else None
+            if state["world"] > 1:
+                stop = broadcast_tensors([stop], 0, None, state["device"])[0]
+            if stop:
+                raise _Cancelled(i + 1)
             return kw
 
         result = pipe(**call, callback_on_step_end=on_step_end)
         if rank == 0:
             events.put(("done", rank, job, True, _encode(result), round(time.perf_counter() - start, 4)))
+    except _Cancelled as exc:
+        if rank == 0:
+            events.put(("cancelled", rank, job, exc.step, steps))
     except Exception as exc:  # noqa: BLE001  (the request's error; the group goes on)
         if _collective_error(exc):
             _broken(rank, job, exc, events)
         if rank == 0:
             events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4)))
+
+
+class _Cancelled(Exception):
+    """The front end cancelled the request in flight; every rank raises it after the same step."""
+
+    def __init__(self, step: int):
+        super().__init__(f"cancelled after step {step}")
+        self.step = step
 
 
 def _collective_error(exc: BaseException) -> bool:
