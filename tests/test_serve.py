@@ -84,7 +84,7 @@ def decode(b64: str) -> Image.Image:
 @pytest.fixture(scope="module")
 def server():
     with running_server("--replicas", "2", "--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN,
-                        "--max-steps", "8",
+                        "--max-steps", "8", "--warmup-sizes", "48x32",
                         "--max-pixels", str(128 * 128), "--max-n", "2") as (base, _):
         with httpx.Client(base_url=base, headers=AUTH, timeout=120) as client:
             yield client
@@ -101,6 +101,8 @@ def test_openai_and_native_requests_return_the_pictures(server):
     assert a.status_code == b.status_code == c.status_code == 200
     assert a.json()["images"][0]["b64"] == b.json()["images"][0]["b64"]  # seeded: the same picture
     assert decode(c.json()["images"][0]["b64"]).size == (48, 32)
+    # every replica warmed up at the default size and at --warmup-sizes before it served
+    assert all(list(r["warm_s"]) == ["64x64", "48x32"] for r in server.get("/health").json()["replicas"])
 
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -347,8 +349,59 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
             assert _metric(client, "ditmesh_rank_faults_total") == 2
 
 
-def test_serve_refuses_bad_options_before_any_rank_starts():
-    proc = subprocess.run([sys.executable, "-m", "ditmesh", "serve", "--steps", "50", "--max-steps", "10"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "ditmesh: error: the server's own defaults break its limits: steps 50 must be between 1 and 10"], proc.stderr
+class _Process:
+    def __init__(self, exitcode=None, pid=1):
+        self.exitcode, self.pid = exitcode, pid
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def _replica_in_a_request(processes, steps_done, since_s):
+    """A Replica whose ranks are stand-ins, in request ``j`` of 10 steps; rank k finished ``steps_done[k]``
+    steps ``since_s[k]`` seconds ago."""
+    import queue
+
+    from ditmesh.serve.replica import RankState, Replica
+
+    replica = Replica(0, len(processes), {"steps": 10}, step_timeout=0.5, load_timeout=10)
+    now = time.time()
+    replica.ranks = [RankState(p, beat=now, step=s, progress=now - t) for p, s, t in zip(processes, steps_done, since_s)]
+    replica._events = queue.Queue()
+    replica.state, replica._in_request, replica._job, replica._steps = "busy", True, "j", 10
+    return replica
+
+
+def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung():
+    from ditmesh.serve.replica import RankFault
+
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 2], [0.0, 1.0])
+    with pytest.raises(RankFault, match=r"^rank 1 of replica 0 hung: no step finished within 0.5 s while running "
+                                        r"step 3 of 10 of request j$"):
+        replica._next_event(None, None)
+    assert replica.state == "failed"
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0.1, 0.1])
+    assert replica._next_event(None, None) is None  # in time: nothing to say
+
+
+def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
+    from ditmesh.serve.replica import RankFault
+
+    replica = _replica_in_a_request([_Process(exitcode=2, pid=10), _Process(exitcode=-9, pid=11)], [10, 4], [0, 0])
+    with pytest.raises(RankFault, match=r"rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
+        replica._next_event(None, None)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
+    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
+                                             "and 10"),
+    (["--nproc", "2", "--ulysses", "4"], None),
+])
+def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
+    from ditmesh.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ditmesh: error: ")
+    assert line is None or lines[0] == f"ditmesh: error: {line}"

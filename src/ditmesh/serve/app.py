@@ -171,7 +171,8 @@ class Service:
         status = "ok" if any(s in ("ready", "busy") for s in states) else "unavailable"
         return {"status": status, "queue": self.queue.qsize(),
                 "replicas": [{"index": r.index, "state": r.state, "ranks": r.world, "pids": r.pids(),
-                              "restarts": r.restarts, "served": r.served} for r in self.replicas]}
+                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s}
+                             for r in self.replicas]}
 
     def metrics(self) -> str:
         """Prometheus text exposition of the queue, latencies, images, failures and restarts."""

@@ -21,7 +21,7 @@ def add_serve_parser(sub) -> None:
                     "HTTP requests: POST /v1/images/generations, POST /generate, GET /health, GET /metrics, and a "
                     "web page at /. The generation options below are the defaults of every request.")
     add_run_options(s)
-    s.set_defaults(steps=28)
+    s._option_string_actions["--nproc"].help = "ranks of one replica (default: the product of the degrees)"
     group = s.add_argument_group("service")
     group.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
                        help="independent groups of --nproc ranks, each its own process group; a request goes to a "
@@ -39,6 +39,9 @@ def add_serve_parser(sub) -> None:
                        help="most pictures per request (default 4)")
     group.add_argument("--queue-size", type=_positive_int, default=64, metavar="N",
                        help="requests that may wait; more are answered 429 (default 64)")
+    group.add_argument("--warmup-sizes", default=None, metavar="WxH,...",
+                       help="sizes to warm up at start besides the default one (one step each): with --compile, "
+                            "their kernels are compiled before the first client, e.g. 512x512,1024x768")
     group.add_argument("--step-timeout", type=_finite_float, default=60.0, metavar="S",
                        help="a rank that finishes no step (or sends no heartbeat) for S seconds is taken as hung: "
                             "the request fails and the replica restarts (default 60; loading and warm-up have "
@@ -80,10 +83,23 @@ def run_serve(args) -> int:
             check_options({"frames": args.frames}, limits, args, adapter)
     except BadRequest as exc:
         raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
+    args.warmup_sizes = [_size(text, limits, args, adapter) for text in (args.warmup_sizes or "").split(",") if text]
     sock = _bind(args.host, args.port)
     from .server import serve
 
     return serve(args, world, config, model, limits, adapter, sock)
+
+
+def _size(text: str, limits, defaults, adapter) -> tuple[int, int]:
+    """``WxH`` of ``--warmup-sizes`` as (height, width), checked as a request's size is."""
+    from ..config import ConfigError
+    from .requests import BadRequest, openai_options
+
+    try:
+        options = openai_options({"prompt": "x", "size": text.strip()}, limits, defaults, adapter)
+    except BadRequest as exc:
+        raise ConfigError(f"--warmup-sizes {text}: {exc}") from None
+    return options["height"], options["width"]
 
 
 def _bind(host: str, port: int):

@@ -69,6 +69,7 @@ class Replica:
         self.served = 0  # requests answered with pictures
         self.state = "stopped"  # starting, ready, busy, restarting, failed
         self.load_s: list[float] = []
+        self.warm_s: dict[str, float] = {}
         self._in_request = False  # between sending a request and its answer
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class Replica:
             if event[0] == "ready":
                 ready[event[1]] = event[2:]
         self.load_s = [ready[r][0] for r in range(self.world)]
+        self.warm_s = ready[0][1]  # rank 0's seconds per warmed-up size
         self.state = "ready"
 
     def stop(self) -> None:

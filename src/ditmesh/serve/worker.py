@@ -74,8 +74,13 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     loaded = load_pipeline(args, config, model, device, rank, world)
     loaded.pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
-    warm_s = warm_up_call(loaded.pipe, _call_kwargs(loaded.pipe, args, defaults), device)
-    events.put(("ready", rank, round(loaded.load_s, 3), round(warm_s, 3)))
+    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled before a client
+    warmed = {}
+    for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
+        sized = argparse.Namespace(**{**options, "height": height, "width": width})
+        warmed[f"{width}x{height}"] = round(warm_up_call(loaded.pipe, _call_kwargs(loaded.pipe, sized, defaults),
+                                                         device), 3)
+    events.put(("ready", rank, round(loaded.load_s, 3), warmed))
     return {"pipe": loaded.pipe, "defaults": defaults, "options": options, "device": device}
 
 
