@@ -1,4 +1,4 @@
-"""The ``ditmesh`` command: ``generate``, ``synth``, ``bench``, ``plan``, ``train-tiny``, ``eval-tiny``.
+"""The ``ditmesh`` command: ``generate``, ``serve``, ``synth``, ``bench``, ``plan``, ``train-tiny``, ``eval-tiny``.
 
 Errors a user can fix are printed as ONE line on stderr (``ditmesh: error: ...``) with exit code 2;
 nothing is half-written (outputs are written to temporary files and renamed).
@@ -57,6 +57,56 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of one pipeline call and of the ranks that run it (model, request defaults, degrees,
+    --nproc, compile, cache, LoRA): ``generate`` and ``serve`` share them."""
+    parser.add_argument("--model", default=None, help="pipeline folder, hub id, or synthetic architecture name "
+                                                      "(default: the embedded tiny pipeline)")
+    parser.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
+    parser.add_argument("--images-per-prompt", type=_positive_int, default=1, metavar="N",
+                        help="images per prompt (default 1); with --dp they are spread over the data-parallel groups")
+    parser.add_argument("--negative-prompt", default=None, help="negative prompt (with --true-cfg-scale > 1, turns on CFG where the family uses true CFG)")
+    parser.add_argument("--true-cfg-scale", type=_finite_float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
+    parser.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
+    parser.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
+    parser.add_argument("--frames", type=int, default=None, metavar="N",
+                        help="video pipelines: frames to generate (default: the model's; the family's frame rule applies, e.g. 4k+1); writes a video")
+    parser.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
+    parser.add_argument("--guidance", type=_finite_float, default=3.5, help="guidance scale (default 3.5)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    parser.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
+    add_degree_flags(parser)
+    parser.add_argument("--plan", choices=["auto"], default=None,
+                        help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
+    parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
+                        help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
+    parser.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
+                        help="load a LoRA (a .safetensors file or folder in diffusers' or peft's format, or a hub id) with "
+                             "weight SCALE (default 1.0); repeat for several. Loaded after parallelizing: under --tp each "
+                             "rank keeps its shard of it")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every transformer block (regional; the first steps pay the compile time)")
+    parser.add_argument("--cache", default=None, metavar="POLICY",
+                        help="step caching: default, fbcache:T, dbcache:threshold=T,first=F,last=B,..., teacache:threshold=T,"
+                             "poly=..., static:skip=2-4+6, taylor:interval=N,warmup=W (decisions shared by every rank; "
+                             "docs/caching.md). See `ditmesh analyze`")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1 "
+                             "or --check-consistency)")
+    parser.add_argument("--transport", default="nccl",
+                        help="how Ulysses all-to-alls travel: nccl (NCCL kernels), or symm (copy engines writing into the "
+                             "peers' symmetric memory; CUDA GPUs of one host)")
+    parser.add_argument("--vae-parallel", default="auto", metavar="MODE",
+                        help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
+                             "than one process; a size that cannot be split runs whole), on (an error instead), off")
+    parser.add_argument("--chunk", default=None, metavar="TOKENS",
+                        help="run each block's feed-forward on pieces of at most TOKENS tokens (exact; caps the widest "
+                             "activation of long sequences), or auto: sized from free GPU memory (default: whole)")
+    parser.add_argument("--check-consistency", action="store_true",
+                        help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block), exit code 2, and no abbreviated options (a launcher strips
     options by their full name before it starts the ranks)."""
@@ -77,17 +127,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate an image with a (parallel) diffusers pipeline",
                        description="Generate with a diffusers pipeline on one or more processes. Without --nproc, "
                                    "runs as one rank of an outer torchrun (multi-node included).")
-    g.add_argument("--model", default=None, help="pipeline folder, hub id, or synthetic architecture name "
-                                                 "(default: the embedded tiny pipeline)")
-    g.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
-    g.add_argument("--images-per-prompt", type=_positive_int, default=1, metavar="N",
-                   help="images per prompt (default 1); with --dp they are spread over the data-parallel groups")
-    g.add_argument("--negative-prompt", default=None, help="negative prompt (with --true-cfg-scale > 1, turns on CFG where the family uses true CFG)")
-    g.add_argument("--true-cfg-scale", type=_finite_float, default=4.0, help="true CFG scale used with --negative-prompt (default 4.0)")
-    g.add_argument("--height", type=int, default=None, help="image height, multiple of 16 (default: the model's)")
-    g.add_argument("--width", type=int, default=None, help="image width, multiple of 16 (default: the model's)")
-    g.add_argument("--frames", type=int, default=None, metavar="N",
-                   help="video pipelines: frames to generate (default: the model's; the family's frame rule applies, e.g. 4k+1); writes a video")
+    add_run_options(g)
     g.add_argument("--image", default=None, metavar="PATH",
                    help="condition image: runs the family's image-conditioned pipeline on the same checkpoint "
                         "(img2img by default, the checkpoint's own for an editing or fill checkpoint; see --image-mode); "
@@ -99,16 +139,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "pipeline's, e.g. 0.6 for img2img)")
     g.add_argument("--image-mode", default=None, metavar="MODE",
                    help="with --image: the family's image pipeline by name (FLUX: img2img, kontext, inpaint, fill; video: i2v)")
-    g.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
-    g.add_argument("--guidance", type=_finite_float, default=3.5, help="guidance scale (default 3.5)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
-    g.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
-    add_degree_flags(g)
-    g.add_argument("--plan", choices=["auto"], default=None,
-                   help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
-    g.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
-                   help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
     g.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
                    help="with --nproc: hosts in the run; start the same command on each (default 1)")
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
@@ -119,33 +149,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                                ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
     g.add_argument("--report", default=None, help="JSON report path (default: the output path + .json, e.g. out/image.png.json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
-    g.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
-                   help="load a LoRA (a .safetensors file or folder in diffusers' or peft's format, or a hub id) with "
-                        "weight SCALE (default 1.0); repeat for several. Loaded after parallelizing: under --tp each "
-                        "rank keeps its shard of it")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile every transformer block (regional; the first steps pay the compile time)")
-    g.add_argument("--cache", default=None, metavar="POLICY",
-                   help="step caching: default, fbcache:T, dbcache:threshold=T,first=F,last=B,..., teacache:threshold=T,"
-                        "poly=..., static:skip=2-4+6, taylor:interval=N,warmup=W (decisions shared by every rank; "
-                        "docs/caching.md). See `ditmesh analyze`")
     g.add_argument("--warmup-only", action="store_true",
                    help="load, compile and run one step at this shape and configuration, then exit: later runs "
                         "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")
-    g.add_argument("--cuda-graph", action="store_true",
-                   help="replay each transformer call from a CUDA graph (CUDA only; not with --dp/--cfg > 1 "
-                        "or --check-consistency)")
-    g.add_argument("--transport", default="nccl",
-                   help="how Ulysses all-to-alls travel: nccl (NCCL kernels), or symm (copy engines writing into the "
-                        "peers' symmetric memory; CUDA GPUs of one host)")
-    g.add_argument("--vae-parallel", default="auto", metavar="MODE",
-                   help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
-                        "than one process; a size that cannot be split runs whole), on (an error instead), off")
-    g.add_argument("--chunk", default=None, metavar="TOKENS",
-                   help="run each block's feed-forward on pieces of at most TOKENS tokens (exact; caps the widest "
-                        "activation of long sequences), or auto: sized from free GPU memory (default: whole)")
-    g.add_argument("--check-consistency", action="store_true",
-                   help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 
     s = sub.add_parser("synth", help="write a synthetic checkpoint (random weights, real architecture)")
     s.add_argument("--arch", required=True, help="architecture name (e.g. flux-tiny, flux-dev)")
@@ -174,6 +180,8 @@ EXTRA_COMMANDS = {
              "predict memory, communication and latency of every configuration and recommend one"),
     "analyze": (".analyze", "add_analyze_parser", "run_analyze",
                 "measure step-to-step redundancy per block (for step caching)"),
+    "serve": (".serve", "add_serve_parser", "run_serve",
+              "serve a pipeline over HTTP, loaded once on its ranks (OpenAI-shaped API, a web page)"),
     "train-tiny": (".tiny.train", "add_train_parser", "run_train", "retrain the shipped tiny FLUX pipeline (resumable)"),
     "eval-tiny": (".tiny.evaluate", "add_eval_parser", "run_eval", "score the tiny pipeline on held-out captions"),
 }
@@ -191,10 +199,7 @@ def _cmd_generate(args, argv: list[str]) -> int:
                           "(the address every host can reach)")
     world = args.nproc * args.nnodes if args.nproc else int(os.environ.get("WORLD_SIZE", "1"))
     if args.plan == "auto":
-        config = generate.planned_config(args, world)
-        print(f"ditmesh: --plan auto picked {config.describe()} for {world} process(es)", file=sys.stderr)
-        for axis, degree in config.degrees().items():
-            setattr(args, axis, degree)
+        config = generate.apply_auto_plan(args, world)
         argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, ParallelConfig, check_supported, check_vae_parallel
@@ -234,6 +235,18 @@ def check_guidance_on(adapter, args) -> None:
                       "or use --cfg 1")
 
 
+def apply_auto_plan(args, world_size: int) -> ParallelConfig:
+    """``--plan auto``: set the degree options of ``args`` to the planner's choice for ``world_size`` processes
+    (said on stderr) and return it."""
+    import sys
+
+    config = planned_config(args, world_size)
+    print(f"ditmesh: --plan auto picked {config.describe()} for {world_size} process(es)", file=sys.stderr)
+    for axis, degree in config.degrees().items():
+        setattr(args, axis, degree)
+    return config
+
+
 def planned_config(args, world_size: int) -> ParallelConfig:
     """The configuration the planner recommends for this run, restricted to what this build implements."""
     from ..config import SUPPORTED_AXES
@@ -307,32 +320,34 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
 
 
-def run(args) -> int:
-    """Run one rank of ``ditmesh generate``; returns the exit code."""
+@dataclass
+class LoadedPipeline:
+    """A pipeline loaded on one rank and parallelized, with its LoRAs: what :func:`load_pipeline` returns."""
+
+    pipe: object
+    runtime: object  # what ``parallelize`` returned: the mesh, the caches, what was applied
+    path: str  # the local folder (or hub id) it was loaded from
+    dtype: object
+    loras: list  # (path, scale) of each ``--lora``
+    load_s: float
+
+
+def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, world: int) -> LoadedPipeline:
+    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters.
+
+    Every rank calls it alike: rank 0 synthesizes a named architecture once and the others learn its folder
+    through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order).
+    """
     import torch
-    import torch.distributed as dist
     from diffusers import DiffusionPipeline
-    from PIL import Image
 
     from ..api import parallelize
     from ..comm import all_gather_object
-    from ..mesh import default_device
     from ..shared import DTYPES
-    from .report import device_name, peak_memory_bytes, versions
 
-    device = default_device()
-    _init_distributed(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    config, model = validate(args, world)
-    if rank != 0:
-        import diffusers
-
-        diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
     t_load = time.perf_counter()
     path = local_model_path(model) if rank == 0 else None
     if world > 1:
@@ -349,7 +364,6 @@ def run(args) -> int:
                                  for name in names})
     else:
         pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
-    defaults = read_defaults(path)
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
@@ -357,7 +371,31 @@ def run(args) -> int:
                           vae_parallel=getattr(args, "vae_parallel", "auto"))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
-    load_s = time.perf_counter() - t_load
+    return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
+
+
+def run(args) -> int:
+    """Run one rank of ``ditmesh generate``; returns the exit code."""
+    import torch.distributed as dist
+    from PIL import Image
+
+    from ..comm import all_gather_object
+    from ..mesh import default_device
+    from .report import device_name, peak_memory_bytes, versions
+
+    device = default_device()
+    _init_distributed(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    config, model = validate(args, world)
+    if rank != 0:
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
+    loaded = load_pipeline(args, config, model, device, rank, world)
+    pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype, loaded.loras,
+                                                 loaded.load_s)
+    defaults = read_defaults(path)
     load_peaks = all_gather_object(peak_memory_bytes(device))
     placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
@@ -482,17 +520,24 @@ def persist_compile_caches() -> dict:
 def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: float, compiled: bool) -> int:
     """``generate --warmup-only``: one denoising step at the run's shape fills the compile caches (and opens the
     collectives); nothing is written but the caches. Returns 0."""
+    first_step_s = warm_up_call(pipe, call, device)
+    if rank == 0:
+        caches = ", ".join(os.environ[e] for e in COMPILE_CACHE_ENV) if compiled else ""
+        print(f"ditmesh: warmed up {config.describe()} on {world} process{'es' if world > 1 else ''} at "
+              f"{call.get('height')}x{call.get('width')} (load {load_s:.1f} s, first step {first_step_s:.1f} s)"
+              + (f"; caches in {caches}" if caches else ""), flush=True)
+    finish_rank()
+    return 0
+
+
+def warm_up_call(pipe, call: dict, device) -> float:
+    """One denoising step of ``call`` (latents out, no decode): compiles this shape and opens the collectives.
+    Every rank calls it alike. Returns its seconds."""
     _sync(device)
     start = time.perf_counter()
     pipe(**dict(call, num_inference_steps=1, output_type="latent"))
     _sync(device)
-    if rank == 0:
-        caches = ", ".join(os.environ[e] for e in COMPILE_CACHE_ENV) if compiled else ""
-        print(f"ditmesh: warmed up {config.describe()} on {world} process{'es' if world > 1 else ''} at "
-              f"{call.get('height')}x{call.get('width')} (load {load_s:.1f} s, first step {time.perf_counter() - start:.1f} s)"
-              + (f"; caches in {caches}" if caches else ""), flush=True)
-    finish_rank()
-    return 0
+    return time.perf_counter() - start
 
 
 def compile_breakdown(runtime) -> dict:

@@ -99,13 +99,18 @@ def write_png_frames(path: Path, frames: np.ndarray) -> list[str]:
     return paths
 
 
-def _write_gif(path: Path, frames: np.ndarray, fps: int) -> str:
+def gif_bytes(video, fps: int = DEFAULT_FPS) -> bytes:
+    """One video as an animated GIF (looping), in memory."""
     from PIL import Image
 
-    images = [Image.fromarray(frame) for frame in frames]
+    images = [Image.fromarray(frame) for frame in as_uint8_frames(video)]
     buf = io.BytesIO()
     images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=round(1000 / fps), loop=0)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def _write_gif(path: Path, frames: np.ndarray, fps: int) -> str:
+    atomic_write_bytes(path, gif_bytes(frames, fps))
     return str(path)
 
 

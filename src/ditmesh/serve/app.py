@@ -1,0 +1,347 @@
+"""The HTTP front end: a queue of jobs, one dispatcher thread per replica that takes the next job when its
+replica is free, the routes, the metrics and the web page.
+
+Every job is answered exactly once: its future is set by the one dispatcher that took it (a result, a refusal
+by the pipeline, or the fault of its replica), or by a cancellation while it still waits in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import json
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request  # at module level: the routes' annotations are resolved here
+
+from .replica import RankFault, Replica, RequestCancelled, RequestFailed
+from .requests import BadRequest, Limits, native_options, openai_options, parse_json
+
+#: upper bounds of the latency histogram (seconds, from arrival to answer)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: how long a finished job's result stays available to ``GET /jobs/<id>`` (the web page reads it once)
+KEEP_FINISHED = 64
+
+
+@dataclass
+class Job:
+    """One request: its options, progress, and the future its answer lands in."""
+
+    options: dict
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    arrived: float = field(default_factory=time.time)
+    state: str = "queued"  # queued, running, done, failed, cancelled
+    step: int = 0
+    steps: int = 0
+    future: Future = field(default_factory=Future)
+
+
+class Service:
+    """The queue, the replicas and their dispatchers, and the numbers ``/metrics`` shows."""
+
+    def __init__(self, replicas: list[Replica], limits: Limits, defaults, adapter=None, queue_size: int = 64,
+                 restart_delay_s: float = 1.0):
+        self.replicas = replicas
+        self.limits = limits
+        self.defaults = defaults
+        self.adapter = adapter
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
+        self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.restart_delay_s = restart_delay_s
+        self.stopping = threading.Event()
+        self.counts = collections.Counter()  # images, failures by kind, restarts, requests
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.threads = [threading.Thread(target=self._dispatch, args=(r,), daemon=True, name=f"dispatch-{r.index}")
+                        for r in replicas]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=5)
+        for r in self.replicas:
+            r.stop()
+
+    # -- jobs --------------------------------------------------------------------------------------------------
+    def submit(self, options: dict) -> Job:
+        """Queue a job (BadRequest 429 when the queue is full)."""
+        job = Job(options, steps=options.get("steps", self.defaults.steps))
+        with self.lock:
+            self.jobs[job.id] = job
+            while len(self.jobs) > KEEP_FINISHED + self.queue.maxsize + len(self.replicas):
+                oldest = next(iter(self.jobs))
+                if self.jobs[oldest].future.done():
+                    del self.jobs[oldest]
+                else:
+                    break
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            self._finish(job, "failed", error=(429, f"the queue is full ({self.queue.maxsize} waiting); try again"))
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        """Cancel a job: one that waits is answered at once (its dispatcher skips it); one that runs is stopped by
+        its ranks after their next step and answered then. False once it has finished."""
+        with self.lock:
+            if job.state == "running":
+                return any(r.cancel(job.id) for r in self.replicas)
+            if job.state != "queued":
+                return False
+            job.state = "cancelled"
+        self.counts["cancelled"] += 1
+        job.future.set_result({"error": (499, f"request {job.id} was cancelled while it waited"), "seconds": 0.0})
+        return True
+
+    def _finish(self, job: Job, state: str, result: dict | None = None, error: tuple | None = None) -> None:
+        with self.lock:
+            if job.future.done():  # cancelled meanwhile: answered already
+                return
+            job.state = state
+            seconds = time.time() - job.arrived
+            if error is None:
+                self.counts["images"] += len(result["images"])
+                self.latency[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), -1)] += 1
+                self.latency_sum += seconds
+                self.counts["done"] += 1
+            else:
+                self.counts[{429: "failures_queue_full", 500: "failures_fault", 499: "cancelled"}.get(
+                    error[0], "failures_refused")] += 1
+            job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4)))
+
+    def _dispatch(self, replica: Replica) -> None:
+        while not self.stopping.is_set():
+            if replica.state == "failed":
+                self._restart(replica)
+                continue
+            try:
+                job = self.queue.get(timeout=0.5)
+            except queue.Empty:
+                try:
+                    replica.check()
+                except RankFault:
+                    self.counts["faults"] += 1
+                continue
+            with self.lock:
+                if job.state != "queued":  # cancelled while it waited
+                    continue
+                job.state = "running"
+
+            def on_step(step, steps, job=job):
+                job.step, job.steps = step, steps
+
+            try:
+                pictures, _ = replica.run(job.id, job.options, on_step)
+                self._finish(job, "done", {"images": pictures})
+            except RequestCancelled as exc:
+                self._finish(job, "cancelled", error=(499, str(exc)))
+            except RequestFailed as exc:
+                self._finish(job, "failed", error=(422, f"the pipeline refused the request: {exc}"))
+            except RankFault as exc:
+                self.counts["faults"] += 1
+                self._finish(job, "failed", error=(500, f"{exc}; the replica is restarting, send the request again"))
+            except Exception as exc:  # noqa: BLE001  (answer the job whatever happened)
+                replica.state = "failed"
+                self._finish(job, "failed", error=(500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
+
+    def _restart(self, replica: Replica) -> None:
+        """Restart a failed replica, retrying until it starts (queued jobs wait for it, or for another)."""
+        try:
+            replica.restart()
+            self.counts["restarts"] += 1
+        except RankFault as exc:
+            self.last_restart_error = str(exc)
+            self.stopping.wait(self.restart_delay_s)
+
+    # -- what the routes show ----------------------------------------------------------------------------------
+    def health(self) -> dict:
+        states = [r.state for r in self.replicas]
+        status = "ok" if any(s in ("ready", "busy") for s in states) else "unavailable"
+        return {"status": status, "queue": self.queue.qsize(),
+                "replicas": [{"index": r.index, "state": r.state, "ranks": r.world, "pids": r.pids(),
+                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s}
+                             for r in self.replicas]}
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the queue, latencies, images, failures and restarts."""
+        c = self.counts
+        lines = [
+            "# HELP ditmesh_queue_length Requests waiting for a replica.", "# TYPE ditmesh_queue_length gauge",
+            f"ditmesh_queue_length {self.queue.qsize()}",
+            "# HELP ditmesh_busy_replicas Replicas running a request.", "# TYPE ditmesh_busy_replicas gauge",
+            f"ditmesh_busy_replicas {sum(r.state == 'busy' for r in self.replicas)}",
+            "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
+            f"ditmesh_images_total {c['images']}",
+            "# HELP ditmesh_requests_total Requests answered, by outcome.", "# TYPE ditmesh_requests_total counter",
+        ]
+        outcomes = {"ok": c["done"], "refused": c["failures_refused"], "fault": c["failures_fault"],
+                    "queue_full": c["failures_queue_full"], "cancelled": c["cancelled"], "bad_request": c["bad_request"],
+                    "unauthorized": c["unauthorized"]}
+        lines += [f'ditmesh_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
+        lines += ["# HELP ditmesh_failures_total Requests that failed (refused, rank faults, full queue, bad requests).",
+                  "# TYPE ditmesh_failures_total counter",
+                  f"ditmesh_failures_total {sum(v for k, v in outcomes.items() if k not in ('ok', 'cancelled'))}",
+                  "# HELP ditmesh_rank_faults_total Ranks found dead, hung or stopped.",
+                  "# TYPE ditmesh_rank_faults_total counter", f"ditmesh_rank_faults_total {c['faults']}",
+                  "# HELP ditmesh_restarts_total Replica restarts.", "# TYPE ditmesh_restarts_total counter",
+                  f"ditmesh_restarts_total {c['restarts']}",
+                  "# HELP ditmesh_request_latency_seconds Arrival to answer of successful requests.",
+                  "# TYPE ditmesh_request_latency_seconds histogram"]
+        total = 0
+        for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self.latency[:-1] + [self.latency[-1]]):
+            total += count
+            lines.append(f'ditmesh_request_latency_seconds_bucket{{le="{bound}"}} {total}')
+        lines += [f"ditmesh_request_latency_seconds_sum {self.latency_sum:.6f}",
+                  f"ditmesh_request_latency_seconds_count {total}"]
+        return "\n".join(lines) + "\n"
+
+
+def create_app(service: Service, token: str | None = None):
+    """The FastAPI application serving ``service``; ``token`` (optional) is the bearer every API call needs."""
+    import hmac
+
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+    app = FastAPI(title="ditmesh serve", docs_url=None, redoc_url=None, openapi_url=None)
+    page = (Path(__file__).resolve().parent.parent / "assets" / "serve" / "index.html").read_text()
+
+    def refuse(status: int, message: str):
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+    def authorized(request: Request) -> bool:
+        if token is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path not in ("/", "/health") and not authorized(request):
+            service.counts["unauthorized"] += 1
+            return refuse(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request, exc: BadRequest):  # noqa: ARG001
+        service.counts["bad_request"] += 1
+        return refuse(exc.status, str(exc))
+
+    @app.exception_handler(_Answered)
+    async def answered(request, exc: _Answered):  # noqa: ARG001
+        return refuse(exc.status, exc.message)
+
+    async def read_options(request: Request, parse) -> dict:
+        if request.headers.get("content-type", "application/json").split(";")[0].strip() != "application/json":
+            raise BadRequest("send the body as application/json", 415)
+        return parse(parse_json(await request.body()), service.limits, service.defaults, service.adapter)
+
+    async def answer(job: Job) -> dict:
+        result = await asyncio.wrap_future(job.future)
+        if result["error"] is not None:
+            raise _Answered(*result["error"])
+        return result
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        job = service.submit(await read_options(request, native_options))
+        result = await answer(job)
+        return {"id": job.id, "seconds": result["seconds"],
+                "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
+                           for kind, data in result["images"]]}
+
+    @app.post("/v1/images/generations")
+    async def openai_generations(request: Request):
+        job = service.submit(await read_options(request, openai_options))
+        result = await answer(job)
+        return {"created": int(time.time()),
+                "data": [{"b64_json": base64.b64encode(data).decode()} for _, data in result["images"]]}
+
+    @app.post("/jobs", status_code=202)
+    async def submit_job(request: Request):
+        job = service.submit(await read_options(request, native_options))
+        return {"id": job.id, "state": job.state}
+
+    def find(job_id: str) -> Job:
+        with service.lock:
+            job = service.jobs.get(job_id)
+        if job is None:
+            raise BadRequest(f"no request {job_id!r} (finished requests are kept for a while only)", 404)
+        return job
+
+    @app.get("/jobs/{job_id}")
+    async def job_state(job_id: str):
+        job = find(job_id)
+        return {"id": job.id, "state": job.state, "step": job.step, "steps": job.steps}
+
+    @app.delete("/jobs/{job_id}")
+    async def cancel_job(job_id: str):
+        job = find(job_id)
+        if not service.cancel(job):
+            raise BadRequest(f"request {job_id} is {job.state}; only waiting and running requests can be cancelled",
+                             409)
+        return {"id": job.id, "state": "cancelled" if job.state == "cancelled" else "cancelling"}
+
+    @app.get("/jobs/{job_id}/events")
+    async def job_events(job_id: str):
+        """Server-sent events: ``progress`` ({step, steps}) as steps finish, then ``done`` (the pictures as
+        data: URLs) or ``error`` ({status, message})."""
+        job = find(job_id)
+
+        async def stream():
+            sent = -1
+            while not job.future.done():
+                if job.step != sent:
+                    sent = job.step
+                    yield _sse("progress", {"step": job.step, "steps": job.steps, "state": job.state})
+                await asyncio.sleep(0.05)
+            result = job.future.result()
+            if result["error"] is not None:
+                yield _sse("error", {"status": result["error"][0], "message": result["error"][1]})
+            else:
+                yield _sse("done", {"seconds": result["seconds"], "images": [
+                    f"data:{kind};base64,{base64.b64encode(data).decode()}" for kind, data in result["images"]]})
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        body = service.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(service.metrics(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def index():
+        defaults = service.defaults
+        return HTMLResponse(page.replace("__DEFAULTS__", json.dumps({
+            "steps": defaults.steps, "seed": defaults.seed, "height": defaults.height, "width": defaults.width,
+            "max_steps": service.limits.max_steps, "token": token is not None})))
+
+    return app
+
+
+class _Answered(Exception):
+    """A job's error answer (status, message), raised out of a route to the handler that sends it."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"

@@ -1,0 +1,121 @@
+"""The ``serve`` command: the options of ``generate`` (the same definitions and checks), the address, the token
+and the limits of one request; everything is checked before a rank starts."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+#: where the bearer token may come from instead of ``--token`` (kept out of the process list)
+TOKEN_ENV = "DITMESH_SERVE_TOKEN"
+
+
+def add_serve_parser(sub) -> None:
+    """Add ``ditmesh serve`` to the sub-command parsers (imports neither torch nor diffusers)."""
+    from ..cli import _finite_float, _positive_int, add_run_options
+
+    s = sub.add_parser(
+        "serve", help="serve a pipeline over HTTP, loaded once on its ranks (OpenAI-shaped API, a web page)",
+        description="Load a pipeline once on --nproc ranks per replica, parallelize and warm it up, then answer "
+                    "HTTP requests: POST /v1/images/generations, POST /generate, GET /health, GET /metrics, and a "
+                    "web page at /. The generation options below are the defaults of every request.")
+    add_run_options(s)
+    s._option_string_actions["--nproc"].help = "ranks of one replica (default: the product of the degrees)"
+    group = s.add_argument_group("service")
+    group.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+                       help="independent groups of --nproc ranks, each its own process group; a request goes to a "
+                            "free one (default 1)")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    group.add_argument("--token", default=None,
+                       help=f"bearer token every API call must send (default: ${TOKEN_ENV}, else none)")
+    group.add_argument("--max-pixels", type=_positive_int, default=2048 * 2048, metavar="N",
+                       help="largest width x height a request may ask for (default 2048*2048)")
+    group.add_argument("--max-steps", type=_positive_int, default=100, metavar="N", help="most steps (default 100)")
+    group.add_argument("--max-frames", type=_positive_int, default=129, metavar="N",
+                       help="most video frames (default 129)")
+    group.add_argument("--max-n", type=_positive_int, default=4, metavar="N",
+                       help="most pictures per request (default 4)")
+    group.add_argument("--queue-size", type=_positive_int, default=64, metavar="N",
+                       help="requests that may wait; more are answered 429 (default 64)")
+    group.add_argument("--warmup-sizes", default=None, metavar="WxH,...",
+                       help="sizes to warm up at start besides the default one (one step each): with --compile, "
+                            "their kernels are compiled before the first client, e.g. 512x512,1024x768")
+    group.add_argument("--step-timeout", type=_finite_float, default=60.0, metavar="S",
+                       help="a rank that finishes no step (or sends no heartbeat) for S seconds is taken as hung: "
+                            "the request fails and the replica restarts (default 60; loading and warm-up have "
+                            "--load-timeout)")
+    group.add_argument("--load-timeout", type=_finite_float, default=1800.0, metavar="S",
+                       help="seconds a replica may take to load, compile and warm up (default 1800)")
+
+
+def run_serve(args) -> int:
+    """Check the options, start the replicas (load, parallelize, warm up) and serve until interrupted."""
+    from ..config import AXIS_ORDER, ConfigError
+    from ..runtime import generate
+    from ..runtime.models import read_adapter, read_defaults
+    from .requests import BadRequest, Limits, check_options
+
+    if args.step_timeout <= 0 or args.load_timeout <= 0:
+        raise ConfigError("--step-timeout and --load-timeout must be > 0 seconds")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port {args.port} must be between 0 and 65535")
+    world = args.nproc or math.prod(getattr(args, axis) for axis in AXIS_ORDER)
+    if args.plan == "auto":
+        if not args.nproc:
+            raise ConfigError("--plan auto needs --nproc (the ranks of one replica)")
+        generate.apply_auto_plan(args, world)
+    if not args.prompt:
+        args.prompt = ["a red circle at the top left on a white background"]  # the warm-up's prompt
+    args.token = args.token or os.environ.get(TOKEN_ENV) or None
+    if args.compile:
+        generate.persist_compile_caches()
+    config, model = generate.validate(args, world)
+    defaults = read_defaults(model)
+    size = defaults.get("default_size") or [None, None]
+    args.height, args.width = args.height or size[0], args.width or size[1]
+    limits = Limits(args.max_pixels, args.max_steps, args.max_frames, args.max_n)
+    adapter = read_adapter(model)
+    try:
+        check_options({}, limits, args, adapter)
+        if args.frames is not None:
+            check_options({"frames": args.frames}, limits, args, adapter)
+    except BadRequest as exc:
+        raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
+    args.warmup_sizes = [_size(text, limits, args, adapter) for text in (args.warmup_sizes or "").split(",") if text]
+    sock = _bind(args.host, args.port)
+    from .server import serve
+
+    return serve(args, world, config, model, limits, adapter, sock)
+
+
+def _size(text: str, limits, defaults, adapter) -> tuple[int, int]:
+    """``WxH`` of ``--warmup-sizes`` as (height, width), checked as a request's size is."""
+    from ..config import ConfigError
+    from .requests import BadRequest, openai_options
+
+    try:
+        options = openai_options({"prompt": "x", "size": text.strip()}, limits, defaults, adapter)
+    except BadRequest as exc:
+        raise ConfigError(f"--warmup-sizes {text}: {exc}") from None
+    return options["height"], options["width"]
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound before any rank loads (a port in use is said at once)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    print(f"ditmesh: bound http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    return sock
+

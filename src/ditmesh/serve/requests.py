@@ -1,0 +1,170 @@
+"""What a request may ask for: the JSON bodies of ``POST /generate`` and ``POST /v1/images/generations`` turned
+into the options of one pipeline call, or one clear message why not (:class:`BadRequest`, answered with a 4xx).
+
+Nothing here imports torch: a bad request is answered without touching the workers. The options a request
+gives are the names of ``generate``'s options (``steps``, ``seed``, ``guidance``, ``negative_prompt``,
+``true_cfg_scale``, ``height``, ``width``, ``frames``, and ``n`` for ``--images-per-prompt``); those it leaves out
+keep the values the server was started with. Paths never come from a request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+#: the longest prompt a request may send (characters)
+MAX_PROMPT_CHARS = 4000
+#: the largest seed (torch's generators take 64-bit seeds; JSON clients often hold 63)
+MAX_SEED = 2**63 - 1
+
+
+class BadRequest(ValueError):
+    """A request the service refuses; ``status`` is the HTTP code (400, or 422 for a value out of its limits)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for at most (``serve --max-pixels --max-steps --max-frames --max-n``)."""
+
+    max_pixels: int
+    max_steps: int
+    max_frames: int
+    max_n: int
+
+
+#: native fields -> (type, the option of ``generate`` it sets)
+NATIVE_FIELDS = {
+    "prompt": (str, "prompt"),
+    "negative_prompt": (str, "negative_prompt"),
+    "steps": (int, "steps"),
+    "seed": (int, "seed"),
+    "guidance": (float, "guidance"),
+    "true_cfg_scale": (float, "true_cfg_scale"),
+    "height": (int, "height"),
+    "width": (int, "width"),
+    "frames": (int, "frames"),
+    "n": (int, "images_per_prompt"),
+}
+
+#: fields of OpenAI's image generation request that are accepted; ``model`` and ``user`` are taken and ignored
+OPENAI_FIELDS = ("prompt", "n", "size", "response_format", "model", "user")
+
+
+def parse_json(body: bytes) -> dict:
+    """The JSON object of a request body; NaN and infinities (which Python's json would accept) are refused."""
+
+    def no_constants(name):
+        raise BadRequest(f"{name} is not a finite number; JSON numbers must be finite")
+
+    try:
+        value = json.loads(body or b"null", parse_constant=no_constants)
+    except BadRequest:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the body must be a JSON object, e.g. {\"prompt\": \"a red circle\"}")
+    return value
+
+
+def _typed(name: str, value, kind: type):
+    if kind is str:
+        if not isinstance(value, str):
+            raise BadRequest(f"{name} must be a string")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number")
+    if kind is int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise BadRequest(f"{name} {value} must be a whole number")
+            value = int(value)
+        return value
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise BadRequest(f"{name} {value} is not a finite number")
+    return float(value)
+
+
+def native_options(body: dict, limits: Limits, defaults, adapter=None) -> dict:
+    """The options of ``POST /generate``'s body, checked against ``limits``; ``defaults`` (the server's options)
+    fill what the body leaves out for the checks that combine fields. ``adapter`` (the model's family, or None)
+    checks frames. Raises :class:`BadRequest` with one message."""
+    unknown = sorted(set(body) - set(NATIVE_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}; the fields are: {', '.join(NATIVE_FIELDS)}")
+    options = {}
+    for name, value in body.items():
+        kind, option = NATIVE_FIELDS[name]
+        if value is None and name in ("negative_prompt", "frames", "height", "width"):
+            options[option] = None
+            continue
+        options[option] = _typed(name, value, kind)
+    check_options(options, limits, defaults, adapter)
+    return options
+
+
+def check_options(options: dict, limits: Limits, defaults, adapter=None) -> None:
+    """Check a request's options (``generate``'s names) with the server's ``defaults`` filling the rest."""
+    merged = {name: options.get(name, getattr(defaults, name, None)) for name in
+              ("prompt", "steps", "seed", "height", "width", "frames", "images_per_prompt", "guidance")}
+    prompt = options.get("prompt")
+    if prompt is not None and not prompt.strip():
+        raise BadRequest("prompt is empty; describe the picture, e.g. \"a red circle\"")
+    if prompt is not None and len(prompt) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"prompt has {len(prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    for name in ("height", "width"):
+        value = merged[name]
+        if value is not None and (value <= 0 or value % 16):
+            raise BadRequest(f"{name} {value} must be a positive multiple of 16 (e.g. {max(16, value // 16 * 16)})")
+    height, width = merged["height"], merged["width"]
+    if height is not None and width is not None and height * width > limits.max_pixels:
+        raise BadRequest(f"{width}x{height} is {width * height} pixels; this server allows at most "
+                         f"{limits.max_pixels}", 422)
+    if not 1 <= merged["steps"] <= limits.max_steps:
+        raise BadRequest(f"steps {merged['steps']} must be between 1 and {limits.max_steps}", 422)
+    if not 1 <= merged["images_per_prompt"] <= limits.max_n:
+        raise BadRequest(f"n {merged['images_per_prompt']} must be between 1 and {limits.max_n}", 422)
+    if not 0 <= merged["seed"] <= MAX_SEED:
+        raise BadRequest(f"seed {merged['seed']} must be between 0 and {MAX_SEED}")
+    if merged["guidance"] < 0:
+        raise BadRequest(f"guidance {merged['guidance']} must be >= 0")
+    frames = options.get("frames")
+    if frames is not None:
+        if not 1 <= frames <= limits.max_frames:
+            raise BadRequest(f"frames {frames} must be between 1 and {limits.max_frames}", 422)
+        from ..config import ConfigError
+        from ..runtime.video import validate_frames
+
+        try:
+            validate_frames(adapter, frames)
+        except ConfigError as exc:
+            raise BadRequest(str(exc).replace("--frames", "frames")) from None
+
+
+def openai_options(body: dict, limits: Limits, defaults, adapter=None) -> dict:
+    """The options of an OpenAI-shaped ``POST /v1/images/generations`` body (prompt, n, size ``WxH``,
+    response_format ``b64_json``)."""
+    unknown = sorted(set(body) - set(OPENAI_FIELDS))
+    if unknown:
+        raise BadRequest(f"unknown field {unknown[0]!r}; the fields are: {', '.join(OPENAI_FIELDS)}")
+    if "prompt" not in body:
+        raise BadRequest("prompt is required")
+    options = {"prompt": _typed("prompt", body["prompt"], str)}
+    if "n" in body:
+        options["images_per_prompt"] = _typed("n", body["n"], int)
+    if body.get("response_format", "b64_json") != "b64_json":
+        raise BadRequest(f"response_format {body['response_format']!r} is not served; use \"b64_json\"")
+    if "size" in body:
+        size = _typed("size", body["size"], str)
+        match = re.fullmatch(r"(\d{1,6})x(\d{1,6})", size)
+        if not match:
+            raise BadRequest(f"size {size!r} must be WIDTHxHEIGHT, e.g. \"1024x1024\"")
+        options["width"], options["height"] = int(match.group(1)), int(match.group(2))
+    check_options(options, limits, defaults, adapter)
+    return options

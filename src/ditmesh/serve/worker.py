@@ -1,0 +1,183 @@
+"""One rank of a serving replica: load the pipeline once, parallelize it, warm it up, then run requests until
+the front end stops the process.
+
+Cross-rank rule: rank 0 alone reads the front end's request queue; every loop turn it broadcasts what it read
+(a request, or None when nothing came within :data:`IDLE_TICK_S`) to the other ranks, so every rank enters the
+same pipeline call in the same order, and an idle group still meets once a tick (no collective waits longer
+than the process group's timeout). Every rank reports each finished step and a heartbeat on the replica's event
+queue; rank 0 alone reports the result. After every step rank 0 broadcasts whether the front end asked to
+cancel the request, so every rank stops after the same step (one small broadcast per step). A failure inside a call that every rank sees alike (a bad value the
+pipeline refuses) is answered as that request's error and the loop goes on; anything else (a dead or stuck
+peer) is found by the front end (``replica.py``), which restarts the group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import threading
+import time
+import traceback
+
+#: how often an idle group meets (seconds); also the heartbeat period
+IDLE_TICK_S = 1.0
+
+
+def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, requests, events, cancel) -> None:
+    """The body of a rank process (``multiprocessing`` spawn target). ``options`` are the server's ``generate``
+    options; ``requests`` (read by rank 0) carries requests, ``events`` carries this rank's reports, ``cancel``
+    (an Event, read by rank 0) asks to stop the request in flight."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    parent = os.getppid()
+    threading.Thread(target=_heartbeat, args=(rank, events, parent), daemon=True).start()
+    try:
+        state = _load(rank, world, options, events)
+    except BaseException as exc:  # noqa: BLE001  (every loading failure is reported the same way)
+        from ..shared import one_line
+
+        events.put(("load_error", rank, one_line(exc), traceback.format_exc()))
+        _leave(2)
+    state.update(cancel=cancel, world=world)
+    _serve(rank, world, state, requests, events, parent)
+
+
+def _heartbeat(rank: int, events, parent: int) -> None:
+    """Say "alive" every tick (a stopped process says nothing); leave when the front end is gone."""
+    while True:
+        if os.getppid() != parent:
+            _leave(0)
+        events.put(("beat", rank, time.time()))
+        time.sleep(IDLE_TICK_S)
+
+
+def _leave(code: int) -> None:
+    """End the rank without destructors (a gloo group torn down mid-collective aborts the interpreter)."""
+    from ..runtime.generate import end_rank_process
+
+    end_rank_process(code)
+
+
+def _load(rank: int, world: int, options: dict, events) -> dict:
+    import diffusers
+
+    from ..mesh import default_device
+    from ..runtime.generate import _call_kwargs, _init_distributed, load_pipeline, validate, warm_up_call
+    from ..runtime.models import read_defaults
+
+    diffusers.utils.logging.disable_progress_bar()
+    args = argparse.Namespace(**options)
+    device = default_device()
+    _init_distributed(device)
+    config, model = validate(args, world)
+    loaded = load_pipeline(args, config, model, device, rank, world)
+    loaded.pipe.set_progress_bar_config(disable=True)
+    defaults = read_defaults(loaded.path)
+    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled before a client
+    warmed = {}
+    for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
+        sized = argparse.Namespace(**{**options, "height": height, "width": width})
+        warmed[f"{width}x{height}"] = round(warm_up_call(loaded.pipe, _call_kwargs(loaded.pipe, sized, defaults),
+                                                         device), 3)
+    events.put(("ready", rank, round(loaded.load_s, 3), warmed))
+    return {"pipe": loaded.pipe, "defaults": defaults, "options": options, "device": device}
+
+
+def _serve(rank: int, world: int, state: dict, requests, events, parent: int) -> None:
+    import queue
+
+    from ..comm import broadcast_tensors
+
+    while True:
+        request = None
+        if rank == 0:
+            try:
+                request = requests.get(timeout=IDLE_TICK_S)
+            except queue.Empty:
+                if os.getppid() != parent:
+                    _leave(0)
+        if world > 1:
+            try:
+                request = broadcast_tensors([request], 0, None, state["device"])[0]
+            except Exception as exc:  # noqa: BLE001  (a peer is gone: the group is broken)
+                _broken(rank, None, exc, events)
+        if request is not None:
+            _run_request(rank, request, state, events)
+
+
+def _run_request(rank: int, request: dict, state: dict, events) -> None:
+    from ..comm import broadcast_tensors
+    from ..runtime.generate import _call_kwargs
+    from ..shared import one_line
+
+    job = request["id"]
+    steps = request["options"].get("steps", state["options"]["steps"])
+    args = argparse.Namespace(**{**state["options"], **request["options"]})
+    args.prompt = [args.prompt] if isinstance(args.prompt, str) else args.prompt
+    start = time.perf_counter()
+    try:
+        pipe = state["pipe"]
+        call = _call_kwargs(pipe, args, state["defaults"])
+
+        def on_step_end(p, i, t, kw):
+            events.put(("step", rank, job, i + 1, steps))
+            # cancelling: rank 0 reads the front end's flag and every rank learns it at the same step
+            stop = state["cancel"].is_set() if rank == 0 else None
+            if state["world"] > 1:
+                stop = broadcast_tensors([stop], 0, None, state["device"])[0]
+            if stop:
+                raise _Cancelled(i + 1)
+            return kw
+
+        result = pipe(**call, callback_on_step_end=on_step_end)
+        if rank == 0:
+            events.put(("done", rank, job, True, _encode(result), round(time.perf_counter() - start, 4)))
+    except _Cancelled as exc:
+        if rank == 0:
+            events.put(("cancelled", rank, job, exc.step, steps))
+    except Exception as exc:  # noqa: BLE001  (the request's error; the group goes on)
+        if _collective_error(exc):
+            _broken(rank, job, exc, events)
+        if rank == 0:
+            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4)))
+
+
+class _Cancelled(Exception):
+    """The front end cancelled the request in flight; every rank raises it after the same step."""
+
+    def __init__(self, step: int):
+        super().__init__(f"cancelled after step {step}")
+        self.step = step
+
+
+def _collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective (a peer died or timed out), not out of the request itself."""
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or "gloo" in text or "NCCL" in text or "Connection closed" in text
+
+
+def _broken(rank: int, job: str | None, exc: BaseException, events) -> None:
+    """The group is broken (a collective failed): say so once and wait to be stopped (the heartbeat goes on, so
+    the front end names the rank that failed first, not this one)."""
+    from ..shared import one_line
+
+    events.put(("fault", rank, job, one_line(exc)))
+    while True:
+        time.sleep(3600)
+
+
+def _encode(result) -> list[tuple[str, bytes]]:
+    """The call's pictures as (media type, bytes): PNG per image; an animated GIF per video."""
+    out = []
+    if hasattr(result, "frames") and not hasattr(result, "images"):
+        from ..runtime.video import gif_bytes
+
+        return [("image/gif", gif_bytes(video)) for video in result.frames]
+    for image in result.images:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        out.append(("image/png", buf.getvalue()))
+    return out

@@ -1,0 +1,407 @@
+"""`ditmesh serve` as a client meets it: a real server process on 127.0.0.1 with the tiny pipeline (64x64, 2
+steps, two replicas of one rank), its HTTP API, bad requests, the bearer token, metrics, progress events, a bounded load test, the web
+page in a headless chromium, and a rank killed and stopped mid-request on gloo (2 ranks)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from PIL import Image
+
+from ditmesh.testing import free_port
+
+TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextlib.contextmanager
+def running_server(*argv, ready_s: float = 180):
+    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(port), *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + ready_s
+    try:
+        while True:
+            assert proc.poll() is None, f"the server exited: {proc.stdout.read()[-3000:]}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not become ready"
+            time.sleep(0.5)
+        yield base, proc
+    finally:
+        pids = []
+        with contextlib.suppress(Exception):
+            pids = [p for r in httpx.get(f"{base}/health", timeout=2).json()["replicas"] for p in r["pids"]]
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        time.sleep(0.5)
+        assert not [p for p in pids if _alive(p)], "rank processes outlived the server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def decode(b64: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    image.load()
+    return image
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--replicas", "2", "--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN,
+                        "--max-steps", "8", "--warmup-sizes", "48x32",
+                        "--max-pixels", str(128 * 128), "--max-n", "2") as (base, _):
+        with httpx.Client(base_url=base, headers=AUTH, timeout=120) as client:
+            yield client
+
+
+def test_openai_and_native_requests_return_the_pictures(server):
+    r = server.post("/v1/images/generations", json={"prompt": "a red circle", "n": 2, "size": "64x64",
+                                                    "response_format": "b64_json", "model": "any"})
+    assert r.status_code == 200, r.text
+    assert [decode(d["b64_json"]).size for d in r.json()["data"]] == [(64, 64), (64, 64)]
+    a = server.post("/generate", json={"prompt": "a blue square", "seed": 7, "steps": 3, "guidance": 2.5})
+    b = server.post("/generate", json={"prompt": "a blue square", "seed": 7, "steps": 3, "guidance": 2.5})
+    c = server.post("/generate", json={"prompt": "a blue square", "seed": 8, "steps": 3, "height": 32, "width": 48})
+    assert a.status_code == b.status_code == c.status_code == 200
+    assert a.json()["images"][0]["b64"] == b.json()["images"][0]["b64"]  # seeded: the same picture
+    assert decode(c.json()["images"][0]["b64"]).size == (48, 32)
+    # every replica warmed up at the default size and at --warmup-sizes before it served
+    assert all(list(r["warm_s"]) == ["64x64", "48x32"] for r in server.get("/health").json()["replicas"])
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"prompt": "x", "height": 70}, 400, "height 70 must be a positive multiple of 16"),
+    ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384"),
+    ({"prompt": "x", "steps": 9}, 422, "steps 9 must be between 1 and 8"),
+    ({"prompt": "x", "n": 3}, 422, "n 3 must be between 1 and 2"),
+    ({"prompt": "x", "frames": 5}, 400, "frames 5: flux pipelines generate images"),
+    ({"prompt": "x", "out": "/etc/passwd"}, 400, "unknown field 'out'"),
+    ({"prompt": "x", "steps": "many"}, 400, "steps must be a number"),
+    ({"prompt": ""}, 400, "prompt is empty"),
+])
+def test_bad_requests_get_one_clear_4xx(server, body, status, needle):
+    r = server.post("/generate", json=body)
+    assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path, content, needle", [
+    ("/generate", '{"prompt": "x", "guidance": NaN}', "NaN is not a finite number"),
+    ("/generate", '{"prompt": "x", "seed": Infinity}', "Infinity is not a finite number"),
+    ("/generate", '{"prompt": "x", "guidance": 1e999}', "guidance inf is not a finite number"),
+    ("/generate", '{"prompt": ', "not valid JSON"),
+    ("/generate", '["x"]', "must be a JSON object"),
+    ("/v1/images/generations", '{"prompt": "x", "size": "64x65"}', "height 65 must be a positive multiple of 16"),
+    ("/v1/images/generations", '{"prompt": "x", "size": "big"}', "must be WIDTHxHEIGHT"),
+    ("/v1/images/generations", '{"prompt": "x", "response_format": "url"}', "is not served"),
+    ("/v1/images/generations", '{"prompt": "x", "quality": "hd"}', "unknown field 'quality'"),
+])
+def test_malformed_bodies_get_one_clear_400_and_the_service_keeps_serving(server, path, content, needle):
+    r = server.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    assert server.post("/generate", json={"prompt": "still here"}).status_code == 200
+
+
+def test_the_bearer_token_is_required_except_for_the_page_and_health(server):
+    base = str(server.base_url)
+    assert httpx.post(f"{base}/generate", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{base}/health").status_code == 200
+    assert "<form" in httpx.get(f"{base}/").text
+
+
+def test_progress_events_then_the_picture(server):
+    job = server.post("/jobs", json={"prompt": "a green line", "steps": 4})
+    assert job.status_code == 202
+    events = []
+    with server.stream("GET", f"/jobs/{job.json()['id']}/events") as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+            elif line.startswith("data: ") and events[-1] == "done":
+                assert decode(json.loads(line[6:])["images"][0].split(",", 1)[1]).size == (64, 64)
+    assert events[-1] == "done" and "progress" in events
+    # a finished request cannot be cancelled; an unknown one is not found
+    assert server.delete(f"/jobs/{job.json()['id']}").status_code == 409
+    assert server.delete("/jobs/nope").status_code == 404
+
+
+def test_load_every_request_is_answered_exactly_once(server):
+    clients, per_client = 8, 3
+    before = _metric(server, 'ditmesh_requests_total{outcome="ok"}')
+    pid = server.get("/health").json()["replicas"][0]["pids"][0]
+    rss_before = _rss_bytes(pid)
+
+    def client(c):
+        out = []
+        for i in range(per_client):
+            t0 = time.perf_counter()
+            r = server.post("/generate", json={"prompt": f"client {c} request {i}", "seed": c * 100 + i})
+            out.append((r.status_code, r.json().get("id"), time.perf_counter() - t0))
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [x for chunk in pool.map(client, range(clients)) for x in chunk]
+    wall = time.perf_counter() - t0
+    assert [s for s, _, _ in results] == [200] * clients * per_client
+    assert len({i for _, i, _ in results}) == clients * per_client  # one answer per request, none shared
+    assert _metric(server, 'ditmesh_requests_total{outcome="ok"}') - before == clients * per_client
+    latencies = sorted(s for _, _, s in results)
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    print(f"\nserve load: {len(results)} requests from {clients} clients in {wall:.2f} s "
+          f"({len(results) / wall:.1f} req/s); p50 {statistics.median(latencies):.3f} s, p99 {p99:.3f} s; "
+          f"rank RSS {rss_before / 2**20:.0f} -> {_rss_bytes(pid) / 2**20:.0f} MiB")
+    assert _rss_bytes(pid) - rss_before < 256 * 2**20
+    assert _metric(server, "ditmesh_queue_length") == 0
+    # the two replicas (independent process groups) both took requests
+    assert all(r["served"] >= 3 for r in server.get("/health").json()["replicas"])
+
+
+def _metric(client, name: str) -> float:
+    text = client.get("/metrics").text
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_metrics_are_prometheus_text(server):
+    text = server.get("/metrics").text
+    for name in ("ditmesh_queue_length", "ditmesh_images_total", "ditmesh_failures_total",
+                 'ditmesh_request_latency_seconds_bucket{le="+Inf"}', "ditmesh_request_latency_seconds_count"):
+        assert any(line.startswith(name + " ") for line in text.splitlines()), name
+    assert _metric(server, "ditmesh_images_total") >= 1 and _metric(server, "ditmesh_failures_total") >= 1
+
+
+# -- the web page in a real browser -----------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's chromium, installed with apt-get when missing (no browser can be downloaded otherwise)."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("chromium is not installed and apt-get cannot install it here (needs apt-get as root)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+    proc = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:  # stale package lists: refresh once
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env, timeout=300)
+        proc = subprocess.run(install, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, f"apt-get install chromium failed: {proc.stderr[-2000:]}"
+    return shutil.which("chromium")
+
+
+class DevTools:
+    """The smallest client of chromium's DevTools protocol: one page, commands answered in order."""
+
+    def __init__(self, binary: str, profile):
+        import websocket
+
+        self.proc = subprocess.Popen([binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                                      "--remote-debugging-port=0", "--remote-allow-origins=*",
+                                      f"--user-data-dir={profile}", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.time() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert time.time() < deadline and self.proc.poll() is None, "chromium did not start"
+            time.sleep(0.2)
+        port = int(port_file.read_text().split()[0])
+        pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
+        self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        self.next_id = 0
+
+    def send(self, method: str, **params):
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message["result"]
+
+    def evaluate(self, expression: str, await_promise: bool = False):
+        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=await_promise)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def close(self):
+        self.ws.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_the_page_generates_a_picture_in_headless_chromium(server, chromium, tmp_path):
+    browser = DevTools(chromium, tmp_path)
+    try:
+        browser.send("Page.navigate", url=str(server.base_url) + "/")
+        deadline = time.time() + 60
+        while browser.evaluate("document.readyState") != "complete" or not browser.evaluate("!!document.getElementById('go')"):
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert browser.evaluate("document.getElementById('size').value") == "64x64"  # the server's defaults
+        browser.evaluate(f"""document.getElementById('token').value = {json.dumps(TOKEN)};
+                             document.getElementById('steps').value = 3;
+                             document.getElementById('seed').value = 5;
+                             document.getElementById('go').click()""")
+        while not browser.evaluate("!!document.querySelector('#result img')"):
+            message = browser.evaluate("document.getElementById('message').textContent")
+            assert time.time() < deadline and not message.startswith("error"), message
+            time.sleep(0.1)
+        size = browser.evaluate("(async () => { const img = document.querySelector('#result img'); await img.decode(); "
+                                "return [img.naturalWidth, img.naturalHeight]; })()", await_promise=True)
+        assert size == [64, 64]
+        src = browser.evaluate("document.querySelector('#result img').src")
+        assert decode(src.split(",", 1)[1]).size == (64, 64)
+        value, top = browser.evaluate("[document.getElementById('progress').value, document.getElementById('progress').max]")
+        assert value == top > 0  # the bar is full
+        assert browser.evaluate("document.getElementById('message').textContent").startswith("done in")
+    finally:
+        browser.close()
+
+
+# -- faults --------------------------------------------------------------------------------------------------------
+def _progress_then(client, job_id: str, min_step: int, action) -> tuple[str, dict]:
+    """Follow a job's events; call ``action()`` once it has finished ``min_step`` steps; return its last event."""
+    acted = False
+    event = None
+    with client.stream("GET", f"/jobs/{job_id}/events") as stream:
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if event == "progress" and data["step"] >= min_step and not acted:
+                    action()
+                    acted = True
+                if event in ("done", "error"):
+                    return event, data
+    raise AssertionError("the event stream ended without an answer")
+
+
+def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it():
+    with running_server("--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64", "--width", "64",
+                        "--step-timeout", "4", "--max-steps", "200") as (base, _):
+        with httpx.Client(base_url=base, timeout=180) as client:
+            pids = client.get("/health").json()["replicas"][0]["pids"]
+            # killed: the request in flight fails naming rank 1; one queued behind it runs after the restart
+            job = client.post("/jobs", json={"prompt": "a long one", "steps": 200}).json()["id"]
+            queued = client.post("/jobs", json={"prompt": "queued behind", "seed": 1}).json()["id"]
+            event, data = _progress_then(client, job, 2, lambda: os.kill(pids[1], signal.SIGKILL))
+            assert event == "error" and data["status"] == 500, data
+            assert "rank 1 of replica 0" in data["message"] and "died" in data["message"]
+            assert "running step" in data["message"] and job in data["message"]
+            event, data = _progress_then(client, queued, 99, lambda: None)
+            assert event == "done", data
+            health = client.get("/health").json()["replicas"][0]
+            assert health["restarts"] == 1 and not set(health["pids"]) & set(pids)
+            pids = health["pids"]
+            # cancelled while it runs: both ranks stop after the same step, no restart, the next request runs
+            job = client.post("/jobs", json={"prompt": "to cancel", "steps": 200}).json()["id"]
+            event, data = _progress_then(client, job, 2, lambda: client.delete(f"/jobs/{job}").raise_for_status())
+            assert event == "error" and data["status"] == 499 and "cancelled after step" in data["message"], data
+            assert client.post("/generate", json={"prompt": "after the cancel"}).status_code == 200
+            health = client.get("/health").json()["replicas"][0]
+            assert health["restarts"] == 1 and health["pids"] == pids
+            # stopped (a hang): no step and no heartbeat from rank 1 within --step-timeout
+            job = client.post("/jobs", json={"prompt": "another long one", "steps": 200}).json()["id"]
+            t0 = time.time()
+            event, data = _progress_then(client, job, 2, lambda: os.kill(pids[1], signal.SIGSTOP))
+            assert event == "error" and "rank 1 of replica 0" in data["message"], data
+            assert time.time() - t0 < 4 + 10  # found within the step timeout and a few polls
+            ok = client.post("/generate", json={"prompt": "after the restart"})
+            assert ok.status_code == 200, ok.text
+            assert client.get("/health").json()["replicas"][0]["restarts"] == 2
+            assert _metric(client, "ditmesh_rank_faults_total") == 2
+
+
+class _Process:
+    def __init__(self, exitcode=None, pid=1):
+        self.exitcode, self.pid = exitcode, pid
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def _replica_in_a_request(processes, steps_done, since_s):
+    """A Replica whose ranks are stand-ins, in request ``j`` of 10 steps; rank k finished ``steps_done[k]``
+    steps ``since_s[k]`` seconds ago."""
+    import queue
+
+    from ditmesh.serve.replica import RankState, Replica
+
+    replica = Replica(0, len(processes), {"steps": 10}, step_timeout=0.5, load_timeout=10)
+    now = time.time()
+    replica.ranks = [RankState(p, beat=now, step=s, progress=now - t) for p, s, t in zip(processes, steps_done, since_s)]
+    replica._events = queue.Queue()
+    replica.state, replica._in_request, replica._job, replica._steps = "busy", True, "j", 10
+    return replica
+
+
+def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung():
+    from ditmesh.serve.replica import RankFault
+
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 2], [0.0, 1.0])
+    with pytest.raises(RankFault, match=r"^rank 1 of replica 0 hung: no step finished within 0.5 s while running "
+                                        r"step 3 of 10 of request j$"):
+        replica._next_event(None, None)
+    assert replica.state == "failed"
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0.1, 0.1])
+    assert replica._next_event(None, None) is None  # in time: nothing to say
+
+
+def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
+    from ditmesh.serve.replica import RankFault
+
+    replica = _replica_in_a_request([_Process(exitcode=2, pid=10), _Process(exitcode=-9, pid=11)], [10, 4], [0, 0])
+    with pytest.raises(RankFault, match=r"rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
+        replica._next_event(None, None)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
+    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
+                                             "and 10"),
+    (["--nproc", "2", "--ulysses", "4"], None),
+])
+def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
+    from ditmesh.cli import main
+
+    assert main(["serve", "--port", "0", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ditmesh: error: ")
+    assert line is None or lines[0] == f"ditmesh: error: {line}"
