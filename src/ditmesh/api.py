@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
-Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> sequence -> cfg/data -> (cache) ->
-VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
+feed-forwards) -> sequence -> cfg/data -> (cache) -> VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -299,10 +299,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             return graph.apply_blocks(model, adapter)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> sequence -> cfg/data -> cache -> vae -> compile -> graph. Every
-    # step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora` hooks let an
-    # adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take their place in the
-    # call chain from hooks.ORDER, whatever order they are added in.
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> compile
+    # -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora`
+    # hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
+    # their place in the call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
         (f"tensor(tp={config.tp})", lambda: (each(lambda m, a: tensor.apply(m, mesh, a)),
