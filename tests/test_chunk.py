@@ -26,7 +26,7 @@ def test_chunked_feed_forwards_under_parallelism_equal_one_whole_process(pools, 
 
 def test_bad_chunk_settings_are_refused_in_one_line():
     from ditmesh.config import ConfigError
-    from ditmesh.parallel.chunk import check_chunk
+    from ditmesh.config import check_chunk
     from ditmesh.runtime.generate import chunk_setting
 
     assert chunk_setting("auto") == "auto" and chunk_setting("64") == 64 and chunk_setting(None) is None

@@ -22,8 +22,8 @@ from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
-from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_supported,  # noqa: F401
-                     check_vae_parallel)
+from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_chunk,  # noqa: F401
+                     check_supported, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
@@ -275,7 +275,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
     check_vae_parallel(vae_parallel)
-    chunk.check_chunk(chunk_tokens, "chunk_tokens=")
+    check_chunk(chunk_tokens, "chunk_tokens=")
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)

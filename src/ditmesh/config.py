@@ -135,6 +135,14 @@ def check_vae_parallel(mode: str, flag: str = "vae_parallel=") -> None:
         raise ConfigError(f"{flag}{mode!r} is not a mode; use one of {', '.join(VAE_PARALLEL_MODES)}")
 
 
+def check_chunk(chunk, flag: str = "chunk=") -> None:
+    """Raise :class:`ConfigError` unless ``chunk`` is None, ``"auto"`` or a positive number of tokens."""
+    if chunk is None or chunk == "auto":
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"{flag}{chunk!r} is not a token count; give a positive integer (e.g. 4096) or auto")
+
+
 def check_supported(config: ParallelConfig) -> None:
     """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
     for axis, message in _NOT_YET.items():

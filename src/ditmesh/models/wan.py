@@ -199,6 +199,10 @@ _WAN_TINY = dataclasses.replace(
     default_frames=5,
 )
 
+#: wan-tiny as an image-to-video transformer: the pipeline VAE-encodes the condition video (the image, then zero
+#: frames) and concatenates a 4-channel first-frame mask and those latents to the noise: 16 + 4 + 16 = 36 in
+_WAN_I2V_TRANSFORMER = dict(_WAN_TINY.transformer, in_channels=36)
+
 WAN_ARCHS = (
     WAN21_14B,
     _WAN_TINY,
@@ -218,16 +222,15 @@ WAN_ARCHS = (
         transformer_2=_WAN_TINY.transformer,
         pipeline_config=dict(boundary_ratio=0.9),
     ),
-    # Wan 2.2 I2V-A14B: no image encoder; the pipeline VAE-encodes the condition video (the image, then zero
-    # frames) and concatenates a 4-channel first-frame mask and those latents to the noise: 16 + 4 + 16 = 36 in.
+    # Wan 2.2 I2V-A14B: no image encoder (see _WAN_I2V_TRANSFORMER)
     dataclasses.replace(
         _WAN_TINY,
         name="wan2.2-i2v-tiny",
         description="Wan 2.2 I2V-A14B layout shrunk for CPU tests: two wan-tiny transformers reading the noise, the "
                     "first-frame mask and the encoded condition video (36 in, 16 out), WanImageToVideoPipeline",
         pipeline="WanImageToVideoPipeline",
-        transformer=dict(_WAN_TINY.transformer, in_channels=36),
-        transformer_2=dict(_WAN_TINY.transformer, in_channels=36),
+        transformer=_WAN_I2V_TRANSFORMER,
+        transformer_2=_WAN_I2V_TRANSFORMER,
         pipeline_config=dict(boundary_ratio=0.9),
     ),
     # Wan 2.1 I2V: one transformer that also cross-attends to the condition image's CLIP tokens (the image encoder's
@@ -238,7 +241,7 @@ WAN_ARCHS = (
         description="Wan 2.1 I2V layout shrunk for CPU tests: wan-tiny reading 36 channels and cross-attending to "
                     "the image tokens of a tiny CLIP vision encoder (5 tokens of 32), WanImageToVideoPipeline",
         pipeline="WanImageToVideoPipeline",
-        transformer=dict(_WAN_TINY.transformer, in_channels=36, image_dim=32, added_kv_proj_dim=96),
+        transformer=dict(_WAN_I2V_TRANSFORMER, image_dim=32, added_kv_proj_dim=96),
         clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
                   patch_size=16),
     ),

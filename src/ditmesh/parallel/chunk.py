@@ -23,14 +23,6 @@ from ..models.base import name_pattern
 AUTO_SHARE = 0.1
 
 
-def check_chunk(chunk, flag: str = "chunk=") -> None:
-    """Raise :class:`ConfigError` unless ``chunk`` is None, ``"auto"`` or a positive number of tokens."""
-    if chunk is None or chunk == "auto":
-        return
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"{flag}{chunk!r} is not a token count; give a positive integer (e.g. 4096) or auto")
-
-
 def hidden_width(module: torch.nn.Module) -> int:
     """The widest output of the linear layers in ``module``: a feed-forward's hidden width."""
     return max((m.out_features for m in module.modules() if isinstance(m, torch.nn.Linear)), default=1)
@@ -68,8 +60,7 @@ class ChunkHook(Hook):
 
 def apply(model: torch.nn.Module, adapter, chunk, device: torch.device) -> list:
     """Put a :class:`ChunkHook` on every module of ``model`` the adapter names token-wise; returns undo callables
-    ([] when ``chunk`` is None, or ``auto`` off CUDA)."""
-    check_chunk(chunk)
+    ([] when ``chunk`` is None, or ``auto`` off CUDA). ``chunk`` is checked by ``parallelize``."""
     if chunk is None or not adapter.token_wise:
         return []
     budget = None

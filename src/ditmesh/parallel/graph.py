@@ -233,9 +233,10 @@ def apply_blocks(model: torch.nn.Module, adapter, capture: Callable | None = Non
     from ..hooks import registry
 
     capture = capture or shared_pool_capture()
-    regs = [registry(block) for block in adapter.block_modules(model)]
+    blocks = adapter.block_modules(model)
+    regs = [registry(block) for block in blocks]
     before = [reg.inner for reg in regs]
-    for reg, block in zip(regs, adapter.block_modules(model)):
+    for reg, block in zip(regs, blocks):
         # a block never writes its inputs, so streams that are views of one tensor (FLUX's single blocks return
         # text and image as slices of one output) may be copied into buffers of their own
         reg.inner = GraphedCall(reg.inner or reg.original(block), capture, devices=devices, aliased_ok=True)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, ParallelConfig, check_supported, check_vae_parallel
+from ..config import ConfigError, ParallelConfig, check_chunk, check_supported, check_vae_parallel
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
@@ -168,8 +168,7 @@ def chunk_setting(text: str | None) -> int | str | None:
         tokens = int(text)
     except ValueError:
         tokens = 0
-    if tokens < 1:
-        raise ConfigError(f"--chunk {text!r} is not a token count; give a positive integer (e.g. 4096) or auto")
+    check_chunk(tokens if tokens >= 1 else text, "--chunk ")  # the typed text is what a bad value names
     return tokens
 
 
