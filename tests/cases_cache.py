@@ -40,29 +40,6 @@ def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 
     return latents, history, dict(counts)
 
 
-def graphed_cached_run(config: dict, cache: str, steps: int = 10):
-    """``cached_run`` with every block's forward replayed from a graph (``graph.apply_blocks``; on CPU the capture
-    re-runs the call on the captured buffers, as a replay does). Also returns each block's (captures, replays)."""
-    from diffusers import DiffusionPipeline
-
-    from cases import rerun_capture
-    from ditmesh import ParallelConfig, parallelize
-    from ditmesh.models import adapter_for
-    from ditmesh.parallel import graph
-
-    torch.manual_seed(0)
-    pipe = DiffusionPipeline.from_pretrained(tiny_model(), dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    runtime = parallelize(pipe, ParallelConfig(**config), cache=cache)
-    adapter = adapter_for(pipe.transformer)
-    graph.apply_blocks(pipe.transformer, adapter, capture=rerun_capture, devices=("cpu",))
-    latents = pipe(list(TINY_PROMPTS[:1]), height=64, width=64, num_inference_steps=steps, max_sequence_length=16,
-                   output_type="latent", generator=torch.Generator().manual_seed(7)).images
-    counts = [[(e.replay is not None, e.replays) for e in g.entries.values()]
-              for g in graph.graphed_blocks(pipe.transformer, adapter)]
-    return latents, {name: c.history for name, c in runtime.caches.items()}, counts
-
-
 def _python_state(step_cache) -> list:
     """What a step cache keeps on the host between calls: a replayed CUDA graph runs no Python, so none of it may
     change inside a call whose path was planned before it."""
@@ -104,7 +81,7 @@ def path_graphed_cached_run(config: dict, cache: str, steps: int = 10, cfg: bool
                    output_type="latent", generator=torch.Generator().manual_seed(7), **kwargs).images
     from ditmesh.hooks import find_hook
 
-    entries = {key[2]: (e.replay is not None, e.replays) for key, e in
+    entries = {key[2]: (e.replay is not None, e.replays) for key, e in  # key[2]: (branch, planned path)
                find_hook(pipe.transformer, "graph").graphed.entries.items()}
     hook_undo[0]()
     return latents, {"transformer": step_cache.history}, entries

@@ -176,18 +176,6 @@ def test_compiled_blocks_run_inside_the_cache_and_decide_as_one_eager_process(po
             assert_same_run(got, ref)
 
 
-def test_block_graphs_replay_the_paths_the_cache_takes_and_decide_as_one_process(pools):
-    from cases_cache import graphed_cached_run
-
-    for setting in (TC, "taylor:interval=3,warmup=2"):
-        ref = reference(setting)
-        computed = sum(not h["skip"] for h in ref[1]["transformer"])
-        for latents, history, counts in pools(2).run(graphed_cached_run, {"ulysses": 2}, setting):
-            assert_same_run((latents, history, None), ref)
-            for block in counts[1:-1]:  # a middle block: one graph, run eagerly once, captured, then replayed
-                assert block == [(True, computed - 2)], (setting, counts)  # a skip launches no block
-
-
 @pytest.mark.parametrize("setting", ["static:skip=3-4+6-7", "taylor:interval=3,warmup=2"])
 def test_step_scheduled_policies_replay_one_whole_call_graph_per_path(pools, setting):
     from cases_cache import path_graphed_cached_run
@@ -199,9 +187,21 @@ def test_step_scheduled_policies_replay_one_whole_call_graph_per_path(pools, set
         # one graph per path: computed, or skipped with each extrapolation factor; each path that came back after
         # its capture was replayed
         skips = [h["skip"] for h in ref[1]["transformer"]]
-        assert {path[0] for path in entries} == {False, True}
+        assert {path[0] for _, path in entries} == {False, True}
         assert len(entries) == (2 if setting.startswith("static") else 5), entries
-        assert entries[(False, 0.0)] == (True, skips.count(False) - 2)
+        assert entries[(0, (False, 0.0))] == (True, skips.count(False) - 2)
+
+
+def test_path_graphs_are_kept_per_cfg_branch():
+    # true CFG calls the transformer twice per step with equal shapes; each branch keeps its own residuals, so a
+    # graph captured on one branch's buffers must never replay for the other
+    from cases_cache import path_graphed_cached_run
+
+    setting = "static:skip=3-4+6-7"
+    ref = reference(setting, cfg=True)
+    latents, history, entries = path_graphed_cached_run({}, setting, cfg=True)
+    assert_same_run((latents, history, None), ref)
+    assert sorted(entries) == [(branch, (skip, 0.0)) for branch in (0, 1) for skip in (False, True)]
 
 
 def test_taylor_extrapolation_beats_replaying_the_last_residual():

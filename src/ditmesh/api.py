@@ -244,7 +244,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
             reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
             own forward is compiled inside the cache's hooks. With ``cuda_graph``, static and taylor replay one
-            whole-call graph per path; dbcache and teacache replay each block from its own graph inside the cache's hooks
+            whole-call graph per path; dbcache and teacache replay each call from three graphs cut at the decision
             (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
             height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
@@ -292,11 +292,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         runtime._undo.extend(undo)
 
     def graph_step(model, adapter):
-        """A whole-call graph per call signature; with a step cache, per planned path (static, taylor), or one graph
-        per block inside the cache's hook where the path is decided inside the call (dbcache, teacache)."""
+        """A whole-call graph per call signature; with a step cache, per branch and planned path (static, taylor), or
+        cut in three graphs at the decision where the path is decided inside the call (dbcache, teacache)."""
         cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
-        if cache is not None and not cache.known_in_advance:
-            return graph.apply_blocks(model, adapter)
         return graph.apply(model, cache=cache)
 
     # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> compile

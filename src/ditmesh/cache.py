@@ -30,8 +30,10 @@ With ``compile``, ``api.compile_blocks`` compiles each block's own forward (the 
 the whole block call, so this hook stays eager and the decision is taken on the host between compiled blocks.
 With CUDA graphs, static and taylor decide before the call (``plan_call``, from the ``graph`` hook) and each path
 gets a whole-call graph; so nothing kept here changes on the host inside a call (residuals are written in place,
-counters booked at the decision). dbcache and teacache decide inside the call: each block's forward is replayed
-from its own graph (``ditmesh.parallel.graph.apply_blocks``) and this hook stays outside them.
+counters booked at the decision). dbcache and teacache decide inside the call: while the ``graph`` hook captures a
+call, :meth:`StepCache.decide_at` records the statistic's reduced sums at a cut between graphs instead of deciding
+(``ditmesh.parallel.graph.DecisionCuts``), and a replay decides from them between the graphs
+(:meth:`StepCache.decide_captured`), with the same rule and the same one host read as an eager call.
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ class _Branch:
     updated when a decision is taken, never inside the transformer call, so a replayed graph needs nothing else.
     """
 
-    previous: torch.Tensor | None = None  # the statistic's tensor at the previous step (residual / modulated input)
+    previous: torch.Tensor | None = None  # buffer: the statistic at the previous step (residual / modulated input)
+    has_previous: bool = False  # whether ``previous`` holds this run's previous step (a new run keeps the buffer)
     accumulated: float = 0.0  # teacache: rescaled change summed since the blocks last ran
     middle: dict = field(default_factory=dict)  # stream -> the middle blocks' residual when they last ran
     earlier: dict = field(default_factory=dict)  # stream -> the one before (taylor)
@@ -168,7 +171,7 @@ class _Branch:
     def restart(self) -> None:
         """A new pipeline run: forget the counters and the statistic; keep the buffers, which the next computed
         call overwrites before any skip reads them (captured graphs keep their addresses)."""
-        self.previous, self.accumulated, self.computed, self.skips_in_a_row = None, 0.0, 0, 0
+        self.has_previous, self.accumulated, self.computed, self.skips_in_a_row = False, 0.0, 0, 0
         self.middle_step = self.earlier_step = 0
 
 
@@ -198,6 +201,8 @@ class StepCache:
         self.last_run: int | None = None
         #: one entry per decision: step, branch, relative change (None at warm-up), skipped
         self.history: list[dict] = []
+        #: set while a CUDA graph of a call is captured in segments (``ditmesh.parallel.graph.DecisionCuts``)
+        self.cuts = None
         #: also record this rank's own (unreduced) relative change, for tests: a second host read per step
         self.record_local = False
         self.undo = []
@@ -242,17 +247,54 @@ class StepCache:
                     self.factor = (step - state.middle_step) / max(1, state.middle_step - state.earlier_step)
             self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
             return self._decided(state, skip, step)
-        previous, state.previous = state.previous, statistic.detach()
-        rel = None
-        if previous is not None and previous.shape == statistic.shape:
+        return self._decide_rel(state, step, self._rel(state, self._change(state, statistic)))
+
+    def decide_at(self, statistic: torch.Tensor) -> bool:
+        """The decision of a dynamic policy inside the call: :meth:`decide`, or, while a CUDA graph of the call is
+        captured (``cuts`` set by ``ditmesh.parallel.graph``), the statistic's reduced sums recorded at a cut between
+        graphs and the computing path taken; a replay then decides between its graphs (:meth:`decide_captured`)."""
+        if self.cuts is None:
+            return self.decide(statistic)
+        self.cuts.cut(self._change(self.branch(), statistic, always=True))
+        return False
+
+    def decide_captured(self, sums: torch.Tensor) -> bool:
+        """The decision of a replayed call from the sums its first graph wrote (the one host read of the step)."""
+        state = self.branch()
+        return self._decide_rel(state, self.ctx.run_step, self._rel(state, sums))
+
+    def _change(self, state: _Branch, statistic: torch.Tensor, always: bool = False) -> torch.Tensor | None:
+        """``[sum |change|, sum |previous|]`` of the statistic against the branch's previous step, added over the
+        ranks that share the computation, and the statistic kept (in place) for the next step. None when there is
+        no previous step of this run and ``always`` is off (a captured graph computes the sums whatever the run)."""
+        previous = state.previous
+        if previous is None or previous.shape != statistic.shape or previous.dtype != statistic.dtype:
+            if self.cuts is not None:
+                raise RuntimeError("the step cache has no statistic buffer of this call's shape to capture")
+            state.previous, state.has_previous = statistic.detach().clone(), False
+            return None
+        sums = None
+        if state.has_previous or always:
             sums = change_sums(statistic, previous)
-            if self.record_local:
+            if self.record_local and self.cuts is None:
                 local_diff, local_base = sums.tolist()
                 self.history_local = local_diff / local_base if local_base else 0.0
             if self.group is not None:
                 sums = all_reduce_sum(sums, self.group)
+        previous.copy_(statistic)  # in place: a captured graph reads and writes this memory
+        return sums
+
+    @staticmethod
+    def _rel(state: _Branch, sums: torch.Tensor | None) -> float | None:
+        rel = None
+        if sums is not None and state.has_previous:
             diff, base = sums.tolist()  # the one host read of the step
             rel = diff / base if base else 0.0
+        state.has_previous = True
+        return rel
+
+    def _decide_rel(self, state: _Branch, step: int, rel: float | None) -> bool:
+        config = self.config
         allowed = (rel is not None and step >= config.warmup and state.computed >= 1
                    and state.skips_in_a_row < config.max_skips)
         if config.policy == "teacache":
@@ -305,7 +347,7 @@ class _BlockHook(Hook):
             elif cache.known_in_advance:
                 cache.skip = cache.decide(None)
             else:
-                cache.skip = config.policy == "teacache" and cache.decide(cache.modulated_input(owner, named))
+                cache.skip = config.policy == "teacache" and cache.decide_at(cache.modulated_input(owner, named))
         middle = cache.middle
         if index in middle:
             if index == middle.start:
@@ -313,9 +355,11 @@ class _BlockHook(Hook):
             if cache.skip:
                 return self._replay(named, index == middle.stop - 1)
         output = call_next((), named)
+        if cache.cuts is not None and index == middle.start < middle.stop - 1:
+            cache.cuts.cut_inside()
         if index == config.first - 1 and config.policy == "dbcache":
             hidden = self._stream(output, "hidden_states")
-            cache.skip = cache.decide(hidden - cache.entry)
+            cache.skip = cache.decide_at(hidden - cache.entry)
         if index == middle.stop - 1 and not cache.skip:
             state = cache.branch()
             taylor = config.policy == "taylor"
@@ -333,6 +377,10 @@ class _BlockHook(Hook):
                 if taylor:
                     state.earlier[name].copy_(kept)
                 kept.copy_(residual)  # in place: a captured graph reads and writes this memory
+            if cache.cuts is not None:  # the middle blocks' graph ends here; a skip writes these outputs instead
+                cache.cuts.cut_middle({name: (before, state.middle[name], self._stream(output, name))
+                                       for name, before in cache.middle_in.items() if name in state.middle},
+                                      self.spec.returns)
         if index == middle.stop - 1:
             cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output

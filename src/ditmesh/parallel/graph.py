@@ -23,9 +23,10 @@ Limits: the call must not depend on Python state that changes between steps and 
 (autocast or attention-backend contexts, stateful hooks such as step caches). A step cache that knows each
 call's path before the call (static, taylor) takes its decision in this hook, and the path is part of the graph's
 key: one whole-call graph per path, the cache's kept residuals in buffers written in place. A cache that decides
-inside the call (dbcache, teacache) gets :func:`apply_blocks` instead: each block's own forward graphed inside the
-cache's hook (one memory pool shared by the blocks' graphs), so the host takes the decision between block replays
-and a skipped block launches nothing. ditmesh's data- and
+inside the call (dbcache, teacache) gets each call captured in graphs cut at its decision (:class:`DecisionCuts`):
+the head up to the statistic, the middle blocks, the tail; a replay reads the statistic's one scalar between them
+and skips the middle graphs for a cached step. Either way the key holds the call's branch within the step (true
+CFG: two calls a step, each with its own residuals). ditmesh's data- and
 CFG-parallel hooks choose per call what to run, so graphs are refused with ``dp`` or ``cfg`` > 1 (and with
 the consistency check, which reads values on the host). Graphs are kept for the life of the wrapper, one
 memory pool each.
@@ -106,6 +107,96 @@ def side_stream_run(fn):
         out = fn()
     torch.cuda.current_stream().wait_stream(side)
     return out
+
+
+class DecisionCuts:
+    """One capture of a call cut into CUDA graphs around a step cache's decision (dbcache, teacache): the ``head``
+    (the call up to the decision's statistic, its sums reduced over the ranks), the ``middle`` (the blocks a skip
+    leaves out: the first of them in a graph of its own, so that the GPU starts on it while the host launches the
+    rest) and the ``tail`` (the rest of the call). The step cache calls :meth:`cut` at its statistic,
+    :meth:`cut_inside` after the first middle block and :meth:`cut_middle` after the last; memory made in one graph
+    and read in a later one stays where it was, because they share one pool and are captured in one pass.
+
+    A replay runs the head, reads the sums on the host (the one host read of the step), lets the cache decide, then
+    runs the middle graphs or, for a skip, writes each middle output as its input plus the cached residual (one add
+    per stream, outside the graphs), and runs the tail."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list = []
+        self.sums = None
+        self.middle_end = 0  # graphs [1, middle_end) are the middle's
+        self.skip_writes: list = []  # (middle input, cached residual, middle output) per carried stream
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def _next(self) -> None:
+        self.end()
+        self.begin()
+
+    def cut(self, sums) -> None:
+        if len(self.graphs) != 1 or sums is None:
+            raise RuntimeError("a call cut for its cache decision needs exactly one statistic")
+        self.sums = sums
+        self._next()
+
+    def cut_inside(self) -> None:
+        if len(self.graphs) != 2:
+            raise RuntimeError("the middle blocks' graph is cut after their first block only")
+        self._next()
+
+    def cut_middle(self, writes: dict, returns: tuple) -> None:
+        """``writes``: stream name -> (middle input, cached residual, middle output); ``returns``: the names the
+        last middle block returns, each of which a skip must write."""
+        if len(self.graphs) not in (2, 3) or set(writes) != set(returns):
+            raise RuntimeError(f"a skip cannot write the middle blocks' outputs {returns} from their carried inputs "
+                               f"{tuple(writes)}")
+        self.skip_writes = list(writes.values())
+        self.middle_end = len(self.graphs)
+        self._next()
+
+    def replay(self, cache) -> None:
+        self.graphs[0].replay()
+        if cache.decide_captured(self.sums):
+            for before, residual, out in self.skip_writes:
+                torch.add(before, residual, out=out)
+        else:
+            for graph in self.graphs[1:self.middle_end]:
+                graph.replay()
+        self.graphs[-1].replay()
+
+
+def decision_capture(cache) -> Callable:
+    """A capture function for :class:`GraphedCall` that cuts each call at ``cache``'s decision
+    (:class:`DecisionCuts`)."""
+
+    def capture(fn):
+        cuts = DecisionCuts()
+        stream = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        stream.wait_stream(torch.cuda.current_stream())
+        cache.cuts = cuts
+        try:
+            with torch.cuda.stream(stream):
+                cuts.begin()
+                try:
+                    out = fn()
+                finally:
+                    cuts.end()
+        finally:
+            cache.cuts = None
+        torch.cuda.current_stream().wait_stream(stream)
+        if not cuts.middle_end:
+            raise RuntimeError("the call's capture never reached the end of the cache's middle blocks")
+        return (lambda: cuts.replay(cache)), out
+
+    return capture
 
 
 class _Entry:
@@ -193,15 +284,20 @@ class GraphedCall:
 class GraphHook(Hook):
     """The transformer's ``graph`` hook: everything inside it replayed by one :class:`GraphedCall`.
 
-    ``cache``: a step cache whose policy knows each call's path before the call (static, taylor): its decision is
-    taken here, before the call, and keys the graph, so each path (computed, or skipped with each extrapolation
-    factor) gets a whole-call graph of its own."""
+    ``cache``: the transformer's step cache. A policy that knows each call's path before the call (static, taylor)
+    takes its decision here, before the call, and the path keys the graph, so each path (computed, or skipped with
+    each extrapolation factor) gets a whole-call graph of its own. A policy that decides inside the call (dbcache,
+    teacache) gets each call captured in three graphs cut at the decision (:class:`DecisionCuts`). Either way the
+    graph is keyed by the call's branch within the step too (true CFG calls the transformer twice per step), since
+    each branch keeps its own cached residuals."""
 
     name = "graph"
 
     def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None):
         self._next = None
         self.cache = cache
+        if cache is not None and not cache.known_in_advance and capture is cuda_capture:
+            capture = decision_capture(cache)
         self.graphed = GraphedCall(self._run_next, capture, devices=devices)
 
     def _run_next(self, *args, **kwargs):
@@ -210,7 +306,8 @@ class GraphHook(Hook):
     def __call__(self, owner, call_next, args, kwargs):
         self._next = call_next  # the inner chain is the same on every call; only a warm-up or capture runs it
         if self.cache is not None:
-            self.graphed.extra_key = self.cache.plan_call()
+            planned = self.cache.plan_call() if self.cache.known_in_advance else None
+            self.graphed.extra_key = (self.cache.ctx.call_in_step, planned)
         try:
             return self.graphed(*args, **kwargs)
         finally:
@@ -224,32 +321,3 @@ def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tup
     """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given);
     returns the undo callable."""
     return [add_hook(model, GraphHook(capture, devices, cache))]
-
-
-def apply_blocks(model: torch.nn.Module, adapter, capture: Callable | None = None,
-                 devices: tuple[str, ...] = ("cuda",)) -> list:
-    """Replay each repeated block's own forward (its registry's ``inner``, compiled or not) from CUDA graphs that
-    share one memory pool, leaving the hooks around it (a step cache's) eager. Returns the undo callable."""
-    from ..hooks import registry
-
-    capture = capture or shared_pool_capture()
-    blocks = adapter.block_modules(model)
-    regs = [registry(block) for block in blocks]
-    before = [reg.inner for reg in regs]
-    for reg, block in zip(regs, blocks):
-        # a block never writes its inputs, so streams that are views of one tensor (FLUX's single blocks return
-        # text and image as slices of one output) may be copied into buffers of their own
-        reg.inner = GraphedCall(reg.inner or reg.original(block), capture, devices=devices, aliased_ok=True)
-
-    def undo():
-        for reg, inner in zip(regs, before):
-            reg.inner = inner
-
-    return [undo]
-
-
-def graphed_blocks(model: torch.nn.Module, adapter) -> list[GraphedCall]:
-    """The :class:`GraphedCall` of each block that :func:`apply_blocks` graphed, in block order."""
-    from ..hooks import registry
-
-    return [reg.inner for reg in map(registry, adapter.block_modules(model)) if isinstance(reg.inner, GraphedCall)]
