@@ -83,7 +83,7 @@ def decode(b64: str) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--replicas", "2", "--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN,
+    with running_server("--dp", "2", "--steps", "2", "--height", "64", "--width", "64", "--token", TOKEN,
                         "--max-steps", "8", "--warmup-sizes", "48x32",
                         "--max-pixels", str(128 * 128), "--max-n", "2") as (base, _):
         with httpx.Client(base_url=base, headers=AUTH, timeout=120) as client:
@@ -102,7 +102,9 @@ def test_openai_and_native_requests_return_the_pictures(server):
     assert a.json()["images"][0]["b64"] == b.json()["images"][0]["b64"]  # seeded: the same picture
     assert decode(c.json()["images"][0]["b64"]).size == (48, 32)
     # every replica warmed up at the default size and at --warmup-sizes before it served
-    assert all(list(r["warm_s"]) == ["64x64", "48x32"] for r in server.get("/health").json()["replicas"])
+    replicas = server.get("/health").json()["replicas"]
+    assert [r["ranks"] for r in replicas] == [1, 1]  # --dp 2: two replicas of one rank each
+    assert all(list(r["warm_s"]) == ["64x64", "48x32"] for r in replicas)
 
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -397,6 +399,10 @@ def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
     (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
                                              "and 10"),
     (["--nproc", "2", "--ulysses", "4"], None),
+    (["--dp", "2", "--replicas", "2"], "--dp 2 and --replicas 2 both ask for replicas (the service runs --dp as "
+                                       "replicas); give one of them"),
+    (["--nproc", "3", "--dp", "2"], "--nproc 3 is not a multiple of --dp 2 (with --dp, --nproc counts the ranks of "
+                                    "all replicas)"),
 ])
 def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     from ditmesh.cli import main
@@ -405,3 +411,47 @@ def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ditmesh: error: ")
     assert line is None or lines[0] == f"ditmesh: error: {line}"
+
+
+class _ReplicaThatWillNotStart:
+    """Stands in for a Replica whose group fails every restart (its model folder gone, say)."""
+
+    def __init__(self, index: int):
+        self.index, self.state, self.restarts, self.served, self.world = index, "failed", 0, 0, 1
+        self.load_s, self.warm_s, self.tries = [], {}, 0
+
+    def restart(self):
+        from ditmesh.serve.replica import RankFault
+
+        self.tries += 1
+        raise RankFault(f"rank 0 of replica {self.index} failed loading the pipeline: no such folder")
+
+    def pids(self):
+        return []
+
+    def stop(self):
+        pass
+
+
+def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():
+    from types import SimpleNamespace
+
+    from ditmesh.serve.app import Service
+
+    replicas = [_ReplicaThatWillNotStart(0), _ReplicaThatWillNotStart(1)]
+    service = Service(replicas, limits=None, defaults=SimpleNamespace(steps=2), restart_delay_s=0.01,
+                      restart_attempts=3)
+    queued = service.submit({"prompt": "waits for a replica"})
+    service.start()
+    try:
+        answer = queued.future.result(timeout=10)
+        assert answer["error"][0] == 503 and "each failed 3 restarts in a row" in answer["error"][1], answer
+        assert "no such folder" in answer["error"][1]
+        assert [r.tries for r in replicas] == [3, 3] and [r.state for r in replicas] == ["down", "down"]
+        late = service.submit({"prompt": "after"}).future.result(timeout=1)
+        assert late["error"][0] == 503
+        assert service.health()["status"] == "unavailable"
+        assert "ditmesh_down_replicas 2" in service.metrics()
+        assert 'ditmesh_requests_total{outcome="unavailable"} 2' in service.metrics()
+    finally:
+        service.stop()

@@ -10,6 +10,7 @@ mismatch.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -47,6 +48,8 @@ def main() -> int:
     from diffusers import DiffusionPipeline
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # a rank stuck in a collective prints where it is and exits, rather than holding the test until its timeout
+    faulthandler.dump_traceback_later(float(os.environ.get("DITMESH_CHECK_TIMEOUT_S", "600")), exit=True)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)

@@ -47,7 +47,7 @@ class Service:
     """The queue, the replicas and their dispatchers, and the numbers ``/metrics`` shows."""
 
     def __init__(self, replicas: list[Replica], limits: Limits, defaults, adapter=None, queue_size: int = 64,
-                 restart_delay_s: float = 1.0):
+                 restart_delay_s: float = 1.0, restart_attempts: int = 3):
         self.replicas = replicas
         self.limits = limits
         self.defaults = defaults
@@ -56,6 +56,11 @@ class Service:
         self.jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.restart_delay_s = restart_delay_s
+        #: a replica that fails this many restarts in a row is given up ("down"); with every replica down the
+        #: queued and new requests are answered 503 instead of waiting for ever
+        self.restart_attempts = restart_attempts
+        self.failed_restarts = collections.Counter()  # replica index -> restarts failed in a row
+        self.last_restart_error = ""
         self.stopping = threading.Event()
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
@@ -76,8 +81,11 @@ class Service:
 
     # -- jobs --------------------------------------------------------------------------------------------------
     def submit(self, options: dict) -> Job:
-        """Queue a job (BadRequest 429 when the queue is full)."""
+        """Queue a job (answered 429 when the queue is full, 503 when every replica is down)."""
         job = Job(options, steps=options.get("steps", self.defaults.steps))
+        if self._all_down():
+            self._finish(job, "failed", error=(503, self._down_message()))
+            return job
         with self.lock:
             self.jobs[job.id] = job
             while len(self.jobs) > KEEP_FINISHED + self.queue.maxsize + len(self.replicas):
@@ -90,6 +98,8 @@ class Service:
             self.queue.put_nowait(job)
         except queue.Full:
             self._finish(job, "failed", error=(429, f"the queue is full ({self.queue.maxsize} waiting); try again"))
+        if self._all_down():  # the last replica went down while this job was queued: nobody will take it
+            self._fail_waiting()
         return job
 
     def cancel(self, job: Job) -> bool:
@@ -117,7 +127,8 @@ class Service:
                 self.latency_sum += seconds
                 self.counts["done"] += 1
             else:
-                self.counts[{429: "failures_queue_full", 500: "failures_fault", 499: "cancelled"}.get(
+                self.counts[{429: "failures_queue_full", 500: "failures_fault", 499: "cancelled",
+                             503: "failures_unavailable"}.get(
                     error[0], "failures_refused")] += 1
             job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4)))
 
@@ -125,6 +136,10 @@ class Service:
         while not self.stopping.is_set():
             if replica.state == "failed":
                 self._restart(replica)
+                if replica.state == "down":
+                    if self._all_down():
+                        self._fail_waiting()
+                    return
                 continue
             try:
                 job = self.queue.get(timeout=0.5)
@@ -157,13 +172,38 @@ class Service:
                 self._finish(job, "failed", error=(500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
 
     def _restart(self, replica: Replica) -> None:
-        """Restart a failed replica, retrying until it starts (queued jobs wait for it, or for another)."""
+        """Restart a failed replica (queued jobs wait for it, or for another). After ``restart_attempts`` failures in
+        a row, each retried after twice the delay of the one before, the replica is given up: state ``down``."""
         try:
             replica.restart()
             self.counts["restarts"] += 1
+            self.failed_restarts[replica.index] = 0
         except RankFault as exc:
             self.last_restart_error = str(exc)
-            self.stopping.wait(self.restart_delay_s)
+            self.failed_restarts[replica.index] += 1
+            failed = self.failed_restarts[replica.index]
+            if failed >= self.restart_attempts:
+                replica.state = "down"
+                self.counts["replicas_down"] += 1
+                return
+            replica.state = "failed"
+            self.stopping.wait(self.restart_delay_s * 2 ** (failed - 1))
+
+    def _all_down(self) -> bool:
+        return all(r.state == "down" for r in self.replicas)
+
+    def _down_message(self) -> str:
+        return (f"no replica is running: each failed {self.restart_attempts} restarts in a row (last: "
+                f"{self.last_restart_error}); restart the server once the cause is fixed")
+
+    def _fail_waiting(self) -> None:
+        """Answer every queued job 503 (every replica is down)."""
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            self._finish(job, "failed", error=(503, self._down_message()))
 
     # -- what the routes show ----------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -182,13 +222,15 @@ class Service:
             f"ditmesh_queue_length {self.queue.qsize()}",
             "# HELP ditmesh_busy_replicas Replicas running a request.", "# TYPE ditmesh_busy_replicas gauge",
             f"ditmesh_busy_replicas {sum(r.state == 'busy' for r in self.replicas)}",
+            "# HELP ditmesh_down_replicas Replicas given up after failed restarts.",
+            "# TYPE ditmesh_down_replicas gauge", f"ditmesh_down_replicas {sum(r.state == 'down' for r in self.replicas)}",
             "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
             f"ditmesh_images_total {c['images']}",
             "# HELP ditmesh_requests_total Requests answered, by outcome.", "# TYPE ditmesh_requests_total counter",
         ]
         outcomes = {"ok": c["done"], "refused": c["failures_refused"], "fault": c["failures_fault"],
                     "queue_full": c["failures_queue_full"], "cancelled": c["cancelled"], "bad_request": c["bad_request"],
-                    "unauthorized": c["unauthorized"]}
+                    "unauthorized": c["unauthorized"], "unavailable": c["failures_unavailable"]}
         lines += [f'ditmesh_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
         lines += ["# HELP ditmesh_failures_total Requests that failed (refused, rank faults, full queue, bad requests).",
                   "# TYPE ditmesh_failures_total counter",

@@ -21,7 +21,10 @@ def add_serve_parser(sub) -> None:
                     "HTTP requests: POST /v1/images/generations, POST /generate, GET /health, GET /metrics, and a "
                     "web page at /. The generation options below are the defaults of every request.")
     add_run_options(s)
-    s._option_string_actions["--nproc"].help = "ranks of one replica (default: the product of the degrees)"
+    s._option_string_actions["--nproc"].help = ("ranks of one replica (default: the product of the degrees); with "
+                                                 "--dp, of all replicas")
+    s._option_string_actions["--dp"].help = ("N replicas, each its own group with dp = 1 (as --replicas N); a "
+                                              "request goes to a free one")
     group = s.add_argument_group("service")
     group.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
                        help="independent groups of --nproc ranks, each its own process group; a request goes to a "
@@ -48,6 +51,9 @@ def add_serve_parser(sub) -> None:
                             "--load-timeout)")
     group.add_argument("--load-timeout", type=_finite_float, default=1800.0, metavar="S",
                        help="seconds a replica may take to load, compile and warm up (default 1800)")
+    group.add_argument("--restart-attempts", type=_positive_int, default=3, metavar="N",
+                       help="a replica that fails N restarts in a row (retried after 1, 2, 4, ... s) is given up; "
+                            "with every replica given up, requests are answered 503 (default 3)")
 
 
 def run_serve(args) -> int:
@@ -61,6 +67,14 @@ def run_serve(args) -> int:
         raise ConfigError("--step-timeout and --load-timeout must be > 0 seconds")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} must be between 0 and 65535")
+    if args.dp > 1:  # a service runs data parallelism as replicas: independent groups, each with dp = 1
+        if args.replicas > 1:
+            raise ConfigError(f"--dp {args.dp} and --replicas {args.replicas} both ask for replicas (the service "
+                              f"runs --dp as replicas); give one of them")
+        if args.nproc and args.nproc % args.dp:
+            raise ConfigError(f"--nproc {args.nproc} is not a multiple of --dp {args.dp} (with --dp, --nproc counts "
+                              f"the ranks of all replicas)")
+        args.replicas, args.nproc, args.dp = args.dp, args.nproc and args.nproc // args.dp, 1
     world = args.nproc or math.prod(getattr(args, axis) for axis in AXIS_ORDER)
     if args.plan == "auto":
         if not args.nproc:

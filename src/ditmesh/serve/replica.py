@@ -67,7 +67,7 @@ class Replica:
         self.ranks: list[RankState] = []
         self.restarts = 0
         self.served = 0  # requests answered with pictures
-        self.state = "stopped"  # starting, ready, busy, restarting, failed
+        self.state = "stopped"  # starting, ready, busy, restarting, failed, down (given up by the service)
         self.load_s: list[float] = []
         self.warm_s: dict[str, float] = {}
         self._in_request = False  # between sending a request and its answer

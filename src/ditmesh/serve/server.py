@@ -45,7 +45,8 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         for r in replicas:
             r.stop()
         raise LaunchError(errors[0])
-    service = Service(replicas, limits, args, adapter, queue_size=args.queue_size)
+    service = Service(replicas, limits, args, adapter, queue_size=args.queue_size,
+                      restart_attempts=args.restart_attempts)
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
