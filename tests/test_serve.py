@@ -455,3 +455,97 @@ def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503
         assert 'ditmesh_requests_total{outcome="unavailable"} 2' in service.metrics()
     finally:
         service.stop()
+
+
+def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures():
+    import numpy as np
+
+    asks = [("a red circle at the top left", 3), ("a blue square at the bottom", 4), ("a green triangle", 5)]
+    with running_server("--steps", "2", "--height", "64", "--width", "64", "--max-steps", "400",
+                        "--max-batch", "3") as (base, _):
+        with httpx.Client(base_url=base, timeout=120) as client:
+            # the one replica is busy with a long request while three compatible ones arrive; cancelling it lets
+            # them run, as one call
+            long = client.post("/jobs", json={"prompt": "long", "steps": 400}).json()["id"]
+            while client.get(f"/jobs/{long}").json()["state"] != "running":
+                time.sleep(0.05)
+            ids = [client.post("/jobs", json={"prompt": p, "seed": s}).json()["id"] for p, s in asks]
+            assert client.get(f"/jobs/{long}").json()["state"] == "running"
+            client.delete(f"/jobs/{long}").raise_for_status()
+            batched = [_progress_then(client, job, 99, lambda: None) for job in ids]
+            assert [event for event, _ in batched] == ["done"] * 3, batched
+            alone = [client.post("/generate", json={"prompt": p, "seed": s}).json() for p, s in asks]
+            assert [a["batch"] for a in alone] == [1, 1, 1]
+            assert _metric(client, "ditmesh_batched_requests_total") == 3
+            assert client.get(f"/jobs/{ids[0]}").json()["state"] == "done"
+    for (_, data), single in zip(batched, alone):
+        got = np.asarray(decode(data["images"][0].split(",", 1)[1]), dtype=np.int16)
+        want = np.asarray(decode(single["images"][0]["b64"]), dtype=np.int16)
+        assert np.abs(got - want).max() <= 1  # float32 on CPU: a batch of 3 rounds like a batch of 1, to a level
+    firsts = [np.asarray(decode(data["images"][0].split(",", 1)[1])) for _, data in batched]
+    assert not np.array_equal(firsts[0], firsts[1])  # each its own prompt and seed
+
+
+class _HeldReplica:
+    """Stands in for a Replica: records each call's options and holds it until released."""
+
+    def __init__(self):
+        self.index, self.state, self.restarts, self.served, self.world = 0, "ready", 0, 0, 1
+        self.load_s, self.warm_s, self.calls = [], {}, []
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def run(self, job_id, options, on_step=None):
+        self.calls.append(options)
+        self.entered.set()
+        assert self.release.wait(10)
+        self.release.clear()
+        prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
+        return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], 0.0
+
+    def cancel(self, job_id):
+        return False
+
+    def check(self):
+        pass
+
+    def pids(self):
+        return []
+
+    def stop(self):
+        pass
+
+
+def test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_leaves_the_others_running():
+    from types import SimpleNamespace
+
+    from ditmesh.serve.app import Service
+
+    replica = _HeldReplica()
+    service = Service([replica], limits=None, defaults=SimpleNamespace(steps=2, seed=0), max_batch=3)
+    service.start()
+    try:
+        busy = service.submit({"prompt": "busy"})
+        assert replica.entered.wait(10)
+        jobs = [service.submit(options) for options in (
+            {"prompt": "a", "seed": 1}, {"prompt": "b", "seed": 2, "steps": 9}, {"prompt": "c"},
+            {"prompt": "d", "images_per_prompt": 2}, {"prompt": "e", "seed": 5}, {"prompt": "f", "seed": 6})]
+        replica.entered.clear()
+        replica.release.set()  # "busy" ends; a, c and e (same options but prompt and seed) share the next call
+        assert busy.future.result(10)["images"] == [("image/png", b"busy|None")]
+        assert replica.entered.wait(10)
+        assert replica.calls[1]["prompt"] == ["a", "c", "e"] and replica.calls[1]["seed"] == [1, 0, 5]
+        assert service.cancel(jobs[2])  # c: answered now; a and e go on
+        assert jobs[2].future.result(1)["error"][0] == 499
+        for expected in ("b", "d", "f"):  # each alone: b and d differ in options, f's partner was taken before it
+            replica.entered.clear()
+            replica.release.set()
+            assert replica.entered.wait(10)
+            assert replica.calls[-1]["prompt"] == expected
+        replica.release.set()
+        answers = {name: job.future.result(10) for name, job in zip("abcdef", jobs)}
+        assert answers["a"]["images"] == [("image/png", b"a|[1, 0, 5]")] and answers["a"]["batch"] == 3
+        assert answers["e"]["images"] == [("image/png", b"e|[1, 0, 5]")]
+        assert answers["c"]["error"][0] == 499 and answers["f"]["batch"] == 1
+    finally:
+        replica.release.set()
+        service.stop()

@@ -43,11 +43,16 @@ class Job:
     future: Future = field(default_factory=Future)
 
 
+def _batch_key(options: dict) -> tuple:
+    """What requests that share a call must have in common: every option but the prompt and the seed."""
+    return tuple(sorted((k, repr(v)) for k, v in options.items() if k not in ("prompt", "seed")))
+
+
 class Service:
     """The queue, the replicas and their dispatchers, and the numbers ``/metrics`` shows."""
 
     def __init__(self, replicas: list[Replica], limits: Limits, defaults, adapter=None, queue_size: int = 64,
-                 restart_delay_s: float = 1.0, restart_attempts: int = 3):
+                 restart_delay_s: float = 1.0, restart_attempts: int = 3, max_batch: int = 1):
         self.replicas = replicas
         self.limits = limits
         self.defaults = defaults
@@ -60,6 +65,10 @@ class Service:
         #: queued and new requests are answered 503 instead of waiting for ever
         self.restart_attempts = restart_attempts
         self.failed_restarts = collections.Counter()  # replica index -> restarts failed in a row
+        #: waiting requests that differ only in prompt and seed (one picture each) run as one call of up to this
+        #: many pictures
+        self.max_batch = max_batch
+        self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
         self.last_restart_error = ""
         self.stopping = threading.Event()
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
@@ -107,7 +116,14 @@ class Service:
         its ranks after their next step and answered then. False once it has finished."""
         with self.lock:
             if job.state == "running":
-                return any(r.cancel(job.id) for r in self.replicas)
+                batch = self.batch_of.get(job.id, [job])
+                if any(j is not job and not j.future.done() for j in batch):  # the others of its call go on
+                    job.state = "cancelled"
+                    self.counts["cancelled"] += 1
+                    job.future.set_result({"error": (499, f"request {job.id} was cancelled; the call it shared "
+                                                          f"with {len(batch) - 1} other(s) goes on"), "seconds": 0.0})
+                    return True
+                return any(r.cancel(batch[0].id) for r in self.replicas)
             if job.state != "queued":
                 return False
             job.state = "cancelled"
@@ -152,24 +168,66 @@ class Service:
             with self.lock:
                 if job.state != "queued":  # cancelled while it waited
                     continue
-                job.state = "running"
+                batch = self._batch(job)
+                for member in batch:
+                    member.state = "running"
+                    self.batch_of[member.id] = batch
+            self._run(replica, batch)
 
-            def on_step(step, steps, job=job):
-                job.step, job.steps = step, steps
+    def _batch(self, first: Job) -> list[Job]:
+        """``first`` and the waiting jobs that may share its call (caller holds the lock): same options but prompt
+        and seed, one picture each, up to ``max_batch``; taken out of the queue in their order."""
+        batch = [first]
+        if self.max_batch == 1 or first.options.get("images_per_prompt", 1) != 1:
+            return batch
+        key = _batch_key(first.options)
+        with self.queue.mutex:
+            for job in list(self.queue.queue):
+                if len(batch) == self.max_batch:
+                    break
+                if job.state == "queued" and job.options.get("images_per_prompt", 1) == 1 and \
+                        _batch_key(job.options) == key:
+                    self.queue.queue.remove(job)
+                    batch.append(job)
+            self.queue.not_full.notify_all()
+        return batch
 
-            try:
-                pictures, _ = replica.run(job.id, job.options, on_step)
-                self._finish(job, "done", {"images": pictures})
-            except RequestCancelled as exc:
-                self._finish(job, "cancelled", error=(499, str(exc)))
-            except RequestFailed as exc:
-                self._finish(job, "failed", error=(422, f"the pipeline refused the request: {exc}"))
-            except RankFault as exc:
-                self.counts["faults"] += 1
-                self._finish(job, "failed", error=(500, f"{exc}; the replica is restarting, send the request again"))
-            except Exception as exc:  # noqa: BLE001  (answer the job whatever happened)
-                replica.state = "failed"
-                self._finish(job, "failed", error=(500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
+    def _run(self, replica: Replica, batch: list[Job]) -> None:
+        """Run ``batch`` as one call on ``replica`` and answer each of its jobs (its own picture, or the error)."""
+        first = batch[0]
+        options = dict(first.options)
+        if len(batch) > 1:  # one call: a prompt and a seed per picture, in the batch's order
+            options["prompt"] = [j.options["prompt"] for j in batch]
+            options["seed"] = [j.options.get("seed", self.defaults.seed) for j in batch]
+            self.counts["batched"] += len(batch)
+
+        def on_step(step, steps):
+            for member in batch:
+                member.step, member.steps = step, steps
+
+        def fail(state: str, error: tuple) -> None:
+            for member in batch:
+                self._finish(member, state, error=error)
+
+        try:
+            pictures, _ = replica.run(first.id, options, on_step)
+            per_job = [pictures] if len(batch) == 1 else [[picture] for picture in pictures]
+            for member, images in zip(batch, per_job):
+                self._finish(member, "done", {"images": images, "batch": len(batch)})
+        except RequestCancelled as exc:
+            fail("cancelled", (499, str(exc)))
+        except RequestFailed as exc:
+            fail("failed", (422, f"the pipeline refused the request: {exc}"))
+        except RankFault as exc:
+            self.counts["faults"] += 1
+            fail("failed", (500, f"{exc}; the replica is restarting, send the request again"))
+        except Exception as exc:  # noqa: BLE001  (answer the jobs whatever happened)
+            replica.state = "failed"
+            fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
+        finally:
+            with self.lock:
+                for member in batch:
+                    self.batch_of.pop(member.id, None)
 
     def _restart(self, replica: Replica) -> None:
         """Restart a failed replica (queued jobs wait for it, or for another). After ``restart_attempts`` failures in
@@ -226,6 +284,8 @@ class Service:
             "# TYPE ditmesh_down_replicas gauge", f"ditmesh_down_replicas {sum(r.state == 'down' for r in self.replicas)}",
             "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
             f"ditmesh_images_total {c['images']}",
+            "# HELP ditmesh_batched_requests_total Requests that shared a pipeline call with others.",
+            "# TYPE ditmesh_batched_requests_total counter", f"ditmesh_batched_requests_total {c['batched']}",
             "# HELP ditmesh_requests_total Requests answered, by outcome.", "# TYPE ditmesh_requests_total counter",
         ]
         outcomes = {"ok": c["done"], "refused": c["failures_refused"], "fault": c["failures_fault"],
@@ -300,7 +360,7 @@ def create_app(service: Service, token: str | None = None):
     async def generate(request: Request):
         job = service.submit(await read_options(request, native_options))
         result = await answer(job)
-        return {"id": job.id, "seconds": result["seconds"],
+        return {"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
                 "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
                            for kind, data in result["images"]]}
 

@@ -51,6 +51,9 @@ def add_serve_parser(sub) -> None:
                             "--load-timeout)")
     group.add_argument("--load-timeout", type=_finite_float, default=1800.0, metavar="S",
                        help="seconds a replica may take to load, compile and warm up (default 1800)")
+    group.add_argument("--max-batch", type=_positive_int, default=1, metavar="N",
+                       help="waiting requests that differ only in prompt and seed (one picture each) run as one "
+                            "pipeline call of up to N pictures (default 1: one request per call)")
     group.add_argument("--restart-attempts", type=_positive_int, default=3, metavar="N",
                        help="a replica that fails N restarts in a row (retried after 1, 2, 4, ... s) is given up; "
                             "with every replica given up, requests are answered 503 (default 3)")

@@ -46,7 +46,7 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
             r.stop()
         raise LaunchError(errors[0])
     service = Service(replicas, limits, args, adapter, queue_size=args.queue_size,
-                      restart_attempts=args.restart_attempts)
+                      restart_attempts=args.restart_attempts, max_batch=args.max_batch)
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "

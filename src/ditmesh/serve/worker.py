@@ -115,10 +115,17 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
     steps = request["options"].get("steps", state["options"]["steps"])
     args = argparse.Namespace(**{**state["options"], **request["options"]})
     args.prompt = [args.prompt] if isinstance(args.prompt, str) else args.prompt
+    seeds = args.seed if isinstance(args.seed, list) else None  # requests sharing one call: a seed per picture
+    if seeds is not None:
+        args.seed = seeds[0]
     start = time.perf_counter()
     try:
         pipe = state["pipe"]
         call = _call_kwargs(pipe, args, state["defaults"])
+        if seeds is not None:  # each picture drawn from its own seed, as it would be alone
+            import torch
+
+            call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
 
         def on_step_end(p, i, t, kw):
             events.put(("step", rank, job, i + 1, steps))
