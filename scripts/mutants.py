@@ -367,6 +367,23 @@ MUTANTS: tuple[Mutant, ...] = (
            'split = split_width is not None and always_split',
            ("tests/test_analyze.py::test_sequence_and_tensor_parallel_runs_record_the_single_process_numbers",),
            "attention outputs taken before the output projection (split by heads) are not summed over tp"),
+    Mutant("serve-batch-pictures-out-of-order", "serve/app.py",
+           'per_job = [pictures] if len(batch) == 1 else [[picture] for picture in pictures]',
+           'per_job = [pictures] if len(batch) == 1 else [[picture] for picture in pictures[::-1]]',
+           ("tests/test_serve.py::test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_"
+            "own_pictures",),
+           "the pictures of a shared call go back to the wrong requests"),
+    Mutant("serve-batch-ignores-an-option", "serve/app.py",
+           'if k not in ("prompt", "seed"))',
+           'if k not in ("prompt", "seed", "steps"))',
+           ("tests/test_serve.py::test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_"
+            "leaves_the_others_running",),
+           "requests asking for different step counts share a call (one of them gets the other's steps)"),
+    Mutant("serve-restarts-for-ever", "serve/app.py",
+           'if failed >= self.restart_attempts:',
+           'if failed >= self.restart_attempts and False:',
+           ("tests/test_serve.py::test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503",),
+           "a replica that cannot start is retried for ever and the queue waits with it"),
 )
 
 
