@@ -248,9 +248,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
             height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
-        chunk_tokens: run each block's feed-forward on pieces of at most this many tokens (exact; caps the widest
-            activation of a long sequence), ``"auto"`` to size the pieces from free CUDA memory, or None (default):
-            whole (``ditmesh.parallel.chunk``).
+        chunk_tokens: run each block's feed-forward on pieces of at most this many tokens, and its attention on
+            pieces of at most this many queries (each against all keys; after the all-to-all under sequence
+            parallelism): exact, and caps the widest activations of a long sequence. ``"auto"`` sizes the pieces from
+            free CUDA memory; None (default): whole (``ditmesh.parallel.chunk``).
     """
     models = transformers_of(pipe)
     if not models:
@@ -280,6 +281,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
+    pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
     check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
@@ -309,9 +311,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
-        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device)))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device),
+                                                                          pieces if config.sp == 1 else None))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
-         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),

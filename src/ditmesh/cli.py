@@ -101,8 +101,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
                              "than one process; a size that cannot be split runs whole), on (an error instead), off")
     parser.add_argument("--chunk", default=None, metavar="TOKENS",
-                        help="run each block's feed-forward on pieces of at most TOKENS tokens (exact; caps the widest "
-                             "activation of long sequences), or auto: sized from free GPU memory (default: whole)")
+                        help="run each block's feed-forward on pieces of at most TOKENS tokens and its attention on "
+                             "pieces of at most TOKENS queries (exact; caps the widest activations of long sequences), "
+                             "or auto: sized from free GPU memory (default: whole)")
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -330,6 +330,20 @@ class ModelAdapter:
         """(name, module) of every attention layer the plan parallelizes."""
         return self.attention.select(model)
 
+    def set_processors(self, model: torch.nn.Module, runtime) -> Callable[[], None]:
+        """Give every attention layer the plan parallelizes the family's processor around ``runtime`` (what it calls
+        ``attention`` on: the sequence-parallel runtime, or the chunked local one); returns the undo callable."""
+        previous = {}
+        for name, attn in self.attention_modules(model):
+            previous[name] = attn.processor
+            attn.set_processor(self.sequence_processor(runtime, attn.processor))
+
+        def restore() -> None:
+            for name, attn in self.attention_modules(model):
+                attn.set_processor(previous[name])
+
+        return restore
+
     def block_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Every repeated block of ``model``, in the order the forward runs them."""
         return [block for spec in self.blocks for block in model.get_submodule(spec.path)]
