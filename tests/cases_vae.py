@@ -99,9 +99,31 @@ def local_norms_case(kind: str, rows: int, cols: int):
     return rel_err(out, ref)
 
 
-def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False):
-    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode``; returns the image,
-    the collectives of the VAE decode, and (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged."""
+def chunked_vae_case(what: str, rows: int, cols: int, batch: int, piece_rows: int):
+    """``what`` of the tiny KL VAE on ``rows`` x ``cols`` latents, whole and with its residual blocks and up-samplers
+    on pieces of ``piece_rows`` rows (``parallel.vae_chunk``). Returns the rel err, the calls that ran in pieces, the
+    hooked modules, and whether removing the hooks gave back the VAE."""
+    from ditmesh.parallel import vae_chunk
+
+    vae = tiny_vae("kl")
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    x = _inputs(vae, "kl", what, rows, cols, 1, batch)
+    ref = _run(vae, what, x)
+    undo = vae_chunk.apply(vae, piece_rows, torch.device("cpu"))
+    out = _run(vae, what, x)
+    split_calls = vae_chunk.pieces_of(vae).split_calls
+    for fn in reversed(undo):
+        fn()
+    after = vae.state_dict()
+    restored = (all(torch.equal(after[k], state[k]) for k in state) and vae_chunk.pieces_of(vae) is None
+                and not any("forward" in vars(m) for m in vae.modules()) and torch.equal(_run(vae, what, x), ref))
+    return dict(err=rel_err(out, ref), split_calls=split_calls, hooked=len(undo), restored=restored)
+
+
+def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False, vae_chunk=None):
+    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode`` (and ``vae_chunk``);
+    returns the image, the collectives of the VAE decode, the decode's calls that ran in pieces of rows, and
+    (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged."""
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize, remove as ditmesh_remove
@@ -112,7 +134,10 @@ def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False)
     pipe.set_progress_bar_config(disable=True)
     state = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
     types = [type(m) for m in pipe.vae.modules()]
-    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode)
+    from ditmesh.parallel.vae_chunk import pieces_of
+
+    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode, vae_chunk=vae_chunk)
+    pieces = pieces_of(pipe.vae)
     decode = pipe.vae.decode
     counts = {}
 
@@ -125,7 +150,10 @@ def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False)
     pipe.vae.decode = counted
     image = pipe("a red circle", height=64, width=48, num_inference_steps=2, guidance_scale=3.5,
                  generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="pt").images
-    pipe.vae.decode = decode
+    if getattr(decode, "__func__", None) is getattr(type(pipe.vae), "decode"):
+        del pipe.vae.decode  # the class's own method (no split hook on it): no instance attribute left
+    else:
+        pipe.vae.decode = decode
     restored = None
     if remove:
         ditmesh_remove(pipe)
@@ -133,4 +161,4 @@ def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False)
         restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
                     and [type(m) for m in pipe.vae.modules()] == types
                     and not any(k in vars(m) for m in pipe.vae.modules() for k in ("forward", "decode", "_encode")))
-    return dict(image=image, counts=counts, restored=restored)
+    return dict(image=image, counts=counts, restored=restored, split_calls=pieces.split_calls if pieces else 0)

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards) -> sequence -> cfg/data -> (cache) -> VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -23,12 +23,13 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_chunk,  # noqa: F401
-                     check_supported, check_vae_parallel)
+                     check_supported, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
 from .parallel import batch, chunk, consistency, graph, lora, sequence, tensor
 from .parallel import vae as parallel_vae
+from .parallel import vae_chunk as chunked_vae
 
 log = logging.getLogger("ditmesh")
 
@@ -209,10 +210,24 @@ def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
     return parallel_vae.apply(vae, plan, mesh.group_of(*AXIS_ORDER), strict=mode == "on")
 
 
+def chunk_vae(pipe, rows, device: torch.device) -> list:
+    """Run the pipeline's VAE residual blocks and up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``) in
+    the calls the VAE runs whole; returns undo callables. A call split over ranks (:func:`split_vae`, whose hooks are
+    installed first) leaves the pieces aside."""
+    vae = getattr(pipe, "vae", None)
+    if rows is None:
+        return []
+    if not isinstance(vae, torch.nn.Module):
+        raise ConfigError(f"vae_chunk={rows!r}, but {type(pipe).__name__} has no VAE; leave vae_chunk off")
+    split = [h for h in (find_hook(vae, "vae", m) for m in ("decode", "_encode")) if h is not None]
+    return chunked_vae.apply(vae, rows, device, lambda: any(h.state.units is not None for h in split))
+
+
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
-                vae_parallel: str = "auto", chunk_tokens: int | str | None = None) -> ParallelRuntime:
+                vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
+                vae_chunk: int | str | None = None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -252,6 +267,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             pieces of at most this many queries (each against all keys; after the all-to-all under sequence
             parallelism): exact, and caps the widest activations of a long sequence. ``"auto"`` sizes the pieces from
             free CUDA memory; None (default): whole (``ditmesh.parallel.chunk``).
+        vae_chunk: run the VAE's residual blocks and up-samplers on pieces of at most this many rows of their input,
+            with halo rows (exact; lowers the peak memory of a decode that runs whole, e.g. on one GPU), ``"auto"``
+            to size the pieces from free CUDA memory, or None (default): whole (``ditmesh.parallel.vae_chunk``;
+            see :func:`chunk_vae`).
     """
     models = transformers_of(pipe)
     if not models:
@@ -277,6 +296,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_transport(transport, torch.device(device), config=config)
     check_vae_parallel(vae_parallel)
     check_chunk(chunk_tokens, "chunk_tokens=")
+    check_vae_chunk(vae_chunk)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
@@ -301,9 +321,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             return graph.apply_blocks(model, adapter)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> compile
-    # -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora`
-    # hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> vae_chunk
+    # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
+    # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
@@ -318,6 +338,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
+        (f"vae_chunk({vae_chunk})", lambda: keep(chunk_vae(pipe, vae_chunk, torch.device(device)))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),

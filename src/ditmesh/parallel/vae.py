@@ -288,6 +288,40 @@ class ConvHook(Hook):
         return [torch.cat([p for _, p in sorted(ps, key=lambda item: item[0])], dim=-2) for ps in parts]
 
 
+def group_stats(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[3, N, groups]`` float64: per sample and group, the count, mean and centred sum of squares (M2) of ``x``'s
+    values (computed in float32 for half-precision inputs)."""
+    v = x.reshape(x.shape[0], groups, -1)
+    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
+    count = torch.full((x.shape[0], groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
+    mean = compute.sum(-1, dtype=torch.float64) / count
+    m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
+    return torch.stack([count, mean, m2])
+
+
+def combine_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (biased) variance of the union of parts, from their :func:`group_stats` stacked ``[P, 3, N, G]``:
+    Chan's combination, which adds the spread of the parts' means ``sum n_p (mean_p - mean)^2`` to their M2s."""
+    counts, means, m2s = stats.unbind(1)
+    total = counts.sum(0)
+    mean_all = (counts * means).sum(0) / total
+    var = (m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)) / total
+    return mean_all, var
+
+
+def group_normalize(x: torch.Tensor, norm: nn.GroupNorm, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``norm`` applied to ``x`` (any rows of the tensor the statistics describe) with the given per (sample, group)
+    ``mean`` and ``var``: computed in float32 for half-precision inputs, returned in ``x``'s dtype."""
+    v = x.reshape(x.shape[0], norm.num_groups, -1)
+    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
+    y = (compute - mean.to(compute.dtype)[..., None]) * torch.rsqrt(var + norm.eps).to(compute.dtype)[..., None]
+    y = y.view(x.shape).to(x.dtype)
+    if norm.affine:
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        y = y * norm.weight.view(shape) + norm.bias.view(shape)
+    return y
+
+
 class GroupNormHook(Hook):
     """Around one ``nn.GroupNorm``: statistics over every rank's rows, exact (Chan's parallel variance)."""
 
@@ -300,23 +334,14 @@ class GroupNormHook(Hook):
         if not self.state.active:
             return call_next(args, kwargs)
         x = args[0]
-        n, groups = x.shape[0], norm.num_groups
-        v = x.reshape(n, groups, -1)
-        compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
-        count = torch.full((n, groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
-        mean = compute.sum(-1, dtype=torch.float64) / count
-        m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
-        stats = all_gather_uneven(torch.stack([count, mean, m2]), 0, [3] * self.state.world, self.state.group)
-        counts, means, m2s = stats.view(self.state.world, 3, n, groups).unbind(1)
-        total = counts.sum(0)
-        mean_all = (counts * means).sum(0) / total
-        var = (m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)) / total
-        y = (compute - mean_all.to(compute.dtype)[..., None]) * torch.rsqrt(var + norm.eps).to(compute.dtype)[..., None]
-        y = y.view(x.shape).to(x.dtype)
-        if norm.affine:
-            shape = (1, -1) + (1,) * (x.ndim - 2)
-            y = y * norm.weight.view(shape) + norm.bias.view(shape)
-        return y
+        mean, var = self.statistics(x, norm.num_groups)
+        return group_normalize(x, norm, mean, var)
+
+    def statistics(self, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance per (sample, group) over every rank's rows of ``x`` (one all-gather)."""
+        own = group_stats(x, groups)
+        stats = all_gather_uneven(own, 0, [3] * self.state.world, self.state.group)
+        return combine_stats(stats.view(self.state.world, *own.shape))
 
 
 class GatherHook(Hook):
