@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_vae import chunked_vae_case, local_norms_case, pipeline_vae_case, vae_case
+from cases_vae import chunked_vae_case, local_norms_case, pipeline_vae_case, tiled_case, vae_case
+from ditmesh.comm import split_sizes
 from ditmesh.testing import RankError, rel_err
 
 #: collectives of a split call of the tiny 3-level KL VAE (layers_per_block 1): one halo exchange per convolution
@@ -117,3 +118,34 @@ def test_bad_vae_chunk_settings_are_refused_in_one_line():
         vae_chunk_setting("rows")
     with pytest.raises(ConfigError, match="vae_chunk=0 is not a row count"):
         check_vae_chunk(0)
+
+
+# -- rank-parallel tiled decode (vae_parallel="tiled") ---------------------------------------------------------------
+@pytest.mark.parametrize("world,rows,cols,batch", [
+    (2, 14, 11, 1),  # tiles of 8 latent rows every 6: 3 x 2 tiles, 3 per rank, edge tiles smaller
+    (3, 14, 11, 2),  # 2 per rank
+    (2, 20, 5, 1),   # 4 x 1 tiles
+])
+def test_tiled_decode_spread_over_ranks_equals_one_process_tiled_decode(pools, world, rows, cols, batch):
+    grid = len(range(0, rows, 6)) * len(range(0, cols, 6))
+    results = pools(world).run(tiled_case, rows, cols, batch)
+    for rank, r in enumerate(results):
+        assert r["err"] <= 1e-6, r["err"]  # the same tiles, blended by diffusers' own code
+        assert r["differs_from_whole"] > 1e-3  # tiling changes the picture: the test compares with the right one
+        assert r["decoded"] == split_sizes(grid, world)[rank]
+        assert r["counts"] == {"all_gather": 1} and r["restored"]
+    assert sum(r["decoded"] for r in results) == grid  # each tile decoded once, on one rank
+
+
+def test_tiled_mode_on_one_process_is_diffusers_tiling():
+    r = tiled_case(14, 11)
+    assert r["err"] == 0 and r["decoded"] == 6 and r["counts"] == {} and r["restored"]
+
+
+def test_flux_pipeline_tiled_mode_over_two_ranks_equals_diffusers_tiling_on_one(pools, flux_tiny):
+    tiled = pipeline_vae_case(flux_tiny, {}, "off", tile=32)  # diffusers' own tiling, one process
+    whole = pipeline_vae_case(flux_tiny, {}, "off")
+    assert rel_err(tiled["image"], whole["image"]) > 1e-3  # 3 x 2 tiles of 32 pixels change the picture
+    for r in pools(2).run(pipeline_vae_case, flux_tiny, {"ulysses": 2}, "tiled", remove=True, tile=32):
+        assert rel_err(r["image"], tiled["image"]) <= 1e-5
+        assert r["counts"] == {"all_gather": 1} and r["restored"]

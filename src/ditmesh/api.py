@@ -190,24 +190,29 @@ def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
     Every rank holds the same final latents (the pipeline call runs whole on each rank; only the transformer call
     is divided), so the ranks that share an image are all of them. ``auto``: on when there are several ranks and
     the family's adapter has a VAE plan for this VAE class, with calls that cannot be split run whole (logged);
-    ``on``: the same, but a VAE or a call that cannot be split raises :class:`ConfigError`; ``off``: nothing.
+    ``on``: the same, but a VAE or a call that cannot be split raises :class:`ConfigError`; ``tiled`` (also on one
+    process): diffusers' tiled decode turned on, its tiles spread over every rank and blended as one process blends
+    them (``parallel.vae.apply_tiled``); ``off``: nothing.
     """
     check_vae_parallel(mode)
     vae = getattr(pipe, "vae", None)
-    if mode == "off" or mesh.config.world_size == 1:
+    if mode == "off" or (mesh.config.world_size == 1 and mode != "tiled"):
         return []
     if not isinstance(vae, torch.nn.Module):
-        if mode == "on":
-            raise ConfigError(f"vae_parallel='on', but {type(pipe).__name__} has no VAE; use auto or off")
+        if mode in ("on", "tiled"):
+            raise ConfigError(f"vae_parallel={mode!r}, but {type(pipe).__name__} has no VAE; use auto or off")
         return []
     plan = vae_plan_for(vae)
     if plan is None:
         reason = f"no model adapter has a parallel plan for {type(vae).__name__}"
-        if mode == "on":
-            raise ConfigError(f"vae_parallel='on': {reason}; use auto (runs it whole on every rank) or off")
+        if mode in ("on", "tiled"):
+            raise ConfigError(f"vae_parallel={mode!r}: {reason}; use auto (runs it whole on every rank) or off")
         log.info("ditmesh: the VAE runs whole on every rank: %s", reason)
         return []
-    return parallel_vae.apply(vae, plan, mesh.group_of(*AXIS_ORDER), strict=mode == "on")
+    group = mesh.group_of(*AXIS_ORDER)
+    if mode == "tiled":
+        return parallel_vae.apply_tiled(vae, plan, group)
+    return parallel_vae.apply(vae, plan, group, strict=mode == "on")
 
 
 def chunk_vae(pipe, rows, device: torch.device) -> list:
@@ -262,7 +267,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             whole-call graph per path; dbcache and teacache replay each block from its own graph inside the cache's hooks
             (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
-            height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
+            height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`); ``"tiled"``: diffusers'
+            tiled decode with its tiles spread over the ranks, equal to the tiled decode of one process.
         chunk_tokens: run each block's feed-forward on pieces of at most this many tokens, and its attention on
             pieces of at most this many queries (each against all keys; after the all-to-all under sequence
             parallelism): exact, and caps the widest activations of a long sequence. ``"auto"`` sizes the pieces from

@@ -99,7 +99,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                              "peers' symmetric memory; CUDA GPUs of one host)")
     parser.add_argument("--vae-parallel", default="auto", metavar="MODE",
                         help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
-                             "than one process; a size that cannot be split runs whole), on (an error instead), off")
+                             "than one process; a size that cannot be split runs whole), on (an error instead), tiled "
+                             "(diffusers' tiled decode, its tiles spread over the ranks; equals one process's tiled "
+                             "decode), off")
     parser.add_argument("--chunk", default=None, metavar="TOKENS",
                         help="run each block's feed-forward on pieces of at most TOKENS tokens and its attention on "
                              "pieces of at most TOKENS queries (exact; caps the widest activations of long sequences), "

@@ -125,8 +125,9 @@ class ParallelConfig:
 
 
 #: what ``vae_parallel`` takes: ``auto`` (split the VAE along height when there are several ranks; a call that
-#: cannot be split runs whole on every rank), ``on`` (the same, but what cannot be split is an error), ``off``
-VAE_PARALLEL_MODES = ("auto", "on", "off")
+#: cannot be split runs whole on every rank), ``on`` (the same, but what cannot be split is an error), ``tiled``
+#: (diffusers' tiled decode with its tiles spread over the ranks), ``off``
+VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 
 
 def check_vae_parallel(mode: str, flag: str = "vae_parallel=") -> None:

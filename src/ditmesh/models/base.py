@@ -224,6 +224,9 @@ class VaePlan:
     - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
       (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
       distribution is built from them).
+    - ``tile_decoder``: for ``vae_parallel="tiled"``, the submodule that ``tiled_method`` calls once per tile, all
+      tiles first and the blending after (diffusers' ``AutoencoderKL.tiled_decode`` and its ``decoder``); None: the
+      family's tiled decode cannot be spread over ranks.
     """
 
     class_names: tuple[str, ...]
@@ -232,6 +235,8 @@ class VaePlan:
     conv_padding: Callable | None = None
     decode_method: str = "decode"
     encode_method: str = "_encode"
+    tile_decoder: str | None = None
+    tiled_method: str = "tiled_decode"
 
 
 # -- image-conditioned pipelines ------------------------------------------------------------------------------
