@@ -348,9 +348,9 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_attention_masks.py::test_masked_sequence_parallel_attention_matches_single_process",),
            "the mask's key columns stay in the model's order while the gathered keys are in the ranks' order"),
     Mutant("chunk-last-piece-skips-the-module", "parallel/chunk.py",
-           "pieces = [call_next((part,) + tuple(args[1:]), rest) for part in x.split(size, dim=1)]",
-           "pieces = [call_next((part,) + tuple(args[1:]), rest) for part in x.split(size, dim=1)[:-1]]"
-           " + [x.split(size, dim=1)[-1]]",
+           "piece = call_next((x.narrow(1, start, min(size, x.shape[1] - start)),) + tuple(args[1:]), rest)",
+           "piece = (call_next((x.narrow(1, start, min(size, x.shape[1] - start)),) + tuple(args[1:]), rest)"
+           " if start + size < x.shape[1] else x.narrow(1, start, x.shape[1] - start))",
            ("tests/test_chunk.py::test_chunked_feed_forwards_and_attention_equal_whole_ones_on_every_family",),
            "the last piece of a chunked feed-forward returns its input"),
     Mutant("attention-piece-keeps-the-first-mask-rows", "attention/local.py",

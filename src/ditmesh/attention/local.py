@@ -138,14 +138,19 @@ def in_query_chunks(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         return attend(q, k, v, mask)
     chunks.split_calls += 1
     mask = score_mask(mask)
-    pieces = []
+    out = lse = None  # written piece by piece: the whole output and one piece are alive, never all pieces and a copy
     for start in range(0, q.shape[1], size):
         n = min(size, q.shape[1] - start)
         rows = mask if mask is None or mask.shape[-2] == 1 else mask.narrow(-2, start, n)
-        pieces.append(attend(q.narrow(1, start, n), k, v, rows))
-    if isinstance(pieces[0], tuple):
-        return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=2)
-    return torch.cat(pieces, dim=1)
+        piece = attend(q.narrow(1, start, n), k, v, rows)
+        piece_out, piece_lse = piece if isinstance(piece, tuple) else (piece, None)
+        if out is None:
+            out = piece_out.new_empty(piece_out.shape[0], q.shape[1], *piece_out.shape[2:])
+            lse = None if piece_lse is None else piece_lse.new_empty(*piece_lse.shape[:2], q.shape[1])
+        out.narrow(1, start, n).copy_(piece_out)
+        if lse is not None:
+            lse.narrow(2, start, n).copy_(piece_lse)
+    return out if lse is None else (out, lse)
 
 
 def attention_with_lse(

@@ -65,8 +65,13 @@ class ChunkHook(Hook):
             return call_next(args, kwargs)
         self.split_calls += 1
         rest = kwargs if args else {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        pieces = [call_next((part,) + tuple(args[1:]), rest) for part in x.split(size, dim=1)]
-        return torch.cat(pieces, dim=1)
+        out = None  # written piece by piece: the whole output and one piece are alive, never all pieces and a copy
+        for start in range(0, x.shape[1], size):
+            piece = call_next((x.narrow(1, start, min(size, x.shape[1] - start)),) + tuple(args[1:]), rest)
+            if out is None:
+                out = piece.new_empty(piece.shape[0], x.shape[1], *piece.shape[2:])
+            out.narrow(1, start, piece.shape[1]).copy_(piece)
+        return out
 
 
 def budget_of(chunk, device: torch.device) -> int | None:

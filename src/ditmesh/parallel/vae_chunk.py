@@ -9,8 +9,9 @@ output. ``apply(vae, rows)`` puts a ``vae_chunk`` hook on
   ``h = conv1(act(norm1(x)))``, ``out = conv2(act(norm2(h)))``, ``out = (shortcut(x) + out) / scale`` where each
   norm-activation-convolution runs on pieces of at most ``rows`` rows, the norm's statistics computed first over all
   rows (per piece, combined exactly with Chan's formula: ``parallel.vae.combine_stats``) and each piece extended by
-  the convolution's halo rows (``parallel.vae.conv_windows`` with one row per unit). Alive at once: the input, ``h``,
-  the output and one piece's temporaries, instead of the input and two full-size temporaries;
+  the convolution's halo rows (``parallel.vae.conv_windows`` with one row per unit); the second one writes over
+  ``h``, keeping a copy of the halo rows the next piece reads. Alive at once: the input, ``h`` and one piece's
+  temporaries, instead of the input and two full-size temporaries;
 - every ``Upsample2D`` that upsamples by nearest interpolation and then convolves (3x3, padding 1): the module runs on
   pieces of its input rows with one halo row each side, and keeps the rows of its output that the piece owns: the
   upsampled tensor never exists whole.
@@ -69,26 +70,42 @@ def _same_rows(conv: nn.Module) -> bool:
     return rows.stride == 1 and rows.pad_top + rows.pad_bottom == rows.kernel - 1
 
 
-def piecewise(x: torch.Tensor, out_rows: int, out_channels: int, sizes: list[int], conv: ConvRows, scale: int, run):
+def piecewise(x: torch.Tensor, out_rows: int, out_channels: int, sizes: list[int], conv: ConvRows, scale: int, run,
+              in_place: bool = False):
     """``run(x[lo:hi])`` for each piece of ``sizes`` rows extended by the halo of ``conv`` (a row window over ``x``'s
     rows; ``scale`` output rows per input row), each piece's own output rows written into one output
-    ``[N, out_channels, out_rows, W * scale]``."""
+    ``[N, out_channels, out_rows, W * scale]``. ``in_place`` (same shape in and out, ``scale`` 1): the output is
+    ``x`` itself, top to bottom, and the input rows a later piece still reads are copied before they are
+    overwritten (its upper halo: at most a few rows)."""
     windows, _ = conv_windows(sizes, 1, conv)
-    out = None
-    for window, start, size in zip(windows, offsets(sizes), sizes):
-        piece = run(x.narrow(-2, window.lo, window.hi - window.lo)).narrow(-2, window.first * scale, size * scale)
+    in_place = in_place and conv.pad_top <= min(sizes)  # a halo within the previous piece: one copy suffices
+    out = x if in_place else None
+    kept = None  # (first row, copy) of input rows already overwritten that the next piece reads
+    for p, (window, start, size) in enumerate(zip(windows, offsets(sizes), sizes)):
+        source = x.narrow(-2, window.lo, window.hi - window.lo)
+        if kept is not None:
+            first, rows = kept
+            source = torch.cat([rows, x.narrow(-2, first + rows.shape[-2], window.hi - first - rows.shape[-2])], -2)
+        piece = run(source).narrow(-2, window.first * scale, size * scale)
         if out is None:
             out = piece.new_empty(*piece.shape[:-3], out_channels, out_rows, piece.shape[-1])
+        if in_place and p + 1 < len(sizes):
+            following = windows[p + 1].lo
+            kept = None
+            if following < start + size:
+                kept = (following, x.narrow(-2, following, start + size - following).clone())
         out.narrow(-2, start * scale, size * scale).copy_(piece)
     return out
 
 
-def _norm_act_conv(x: torch.Tensor, norm: nn.GroupNorm, act, conv: nn.Conv2d, sizes: list[int]) -> torch.Tensor:
-    """``conv(act(norm(x)))`` on pieces of ``sizes`` rows, the norm's statistics over all rows first."""
+def _norm_act_conv(x: torch.Tensor, norm: nn.GroupNorm, act, conv: nn.Conv2d, sizes: list[int],
+                   in_place: bool = False) -> torch.Tensor:
+    """``conv(act(norm(x)))`` on pieces of ``sizes`` rows, the norm's statistics over all rows first; ``in_place``:
+    written over ``x`` (which must then have the output's channels)."""
     mean, var = combine_stats(torch.stack([group_stats(x.narrow(-2, a, n), norm.num_groups)
                                            for a, n in zip(offsets(sizes), sizes)]))
     return piecewise(x, x.shape[-2], conv.out_channels, sizes, _conv_rows(conv), 1,
-                     lambda piece: conv(act(group_normalize(piece, norm, mean, var))))
+                     lambda piece: conv(act(group_normalize(piece, norm, mean, var))), in_place)
 
 
 class PiecesHook(Hook):
@@ -132,8 +149,9 @@ class ResnetPieces(PiecesHook):
 
     def run(self, block, call_next, x, sizes):
         h = _norm_act_conv(x, block.norm1, block.nonlinearity, block.conv1, sizes)
-        out = _norm_act_conv(h, block.norm2, lambda t: block.dropout(block.nonlinearity(t)), block.conv2, sizes)
-        del h
+        # conv2 keeps the channels: its output takes h's place, so x, h and one piece are all that is alive
+        out = _norm_act_conv(h, block.norm2, lambda t: block.dropout(block.nonlinearity(t)), block.conv2, sizes,
+                             in_place=True)
         for start, size in zip(offsets(sizes), sizes):  # the shortcut, piece by piece, into the output
             own = x.narrow(-2, start, size)
             shortcut = own if block.conv_shortcut is None else block.conv_shortcut(own)

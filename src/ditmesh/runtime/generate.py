@@ -255,9 +255,11 @@ def apply_auto_plan(args, world_size: int) -> ParallelConfig:
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
-    """The configuration the planner recommends for this run, restricted to what this build implements."""
+    """The configuration the planner recommends for this run, restricted to what this build implements and to
+    configurations predicted to fit in memory with the run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk``
+    (a ConfigError naming the largest size that fits otherwise)."""
     from ..config import SUPPORTED_AXES
-    from ..planner import recommend
+    from ..planner import PlannerError, recommend
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
         raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
@@ -270,11 +272,18 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
     prompts = len(args.prompt) if args.prompt else 1
-    return recommend(model, args.height or size[0], args.width or size[1], world_size,
-                     frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
-                     batch=prompts * getattr(args, "images_per_prompt", 1),
-                     mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
-                     cuda_graph=getattr(args, "cuda_graph", False))
+    counted = {"chunk": chunk_setting(getattr(args, "chunk", None)),
+               "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
+    counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
+    try:
+        return recommend(model, args.height or size[0], args.width or size[1], world_size,
+                         frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
+                         batch=prompts * getattr(args, "images_per_prompt", 1),
+                         mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
+                         cuda_graph=getattr(args, "cuda_graph", False), require_fit=True,
+                         vae_parallel=getattr(args, "vae_parallel", "auto"), **counted)
+    except PlannerError as exc:
+        raise ConfigError(f"--plan auto: {exc}") from None
 
 
 def _archs():
