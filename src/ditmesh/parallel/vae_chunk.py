@@ -21,7 +21,7 @@ of the whole decode up to float rounding (the norms' statistics are combined in 
 float32 for half-precision inputs, as the parallel VAE's group norm does).
 
 ``rows="auto"`` (CUDA) sizes the pieces per layer so that one piece's temporaries (3 tensors of the layer's widest
-channel count) take at most ``AUTO_SHARE`` of the memory free when the hooks are installed.
+channel count) take at most ``parallel.chunk.AUTO_SHARE`` of the memory free when the hooks are installed.
 
 Only calls that run whole use the pieces: in a call split over ranks (``parallel.vae``) the hooks step aside (each
 rank already holds its own rows only). Wan's causal 3-D VAE (frame by frame, RMS norms) is not covered.
@@ -35,7 +35,7 @@ from torch import nn
 from ..comm import offsets, split_sizes
 from ..config import ConfigError
 from ..hooks import Hook, add_hook
-from .chunk import AUTO_SHARE
+from .chunk import budget_of
 from .vae import ConvRows, combine_stats, conv_windows, group_normalize, group_stats
 
 
@@ -205,11 +205,7 @@ def apply(vae: nn.Module, rows, device: torch.device, split_call=None) -> list:
 
     if rows is None or (rows == "auto" and device.type != "cuda"):
         return []
-    budget = None
-    if rows == "auto":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * AUTO_SHARE)
-    pieces = Pieces(None if rows == "auto" else rows, budget, split_call)
+    pieces = Pieces(None if rows == "auto" else rows, budget_of(rows, device), split_call)
     undo = []
     for module in vae.modules():
         if isinstance(module, ResnetBlock2D) and resnet_chunkable(module):
