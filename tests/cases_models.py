@@ -11,8 +11,8 @@ import torch
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
-                      fuse_qkv: bool = False):
-    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank.
+                      fuse_qkv: bool = False, chunk_tokens=None):
+    """Run the pipeline in folder ``model`` with ditmesh ``config`` (and ``chunk_tokens``) on this rank.
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
     for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
@@ -25,7 +25,7 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     torch.manual_seed(0)
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv)
+    parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv, chunk_tokens=chunk_tokens)
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}

@@ -99,9 +99,61 @@ def local_norms_case(kind: str, rows: int, cols: int):
     return rel_err(out, ref)
 
 
-def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False):
-    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode``; returns the image,
-    the collectives of the VAE decode, and (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged."""
+def chunked_vae_case(what: str, rows: int, cols: int, batch: int, piece_rows: int):
+    """``what`` of the tiny KL VAE on ``rows`` x ``cols`` latents, whole and with its residual blocks and up-samplers
+    on pieces of ``piece_rows`` rows (``parallel.vae_chunk``). Returns the rel err, the calls that ran in pieces, the
+    hooked modules, and whether removing the hooks gave back the VAE."""
+    from ditmesh.parallel import vae_chunk
+
+    vae = tiny_vae("kl")
+    state = {k: v.clone() for k, v in vae.state_dict().items()}
+    x = _inputs(vae, "kl", what, rows, cols, 1, batch)
+    ref = _run(vae, what, x)
+    undo = vae_chunk.apply(vae, piece_rows, torch.device("cpu"))
+    out = _run(vae, what, x)
+    split_calls = vae_chunk.pieces_of(vae).split_calls
+    for fn in reversed(undo):
+        fn()
+    after = vae.state_dict()
+    restored = (all(torch.equal(after[k], state[k]) for k in state) and vae_chunk.pieces_of(vae) is None
+                and not any("forward" in vars(m) for m in vae.modules()) and torch.equal(_run(vae, what, x), ref))
+    return dict(err=rel_err(out, ref), split_calls=split_calls, hooked=len(undo), restored=restored)
+
+
+def tiled_case(rows: int, cols: int, batch: int = 1, tile: int = 32):
+    """The tiny KL VAE's tiled decode (tiles of ``tile`` pixels, a quarter overlap) of ``rows`` x ``cols`` latents,
+    on one process and with its tiles spread over the world (``vae_parallel="tiled"``). Returns the rel err, the
+    tiles decoded on this rank, the collectives, and whether undoing gave back the VAE (tiling off again, no hook)."""
+    from ditmesh.comm import count_collectives
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+
+    vae = tiny_vae("kl")
+    vae.tile_sample_min_size, vae.tile_latent_min_size = tile, tile // vae_plan_for(vae).spatial_factor(vae)
+    z = _inputs(vae, "kl", "decode", rows, cols, 1, batch)
+    vae.enable_tiling()
+    ref = _run(vae, "decode", z)
+    vae.disable_tiling()
+    whole = _run(vae, "decode", z)
+    undo = parallel_vae.apply_tiled(vae, vae_plan_for(vae), dist.group.WORLD)
+    decoded = []  # tiles this rank really decoded (a placeholder runs no layer of the decoder)
+    handle = vae.decoder.conv_in.register_forward_hook(lambda m, a, out: decoded.append(1))
+    with count_collectives() as counts:
+        out = _run(vae, "decode", z)
+    handle.remove()
+    for fn in reversed(undo):
+        fn()
+    restored = (not vae.use_tiling and not any(k in vars(m) for m in vae.modules() for k in ("forward", "tiled_decode"))
+                and torch.equal(_run(vae, "decode", z), whole))
+    return dict(err=rel_err(out, ref), differs_from_whole=rel_err(ref, whole), decoded=len(decoded),
+                counts=dict(counts), restored=restored)
+
+
+def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False, vae_chunk=None, tile=None):
+    """A FluxPipeline image (``output_type="pt"``) under ``config`` with ``vae_parallel=mode`` (and ``vae_chunk``;
+    ``tile``: the VAE's tiles of that many pixels, and diffusers' tiling turned on unless the mode is ``tiled``, which
+    turns it on itself); returns the image, the collectives of the VAE decode, the decode's calls that ran in pieces
+    of rows, and (``remove``) whether ``ditmesh.remove`` gave the VAE back unchanged (tiling off again)."""
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize, remove as ditmesh_remove
@@ -112,7 +164,13 @@ def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False)
     pipe.set_progress_bar_config(disable=True)
     state = {k: v.clone() for k, v in pipe.vae.state_dict().items()}
     types = [type(m) for m in pipe.vae.modules()]
-    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode)
+    if tile:
+        pipe.vae.tile_sample_min_size, pipe.vae.tile_latent_min_size = tile, tile // 8
+        pipe.vae.use_tiling = mode != "tiled"
+    from ditmesh.parallel.vae_chunk import pieces_of
+
+    parallelize(pipe, ParallelConfig(**config), vae_parallel=mode, vae_chunk=vae_chunk)
+    pieces = pieces_of(pipe.vae)
     decode = pipe.vae.decode
     counts = {}
 
@@ -125,12 +183,15 @@ def pipeline_vae_case(model: str, config: dict, mode: str, remove: bool = False)
     pipe.vae.decode = counted
     image = pipe("a red circle", height=64, width=48, num_inference_steps=2, guidance_scale=3.5,
                  generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="pt").images
-    pipe.vae.decode = decode
+    if getattr(decode, "__func__", None) is getattr(type(pipe.vae), "decode"):
+        del pipe.vae.decode  # the class's own method (no split hook on it): no instance attribute left
+    else:
+        pipe.vae.decode = decode
     restored = None
     if remove:
         ditmesh_remove(pipe)
         after = pipe.vae.state_dict()
         restored = (set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
-                    and [type(m) for m in pipe.vae.modules()] == types
+                    and [type(m) for m in pipe.vae.modules()] == types and not pipe.vae.use_tiling
                     and not any(k in vars(m) for m in pipe.vae.modules() for k in ("forward", "decode", "_encode")))
-    return dict(image=image, counts=counts, restored=restored)
+    return dict(image=image, counts=counts, restored=restored, split_calls=pieces.split_calls if pieces else 0)

@@ -60,6 +60,18 @@ def test_chroma_pipeline_matches_single_process(pools, chroma_tiny, config, shap
     assert torch.equal(outs[0][0], outs[-1][0])
 
 
+@pytest.mark.parametrize("config", [{}, {"ulysses": 2}, {"ring": 2}], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "single")
+def test_chroma_attention_in_query_pieces_keeps_its_mask(pools, chroma_tiny, config):
+    # pieces of 5 queries (and feed-forwards of 5 tokens) with the padded-text mask cut by query rows
+    ref = reference(chroma_tiny, "uneven")
+    args = (pipeline_generate, chroma_tiny, config)
+    kwargs = dict(steps=STEPS, prompt=PROMPTS, chunk_tokens=5, **SHAPES["uneven"])
+    outs = pools(math.prod(config.values())).run(*args, **kwargs) if config else [args[0](*args[1:], **kwargs)]
+    for latents, counts, calls in outs:
+        assert rel_err(latents, ref) <= 1e-5
+        assert counts == (expected_counts(config) if config else {})  # the pieces add no collective
+
+
 def test_chroma_mask_changes_the_output(chroma_tiny):
     # the mask the parallel runs must carry matters: dropping it inside the transformer gives another result
     from diffusers import ChromaPipeline

@@ -86,7 +86,7 @@ class _nothing:
     (["generate", "--model", "flux-tiny", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
     (["generate", "--model", "flux-tiny", "--transport", "mpi"], "--transport 'mpi' is not a transport; use one of nccl, symm"),
     (["bench", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
-    (["generate", "--model", "flux-tiny", "--vae-parallel", "yes"], "--vae-parallel 'yes' is not a mode; use one of auto, on, off"),
+    (["generate", "--model", "flux-tiny", "--vae-parallel", "yes"], "--vae-parallel 'yes' is not a mode; use one of auto, on, tiled, off"),
     (["generate", "--model", "flux-tiny", "--chunk", "0"], "--chunk '0' is not a token count; give a positive integer"),
 ])
 def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):

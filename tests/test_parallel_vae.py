@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_vae import local_norms_case, pipeline_vae_case, vae_case
+from cases_vae import chunked_vae_case, local_norms_case, pipeline_vae_case, tiled_case, vae_case
+from ditmesh.comm import split_sizes
 from ditmesh.testing import RankError, rel_err
 
 #: collectives of a split call of the tiny 3-level KL VAE (layers_per_block 1): one halo exchange per convolution
@@ -74,3 +75,77 @@ def test_flux_pipeline_under_ulysses_decodes_the_same_with_the_vae_split(pools, 
         assert r["counts"]["halo"] > 0 and r["restored"]
     assert torch.equal(on[0]["image"], on[1]["image"])
 
+
+
+# -- chunked decode on one process (parallel.vae_chunk) ---------------------------------------------------------------
+#: the tiny KL VAE's modules with a vae_chunk hook: encoder 3 + 2 mid residual blocks, decoder 2 mid + 3 x 2 up
+#: residual blocks and 2 up-samplers
+KL_CHUNKED = 5 + 8 + 2
+
+
+@pytest.mark.parametrize("what,rows,cols,batch,piece_rows", [
+    ("decode", 7, 5, 2, 1),
+    ("decode", 7, 5, 1, 3),   # uneven pieces
+    ("decode", 13, 3, 1, 5),
+    ("encode", 7, 5, 1, 2),   # the encoder's residual blocks
+])
+def test_kl_vae_in_pieces_of_rows_matches_whole(what, rows, cols, batch, piece_rows):
+    r = chunked_vae_case(what, rows, cols, batch, piece_rows)
+    assert r["err"] <= 1e-5, r["err"]
+    assert r["hooked"] == KL_CHUNKED and r["restored"]
+    assert r["split_calls"] == (5 if what == "encode" else 10 if piece_rows < rows else 9)
+
+
+def test_flux_pipeline_decodes_the_same_with_vae_chunk(pools, flux_tiny):
+    whole = pipeline_vae_case(flux_tiny, {}, "auto")
+    one = pipeline_vae_case(flux_tiny, {}, "auto", remove=True, vae_chunk=2)
+    assert rel_err(one["image"], whole["image"]) <= 1e-5 and one["split_calls"] > 0 and one["restored"]
+    # two ranks: a split decode leaves the pieces aside; a whole one (vae_parallel off) uses them
+    split = pools(2).run(pipeline_vae_case, flux_tiny, {"ulysses": 2}, "auto", vae_chunk=2)
+    off = pools(2).run(pipeline_vae_case, flux_tiny, {"ulysses": 2}, "off", vae_chunk=2)
+    for a, b in zip(split, off):
+        assert a["split_calls"] == 0 and a["counts"]["halo"] > 0
+        assert b["split_calls"] > 0 and b["counts"] == {}
+        assert rel_err(a["image"], whole["image"]) <= 1e-5 and rel_err(b["image"], whole["image"]) <= 1e-5
+
+
+def test_bad_vae_chunk_settings_are_refused_in_one_line():
+    from ditmesh.config import ConfigError, check_vae_chunk
+    from ditmesh.runtime.generate import vae_chunk_setting
+
+    assert vae_chunk_setting("auto") == "auto" and vae_chunk_setting("64") == 64 and vae_chunk_setting(None) is None
+    with pytest.raises(ConfigError, match="--vae-chunk 'rows' is not a row count; give a positive integer"):
+        vae_chunk_setting("rows")
+    with pytest.raises(ConfigError, match="vae_chunk=0 is not a row count"):
+        check_vae_chunk(0)
+
+
+# -- rank-parallel tiled decode (vae_parallel="tiled") ---------------------------------------------------------------
+@pytest.mark.parametrize("world,rows,cols,batch", [
+    (2, 14, 11, 1),  # tiles of 8 latent rows every 6: 3 x 2 tiles, 3 per rank, edge tiles smaller
+    (3, 14, 11, 2),  # 2 per rank
+    (2, 20, 5, 1),   # 4 x 1 tiles
+])
+def test_tiled_decode_spread_over_ranks_equals_one_process_tiled_decode(pools, world, rows, cols, batch):
+    grid = len(range(0, rows, 6)) * len(range(0, cols, 6))
+    results = pools(world).run(tiled_case, rows, cols, batch)
+    for rank, r in enumerate(results):
+        assert r["err"] <= 1e-6, r["err"]  # the same tiles, blended by diffusers' own code
+        assert r["differs_from_whole"] > 1e-3  # tiling changes the picture: the test compares with the right one
+        assert r["decoded"] == split_sizes(grid, world)[rank]
+        assert r["counts"] == {"all_gather": 1} and r["restored"]
+    assert sum(r["decoded"] for r in results) == grid  # each tile decoded once, on one rank
+
+
+def test_tiled_mode_on_one_process_is_diffusers_tiling():
+    r = tiled_case(14, 11)
+    assert r["err"] == 0 and r["decoded"] == 6 and r["counts"] == {} and r["restored"]
+
+
+def test_flux_pipeline_tiled_mode_over_two_ranks_equals_diffusers_tiling_on_one(pools, flux_tiny):
+    tiled = pipeline_vae_case(flux_tiny, {}, "off", tile=32)  # diffusers' own tiling, one process
+    whole = pipeline_vae_case(flux_tiny, {}, "off")
+    assert rel_err(tiled["image"], whole["image"]) > 1e-3  # 3 x 2 tiles of 32 pixels change the picture
+    for r in pools(2).run(pipeline_vae_case, flux_tiny, {"ulysses": 2}, "tiled", remove=True, tile=32):
+        assert rel_err(r["image"], tiled["image"]) <= 1e-5
+        assert r["counts"] == {"all_gather": 1} and r["restored"]

@@ -25,3 +25,13 @@ def test_plan_auto_picks_an_implemented_config_for_the_process_count():
 def test_plan_auto_refuses_explicit_degrees():
     with pytest.raises(ConfigError, match="--plan auto picks the degrees itself"):
         planned_config(_args(ulysses=2), 2)
+
+
+def test_plan_auto_never_picks_a_configuration_that_runs_out_of_memory():
+    # FLUX-dev's VAE decode of an 8192² picture does not fit one 80 GB GPU whole: refused, naming what fits
+    with pytest.raises(ConfigError, match=r"--plan auto: no configuration of 1 GPU\(s\) fits 8192x8192 .* holds about "
+                                          r"\d+x\d+"):
+        planned_config(_args(model="flux-dev", height=8192, width=8192), 1)
+    # diffusers' tiling (here on one process) or the split over 4 GPUs holds it
+    assert planned_config(_args(model="flux-dev", height=8192, width=8192, vae_parallel="tiled"), 1).world_size == 1
+    assert planned_config(_args(model="flux-dev", height=8192, width=8192), 4).world_size == 4

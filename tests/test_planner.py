@@ -306,3 +306,46 @@ def test_plan_validate_prints_the_comparison_and_refuses_other_files(capsys, tmp
     assert "not a ditmesh bench result" in err and "\n" not in err
     assert _run("--height", "1024") == 2
     assert "--model and --gpus required" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# VAE decode and chunked activations
+# ---------------------------------------------------------------------------------------------------
+def test_vae_decode_memory_of_each_mode():
+    from ditmesh.planner.vae import vae_decode
+
+    vae = vae_decode(resolve_model("flux-dev"), 4096, 4096, chunk_rows=128)
+    gib = {mode: vae.peak(mode, 4) / 2**30 for mode in ("whole", "split", "tiled", "chunked")}
+    assert gib["whole"] == pytest.approx(38.2, rel=0.05)  # measured on one H100 (bf16), docs/planner.md
+    assert gib["tiled"] < 5 and gib["split"] < gib["whole"] / 3 and gib["chunked"] < 0.8 * gib["whole"]
+    assert vae.peak("split", 1) == vae.peak("whole", 1)  # one rank: nothing to split
+    small = vae_decode(resolve_model("flux-dev"), 2048, 2048)
+    assert small.whole / 2**30 == pytest.approx(9.7, rel=0.05)  # measured: 9.7 GiB at 2048²
+
+
+def test_plan_counts_the_vae_decode_and_states_the_largest_size(capsys):
+    one = plan("flux-dev", 4096, 4096, 1, link="nvlink-h100")
+    four = plan("flux-dev", 4096, 4096, 4, link="nvlink-h100")
+    assert one.best.memory["decode"] > one.best.memory["total"]  # at 4096² the decode, not the step, is the peak
+    big_one, big_four = one.largest(), four.largest()
+    assert 4096 <= big_one["height"] < 8192 and big_four["height"] > big_one["height"]
+    tiled = plan("flux-dev", 4096, 4096, 1, link="nvlink-h100", vae_parallel="tiled")
+    assert tiled.best.memory["decode"] < one.best.memory["decode"] - 30
+    assert _run("--model", "flux-dev", "--gpus", "1", "--height", "4096", "--width", "4096") == 0
+    assert "largest: about" in capsys.readouterr().out
+
+
+def test_chunked_transformer_is_traced_in_pieces_and_counted():
+    whole = plan("flux-dev", 2048, 2048, 1, link="nvlink-h100")
+    chunked = plan("flux-dev", 2048, 2048, 1, link="nvlink-h100", chunk=1024)
+    # the image stream's feed-forwards ran in pieces: once per piece of 1024 of its 16384 tokens
+    from ditmesh.planner.stats import model_stats
+
+    pieces = model_stats(resolve_model("flux-dev"), 2048, 2048, 1, 1, 1024)
+    ff = [lin for lin in pieces.linears if lin.name == "transformer_blocks.0.ff.net.2"]
+    assert len(ff) == 16 and max(lin.rows for lin in ff) == 1024
+    assert chunked.stats.linears == whole.stats.linears  # time and traffic come from the whole trace
+    # the pieces' outputs are written into one output: never more than the whole run holds. FLUX's peak is in the
+    # single blocks' fused MLP and attention projections, which chunk does not cut, so it stays (docs/planner.md)
+    assert chunked.best.memory["activations"] <= whole.best.memory["activations"] * 1.001
+    assert chunked.best.memory["weights"] == whole.best.memory["weights"]

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards) -> sequence -> cfg/data -> (cache) -> VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -23,12 +23,13 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_chunk,  # noqa: F401
-                     check_supported, check_vae_parallel)
+                     check_supported, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
 from .parallel import batch, chunk, consistency, graph, lora, sequence, tensor
 from .parallel import vae as parallel_vae
+from .parallel import vae_chunk as chunked_vae
 
 log = logging.getLogger("ditmesh")
 
@@ -189,30 +190,49 @@ def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
     Every rank holds the same final latents (the pipeline call runs whole on each rank; only the transformer call
     is divided), so the ranks that share an image are all of them. ``auto``: on when there are several ranks and
     the family's adapter has a VAE plan for this VAE class, with calls that cannot be split run whole (logged);
-    ``on``: the same, but a VAE or a call that cannot be split raises :class:`ConfigError`; ``off``: nothing.
+    ``on``: the same, but a VAE or a call that cannot be split raises :class:`ConfigError`; ``tiled`` (also on one
+    process): diffusers' tiled decode turned on, its tiles spread over every rank and blended as one process blends
+    them (``parallel.vae.apply_tiled``); ``off``: nothing.
     """
     check_vae_parallel(mode)
     vae = getattr(pipe, "vae", None)
-    if mode == "off" or mesh.config.world_size == 1:
+    if mode == "off" or (mesh.config.world_size == 1 and mode != "tiled"):
         return []
     if not isinstance(vae, torch.nn.Module):
-        if mode == "on":
-            raise ConfigError(f"vae_parallel='on', but {type(pipe).__name__} has no VAE; use auto or off")
+        if mode in ("on", "tiled"):
+            raise ConfigError(f"vae_parallel={mode!r}, but {type(pipe).__name__} has no VAE; use auto or off")
         return []
     plan = vae_plan_for(vae)
     if plan is None:
         reason = f"no model adapter has a parallel plan for {type(vae).__name__}"
-        if mode == "on":
-            raise ConfigError(f"vae_parallel='on': {reason}; use auto (runs it whole on every rank) or off")
+        if mode in ("on", "tiled"):
+            raise ConfigError(f"vae_parallel={mode!r}: {reason}; use auto (runs it whole on every rank) or off")
         log.info("ditmesh: the VAE runs whole on every rank: %s", reason)
         return []
-    return parallel_vae.apply(vae, plan, mesh.group_of(*AXIS_ORDER), strict=mode == "on")
+    group = mesh.group_of(*AXIS_ORDER)
+    if mode == "tiled":
+        return parallel_vae.apply_tiled(vae, plan, group)
+    return parallel_vae.apply(vae, plan, group, strict=mode == "on")
+
+
+def chunk_vae(pipe, rows, device: torch.device) -> list:
+    """Run the pipeline's VAE residual blocks and up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``) in
+    the calls the VAE runs whole; returns undo callables. A call split over ranks (:func:`split_vae`, whose hooks are
+    installed first) leaves the pieces aside."""
+    vae = getattr(pipe, "vae", None)
+    if rows is None:
+        return []
+    if not isinstance(vae, torch.nn.Module):
+        raise ConfigError(f"vae_chunk={rows!r}, but {type(pipe).__name__} has no VAE; leave vae_chunk off")
+    split = [h for h in (find_hook(vae, "vae", m) for m in ("decode", "_encode")) if h is not None]
+    return chunked_vae.apply(vae, rows, device, lambda: any(h.state.units is not None for h in split))
 
 
 def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
-                vae_parallel: str = "auto", chunk_tokens: int | str | None = None) -> ParallelRuntime:
+                vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
+                vae_chunk: int | str | None = None) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -247,10 +267,16 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             whole-call graph per path; dbcache and teacache replay each call from three graphs cut at the decision
             (``ditmesh.parallel.graph``).
         vae_parallel: ``"auto"`` (default), ``"on"`` or ``"off"``: decode (and encode) with the VAE split along
-            height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`).
-        chunk_tokens: run each block's feed-forward on pieces of at most this many tokens (exact; caps the widest
-            activation of a long sequence), ``"auto"`` to size the pieces from free CUDA memory, or None (default):
-            whole (``ditmesh.parallel.chunk``).
+            height over every rank, exact (``ditmesh.parallel.vae``; see :func:`split_vae`); ``"tiled"``: diffusers'
+            tiled decode with its tiles spread over the ranks, equal to the tiled decode of one process.
+        chunk_tokens: run each block's feed-forward on pieces of at most this many tokens, and its attention on
+            pieces of at most this many queries (each against all keys; after the all-to-all under sequence
+            parallelism): exact, and caps the widest activations of a long sequence. ``"auto"`` sizes the pieces from
+            free CUDA memory; None (default): whole (``ditmesh.parallel.chunk``).
+        vae_chunk: run the VAE's residual blocks and up-samplers on pieces of at most this many rows of their input,
+            with halo rows (exact; lowers the peak memory of a decode that runs whole, e.g. on one GPU), ``"auto"``
+            to size the pieces from free CUDA memory, or None (default): whole (``ditmesh.parallel.vae_chunk``;
+            see :func:`chunk_vae`).
     """
     models = transformers_of(pipe)
     if not models:
@@ -276,10 +302,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_transport(transport, torch.device(device), config=config)
     check_vae_parallel(vae_parallel)
     check_chunk(chunk_tokens, "chunk_tokens=")
+    check_vae_chunk(vae_chunk)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
+    pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
     check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
@@ -297,9 +325,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> compile
-    # -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora`
-    # hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> vae_chunk
+    # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
+    # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
     steps = [
         ("context", lambda: each(lambda m, a: [add_hook(m, ContextHook(ctx, pipe, runtime))])),
@@ -307,12 +335,14 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
-        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device)))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device),
+                                                                          pieces if config.sp == 1 else None))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
-         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport))),
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
+        (f"vae_chunk({vae_chunk})", lambda: keep(chunk_vae(pipe, vae_chunk, torch.device(device)))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),

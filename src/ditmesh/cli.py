@@ -99,10 +99,17 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                              "peers' symmetric memory; CUDA GPUs of one host)")
     parser.add_argument("--vae-parallel", default="auto", metavar="MODE",
                         help="decode with the VAE split along height over the ranks, exact: auto (default: on with more "
-                             "than one process; a size that cannot be split runs whole), on (an error instead), off")
+                             "than one process; a size that cannot be split runs whole), on (an error instead), tiled "
+                             "(diffusers' tiled decode, its tiles spread over the ranks; equals one process's tiled "
+                             "decode), off")
     parser.add_argument("--chunk", default=None, metavar="TOKENS",
-                        help="run each block's feed-forward on pieces of at most TOKENS tokens (exact; caps the widest "
-                             "activation of long sequences), or auto: sized from free GPU memory (default: whole)")
+                        help="run each block's feed-forward on pieces of at most TOKENS tokens and its attention on "
+                             "pieces of at most TOKENS queries (exact; caps the widest activations of long sequences), "
+                             "or auto: sized from free GPU memory (default: whole)")
+    parser.add_argument("--vae-chunk", default=None, metavar="ROWS",
+                        help="decode with the VAE's residual blocks and up-samplers run on pieces of at most ROWS rows "
+                             "of their input, with halo rows (exact; lowers the decode's peak memory on one GPU; "
+                             "2-D KL VAEs), or auto: sized from free GPU memory (default: whole)")
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

@@ -125,8 +125,9 @@ class ParallelConfig:
 
 
 #: what ``vae_parallel`` takes: ``auto`` (split the VAE along height when there are several ranks; a call that
-#: cannot be split runs whole on every rank), ``on`` (the same, but what cannot be split is an error), ``off``
-VAE_PARALLEL_MODES = ("auto", "on", "off")
+#: cannot be split runs whole on every rank), ``on`` (the same, but what cannot be split is an error), ``tiled``
+#: (diffusers' tiled decode with its tiles spread over the ranks), ``off``
+VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 
 
 def check_vae_parallel(mode: str, flag: str = "vae_parallel=") -> None:
@@ -135,12 +136,17 @@ def check_vae_parallel(mode: str, flag: str = "vae_parallel=") -> None:
         raise ConfigError(f"{flag}{mode!r} is not a mode; use one of {', '.join(VAE_PARALLEL_MODES)}")
 
 
-def check_chunk(chunk, flag: str = "chunk=") -> None:
-    """Raise :class:`ConfigError` unless ``chunk`` is None, ``"auto"`` or a positive number of tokens."""
+def check_chunk(chunk, flag: str = "chunk=", what: str = "token count", example: int = 4096) -> None:
+    """Raise :class:`ConfigError` unless ``chunk`` is None, ``"auto"`` or a positive count (of tokens, or ``what``)."""
     if chunk is None or chunk == "auto":
         return
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"{flag}{chunk!r} is not a token count; give a positive integer (e.g. 4096) or auto")
+        raise ConfigError(f"{flag}{chunk!r} is not a {what}; give a positive integer (e.g. {example}) or auto")
+
+
+def check_vae_chunk(rows, flag: str = "vae_chunk=") -> None:
+    """Raise :class:`ConfigError` unless ``rows`` is None, ``"auto"`` or a positive number of rows."""
+    check_chunk(rows, flag, "row count", 256)
 
 
 def check_supported(config: ParallelConfig) -> None:

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
 #: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
 #: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
-#: (``ditmesh.parallel.vae``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
+#: (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and up-samplers on pieces of rows
+#: (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
 #: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the
 #: sequence (``ditmesh.parallel.chunk``).
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "lora", "chunk")
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora", "chunk")
 
 
 class Hook:

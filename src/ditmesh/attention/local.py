@@ -14,6 +14,11 @@ added to the scores (also SDPA's meaning: diffusers' pipelines that pass 0/1 flo
 key-padding mask ``[B, S_k]`` applies to every query and head. A query row whose keys are all masked out attends
 to nothing: its output is 0 and its LSE ``-inf`` (torch's SDPA returns 0 there too, for boolean and ``-inf``
 masks alike), so such a row adds nothing when partial results are merged.
+
+Query chunks (:class:`QueryChunks`, :func:`in_query_chunks`): attention runs on consecutive pieces of the queries,
+each against all keys, and the pieces' outputs (and LSEs) are concatenated. Every query's softmax is over the same
+keys either way, so the result is the same; what changes is the largest activation a kernel that materialises the
+scores holds (the CPU math path's ``[B, H, S_q, S_k]`` float32 scores, the masked CUDA path's bias): one piece's.
 """
 
 from __future__ import annotations
@@ -105,16 +110,62 @@ def _cuda_attention(q, k, v, scale, mask):
     return out.transpose(1, 2), normalize_lse(lse, b, h, s)
 
 
+class QueryChunks:
+    """How many queries one attention call takes at a time: at most ``tokens``, or (``tokens`` None) as many as keep
+    one piece's scores (``[B, H, piece, S_k]`` in float32) within ``budget`` bytes. ``split_calls`` counts the calls
+    that ran in more than one piece."""
+
+    def __init__(self, tokens: int | None = None, budget: int | None = None):
+        if (tokens is None) == (budget is None):
+            raise ValueError("QueryChunks takes tokens or budget, one of them")
+        self.tokens, self.budget = tokens, budget
+        self.split_calls = 0
+
+    def size(self, q: torch.Tensor, k: torch.Tensor) -> int:
+        """Queries per piece for ``q`` ``[B, S_q, H, D]`` against ``k`` ``[B, S_k, H, D]``."""
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, self.budget // (q.shape[0] * q.shape[2] * max(1, k.shape[1]) * 4))
+
+
+def in_query_chunks(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    chunks: QueryChunks | None):
+    """``attend(q, k, v, mask)`` on consecutive pieces of the queries (``chunks``; None: one call), the outputs
+    concatenated along the sequence. ``attend`` returns ``out [B, S_q, H, D]`` or ``(out, lse [B, H, S_q])``; a mask
+    with one row per query is cut with the queries, one with a single row is shared."""
+    size = q.shape[1] if chunks is None else chunks.size(q, k)
+    if q.shape[1] <= size:
+        return attend(q, k, v, mask)
+    chunks.split_calls += 1
+    mask = score_mask(mask)
+    out = lse = None  # written piece by piece: the whole output and one piece are alive, never all pieces and a copy
+    for start in range(0, q.shape[1], size):
+        n = min(size, q.shape[1] - start)
+        rows = mask if mask is None or mask.shape[-2] == 1 else mask.narrow(-2, start, n)
+        piece = attend(q.narrow(1, start, n), k, v, rows)
+        piece_out, piece_lse = piece if isinstance(piece, tuple) else (piece, None)
+        if out is None:
+            out = piece_out.new_empty(piece_out.shape[0], q.shape[1], *piece_out.shape[2:])
+            lse = None if piece_lse is None else piece_lse.new_empty(*piece_lse.shape[:2], q.shape[1])
+        out.narrow(1, start, n).copy_(piece_out)
+        if lse is not None:
+            lse.narrow(2, start, n).copy_(piece_lse)
+    return out if lse is None else (out, lse)
+
+
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask: torch.Tensor | None = None,
+    chunks: QueryChunks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over all keys; returns ``(out [B,S,H,D], lse [B,H,S] float32)``.
 
     ``mask`` (optional): boolean (True keeps) or floating (added to the scores), ``[B, S_k]`` or broadcastable to
     ``[B, H, S_q, S_k]`` (module docstring; a fully masked row gives 0 and LSE ``-inf``). CUDA/ROCm use the fused
     SDPA kernels (flash for half precision, memory-efficient otherwise and with a mask); CPU uses a float32 math
-    path.
+    path. ``chunks``: run on pieces of the queries (:func:`in_query_chunks`).
     """
+    if chunks is not None:
+        return in_query_chunks(lambda q, k, v, m: attention_with_lse(q, k, v, scale, m), q, k, v, mask, chunks)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     mask = score_mask(mask)
     if q.is_cuda:

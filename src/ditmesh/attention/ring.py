@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import offsets, ring_exchange_start, ring_exchange_wait
-from .local import attention_with_lse, score_mask
+from .local import QueryChunks, attention_with_lse, score_mask
 
 
 def merge_partial(
@@ -61,6 +61,7 @@ def ring_attention(
     group,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    chunks: QueryChunks | None = None,
 ) -> torch.Tensor:
     """Attention of local queries ``[B, S_rank, H, D]`` over the keys of every rank; returns ``[B, S_rank, H, D]``.
 
@@ -68,7 +69,8 @@ def ring_attention(
     ``group``. Issues ``len(seq_sizes) - 1`` exchange rounds (each one async send + one receive of K and V).
     ``mask`` (optional, as :func:`attention_with_lse` takes it) covers the keys of every rank in ring order,
     ``sum(seq_sizes)`` columns, and either one row for all queries or the queries of every rank in that order
-    (``[B, 1 or H, sum(seq_sizes), sum(seq_sizes)]``): this rank uses its own rows.
+    (``[B, 1 or H, sum(seq_sizes), sum(seq_sizes)]``): this rank uses its own rows. ``chunks``: each round's
+    attention runs on pieces of the queries (``attention.local.in_query_chunks``).
     """
     world = len(seq_sizes)
     starts = offsets(seq_sizes)
@@ -91,7 +93,7 @@ def ring_attention(
         if in_hand[0].shape[1]:
             source = (rank - step) % world  # the rank this chunk started on: its key columns of the mask
             chunk_mask = None if mask is None else mask.narrow(-1, starts[source], seq_sizes[source])
-            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale, chunk_mask)
+            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale, chunk_mask, chunks)
             out, lse = merge_partial(out, lse, block_out, block_lse)
         if step < world - 1:
             ring_exchange_wait(works)

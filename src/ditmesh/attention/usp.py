@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import offsets, split_sizes
-from .local import score_mask
+from .local import QueryChunks, score_mask
 from .ring import ring_attention
 from .ulysses import heads_to_seq, seq_to_heads
 
@@ -49,13 +49,15 @@ def usp_attention(
     ulysses_group,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    chunks: QueryChunks | None = None,
 ) -> torch.Tensor:
     """Full-sequence attention from sp shards ``[B, S_sp, H, D]``; returns ``[B, S_sp, H, D]``.
 
     ``seq_sizes`` holds the sequence length of every sp rank, ring-major (``len == ring * ulysses_degree``);
     ``ring_rank``/``ulysses_rank`` are this rank's indices in ``ring_group``/``ulysses_group``.
     Collectives: 2 all-to-alls in the Ulysses group and ``ring - 1`` exchange rounds in the ring group.
-    ``mask``: optional, over the sp ranks' chunks in order (module docstring).
+    ``mask``: optional, over the sp ranks' chunks in order (module docstring). ``chunks``: the local attention
+    after the all-to-all runs on pieces of the queries.
     """
     group_sizes = seq_sizes[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
     num_heads = query.shape[-2]
@@ -65,5 +67,5 @@ def usp_attention(
         mask = mask.narrow(1, offsets(heads)[ulysses_rank], heads[ulysses_rank])
     qkv = seq_to_heads((query, key, value), group_sizes, ulysses_rank, ulysses_group)
     out = ring_attention(qkv[0], qkv[1], qkv[2], ring_chunk_sizes(seq_sizes, ulysses_degree), ring_rank, ring_group,
-                         scale, mask)
+                         scale, mask, chunks)
     return heads_to_seq(out, group_sizes, num_heads, ulysses_rank, ulysses_group)

@@ -224,6 +224,9 @@ class VaePlan:
     - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
       (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
       distribution is built from them).
+    - ``tile_decoder``: for ``vae_parallel="tiled"``, the submodule that ``tiled_method`` calls once per tile, all
+      tiles first and the blending after (diffusers' ``AutoencoderKL.tiled_decode`` and its ``decoder``); None: the
+      family's tiled decode cannot be spread over ranks.
     """
 
     class_names: tuple[str, ...]
@@ -232,6 +235,8 @@ class VaePlan:
     conv_padding: Callable | None = None
     decode_method: str = "decode"
     encode_method: str = "_encode"
+    tile_decoder: str | None = None
+    tiled_method: str = "tiled_decode"
 
 
 # -- image-conditioned pipelines ------------------------------------------------------------------------------
@@ -329,6 +334,20 @@ class ModelAdapter:
     def attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """(name, module) of every attention layer the plan parallelizes."""
         return self.attention.select(model)
+
+    def set_processors(self, model: torch.nn.Module, runtime) -> Callable[[], None]:
+        """Give every attention layer the plan parallelizes the family's processor around ``runtime`` (what it calls
+        ``attention`` on: the sequence-parallel runtime, or the chunked local one); returns the undo callable."""
+        previous = {}
+        for name, attn in self.attention_modules(model):
+            previous[name] = attn.processor
+            attn.set_processor(self.sequence_processor(runtime, attn.processor))
+
+        def restore() -> None:
+            for name, attn in self.attention_modules(model):
+                attn.set_processor(previous[name])
+
+        return restore
 
     def block_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Every repeated block of ``model``, in the order the forward runs them."""

@@ -148,11 +148,13 @@ FLUX_VAE = dict(
 
 #: The 2-D KL VAE of FLUX.1 and SD3 (``AutoencoderKL``) split along height: its convolutions, group norms and
 #: ``Downsample2D`` pads are found by type; the mid-block self-attention (diffusers' ``Attention`` over all
-#: positions) runs on the gathered rows. ``2 ** (levels - 1)`` image rows per latent row.
+#: positions) runs on the gathered rows. ``2 ** (levels - 1)`` image rows per latent row. Its ``tiled_decode``
+#: decodes every tile with ``decoder`` before it blends them, so the tiles can be spread over ranks.
 KL_VAE_PLAN = VaePlan(
     class_names=("AutoencoderKL",),
     spatial_factor=lambda vae: 2 ** (len(vae.config.block_out_channels) - 1),
     gathered=("Attention",),
+    tile_decoder="decoder",
 )
 
 FLUX_DEV = SynthArch(

@@ -21,9 +21,7 @@ exchanged); every rank runs every attention layer in the same order.
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-from ..attention.local import score_mask
+from ..attention.local import QueryChunks, score_mask
 from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
@@ -31,6 +29,7 @@ from ..comm import all_gather_uneven, group_name, offsets, split_sizes
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
 from ..models.base import Gather, ModelAdapter, Split, is_attention
+from .chunk import dispatched_attention
 
 
 class SequenceParallel:
@@ -43,7 +42,7 @@ class SequenceParallel:
     """
 
     def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, chunks: int | None = None,
-                 compiled: bool = False, transport: str = "nccl"):
+                 compiled: bool = False, transport: str = "nccl", query_chunks: QueryChunks | None = None):
         self.adapter = adapter
         self.ctx = ctx
         self.plan = adapter.sequence_plan
@@ -62,6 +61,8 @@ class SequenceParallel:
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
         #: how Ulysses-only attention moves its all-to-alls (``attention.ulysses.TRANSPORTS``)
         self.transport = transport
+        #: pieces of the queries the local attention runs on, after the all-to-all (``parallel.chunk``); None: whole
+        self.query_chunks = query_chunks
         #: local attention sequence length of each sp rank (sum over the streams split so far in this call)
         self.seq_sizes: list[int] = []
         #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
@@ -74,7 +75,8 @@ class SequenceParallel:
         USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
         flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
         ``mask``: optional, in the model's global token order (:meth:`gathered_mask`), boolean (True keeps)
-        or floating (added to the scores), as SDPA takes it.
+        or floating (added to the scores), as SDPA takes it. With ``query_chunks`` the local attention (after the
+        all-to-all, or each ring round's) runs on pieces of the queries; the collectives are the same.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -84,14 +86,15 @@ class SequenceParallel:
         if self.ring_degree == 1:
 
             def local(q, k, v, mask=None):
-                return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
+                return dispatched_attention(q, k, v, mask, backend, self.query_chunks)
 
             return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
                                      chunks=self.ulysses_chunks, transport=self.transport, mask=mask)
         if self.ulysses_degree == 1:
-            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask)
+            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask,
+                                  chunks=self.query_chunks)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                             self.ring_group, self.ulysses_group, mask=mask)
+                             self.ring_group, self.ulysses_group, mask=mask, chunks=self.query_chunks)
 
     def gathered_order(self, streams) -> list[int]:
         """Global positions of the tokens of ``streams`` in the sp ranks' order: rank 0's chunk of each stream (in
@@ -257,20 +260,22 @@ def check_attention_selection(model: torch.nn.Module, adapter: ModelAdapter) -> 
 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext,
-          chunks: int | None = None, compiled: bool = False, transport: str = "nccl") -> list:
+          chunks: int | None = None, compiled: bool = False, transport: str = "nccl",
+          query_chunks: QueryChunks | None = None) -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
     Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
     pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
     will be ``compiled``). ``transport``: how Ulysses-only attention moves its all-to-alls ("nccl" or
-    "symm"; ring and USP always use the process group's backend). The runtime state is the ``sequence``
+    "symm"; ring and USP always use the process group's backend). ``query_chunks``: the local attention runs on
+    pieces of the queries (``parallel.chunk``). The runtime state is the ``sequence``
     hook's ``sp`` (``hooks.find_hook(model, "sequence").sp``). Does nothing (and returns ``[]``) when the
     sequence-parallel degree is 1.
     """
     if mesh.config.sp == 1:
         return []
     check_attention_selection(model, adapter)
-    sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport)
+    sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport, query_chunks)
     plan = adapter.sequence_plan
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]
@@ -283,13 +288,4 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     for path, spec in plan.gathers.items():
         points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
     undo += [p.remove for p in points]
-    previous = {}
-    for name, attn in adapter.attention_modules(model):
-        previous[name] = attn.processor
-        attn.set_processor(adapter.sequence_processor(sp, attn.processor))
-
-    def restore_processors():
-        for name, attn in adapter.attention_modules(model):
-            attn.set_processor(previous[name])
-
-    return undo + [restore_processors]
+    return undo + [adapter.set_processors(model, sp)]

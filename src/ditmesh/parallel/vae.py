@@ -288,6 +288,40 @@ class ConvHook(Hook):
         return [torch.cat([p for _, p in sorted(ps, key=lambda item: item[0])], dim=-2) for ps in parts]
 
 
+def group_stats(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[3, N, groups]`` float64: per sample and group, the count, mean and centred sum of squares (M2) of ``x``'s
+    values (computed in float32 for half-precision inputs)."""
+    v = x.reshape(x.shape[0], groups, -1)
+    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
+    count = torch.full((x.shape[0], groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
+    mean = compute.sum(-1, dtype=torch.float64) / count
+    m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
+    return torch.stack([count, mean, m2])
+
+
+def combine_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (biased) variance of the union of parts, from their :func:`group_stats` stacked ``[P, 3, N, G]``:
+    Chan's combination, which adds the spread of the parts' means ``sum n_p (mean_p - mean)^2`` to their M2s."""
+    counts, means, m2s = stats.unbind(1)
+    total = counts.sum(0)
+    mean_all = (counts * means).sum(0) / total
+    var = (m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)) / total
+    return mean_all, var
+
+
+def group_normalize(x: torch.Tensor, norm: nn.GroupNorm, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``norm`` applied to ``x`` (any rows of the tensor the statistics describe) with the given per (sample, group)
+    ``mean`` and ``var``: computed in float32 for half-precision inputs, returned in ``x``'s dtype."""
+    v = x.reshape(x.shape[0], norm.num_groups, -1)
+    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
+    y = (compute - mean.to(compute.dtype)[..., None]) * torch.rsqrt(var + norm.eps).to(compute.dtype)[..., None]
+    y = y.view(x.shape).to(x.dtype)
+    if norm.affine:
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        y = y * norm.weight.view(shape) + norm.bias.view(shape)
+    return y
+
+
 class GroupNormHook(Hook):
     """Around one ``nn.GroupNorm``: statistics over every rank's rows, exact (Chan's parallel variance)."""
 
@@ -300,23 +334,14 @@ class GroupNormHook(Hook):
         if not self.state.active:
             return call_next(args, kwargs)
         x = args[0]
-        n, groups = x.shape[0], norm.num_groups
-        v = x.reshape(n, groups, -1)
-        compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
-        count = torch.full((n, groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
-        mean = compute.sum(-1, dtype=torch.float64) / count
-        m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
-        stats = all_gather_uneven(torch.stack([count, mean, m2]), 0, [3] * self.state.world, self.state.group)
-        counts, means, m2s = stats.view(self.state.world, 3, n, groups).unbind(1)
-        total = counts.sum(0)
-        mean_all = (counts * means).sum(0) / total
-        var = (m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)) / total
-        y = (compute - mean_all.to(compute.dtype)[..., None]) * torch.rsqrt(var + norm.eps).to(compute.dtype)[..., None]
-        y = y.view(x.shape).to(x.dtype)
-        if norm.affine:
-            shape = (1, -1) + (1,) * (x.ndim - 2)
-            y = y * norm.weight.view(shape) + norm.bias.view(shape)
-        return y
+        mean, var = self.statistics(x, norm.num_groups)
+        return group_normalize(x, norm, mean, var)
+
+    def statistics(self, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance per (sample, group) over every rank's rows of ``x`` (one all-gather)."""
+        own = group_stats(x, groups)
+        stats = all_gather_uneven(own, 0, [3] * self.state.world, self.state.group)
+        return combine_stats(stats.view(self.state.world, *own.shape))
 
 
 class GatherHook(Hook):
@@ -341,6 +366,123 @@ class GatherHook(Hook):
         finally:
             state.whole_depth -= 1
         return out.narrow(dim, offsets(state.units)[state.rank] * m, state.units[state.rank] * m)
+
+
+# -- rank-parallel tiled decode ----------------------------------------------------------------------------------
+class TiledDecode:
+    """The state of one tiled decode spread over ranks: the tile calls seen so far and this rank's decoded tiles.
+
+    diffusers' ``tiled_decode`` calls the tile decoder once per tile (row-major), all tiles first, and blends them
+    after. Tile ``k`` of ``n`` belongs to the rank whose contiguous block of ``split_sizes(n, world)`` holds it: that
+    rank decodes it, the others get a placeholder of its shape. At the last tile call one all-gather fills every
+    placeholder in place, so diffusers' own blending runs on the tiles one process would have decoded.
+    """
+
+    def __init__(self, group, factor: int, channels: int):
+        self.group = group
+        alone = group is None or not dist.is_initialized()  # one process: diffusers' tiling, nothing to gather
+        self.rank, self.world = (0, 1) if alone else (dist.get_rank(group), dist.get_world_size(group))
+        self.factor, self.channels = factor, channels
+        #: per call in progress: the tile count expected, the tiles (decoded or placeholders), and this rank's range
+        self.expected: int | None = None
+        self.tiles: list[torch.Tensor] = []
+        self.gathered = False
+
+    def begin(self, vae, z: torch.Tensor) -> None:
+        """A tiled decode of ``z`` starts: the count of its tiles, from the grid diffusers walks."""
+        step = int(vae.tile_latent_min_size * (1 - vae.tile_overlap_factor))
+        self.expected = len(range(0, z.shape[-2], step)) * len(range(0, z.shape[-1], step))
+        self.tiles, self.gathered = [], False
+
+    def mine(self) -> range:
+        sizes = split_sizes(self.expected, self.world)
+        return range(offsets(sizes)[self.rank], offsets(sizes)[self.rank] + sizes[self.rank])
+
+    def tile(self, decoder, call_next, args, kwargs) -> torch.Tensor:
+        """Tile call ``len(self.tiles)``: decoded here or a placeholder; the last one gathers every tile."""
+        k = len(self.tiles)
+        if k >= self.expected:
+            raise RuntimeError(f"ditmesh tiled VAE: diffusers' tiled decode called its decoder more than the {self.expected} "
+                               "tiles of its grid; vae_parallel='tiled' does not fit this diffusers version")
+        if k in self.mine():
+            out = call_next(args, kwargs)
+        else:
+            z = args[0]
+            weight = next(decoder.parameters())
+            out = weight.new_empty(z.shape[0], self.channels, z.shape[-2] * self.factor, z.shape[-1] * self.factor)
+        self.tiles.append(out)
+        if k == self.expected - 1:
+            self.gather()
+        return out
+
+    def gather(self) -> None:
+        """Fill every placeholder with the tile its owner decoded (one all-gather of all tiles, flattened; none on one
+        process)."""
+        self.gathered = True
+        if self.world == 1:
+            return
+        numels = [t.numel() for t in self.tiles]
+        sizes = split_sizes(self.expected, self.world)
+        starts = offsets(sizes)
+        per_rank = [sum(numels[a:a + n]) for a, n in zip(starts, sizes)]
+        own = [self.tiles[k].reshape(-1) for k in self.mine()]
+        local = torch.cat(own) if own else self.tiles[0].new_empty(0)
+        flat = all_gather_uneven(local, 0, per_rank, self.group)
+        for k, piece in enumerate(flat.split(numels)):
+            if k not in self.mine():
+                self.tiles[k].copy_(piece.view(self.tiles[k].shape))
+
+
+class TiledDecodeHook(Hook):
+    """Around the VAE's tiled decode method: start the grid's count, check that every tile was gathered."""
+
+    name = "vae"
+
+    def __init__(self, state: TiledDecode):
+        self.state = state
+
+    def __call__(self, vae, call_next, args, kwargs):
+        z = args[0] if args else kwargs["z"]
+        self.state.begin(vae, z)
+        try:
+            out = call_next(args, kwargs)
+            if not self.state.gathered:
+                raise RuntimeError(f"ditmesh tiled VAE: diffusers' tiled decode decoded {len(self.state.tiles)} tiles, "
+                                   f"not the {self.state.expected} of its grid; vae_parallel='tiled' does not fit this "
+                                   "diffusers version")
+            return out
+        finally:
+            self.state.expected, self.state.tiles = None, []
+
+
+class TileHook(Hook):
+    """Around the tile decoder: inside a tiled decode, one tile call (:meth:`TiledDecode.tile`)."""
+
+    name = "vae"
+
+    def __init__(self, state: TiledDecode):
+        self.state = state
+
+    def __call__(self, decoder, call_next, args, kwargs):
+        if self.state.expected is None:  # a whole decode: every rank runs it
+            return call_next(args, kwargs)
+        return self.state.tile(decoder, call_next, args, kwargs)
+
+
+def apply_tiled(vae: nn.Module, plan, group) -> list:
+    """Turn on ``vae``'s tiled decode (diffusers' ``enable_tiling``) with its tiles spread over ``group`` and
+    blended as on one process (:class:`TiledDecode`); returns the undo callables (tiling set back as it was, hooks
+    removed). :class:`ConfigError` for a VAE whose plan has no ``tile_decoder``."""
+    if plan.tile_decoder is None or not callable(getattr(vae, plan.tiled_method, None)):
+        raise ConfigError(f"vae_parallel='tiled': {type(vae).__name__}'s tiled decode cannot be spread over ranks; use "
+                          "auto (split along height) or off")
+    state = TiledDecode(group, plan.spatial_factor(vae), vae.config.out_channels)
+    was_tiling = vae.use_tiling
+    vae.enable_tiling()
+    undo = [lambda: setattr(vae, "use_tiling", was_tiling)]
+    undo.append(add_hook(vae, TiledDecodeHook(state), plan.tiled_method))
+    undo.append(add_hook(vae.get_submodule(plan.tile_decoder), TileHook(state)))
+    return undo
 
 
 # -- finding the layers ----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Entry points: :func:`plan` (every valid configuration, ranked), :func:`recommend
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import AXIS_ORDER, ParallelConfig
@@ -14,6 +15,7 @@ from .closed_forms import ring_attention_cost, tensor_parallel_cost, ulysses_att
 from .cost import Calibration, Hardware, Prediction, Workload, enumerate_configs, predict, rank, spearman
 from .hardware import DEVICES, LINKS, get_device, get_link
 from .stats import ModelStats, PlannerError, model_stats, resolve_model
+from .vae import VaeDecode, vae_decode
 
 __all__ = [
     "ring_attention_cost", "ulysses_attention_cost", "tensor_parallel_cost", "plan", "recommend", "PlanResult",
@@ -31,6 +33,7 @@ class PlanResult:
     workload: Workload
     predictions: list[Prediction]  # ranked, best first
     baseline: Prediction  # one GPU, everything off
+    vae: VaeDecode | None = None
 
     @property
     def best(self) -> Prediction:
@@ -59,6 +62,35 @@ class PlanResult:
         return head + (f", moving {comm:.0f} MB per GPU per step over {link} "
                        f"({best.comm_ms:.1f} ms of it not hidden behind compute)")
 
+    def largest(self, prediction: Prediction | None = None) -> dict:
+        """About the largest size ``prediction`` (default: the recommendation) holds: the square picture (sides in
+        multiples of 64) or, for a video, the frame count at this size (the family's 4k+1), with the memory of
+        the transformer step and of the VAE decode there. Activations and the decode grow in proportion to the
+        tokens (pixels x latent frames; the attention runs without a score matrix), the weights stay: the size
+        is the requested one scaled to the memory left; the requested size itself is predicted from its trace."""
+        p = prediction or self.best
+        cal_reserve = Calibration().reserve_gib
+        room = self.hardware.usable_gib - cal_reserve
+        fixed_step = p.memory["weights"]
+        grow_step = p.memory["total"] - fixed_step
+        fixed_decode = fixed_step + (self.vae.weight_bytes / 2**30 if self.vae else 0.0)
+        grow_decode = p.memory.get("decode", fixed_decode) - fixed_decode
+        ratios = [(room - fixed) / grow for fixed, grow in ((fixed_step, grow_step), (fixed_decode, grow_decode))
+                  if grow > 0]
+        ratio = max(0.0, min(ratios)) if ratios else float("inf")
+        s = self.stats
+        out = {"config": p.config.describe()}
+        if s.frames > 1:
+            latent = (s.frames - 1) // 4 + 1
+            frames = 4 * int(latent * ratio - 1) + 1 if ratio != float("inf") else None
+            out.update(height=s.height, width=s.width, frames=frames if frames and frames > 0 else 0)
+        else:
+            side = int((s.height * s.width * ratio) ** 0.5) // 64 * 64 if ratio != float("inf") else None
+            out.update(height=side, width=side, frames=1)
+        out.update(step_gib=round(fixed_step + grow_step * min(ratio, 1e9), 1) if ratios else None,
+                   decode_gib=round(fixed_decode + grow_decode * min(ratio, 1e9), 1) if ratios else None)
+        return out
+
     def as_dict(self) -> dict:
         return {
             "model": self.stats.summary(),
@@ -70,7 +102,9 @@ class PlanResult:
                          "batch": self.workload.batch, "cfg": self.workload.cfg_on, "mode": self.workload.mode,
                          "cuda_graph": self.workload.cuda_graph},
             "recommendation": {"config": self.best.config.describe(), "degrees": self.best.config.as_dict(),
-                               "reason": self.reason()},
+                               "reason": self.reason(), "largest": self.largest()},
+            "vae": None if self.vae is None else {"class": self.vae.class_name, "mode": self.workload.vae_parallel,
+                                                  "vae_chunk": self.workload.vae_chunk},
             "baseline_step_ms": round(self.baseline.step_ms, 2),
             "configs": [p.as_dict() for p in self.predictions],
         }
@@ -106,12 +140,15 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          device: str | None = None, link: str | None = None, nodes: int = 1, inter_link: str | None = None,
          memory_gib: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
          tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
-         calibration: Calibration | None = None, cuda_graph: bool = False) -> PlanResult:
+         calibration: Calibration | None = None, cuda_graph: bool = False, chunk: int | None = None,
+         vae_parallel: str = "auto", vae_chunk: int | None = None) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
     the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``). ``cuda_graph``: every transformer call
-    replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``).
+    replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``). ``chunk``,
+    ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
+    (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`).
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
@@ -124,9 +161,21 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
         unknown = set(supported) - set(AXIS_ORDER)
         if unknown:
             raise PlannerError(f"unknown axes {sorted(unknown)} in supported; known: {', '.join(AXIS_ORDER)}")
+    for name, value in (("chunk", chunk), ("vae_chunk", vae_chunk)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise PlannerError(f"{name}={value!r} must be a positive integer (tokens for chunk, rows for vae_chunk)")
+    if vae_parallel not in ("auto", "on", "tiled", "off"):
+        raise PlannerError(f"vae_parallel={vae_parallel!r} is not a mode; use auto, on, tiled or off")
     hw = build_hardware(gpus, device, link, nodes, inter_link, memory_gib, link_gbps, link_latency_us, tflops)
-    stats = model_stats(resolve_model(model), height, width, frames)
-    workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode, cuda_graph=cuda_graph)
+    spec = resolve_model(model)
+    stats = model_stats(spec, height, width, frames)
+    if chunk:  # the pieces change the activation peak; time and traffic come from the whole trace
+        pieces = model_stats(spec, height, width, frames, 1, chunk)
+        stats = dataclasses.replace(stats, act_peak_bytes=pieces.act_peak_bytes,
+                                    act_peak_sharded_bytes=pieces.act_peak_sharded_bytes)
+    vae = vae_decode(spec, height, width, frames, batch, vae_chunk)
+    workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode, cuda_graph=cuda_graph,
+                        vae_parallel=vae_parallel, vae_chunk=vae_chunk)
     cal = calibration or Calibration()
     configs = enumerate_configs(gpus, stats, workload)
     if supported is not None:
@@ -139,14 +188,27 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
                            + (" without dp/cfg (CUDA graphs)" if cuda_graph else "")
                            + "; try a GPU count that divides the attention heads")
     single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
-    baseline = predict(ParallelConfig(), stats, single_hw, workload, cal)
-    predictions = [predict(c, stats, hw, workload, cal) for c in configs]
+    baseline = predict(ParallelConfig(), stats, single_hw, workload, cal, vae)
+    predictions = [predict(c, stats, hw, workload, cal, vae) for c in configs]
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms
-    return PlanResult(stats, hw, workload, rank(predictions), baseline)
+    return PlanResult(stats, hw, workload, rank(predictions), baseline, vae)
 
 
 def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
-              **kwargs) -> ParallelConfig:
-    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments)."""
-    return plan(model, height, width, gpus, supported=supported, **kwargs).best.config
+              require_fit: bool = False, **kwargs) -> ParallelConfig:
+    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments).
+    ``require_fit``: only one predicted to fit in memory, step and VAE decode alike (the runtime does not offload
+    weights); PlannerError naming the closest one and the largest size it holds otherwise."""
+    result = plan(model, height, width, gpus, supported=supported, **kwargs)
+    if require_fit and result.best.fits != "yes":
+        best, big = result.best, result.largest()
+        size = (f"{big['height']}x{big['width']}" + (f"x{big['frames']}f" if big["frames"] > 1 else "")
+                if big["height"] else "nothing")
+        raise PlannerError(
+            f"no configuration of {gpus} GPU(s) fits {height}x{width}" + (f"x{kwargs.get('frames')}f" if
+                                                                          kwargs.get("frames", 1) > 1 else "")
+            + f" in {result.hardware.usable_gib:.0f} GiB per GPU: {best.config.describe()} needs "
+            f"{best.memory['total']:.1f} GiB for a step and {best.memory.get('decode', 0):.1f} GiB for the VAE decode; "
+            f"it holds about {size}; use more GPUs, a smaller size, --chunk, or --vae-chunk / --vae-parallel tiled")
+    return result.best.config

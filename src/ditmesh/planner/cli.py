@@ -34,6 +34,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="each transformer call replays from a CUDA graph (no host time; rules out dp and cfg)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps (PipeFusion amortizes its fill over them)")
+    p.add_argument("--chunk", type=int, default=None, metavar="TOKENS",
+                   help="count the transformer with feed-forwards and attention in pieces (generate --chunk)")
+    p.add_argument("--vae-parallel", default="auto", choices=("auto", "on", "tiled", "off"),
+                   help="count the VAE decode as generate --vae-parallel runs it (default auto: split over the GPUs)")
+    p.add_argument("--vae-chunk", type=int, default=None, metavar="ROWS",
+                   help="count a whole VAE decode in pieces of ROWS rows (generate --vae-chunk)")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -76,9 +82,23 @@ def format_table(result, top: int = 20) -> str:
     lines += ["", f"recommended: {result.best.config.describe()}  "
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1),
               f"why: {result.reason()}.",
+              largest_line(result),
               "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
               "(generate --plan auto picks among the runnable ones)."]
     return "\n".join(lines)
+
+
+def largest_line(result) -> str:
+    """One line on the largest size the recommendation holds (:meth:`PlanResult.largest`)."""
+    big, best = result.largest(), result.best
+    decode = f", VAE decode {best.memory['decode']:.1f} GiB" if "decode" in best.memory else ""
+    here = (f"memory at this size: step {best.memory['total']:.1f} GiB{decode} "
+            f"(VAE: {result.workload.vae_parallel}" + (f", pieces of {result.workload.vae_chunk} rows"
+                                                        if result.workload.vae_chunk else "") + ")")
+    if big["height"] is None:
+        return f"largest: not bounded by activations; {here}"
+    size = f"{big['height']}x{big['width']}" + (f"x{big['frames']}f" if big["frames"] > 1 else "")
+    return f"largest: about {size} fits with {big['config']} ({here})"
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -108,7 +128,8 @@ def run_plan(args: argparse.Namespace) -> int:
                       cfg=args.cfg, device=args.device, link=args.link, nodes=args.nodes, inter_link=args.inter_link,
                       memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
                       tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported,
-                      cuda_graph=args.cuda_graph)
+                      cuda_graph=args.cuda_graph, chunk=args.chunk, vae_parallel=args.vae_parallel,
+                      vae_chunk=args.vae_chunk)
     except PlannerError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ The prediction for one configuration on one GPU of the mesh:
 * communication: the closed forms of :mod:`.closed_forms` per attention call (Ulysses all-to-alls, ring
   K/V passes) and per row-parallel linear (TP all-reduces), over the link level the axis spans;
   ring passes hide behind the attention of the previous chunk, the others are exposed;
-* memory: weights after sharding + the traced activation peak, scaled + attention and comm buffers.
+* memory: weights after sharding + the traced activation peak, scaled + attention and comm buffers; and, apart
+  from the step (the decode runs after it, the transformer's weights still in place), the VAE decode in the mode
+  the runtime would run (:mod:`.vae`). A configuration fits when the larger of the two does.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from ..config import AXIS_ORDER, ParallelConfig
 from .hardware import Device, Link
 from .stats import ModelStats
+from .vae import VaeDecode
 
 GIB = 2**30
 
@@ -85,6 +88,18 @@ class Workload:
     mode: str = "compiled"  # or "eager"
     #: each transformer call replayed from a CUDA graph (``parallelize(cuda_graph=True)``): no host time
     cuda_graph: bool = False
+    #: how the VAE decodes (``parallelize(vae_parallel=...)``): auto/on split over the ranks, tiled, off (whole)
+    vae_parallel: str = "auto"
+    #: ``parallelize(vae_chunk=...)`` rows, or None: a decode that runs whole runs in pieces
+    vae_chunk: int | None = None
+
+    def vae_mode(self, world: int) -> str:
+        """The :meth:`VaeDecode.peak` mode of a decode on ``world`` ranks."""
+        if self.vae_parallel == "tiled":
+            return "tiled"
+        if self.vae_parallel in ("auto", "on") and world > 1:
+            return "split"
+        return "chunked" if self.vae_chunk else "whole"
 
 
 @dataclass
@@ -179,8 +194,9 @@ def _level(link: Link, hw: Hardware) -> str:
 
 
 def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: Workload,
-            cal: Calibration = Calibration()) -> Prediction:
-    """Predicted step latency, memory and communication of ``config`` on ``hw``."""
+            cal: Calibration = Calibration(), vae: VaeDecode | None = None) -> Prediction:
+    """Predicted step latency, memory and communication of ``config`` on ``hw``; with ``vae``, the VAE decode's
+    memory too (``memory["decode"]``: the transformer's weights, the VAE's and the decode's peak)."""
     dev = hw.device
     rate = dev.matmul_tflops * 1e12
     mode = workload.mode
@@ -306,11 +322,16 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         "comm_buffers": comm_buf / GIB, "kv_cache": kv_cache / GIB,
     }
     memory["total"] = sum(memory.values())
-    need = memory["total"] + cal.reserve_gib
+    if vae is not None:
+        mode = workload.vae_mode(config.world_size)
+        memory["decode"] = (weights + vae.weight_bytes + vae.peak(mode, config.world_size, bool(workload.vae_chunk))
+                            ) / GIB
+    need = max(memory["total"], memory.get("decode", 0.0)) + cal.reserve_gib
     offload_ms = None
     if need <= hw.usable_gib:
         fits = "yes"
-    elif memory["total"] - memory["weights"] + cal.reserve_gib + 0.1 * memory["weights"] <= hw.usable_gib:
+    elif (max(memory["total"], memory.get("decode", 0.0)) - memory["weights"] + cal.reserve_gib
+          + 0.1 * memory["weights"] <= hw.usable_gib):
         fits = "offload"  # weights that do not fit stream from host memory every step
         streamed = (need - hw.usable_gib) * GIB
     else:

@@ -268,7 +268,8 @@ def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
     return int(heads), int(head_dim)
 
 
-def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: int) -> Path | None:
+def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: int, chunk: int | None = None
+                ) -> Path | None:
     """Where traced statistics are kept between runs (``DITMESH_PLAN_CACHE``; ``off`` disables)."""
     import hashlib
     import os
@@ -279,7 +280,7 @@ def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: in
     if root == "off":
         return None
     key = json.dumps([spec.transformer_class, spec.config_json, spec.text_tokens, spec.dtype, height, width, frames,
-                      batch, torch.__version__, diffusers.__version__, _STATS_VERSION])
+                      batch, torch.__version__, diffusers.__version__, _STATS_VERSION] + ([chunk] if chunk else []))
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
@@ -287,11 +288,13 @@ _STATS_VERSION = 2
 
 
 @functools.lru_cache(maxsize=16)
-def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1) -> ModelStats:
-    """Statistics of ``spec`` at one resolution: from the on-disk cache, else traced (:func:`trace_stats`)."""
+def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1,
+                chunk: int | None = None) -> ModelStats:
+    """Statistics of ``spec`` at one resolution (``chunk``: with feed-forwards and attention in pieces of that many
+    tokens, ``parallel.chunk``): from the on-disk cache, else traced (:func:`trace_stats`)."""
     from dataclasses import asdict
 
-    path = _cache_path(spec, height, width, frames, batch)
+    path = _cache_path(spec, height, width, frames, batch, chunk)
     if path is not None and path.is_file():
         try:
             d = json.loads(path.read_text())
@@ -304,7 +307,7 @@ def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
             return ModelStats(**d)
         except (ValueError, TypeError, KeyError):
             pass  # stale or damaged: trace again
-    stats = trace_stats(spec, height, width, frames, batch)
+    stats = trace_stats(spec, height, width, frames, batch, chunk)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -316,8 +319,11 @@ def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
     return stats
 
 
-def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1) -> ModelStats:
-    """Trace ``spec``'s transformer on the meta device at one resolution and return its statistics."""
+def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1,
+                chunk: int | None = None) -> ModelStats:
+    """Trace ``spec``'s transformer on the meta device at one resolution and return its statistics (``chunk``: with
+    the ``chunk`` hooks and query pieces of ``parallel.chunk`` installed, as ``parallelize(chunk_tokens=...)`` runs
+    it: the activation peak is the chunked one)."""
     import time
 
     import diffusers
@@ -333,6 +339,11 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
         model = cls(**config).eval()
         # nn.Module._apply, not ModelMixin.to: same cast on meta tensors, without diffusers' fp32-module warning
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    if chunk:
+        from ..attention.local import QueryChunks
+        from ..parallel import chunk as chunking
+
+        chunking.apply(model, adapter, chunk, torch.device("meta"), QueryChunks(tokens=chunk))
     layout, inputs = family_inputs(spec, model, height, width, frames, batch, dtype)
     heads, head_dim = _heads(model, config)
     hidden = heads * head_dim

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, ParallelConfig, check_chunk, check_supported, check_vae_parallel
+from ..config import (ConfigError, ParallelConfig, check_chunk, check_supported, check_vae_chunk,
+                      check_vae_parallel)
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
@@ -51,6 +52,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
     chunk_setting(getattr(args, "chunk", None))
+    vae_chunk_setting(getattr(args, "vae_chunk", None))
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
     check_image_args(args)
@@ -159,17 +161,23 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
 
 
-def chunk_setting(text: str | None) -> int | str | None:
-    """``--chunk``'s value for ``parallelize(chunk_tokens=...)``: None, ``"auto"`` or a positive token count;
-    anything else is a ConfigError naming it."""
+def chunk_setting(text: str | None, flag: str = "--chunk ", check=check_chunk) -> int | str | None:
+    """``--chunk``'s value for ``parallelize(chunk_tokens=...)`` (or, with ``--vae-chunk `` and
+    :func:`check_vae_chunk`, ``vae_chunk``): None, ``"auto"`` or a positive count; anything else is a ConfigError
+    naming it."""
     if text is None or text == "auto":
         return text
     try:
-        tokens = int(text)
+        count = int(text)
     except ValueError:
-        tokens = 0
-    check_chunk(tokens if tokens >= 1 else text, "--chunk ")  # the typed text is what a bad value names
-    return tokens
+        count = 0
+    check(count if count >= 1 else text, flag)  # the typed text is what a bad value names
+    return count
+
+
+def vae_chunk_setting(text: str | None) -> int | str | None:
+    """``--vae-chunk``'s value for ``parallelize(vae_chunk=...)``: None, ``"auto"`` or a positive row count."""
+    return chunk_setting(text, "--vae-chunk ", check_vae_chunk)
 
 
 def check_output_paths(args) -> None:
@@ -247,9 +255,11 @@ def apply_auto_plan(args, world_size: int) -> ParallelConfig:
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
-    """The configuration the planner recommends for this run, restricted to what this build implements."""
+    """The configuration the planner recommends for this run, restricted to what this build implements and to
+    configurations predicted to fit in memory with the run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk``
+    (a ConfigError naming the largest size that fits otherwise)."""
     from ..config import SUPPORTED_AXES
-    from ..planner import recommend
+    from ..planner import PlannerError, recommend
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
         raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
@@ -262,11 +272,18 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
     prompts = len(args.prompt) if args.prompt else 1
-    return recommend(model, args.height or size[0], args.width or size[1], world_size,
-                     frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
-                     batch=prompts * getattr(args, "images_per_prompt", 1),
-                     mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
-                     cuda_graph=getattr(args, "cuda_graph", False))
+    counted = {"chunk": chunk_setting(getattr(args, "chunk", None)),
+               "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
+    counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
+    try:
+        return recommend(model, args.height or size[0], args.width or size[1], world_size,
+                         frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
+                         batch=prompts * getattr(args, "images_per_prompt", 1),
+                         mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
+                         cuda_graph=getattr(args, "cuda_graph", False), require_fit=True,
+                         vae_parallel=getattr(args, "vae_parallel", "auto"), **counted)
+    except PlannerError as exc:
+        raise ConfigError(f"--plan auto: {exc}") from None
 
 
 def _archs():
@@ -367,7 +384,8 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
                           chunk_tokens=chunk_setting(getattr(args, "chunk", None)),
-                          vae_parallel=getattr(args, "vae_parallel", "auto"))
+                          vae_parallel=getattr(args, "vae_parallel", "auto"),
+                          vae_chunk=vae_chunk_setting(getattr(args, "vae_chunk", None)))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
@@ -486,6 +504,9 @@ def run(args) -> int:
             # feed-forwards run on pieces of the sequence (``--chunk``): the setting, and whether it applied
             "chunk": {"setting": getattr(args, "chunk", None),
                       "applied": any(name.startswith("chunk(") for name in runtime.applied)},
+            # the VAE's residual blocks and up-samplers run on pieces of rows (``--vae-chunk``)
+            "vae_chunk": {"setting": getattr(args, "vae_chunk", None),
+                          "applied": any(name.startswith("vae_chunk(") for name in runtime.applied)},
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
