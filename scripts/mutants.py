@@ -66,6 +66,8 @@ T_FLUX_TP = "tests/test_tensor_parallel.py::test_flux_tp_matches_single_process"
 T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_process"
 T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
+T_QWEN = "tests/test_qwenimage.py::test_qwenimage_pipeline_matches_single_process"
+T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_modulate_index_with_the_image"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -223,6 +225,21 @@ MUTANTS: tuple[Mutant, ...] = (
            "image_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
            (f"{T_FLUX_SP}[ulysses2-even]",),
            "FLUX's attention output is cut image first, though its tokens are text first"),
+    Mutant("qwenimage-text-rope-not-split", "models/qwenimage.py",
+           'outputs={"pos_embed": {0: Split(dim=0, stream="image", ndim=2), 1: Split(dim=0, stream="text", ndim=2)}}',
+           'outputs={"pos_embed": {0: Split(dim=0, stream="image", ndim=2)}}',
+           (f"{T_QWEN}[ulysses2-even]",),
+           "QwenImage's text RoPE table stays whole while its text tokens are split"),
+    Mutant("qwenimage-mask-without-image-keys", "models/qwenimage.py",
+           "image = encoder_hidden_states_mask.new_ones(hidden_states.shape[0], self.sp.stream_length(\"image\"))",
+           "image = encoder_hidden_states_mask.new_ones(hidden_states.shape[0], hidden_states.shape[1])",
+           (f"{T_QWEN}[ulysses2-even]",),
+           "QwenImage's text mask is extended over the local image tokens, not all of them"),
+    Mutant("qwenimage-modulate-index-whole", "models/qwenimage.py",
+           '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=2)}',
+           '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=3)}',
+           (f"{T_QWEN_EDIT}[{{'ulysses': 2}}]",),
+           "an edit checkpoint's modulate_index [B, N] is never split with the image tokens"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

@@ -11,8 +11,8 @@ import torch
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
-                      fuse_qkv: bool = False):
-    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank.
+                      fuse_qkv: bool = False, extra: dict | None = None):
+    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank (``extra``: more call kwargs).
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
     for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
@@ -30,6 +30,7 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
     kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
+    kwargs.update(extra or {})
     with count_collectives() as counts:
         pipe(prompt, **kwargs)
     return final["latents"], dict(counts), len(calls)
@@ -67,3 +68,42 @@ def transformer_call(arch: str, config: dict, inputs: dict):
     with torch.no_grad(), count_collectives() as counts:
         out = model(**inputs)[0]
     return out, dict(counts)
+
+
+def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, width: int, max_sequence_length: int,
+                  guidance_scale: float | None = 5.0, extra: dict | None = None):
+    """One process, not parallelized: the pipeline in folder ``model`` with its transformer's ``mask_input`` replaced by
+    None in every call. Returns (the masks the pipeline passed, one per call; the final latents)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+
+    def drop_mask(module, args, kwargs):
+        seen.append(kwargs[mask_input])
+        return args, dict(kwargs, **{mask_input: None})
+
+    pipe.transformer.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    final = {}
+    kwargs = call_kwargs(final, steps, height, width, None, max_sequence_length, guidance_scale)
+    pipe(prompt, **{**kwargs, **(extra or {})})
+    return seen, final["latents"]
+
+
+def pipeline_counts(config: dict, steps: int, attention_layers: int, all_reduces_per_call: int,
+                    calls_per_step: int = 2) -> dict:
+    """The collectives of one pipeline call under ``config`` (a joint-attention image family, true CFG: two calls a
+    step): cfg, one all-gather per step (the branches exchanged); dp, one per call (the prompts' outputs); tp,
+    ``all_reduces_per_call``; ulysses and ring, 2 all-to-alls and ``ring - 1`` exchange rounds per attention layer and
+    one all-gather per call (the output)."""
+    calls = calls_per_step * steps
+    if "cfg" in config:
+        return {"all_gather": steps}
+    if "dp" in config:
+        return {"all_gather": calls}
+    counts = {"all_reduce": all_reduces_per_call * calls} if "tp" in config else {}
+    if "ulysses" in config or "ring" in config:
+        per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
+        counts.update({kind: n * attention_layers * calls for kind, n in per_layer.items() if n}, all_gather=calls)
+    return counts

@@ -50,6 +50,7 @@ class SequencePlan:
     tensor); ``gathers`` gather its output. ``streams`` lists the token streams in the order the attention
     concatenates them (FLUX: text before image); each stream is split into contiguous chunks on its own, and
     the first split of a stream in a call fixes its chunk sizes (from the global length, so all ranks agree).
+    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each).
     """
 
     streams: tuple[str, ...]
@@ -58,6 +59,9 @@ class SequencePlan:
     gathers: dict[str, Gather] = field(default_factory=dict)
     #: where this plan differs from the class's ``_cp_plan`` and why (checked against it by the tests)
     differs_from_cp_plan: str = ""
+    #: forward inputs the class's ``_cp_plan`` splits that this plan keeps whole on every rank: a mask over the
+    #: keys, which the processor passes to ``sp.attention`` in the model's own order (it is reordered like the keys)
+    whole: tuple[str, ...] = ()
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------------
