@@ -68,6 +68,8 @@ T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
 T_QWEN = "tests/test_qwenimage.py::test_qwenimage_pipeline_matches_single_process"
 T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_modulate_index_with_the_image"
+T_FLUX2 = "tests/test_flux2.py::test_flux2_pipeline_matches_single_process"
+T_FLUX2_CACHE = "tests/test_flux2.py::test_flux2_cache_decides_as_one_process_under_ulysses"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -240,6 +242,19 @@ MUTANTS: tuple[Mutant, ...] = (
            '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=3)}',
            (f"{T_QWEN_EDIT}[{{'ulysses': 2}}]",),
            "an edit checkpoint's modulate_index [B, N] is never split with the image tokens"),
+    Mutant("flux2-fused-split-at-the-full-width", "models/flux2.py",
+           "local_qkv = fused.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)", "local_qkv = qkv_dim",
+           (f"{T_FLUX2}[tp2-ring2-uneven]",),  # under tp alone the model's own processor runs
+           "FLUX.2's single processor cuts the fused projection at the whole model's Q/K/V width, not the shard's"),
+    Mutant("packed-colwise-as-one-part", "parallel/tensor.py",
+           "shards[name] = LinearShard(kind, parts)", "shards[name] = LinearShard(kind, (sum(parts),))",
+           (f"{T_FLUX2}[tp2-even]",),
+           "a packed linear is split as one range, so a rank gets Q and K of all heads instead of its share of each part"),
+    Mutant("cache-residual-across-the-join", "cache.py",
+           "for name, before in self._entering(cache.middle_in).items():",
+           "for name, before in cache.middle_in.items():",
+           (T_FLUX2_CACHE,),
+           "the middle's residual is taken against the image stream alone where the single blocks carry [text, image]"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import torch
 
+#: two prompts of different lengths (a pipeline that pads to the longest pads the first)
+PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
+#: a joint text + image family's tiny sizes: image tokens (H/16 * W/16) and text tokens (max_sequence_length where
+#: the pipeline pads to it): 16 + 32 divide 2 and 4; 9 + 15 divide neither
+JOINT_SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
+                "uneven": dict(height=48, width=48, max_sequence_length=15)}
+
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
@@ -32,7 +39,7 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
     kwargs.update(extra or {})
     with count_collectives() as counts:
-        pipe(prompt, **kwargs)
+        pipe(prompt=prompt, **kwargs)
     return final["latents"], dict(counts), len(calls)
 
 
@@ -87,7 +94,7 @@ def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, 
     pipe.transformer.register_forward_pre_hook(drop_mask, with_kwargs=True)
     final = {}
     kwargs = call_kwargs(final, steps, height, width, None, max_sequence_length, guidance_scale)
-    pipe(prompt, **{**kwargs, **(extra or {})})
+    pipe(prompt=prompt, **{**kwargs, **(extra or {})})
     return seen, final["latents"]
 
 
@@ -107,3 +114,12 @@ def pipeline_counts(config: dict, steps: int, attention_layers: int, all_reduces
         per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
         counts.update({kind: n * attention_layers * calls for kind, n in per_layer.items() if n}, all_gather=calls)
     return counts
+
+
+def refused_call(arch, config: dict, inputs: dict) -> str | None:
+    """``transformer_call``'s call, returning the one-line message of the error it raises on this rank (None: none)."""
+    try:
+        transformer_call(arch, config, inputs)
+    except (NotImplementedError, ValueError) as error:
+        return str(error)
+    return None

@@ -8,23 +8,19 @@ import math
 import pytest
 import torch
 
-from cases_models import masks_dropped, pipeline_counts, pipeline_generate
+from cases_cache import assert_cache_decides_as_one_process
+from cases_models import JOINT_SHAPES, PROMPTS, masks_dropped, pipeline_counts, pipeline_generate
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the mask differs per sample
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
-#: image tokens (H/16 * W/16) and text tokens (max_sequence_length): 16 + 32 divide 2; 9 + 15 do not
-SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
-          "uneven": dict(height=48, width=48, max_sequence_length=15)}
+SHAPES = JOINT_SHAPES
 ATTENTION_LAYERS = 4  # 2 double + 2 single blocks
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def chroma_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("chroma-tiny", tmp_path_factory.mktemp("chroma") / "chroma-tiny", seed=0, device="cpu"))
+def chroma_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("chroma-tiny")
 
 
 _REFERENCES: dict = {}
@@ -61,6 +57,12 @@ def test_chroma_mask_changes_the_output(chroma_tiny):
     mask = seen[0]
     assert mask.shape == (2, 32 + 16) and not torch.equal(mask[0], mask[1])  # per-sample padding
     assert rel_err(latents, reference(chroma_tiny, "even")) > 1e-3
+
+
+def test_chroma_cache_decides_as_one_process_under_ulysses(pools, chroma_tiny):
+    # teacache skips the double and the single blocks: its residual runs from [text, image] into cat([text, image])
+    assert_cache_decides_as_one_process(pools, chroma_tiny, {"ulysses": 2}, "teacache:threshold=1.0,warmup=1", steps=5,
+                                        prompts=PROMPTS, size=48, max_sequence_length=15, guidance_scale=1.0)
 
 
 def test_chroma_real_size_matches_the_published_config():

@@ -9,12 +9,10 @@ import math
 import pytest
 import torch
 
-from cases_cache import cached_run
-from cases_models import masks_dropped, pipeline_counts, pipeline_generate, transformer_call
+from cases_cache import assert_cache_decides_as_one_process
+from cases_models import PROMPTS, masks_dropped, pipeline_counts, pipeline_generate, transformer_call
 from ditmesh.testing import rel_err
 
-#: two prompts of different lengths: the shorter one is padded, so the pipeline passes a mask
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: true CFG: the prompts' call, then the negative prompts' (the pipeline passes no mask there: nothing is padded)
 CFG = dict(negative_prompt=["", ""], true_cfg_scale=4.0, guidance_scale=None)
 #: image tokens (H/16 * W/16) and text tokens (the longer prompt, cut at max_sequence_length): 16 + 60 divide 2 and
@@ -26,11 +24,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def qwenimage_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("qwenimage-tiny", tmp_path_factory.mktemp("qwen") / "qwenimage-tiny", seed=0,
-                                device="cpu"))
+def qwenimage_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("qwenimage-tiny")
 
 
 _REFERENCES: dict = {}
@@ -101,14 +96,8 @@ def test_qwenimage_edit_transformer_splits_modulate_index_with_the_image(pools, 
 
 def test_qwenimage_cache_decides_as_one_process_under_ulysses(pools, qwenimage_tiny):
     # teacache decides from the first block's modulated input (the adapter's ``modulated_input``)
-    setting = "teacache:threshold=0.5,warmup=1"
-    kwargs = dict(steps=5, prompts=PROMPTS, size=48, max_sequence_length=57)
-    ref_latents, ref_history, _ = cached_run(qwenimage_tiny, {}, setting, **kwargs)
-    skips = [h["skip"] for h in ref_history["transformer"]]
-    assert any(skips) and not all(skips), ref_history
-    for latents, history, _ in pools(2).run(cached_run, qwenimage_tiny, {"ulysses": 2}, setting, **kwargs):
-        assert [h["skip"] for h in history["transformer"]] == skips
-        assert rel_err(latents, ref_latents) <= 1e-5
+    assert_cache_decides_as_one_process(pools, qwenimage_tiny, {"ulysses": 2}, "teacache:threshold=0.5,warmup=1", steps=5,
+                                        prompts=PROMPTS, size=48, max_sequence_length=57)
 
 
 def test_qwenimage_real_size_matches_the_published_config():
