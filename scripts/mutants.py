@@ -255,6 +255,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "for name, before in cache.middle_in.items():",
            (T_FLUX2_CACHE,),
            "the middle's residual is taken against the image stream alone where the single blocks carry [text, image]"),
+    Mutant("qwenimage-vae-padding-not-named", "models/qwenimage.py",
+           "    conv_padding=causal_conv_padding(autoencoder_kl_qwenimage.QwenImageCausalConv3d),\n",
+           "    conv_padding=None,\n",
+           ("tests/test_parallel_vae.py::test_wan_causal_vae_split_along_height_matches_single_process[qwen-decode-5-3-1]",),
+           "the QwenImage VAE's causal convolutions are taken to pad as conv.padding says (they pad in forward)"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

@@ -37,7 +37,7 @@ from diffusers.models.transformers import transformer_flux2
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, register, spatial_latent)
-from .flux import FluxSequenceParallelProcessor
+from .flux import KL_VAE_PLAN, FluxSequenceParallelProcessor
 
 
 class Flux2SingleSequenceParallelProcessor:
@@ -140,6 +140,11 @@ FLUX2_TENSOR_PLAN = TensorPlan(
     packed_rowwise={"single_transformer_blocks.*.attn.to_out": ("inner_dim", "mlp_hidden_dim")},
     per_rank_attrs={"transformer_blocks.*.attn": ("heads",), "single_transformer_blocks.*.attn": ("heads",)},
 )
+
+
+#: FLUX.2's VAE (``AutoencoderKLFlux2``): FLUX.1's 2-D KL encoder and decoder (32 latent channels), split along height
+#: as FLUX.1's; the pipelines' 2x2 patches and batch-norm statistics act on the latents outside the VAE's calls
+FLUX2_VAE_PLAN = dataclasses.replace(KL_VAE_PLAN, class_names=("AutoencoderKLFlux2",))
 
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
@@ -247,5 +252,6 @@ FLUX2 = register(
         pipelines=("Flux2Pipeline", "Flux2KleinPipeline"),
         synth_archs=(FLUX2_TINY, FLUX2_DEV),
         synth_components=flux2_components,
+        vae=FLUX2_VAE_PLAN,
     )
 )

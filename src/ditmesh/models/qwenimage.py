@@ -33,10 +33,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, register, spatial_latent)
+from .wan import WAN_VAE_PLAN, causal_conv_padding
 
 
 class QwenImageSequenceParallelProcessor:
@@ -131,6 +133,16 @@ QWENIMAGE_TENSOR_PLAN = TensorPlan(
         "transformer_blocks.*.img_mlp.net.2", "transformer_blocks.*.txt_mlp.net.2",
     ),
     per_rank_attrs={"transformer_blocks.*.attn": ("heads", "inner_dim")},
+)
+
+
+#: The QwenImage VAE (Wan 2.1's causal 3-D VAE under its own class names, one frame per image) split along height as
+#: Wan's: frames whole, each rank's temporal cache holding its own rows, the mid-block attention on the gathered rows.
+QWENIMAGE_VAE_PLAN = dataclasses.replace(
+    WAN_VAE_PLAN,
+    class_names=("AutoencoderKLQwenImage",),
+    gathered=("QwenImageAttentionBlock",),
+    conv_padding=causal_conv_padding(autoencoder_kl_qwenimage.QwenImageCausalConv3d),
 )
 
 
@@ -252,5 +264,6 @@ QWENIMAGE_ADAPTER = register(
         pipelines=("QwenImagePipeline",),
         synth_archs=(QWENIMAGE_TINY, QWENIMAGE),
         synth_components=qwenimage_components,
+        vae=QWENIMAGE_VAE_PLAN,
     )
 )
