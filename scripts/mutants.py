@@ -66,6 +66,10 @@ T_FLUX_TP = "tests/test_tensor_parallel.py::test_flux_tp_matches_single_process"
 T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_process"
 T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
+T_QWEN = "tests/test_qwenimage.py::test_qwenimage_pipeline_matches_single_process"
+T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_modulate_index_with_the_image"
+T_FLUX2 = "tests/test_flux2.py::test_flux2_pipeline_matches_single_process"
+T_FLUX2_CACHE = "tests/test_flux2.py::test_flux2_cache_decides_as_one_process_under_ulysses"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -223,6 +227,39 @@ MUTANTS: tuple[Mutant, ...] = (
            "image_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
            (f"{T_FLUX_SP}[ulysses2-even]",),
            "FLUX's attention output is cut image first, though its tokens are text first"),
+    Mutant("qwenimage-text-rope-not-split", "models/qwenimage.py",
+           'outputs={"pos_embed": {0: Split(dim=0, stream="image", ndim=2), 1: Split(dim=0, stream="text", ndim=2)}}',
+           'outputs={"pos_embed": {0: Split(dim=0, stream="image", ndim=2)}}',
+           (f"{T_QWEN}[ulysses2-even]",),
+           "QwenImage's text RoPE table stays whole while its text tokens are split"),
+    Mutant("qwenimage-mask-without-image-keys", "models/qwenimage.py",
+           "image = encoder_hidden_states_mask.new_ones(hidden_states.shape[0], self.sp.stream_length(\"image\"))",
+           "image = encoder_hidden_states_mask.new_ones(hidden_states.shape[0], hidden_states.shape[1])",
+           (f"{T_QWEN}[ulysses2-even]",),
+           "QwenImage's text mask is extended over the local image tokens, not all of them"),
+    Mutant("qwenimage-modulate-index-whole", "models/qwenimage.py",
+           '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=2)}',
+           '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=3)}',
+           (f"{T_QWEN_EDIT}[{{'ulysses': 2}}]",),
+           "an edit checkpoint's modulate_index [B, N] is never split with the image tokens"),
+    Mutant("flux2-fused-split-at-the-full-width", "models/flux2.py",
+           "local_qkv = fused.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)", "local_qkv = qkv_dim",
+           (f"{T_FLUX2}[tp2-ring2-uneven]",),  # under tp alone the model's own processor runs
+           "FLUX.2's single processor cuts the fused projection at the whole model's Q/K/V width, not the shard's"),
+    Mutant("packed-colwise-as-one-part", "parallel/tensor.py",
+           "shards[name] = LinearShard(kind, parts)", "shards[name] = LinearShard(kind, (sum(parts),))",
+           (f"{T_FLUX2}[tp2-even]",),
+           "a packed linear is split as one range, so a rank gets Q and K of all heads instead of its share of each part"),
+    Mutant("cache-residual-across-the-join", "cache.py",
+           "for name, before in self._entering(cache.middle_in).items():",
+           "for name, before in cache.middle_in.items():",
+           (T_FLUX2_CACHE,),
+           "the middle's residual is taken against the image stream alone where the single blocks carry [text, image]"),
+    Mutant("qwenimage-vae-padding-not-named", "models/qwenimage.py",
+           "    conv_padding=causal_conv_padding(autoencoder_kl_qwenimage.QwenImageCausalConv3d),\n",
+           "    conv_padding=None,\n",
+           ("tests/test_parallel_vae.py::test_wan_causal_vae_split_along_height_matches_single_process[qwen-decode-5-3-1]",),
+           "the QwenImage VAE's causal convolutions are taken to pad as conv.padding says (they pad in forward)"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

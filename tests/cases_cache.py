@@ -34,8 +34,8 @@ def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 
         kwargs.update(negative_prompt="", true_cfg_scale=2.0)
     kwargs.update(extra)
     with count_collectives() as counts:
-        latents = pipe(list(prompts), **kwargs).images if "num_frames" not in extra else \
-            pipe(list(prompts), **kwargs).frames
+        latents = pipe(prompt=list(prompts), **kwargs).images if "num_frames" not in extra else \
+            pipe(prompt=list(prompts), **kwargs).frames
     history = {name: c.history for name, c in runtime.caches.items()}
     return latents, history, dict(counts)
 
@@ -85,3 +85,19 @@ def path_graphed_cached_run(config: dict, cache: str, steps: int = 10, cfg: bool
                find_hook(pipe.transformer, "graph").graphed.entries.items()}
     hook_undo[0]()
     return latents, {"transformer": step_cache.history}, entries
+
+
+def assert_cache_decides_as_one_process(pools, model: str, config: dict, setting: str, **kwargs) -> None:
+    """``cached_run`` of ``model`` under ``config`` on every rank takes the one-process run's decisions, some of which
+    skip and some compute, and gives its latents (relative error <= 1e-5)."""
+    from ditmesh.testing import rel_err
+
+    ref_latents, ref_history, _ = cached_run(model, {}, setting, **kwargs)
+    skips = [h["skip"] for h in ref_history["transformer"]]
+    assert any(skips) and not all(skips), ref_history
+    world = 1
+    for degree in config.values():
+        world *= degree
+    for latents, history, _ in pools(world).run(cached_run, model, config, setting, **kwargs):
+        assert [h["skip"] for h in history["transformer"]] == skips
+        assert rel_err(latents, ref_latents) <= 1e-5

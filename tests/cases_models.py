@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import torch
 
+#: two prompts of different lengths (a pipeline that pads to the longest pads the first)
+PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
+#: a joint text + image family's tiny sizes: image tokens (H/16 * W/16) and text tokens (max_sequence_length where
+#: the pipeline pads to it): 16 + 32 divide 2 and 4; 9 + 15 divide neither
+JOINT_SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
+                "uneven": dict(height=48, width=48, max_sequence_length=15)}
+
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
-                      fuse_qkv: bool = False, chunk_tokens=None):
-    """Run the pipeline in folder ``model`` with ditmesh ``config`` (and ``chunk_tokens``) on this rank.
+                      fuse_qkv: bool = False, chunk_tokens=None, extra: dict | None = None):
+    """Run the pipeline in folder ``model`` with ditmesh ``config`` (and ``chunk_tokens``) on this rank (``extra``:
+    more call kwargs).
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
     for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
@@ -30,8 +38,9 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
     kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
+    kwargs.update(extra or {})
     with count_collectives() as counts:
-        pipe(prompt, **kwargs)
+        pipe(prompt=prompt, **kwargs)
     return final["latents"], dict(counts), len(calls)
 
 
@@ -67,3 +76,51 @@ def transformer_call(arch: str, config: dict, inputs: dict):
     with torch.no_grad(), count_collectives() as counts:
         out = model(**inputs)[0]
     return out, dict(counts)
+
+
+def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, width: int, max_sequence_length: int,
+                  guidance_scale: float | None = 5.0, extra: dict | None = None):
+    """One process, not parallelized: the pipeline in folder ``model`` with its transformer's ``mask_input`` replaced by
+    None in every call. Returns (the masks the pipeline passed, one per call; the final latents)."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+
+    def drop_mask(module, args, kwargs):
+        seen.append(kwargs[mask_input])
+        return args, dict(kwargs, **{mask_input: None})
+
+    pipe.transformer.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    final = {}
+    kwargs = call_kwargs(final, steps, height, width, None, max_sequence_length, guidance_scale)
+    pipe(prompt=prompt, **{**kwargs, **(extra or {})})
+    return seen, final["latents"]
+
+
+def pipeline_counts(config: dict, steps: int, attention_layers: int, all_reduces_per_call: int,
+                    calls_per_step: int = 2) -> dict:
+    """The collectives of one pipeline call under ``config`` (a joint-attention image family, true CFG: two calls a
+    step): cfg, one all-gather per step (the branches exchanged); dp, one per call (the prompts' outputs); tp,
+    ``all_reduces_per_call``; ulysses and ring, 2 all-to-alls and ``ring - 1`` exchange rounds per attention layer and
+    one all-gather per call (the output)."""
+    calls = calls_per_step * steps
+    if "cfg" in config:
+        return {"all_gather": steps}
+    if "dp" in config:
+        return {"all_gather": calls}
+    counts = {"all_reduce": all_reduces_per_call * calls} if "tp" in config else {}
+    if "ulysses" in config or "ring" in config:
+        per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
+        counts.update({kind: n * attention_layers * calls for kind, n in per_layer.items() if n}, all_gather=calls)
+    return counts
+
+
+def refused_call(arch, config: dict, inputs: dict) -> str | None:
+    """``transformer_call``'s call, returning the one-line message of the error it raises on this rank (None: none)."""
+    try:
+        transformer_call(arch, config, inputs)
+    except (NotImplementedError, ValueError) as error:
+        return str(error)
+    return None

@@ -66,7 +66,7 @@ def tp_model_case(model: str, config: dict, steps: int = 2, height: int = 64, wi
     final = {}
     kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
     with count_collectives() as counts:
-        pipe("a red circle", **kwargs)
+        pipe(prompt="a red circle", **kwargs)
     for h in handles:
         h.remove()
     return dict(latents=final["latents"], counts=dict(counts), calls=calls, per_block=per_block,

@@ -14,11 +14,15 @@ TINY_VAES = {
                                  up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, norm_num_groups=4,
                                  latent_channels=4)),
     "wan": ("AutoencoderKLWan", dict(base_dim=8, z_dim=4, num_res_blocks=1)),
+    "qwen": ("AutoencoderKLQwenImage", dict(base_dim=8, z_dim=4, num_res_blocks=1)),
     # Wan 2.2's layout: 2x2 patches around the VAE (16x), residual blocks with pixel-shuffle shortcuts
     "wan22": ("AutoencoderKLWan", dict(base_dim=8, decoder_base_dim=8, z_dim=4, num_res_blocks=1, is_residual=True,
                                        patch_size=2, scale_factor_spatial=16, in_channels=12, out_channels=12,
                                        dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True])),
 }
+TINY_VAES["flux2"] = ("AutoencoderKLFlux2", TINY_VAES["kl"][1])  # FLUX.2's VAE class, FLUX.1's layout
+#: the 2-D VAEs (no frames)
+IMAGE_VAES = ("kl", "flux2")
 
 
 def tiny_vae(kind: str):
@@ -39,9 +43,9 @@ def _inputs(vae, kind: str, what: str, rows: int, cols: int, frames: int, batch:
 
     g = torch.Generator().manual_seed(7)
     factor = 1 if what == "decode" else vae_plan_for(vae).spatial_factor(vae)
-    channels = vae.config.latent_channels if kind == "kl" and what == "decode" else (
+    channels = vae.config.latent_channels if kind in IMAGE_VAES and what == "decode" else (
         vae.config.z_dim if what == "decode" else 3)
-    time = () if kind == "kl" else (frames,)
+    time = () if kind in IMAGE_VAES else (frames,)
     return torch.randn(batch, channels, *time, rows * factor, cols * factor, generator=g)
 
 

@@ -52,3 +52,18 @@ def pools():
         if not pool.closed:
             pool.close()
     _POOLS.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """``tiny_checkpoints(name)`` -> the path of the synthetic ``name`` pipeline folder (seed 0), written once."""
+    from ditmesh.synth import write_checkpoint
+
+    written: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in written:
+            written[name] = str(write_checkpoint(name, tmp_path_factory.mktemp("tiny") / name, seed=0, device="cpu"))
+        return written[name]
+
+    return get

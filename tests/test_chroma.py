@@ -8,23 +8,19 @@ import math
 import pytest
 import torch
 
-from cases_models import pipeline_generate
+from cases_cache import assert_cache_decides_as_one_process
+from cases_models import JOINT_SHAPES, PROMPTS, masks_dropped, pipeline_counts, pipeline_generate
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the mask differs per sample
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
-#: image tokens (H/16 * W/16) and text tokens (max_sequence_length): 16 + 32 divide 2; 9 + 15 do not
-SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
-          "uneven": dict(height=48, width=48, max_sequence_length=15)}
+SHAPES = JOINT_SHAPES
 ATTENTION_LAYERS = 4  # 2 double + 2 single blocks
 STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def chroma_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("chroma-tiny", tmp_path_factory.mktemp("chroma") / "chroma-tiny", seed=0, device="cpu"))
+def chroma_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("chroma-tiny")
 
 
 _REFERENCES: dict = {}
@@ -37,14 +33,9 @@ def reference(path: str, shape: str) -> torch.Tensor:
 
 
 def expected_counts(config: dict) -> dict:
-    """Collectives of one pipeline call: 2 steps x 2 transformer calls (prompt, negative prompt)."""
-    calls = 2 * STEPS
-    if "cfg" in config:
-        return {"all_gather": STEPS}  # the two branches exchanged once per step
-    if "tp" in config:
-        return {"all_reduce": (4 * 2 + 1 * 2) * calls}  # 4 per double block, 1 per single block (FLUX's plan)
-    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
-    return {**{kind: n * ATTENTION_LAYERS * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
+    """Collectives of one pipeline call: 2 steps x 2 transformer calls (prompt, negative prompt); under tp 4
+    all-reduces per double block and 1 per single block (FLUX's plan)."""
+    return pipeline_counts(config, STEPS, ATTENTION_LAYERS, all_reduces_per_call=4 * 2 + 1 * 2)
 
 
 @pytest.mark.parametrize("shape", ["even", "uneven"])
@@ -74,24 +65,16 @@ def test_chroma_attention_in_query_pieces_keeps_its_mask(pools, chroma_tiny, con
 
 def test_chroma_mask_changes_the_output(chroma_tiny):
     # the mask the parallel runs must carry matters: dropping it inside the transformer gives another result
-    from diffusers import ChromaPipeline
-
-    from cases_models import call_kwargs
-
-    pipe = ChromaPipeline.from_pretrained(chroma_tiny, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    seen = []
-
-    def drop_mask(module, args, kwargs):
-        seen.append(kwargs["attention_mask"])
-        return args, dict(kwargs, attention_mask=None)
-
-    pipe.transformer.register_forward_pre_hook(drop_mask, with_kwargs=True)
-    final = {}
-    pipe(PROMPTS, **call_kwargs(final, STEPS, frames=None, guidance_scale=5.0, **SHAPES["even"]))
+    seen, latents = masks_dropped(chroma_tiny, "attention_mask", PROMPTS, STEPS, **SHAPES["even"])
     mask = seen[0]
     assert mask.shape == (2, 32 + 16) and not torch.equal(mask[0], mask[1])  # per-sample padding
-    assert rel_err(final["latents"], reference(chroma_tiny, "even")) > 1e-3
+    assert rel_err(latents, reference(chroma_tiny, "even")) > 1e-3
+
+
+def test_chroma_cache_decides_as_one_process_under_ulysses(pools, chroma_tiny):
+    # teacache skips the double and the single blocks: its residual runs from [text, image] into cat([text, image])
+    assert_cache_decides_as_one_process(pools, chroma_tiny, {"ulysses": 2}, "teacache:threshold=1.0,warmup=1", steps=5,
+                                        prompts=PROMPTS, size=48, max_sequence_length=15, guidance_scale=1.0)
 
 
 def test_chroma_real_size_matches_the_published_config():

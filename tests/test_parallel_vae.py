@@ -16,14 +16,16 @@ KL_DECODE = {"halo": 20, "all_gather": 17 + 1 + 1}  # convs: 2 + mid 4 + up 6 re
 KL_ENCODE = {"halo": 14, "all_gather": 11 + 1 + 1}  # convs: 2 + mid 4 + down 3 resnets x 2 + 2 downsamplers
 
 
-@pytest.mark.parametrize("world,what,rows,cols,batch", [
-    (2, "decode", 7, 5, 1),
-    (2, "encode", 7, 5, 1),
-    (3, "decode", 7, 5, 2),   # 3, 2, 2 latent rows
-    (3, "encode", 13, 3, 1),  # 5, 4, 4 latent rows (20, 16, 16 image rows)
+@pytest.mark.parametrize("kind,world,what,rows,cols,batch", [
+    ("kl", 2, "decode", 7, 5, 1),
+    ("kl", 2, "encode", 7, 5, 1),
+    ("kl", 3, "decode", 7, 5, 2),   # 3, 2, 2 latent rows
+    ("kl", 3, "encode", 13, 3, 1),  # 5, 4, 4 latent rows (20, 16, 16 image rows)
+    ("flux2", 2, "decode", 7, 5, 1),  # FLUX.2's AutoencoderKLFlux2, the same layers
+    ("flux2", 2, "encode", 7, 5, 1),
 ])
-def test_kl_vae_split_along_height_matches_single_process(pools, world, what, rows, cols, batch):
-    results = pools(world).run(vae_case, "kl", what, rows, cols, 1, batch)
+def test_kl_vae_split_along_height_matches_single_process(pools, kind, world, what, rows, cols, batch):
+    results = pools(world).run(vae_case, kind, what, rows, cols, 1, batch)
     for r in results:
         assert r["err"] <= 1e-5, r["err"]
         assert r["counts"] == (KL_DECODE if what == "decode" else KL_ENCODE)
@@ -42,6 +44,8 @@ def test_group_norm_over_local_rows_alone_is_wrong(pools):
     ("wan", "encode", 5, 3, 5),
     ("wan22", "decode", 3, 2, 2),  # 2x2 patches, residual blocks with pixel-shuffle shortcuts
     ("wan22", "encode", 3, 2, 5),
+    ("qwen", "decode", 5, 3, 1),  # QwenImage's VAE: Wan 2.1's, one frame per image
+    ("qwen", "encode", 5, 3, 1),
 ])
 def test_wan_causal_vae_split_along_height_matches_single_process(pools, kind, what, rows, cols, frames):
     # the temporal cache stays on each rank with its own rows; frames are not split

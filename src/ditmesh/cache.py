@@ -363,7 +363,7 @@ class _BlockHook(Hook):
         if index == middle.stop - 1 and not cache.skip:
             state = cache.branch()
             taylor = config.policy == "taylor"
-            for name, before in cache.middle_in.items():
+            for name, before in self._entering(cache.middle_in).items():
                 out = self._stream(output, name)
                 if out is None:
                     continue
@@ -384,6 +384,14 @@ class _BlockHook(Hook):
         if index == middle.stop - 1:
             cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output
+
+    def _entering(self, middle_in: dict) -> dict:
+        """The middle's inputs as this block's list carries them: where the list joins streams the middle began with
+        (it started in the double blocks, this is a single block), their concatenation along the tokens."""
+        joins = self.spec.joins
+        if not joins or not all(name in middle_in for name in joins):
+            return middle_in
+        return {self.spec.carries[0]: torch.cat([middle_in[name] for name in joins], dim=1)}
 
     def _stream(self, output, name: str):
         outputs = output if isinstance(output, tuple) else (output,)

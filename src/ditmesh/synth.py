@@ -61,17 +61,18 @@ def build_clip_tokenizer(words=WORDS, max_length: int = 77):
     from tokenizers import pre_tokenizers
     from transformers import CLIPTokenizer
 
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    for c in alphabet:
-        vocab[c] = len(vocab)
-    for c in alphabet:
-        vocab[c + "</w>"] = len(vocab)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab.update((c, i) for i, c in enumerate(alphabet + [c + "</w>" for c in alphabet], start=len(vocab)))
+    merges = _word_merges([list(word[:-1]) + [word[-1] + "</w>"] for word in words], vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def _word_merges(words: list[list[str]], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges joining each word's pieces left to right (each joined piece added to ``vocab``)."""
     merges: list[tuple[str, str]] = []
     seen = set()
-    for word in words:
-        pieces = list(word)
-        pieces[-1] += "</w>"
+    for pieces in words:
         while len(pieces) > 1:
             pair = (pieces[0], pieces[1])
             if pair not in seen:
@@ -80,7 +81,17 @@ def build_clip_tokenizer(words=WORDS, max_length: int = 77):
             joined = pieces[0] + pieces[1]
             vocab.setdefault(joined, len(vocab))
             pieces = [joined] + pieces[2:]
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    return merges
+
+
+def byte_bpe(specials: tuple[str, ...], words=WORDS) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The vocabulary and merges of a byte-level BPE (GPT-2 style, as Qwen2's tokenizer reads them): ``specials``
+    first, then the 256 byte symbols, then each of ``words`` as one token, with and without a leading space."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update((c, i) for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()), start=len(vocab)))
+    return vocab, _word_merges([list(form) for w in words for form in ("\u0120" + w, w)], vocab)
 
 
 def build_t5_tokenizer(words=WORDS, max_length: int = 512):
@@ -182,6 +193,10 @@ class Kit:
 
     def t5_tokenizer(self, max_length: int):
         return build_t5_tokenizer(max_length=max_length)
+
+    def byte_bpe(self, specials: tuple[str, ...], words=()):
+        """(vocab, merges) of a byte-level BPE knowing ``specials`` and :data:`WORDS` plus ``words`` (:func:`byte_bpe`)."""
+        return byte_bpe(specials, tuple(WORDS) + tuple(words))
 
     def clip_config(self, tokenizer, cfg: dict):
         import transformers

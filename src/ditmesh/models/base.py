@@ -50,6 +50,7 @@ class SequencePlan:
     tensor); ``gathers`` gather its output. ``streams`` lists the token streams in the order the attention
     concatenates them (FLUX: text before image); each stream is split into contiguous chunks on its own, and
     the first split of a stream in a call fixes its chunk sizes (from the global length, so all ranks agree).
+    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each).
     """
 
     streams: tuple[str, ...]
@@ -58,6 +59,9 @@ class SequencePlan:
     gathers: dict[str, Gather] = field(default_factory=dict)
     #: where this plan differs from the class's ``_cp_plan`` and why (checked against it by the tests)
     differs_from_cp_plan: str = ""
+    #: forward inputs the class's ``_cp_plan`` splits that this plan keeps whole on every rank: a mask over the
+    #: keys, which the processor passes to ``sp.attention`` in the model's own order (it is reordered like the keys)
+    whole: tuple[str, ...] = ()
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------------
@@ -71,9 +75,14 @@ class TensorPlan:
     - ``colwise``: output features (weight rows, bias) split contiguously; the output stays sharded.
     - ``rowwise``: input features (weight columns) split contiguously; the output is summed over the
       tensor-parallel ranks with ONE all-reduce, and the bias (kept whole) is added once after it.
+    - ``packed_colwise``: a column-parallel linear whose output is several tensors side by side (FLUX.2's fused
+      Q, K, V and MLP input; a SwiGLU's gate and value halves): each part is split on its own, so a rank keeps
+      its share of every part, in order. Parts are named relative to the linear's parent: a linear (its output
+      features) or an integer attribute (``inner_dim``, ``linear_out.in_features``).
     - ``packed_rowwise``: a row-parallel linear whose input is the concatenation of the outputs of
-      several column-parallel sibling linears (named relative to the linear's parent); its input columns
-      are split as one contiguous range per part, which is NOT a contiguous range of the whole input.
+      several column-parallel parts (named as for ``packed_colwise``: sibling linears such as FLUX's
+      ``attn.to_q`` and ``proj_mlp``, or integer attributes); its input columns are split as one contiguous
+      range per part, which is NOT a contiguous range of the whole input.
     - ``per_rank_attrs``: integer attributes of matching modules that count heads and must be divided by
       the degree on each rank (e.g. ``attn.heads``).
     - ``sharded_norms``: RMSNorms over the full (all-heads) output of a column-parallel linear, applied
@@ -86,6 +95,7 @@ class TensorPlan:
     colwise: tuple[str, ...]
     rowwise: tuple[str, ...]
     packed_rowwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    packed_colwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
 
@@ -132,12 +142,15 @@ class BlockList:
     ``path`` is the ``ModuleList`` attribute; ``carries`` the forward inputs that each block updates (the
     activations that flow between blocks: what pipeline stages send on and what a step cache keeps);
     ``returns`` what a block returns, in order, naming the input each returned tensor replaces. Other
-    forward inputs (``temb``, RoPE) are the same for every block of a call.
+    forward inputs (``temb``, RoPE) are the same for every block of a call. ``joins``: for a list whose one
+    carried sequence the model builds by concatenating, along the tokens (dim 1), carries of the list before it
+    (Chroma's and FLUX.2's single blocks: ``cat([encoder_hidden_states, hidden_states])``), those carries in order.
     """
 
     path: str
     carries: tuple[str, ...]
     returns: tuple[str, ...]
+    joins: tuple[str, ...] = ()
 
 
 def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:

@@ -101,7 +101,8 @@ CHROMA = register(
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("encoder_hidden_states", "hidden_states")),
                 # the single-stream blocks carry one sequence, cat([text, image])
-                BlockList("single_transformer_blocks", ("hidden_states",), ("hidden_states",))),
+                BlockList("single_transformer_blocks", ("hidden_states",), ("hidden_states",),
+                          joins=("encoder_hidden_states", "hidden_states"))),
         modulated_input=chroma_modulated_input,
         example_inputs=chroma_example_inputs,
         text_tokens=512,

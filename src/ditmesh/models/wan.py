@@ -248,13 +248,18 @@ WAN_ARCHS = (
 )
 
 
-def wan_conv_padding(conv) -> tuple[int, int] | None:
-    """Zero rows a Wan VAE convolution adds along height: the causal 3-D convolution keeps its padding in
-    ``_padding`` (width, width, height top, height bottom, time front, time back) and pads itself in ``forward``;
-    None for any other convolution (its ``padding``)."""
-    if isinstance(conv, autoencoder_kl_wan.WanCausalConv3d):
-        return conv._padding[2], conv._padding[3]
-    return None
+def causal_conv_padding(causal_conv_class):
+    """The ``VaePlan.conv_padding`` of a VAE whose causal 3-D convolution (``causal_conv_class``: Wan's, and the copy
+    in QwenImage's VAE) keeps its padding in ``_padding`` (width, width, height top, height bottom, time front, time
+    back) and pads itself in ``forward``: (top, bottom) zero rows for such a convolution, None for any other (its
+    ``padding``)."""
+
+    def conv_padding(conv) -> tuple[int, int] | None:
+        if isinstance(conv, causal_conv_class):
+            return conv._padding[2], conv._padding[3]
+        return None
+
+    return conv_padding
 
 
 #: The Wan causal 3-D VAE split along height. Frames stay whole: it decodes (and encodes) chunk by chunk with a
@@ -265,7 +270,7 @@ WAN_VAE_PLAN = VaePlan(
     class_names=("AutoencoderKLWan",),
     spatial_factor=lambda vae: vae.spatial_compression_ratio,
     gathered=("WanAttentionBlock",),
-    conv_padding=wan_conv_padding,
+    conv_padding=causal_conv_padding(autoencoder_kl_wan.WanCausalConv3d),
 )
 
 

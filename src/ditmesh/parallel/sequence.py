@@ -28,7 +28,7 @@ from ..attention.usp import usp_attention
 from ..comm import all_gather_uneven, group_name, offsets, split_sizes
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
-from ..models.base import Gather, ModelAdapter, Split, is_attention
+from ..models.base import Gather, ModelAdapter, Split, is_attention, name_pattern
 from .chunk import dispatched_attention
 
 
@@ -134,6 +134,10 @@ class SequenceParallel:
         self.ctx.stream_sizes = {}
         self.seq_sizes = []
 
+    def stream_length(self, stream: str) -> int:
+        """The global token count of ``stream`` in this call (it must have been split already)."""
+        return sum(self.ctx.stream_sizes[stream])
+
     def local_lengths(self, streams) -> list[int]:
         """Local attention length of each sp rank over ``streams`` (those split so far in this call)."""
         sizes = self.ctx.stream_sizes
@@ -230,6 +234,15 @@ def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
     return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
 
 
+def module_paths(model: torch.nn.Module, pattern: str) -> list[str]:
+    """The paths of ``model``'s modules that ``pattern`` names: itself when it has no ``*``, else every module it
+    matches (``*`` = one path segment; QwenImage's ``transformer_blocks.*`` is every block)."""
+    if "*" not in pattern:
+        return [pattern]
+    regex = name_pattern(pattern)
+    return [name for name, _ in model.named_modules() if regex.match(name)]
+
+
 def default_chunks(device: torch.device, compiled: bool = False) -> int:
     """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs in eager mode, else 1.
 
@@ -280,12 +293,14 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]
     points = entry.points
-    for path, splits in plan.inputs.items():
-        if path:
+    for pattern, splits in plan.inputs.items():
+        for path in module_paths(model, pattern) if pattern else ():
             points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(sp, m, splits)))
-    for path, splits in plan.outputs.items():
-        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(sp, m, splits)))
-    for path, spec in plan.gathers.items():
-        points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
+    for pattern, splits in plan.outputs.items():
+        for path in module_paths(model, pattern):
+            points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(sp, m, splits)))
+    for pattern, spec in plan.gathers.items():
+        for path in module_paths(model, pattern):
+            points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
     undo += [p.remove for p in points]
     return undo + [adapter.set_processors(model, sp)]

@@ -35,7 +35,8 @@ from ..hooks import Hook, add_hook
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter, TensorPlan, adapter_for, name_pattern
 
-#: Transformers whose weights hold one tensor-parallel shard -> ``(tp_rank, tp_size)`` (kept here, not on the model)
+#: Transformers whose weights hold one tensor-parallel shard -> ``(tp_rank, tp_size, sharded layers with their full
+#: sizes)`` (kept here, not on the model)
 _SHARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Transformers loaded as a shard by :func:`load_sharded_transformer`: their whole weights never existed here
 _LOADED_SHARDED: weakref.WeakSet = weakref.WeakSet()
@@ -45,7 +46,8 @@ _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def shard_of(model: torch.nn.Module) -> tuple[int, int] | None:
     """``(tp_rank, tp_size)`` when ``model`` holds one tensor-parallel shard, else None."""
-    return _SHARDS.get(model)
+    held = _SHARDS.get(model)
+    return None if held is None else held[:2]
 
 
 def sharded_layers(model: torch.nn.Module) -> dict[str, "LinearShard"]:
@@ -64,8 +66,9 @@ class LinearShard:
 
     ``norm``: an RMSNorm over the output of a column-parallel linear; its weight is split like that output.
 
-    ``parts`` are the sizes of the sharded dimension's parts (one part unless packed); each part is split
-    into ``tp`` equal contiguous chunks and a rank keeps chunk ``rank`` of every part.
+    ``parts`` are the sizes of the sharded dimension's parts (one part unless packed: a column-parallel linear whose
+    output is several tensors side by side, or ``packed_rowwise``); each part is split into ``tp`` equal contiguous
+    chunks and a rank keeps chunk ``rank`` of every part.
     """
 
     kind: str
@@ -107,14 +110,16 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
         shards.update({n: LinearShard("colwise", (base_layer(m).out_features,)) for n, m in hits})
     for pattern, hits in _matching(model, plan.rowwise).items():
         shards.update({n: LinearShard("rowwise", (base_layer(m).in_features,)) for n, m in hits})
-    for pattern, hits in _matching(model, plan.packed_rowwise).items():
-        for name, linear in hits:
-            parent = model.get_submodule(name.rpartition(".")[0])
-            parts = tuple(base_layer(parent.get_submodule(p)).out_features for p in plan.packed_rowwise[pattern])
-            if sum(parts) != base_layer(linear).in_features:
-                raise ValueError(f"{name}: packed parts {plan.packed_rowwise[pattern]} have {sum(parts)} features, "
-                                 f"the linear reads {base_layer(linear).in_features}")
-            shards[name] = LinearShard("packed_rowwise", parts)
+    for kind, packed, side in (("colwise", plan.packed_colwise, "out_features"),
+                               ("packed_rowwise", plan.packed_rowwise, "in_features")):
+        for pattern, hits in _matching(model, packed).items():
+            for name, linear in hits:
+                parent = model.get_submodule(name.rpartition(".")[0])
+                parts = tuple(_part_size(parent, p) for p in packed[pattern])
+                if sum(parts) != getattr(base_layer(linear), side):
+                    raise ValueError(f"{name}: packed parts {packed[pattern]} have {sum(parts)} features, "
+                                     f"the linear's {side} are {getattr(base_layer(linear), side)}")
+                shards[name] = LinearShard(kind, parts)
     for pattern, hits in _matching(model, plan.sharded_norms).items():
         for name, norm in hits:
             if type(norm).__name__ != "RMSNorm":
@@ -124,6 +129,15 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
         if any(p % size for p in shard.parts):
             raise ConfigError(f"tp={size} does not divide the {shard.kind} dimension {shard.parts} of {name}")
     return shards
+
+
+def _part_size(parent: torch.nn.Module, path: str) -> int:
+    """The features of one packed part named ``path`` from the linear's parent: a linear (its output features) or an
+    integer attribute (``inner_dim``, ``linear_out.in_features``)."""
+    value = parent
+    for attr in path.split("."):
+        value = getattr(value, attr)
+    return value if isinstance(value, int) else base_layer(value).out_features
 
 
 def _norm_width(norm: torch.nn.Module) -> int:
@@ -289,7 +303,7 @@ def shard_model(model: torch.nn.Module, plan: TensorPlan, rank: int, size: int, 
             _set_param(lin, param, take(lin._parameters[param].detach(), dim, shard.ranges(rank, size)))
         _sync_features(wrapper)
     _divide_attrs(model, plan, size)
-    _SHARDS[model] = (rank, size)
+    _SHARDS[model] = (rank, size, shards)
     return shards
 
 
@@ -382,9 +396,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
     if loaded is None:
         shards = shard_model(model, plan, rank, size)
     else:
-        # Already sliced by load_sharded_transformer: the plan is resolved against the full shapes again.
-        shards = {n: LinearShard(s.kind, tuple(p * size for p in s.parts))
-                  for n, s in resolve_plan(model, plan, 1).items()}
+        shards = _SHARDS[model][2]  # already sliced by load_sharded_transformer, with the full sizes it resolved
     local_heads = adapter.num_heads(model) // size
     if mesh.size("ulysses") > local_heads:
         raise ConfigError(f"ulysses={mesh.size('ulysses')} exceeds the {local_heads} heads a tp={size} rank holds; "

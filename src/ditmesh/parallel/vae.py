@@ -536,7 +536,9 @@ def layer_hooks(vae: nn.Module, plan, state: VaeParallel) -> list[tuple[nn.Modul
                 hooks.append((module, ConvHook(state, rows)))
         elif isinstance(module, nn.GroupNorm):
             hooks.append((module, GroupNormHook(state)))
-        elif isinstance(module, nn.modules.batchnorm._NormBase):  # batch and instance norms
+        elif isinstance(module, nn.modules.batchnorm._NormBase) and (module.training or module.running_mean is None):
+            # batch and instance norms that take statistics of their input; in eval mode with running statistics
+            # (FLUX.2's latent batch norm) a norm is a per-channel affine map, exact on any rows
             raise NotImplementedError(f"{name}: {type(module).__name__} (statistics across rows)")
     return hooks
 
