@@ -26,9 +26,7 @@ AXIS_HELP = {
 
 
 #: degree name -> what is missing while that dimension has not landed
-_NOT_YET = {
-    "pp": "PipeFusion (pp > 1) is not implemented yet",
-}
+_NOT_YET: dict[str, str] = {}
 
 #: dimensions this build runs
 SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
@@ -144,7 +142,42 @@ def check_chunk(chunk, flag: str = "chunk=") -> None:
 
 
 def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
+    """Raise NotImplementedError naming the first requested dimension (or pairing) this build cannot run yet."""
     for axis, message in _NOT_YET.items():
         if getattr(config, axis) > 1:
             raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")
+    if config.pp > 1:
+        paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
+        if paired:
+            raise NotImplementedError(f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; "
+                                      "pp runs alone or with cfg and dp")
+
+
+#: axes PipeFusion does not run beside yet (each would need its collectives inside a patch: sequence parallelism's
+#: fresh K/V reaching the group, tensor parallelism's sharded stage weights)
+PP_NOT_WITH = ("ring", "ulysses", "tp")
+
+#: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces
+PP_CHUNK_BYTES = 64 << 20
+
+
+def check_pipefusion(pp: int, patches: int | None, warmup: int, chunk_bytes: int, flags: tuple[str, str, str] =
+                     ("pp_patches=", "pp_warmup=", "pp_chunk_bytes=")) -> None:
+    """Raise :class:`ConfigError` unless the PipeFusion settings can run at degree ``pp``.
+
+    ``patches``: the image (video) tokens are cut into this many patches, at least ``pp`` (None: ``pp``);
+    ``warmup``: steps of each run computed exactly, at least 1 (they fill the K/V buffers the stale steps read);
+    ``chunk_bytes``: the largest single point-to-point message. Whether the patches fit the token count is known
+    only at the call (it depends on the size), and is checked there.
+    """
+    for flag, value in zip(flags, (patches, warmup, chunk_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{flag}{value!r} is not an integer")
+    if patches is not None and patches < pp:
+        raise ConfigError(f"{flags[0]}{patches} is fewer than the pp={pp} stages; use at least {pp} patches "
+                          "(every stage needs a patch to work on)")
+    if warmup < 1:
+        raise ConfigError(f"{flags[1]}{warmup} must be >= 1: the first step of a run fills the K/V buffers the stale "
+                          "steps read; use 1 (default) or more")
+    if chunk_bytes < 1:
+        raise ConfigError(f"{flags[2]}{chunk_bytes} must be a positive byte count (default {PP_CHUNK_BYTES})")

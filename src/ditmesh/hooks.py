@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 #: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
 #: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
-#: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
+#: ``sequence`` splits its tokens; ``pipefusion`` runs a transformer call as patches through the pipeline stages, and
+#: on a block, skips the blocks of other stages and passes activations between stages (``ditmesh.parallel.pipefusion``);
+#: ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
 #: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
 #: (``ditmesh.parallel.vae``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
 #: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the
 #: sequence (``ditmesh.parallel.chunk``).
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "lora", "chunk")
+ORDER = ("context", "graph", "consistency", "batch", "sequence", "pipefusion", "encode_once", "cache", "vae", "lora", "chunk")
 
 
 class Hook:
@@ -199,6 +201,11 @@ class ForwardContext:
     timesteps: object = field(default=None, repr=False)
     #: the step index of the run's first call: 0, or where an image-to-image run starts part-way (its strength)
     first_step: int = 0
+    #: PipeFusion: (index, count) of the patch the transformer computes now; (0, 1) in an exact (warm-up) call
+    patch: tuple[int, int] | None = None
+    #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
+    #: sequence, written patch by patch; kept between steps (a patch reads the others' K/V from the last step)
+    kv_buffers: dict = field(default_factory=dict, repr=False)
 
     @property
     def run_step(self) -> int:

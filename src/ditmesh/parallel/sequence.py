@@ -227,6 +227,21 @@ def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
     return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
 
 
+def split_points(model: torch.nn.Module, plan, splitter) -> list[AtPath]:
+    """The split and gather points of ``plan`` inside ``model`` (every path but the entry ``""``), as :class:`AtPath`
+    hooks that call ``splitter.split_value`` and ``splitter.gather``: a :class:`SequenceParallel`, or PipeFusion's
+    patch splitter, which cuts the same streams at the same places into patches."""
+    points = []
+    for path, splits in plan.inputs.items():
+        if path:
+            points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(splitter, m, splits)))
+    for path, splits in plan.outputs.items():
+        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(splitter, m, splits)))
+    for path, spec in plan.gathers.items():
+        points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(splitter, m, spec)))
+    return points
+
+
 def default_chunks(device: torch.device, compiled: bool = False) -> int:
     """Head groups pipelined per Ulysses attention when none are asked for: 2 on GPUs in eager mode, else 1.
 
@@ -274,15 +289,8 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     plan = adapter.sequence_plan
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]
-    points = entry.points
-    for path, splits in plan.inputs.items():
-        if path:
-            points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(sp, m, splits)))
-    for path, splits in plan.outputs.items():
-        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(sp, m, splits)))
-    for path, spec in plan.gathers.items():
-        points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
-    undo += [p.remove for p in points]
+    entry.points = split_points(model, plan, sp)
+    undo += [p.remove for p in entry.points]
     previous = {}
     for name, attn in adapter.attention_modules(model):
         previous[name] = attn.processor
