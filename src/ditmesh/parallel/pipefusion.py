@@ -52,7 +52,7 @@ from ..config import PP_CHUNK_BYTES, ConfigError, check_pipefusion
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, output_sample, with_output_sample
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter, Split
-from .sequence import split_points
+from .sequence import split_points, split_value
 
 
 def block_costs(model: torch.nn.Module, adapter: ModelAdapter) -> list[int]:
@@ -151,13 +151,8 @@ class PipeFusion:
         return tensor.narrow(dim, offset, length)
 
     def split_value(self, value, spec: Split):
-        """``value`` cut by ``spec`` (as ``SequenceParallel.split_value``): a tensor of the expected ndim, or each
-        tensor of a list or tuple; anything else as is."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.split_value(v, spec) for v in value)
-        if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
-            return value
-        return self.split(value, spec.dim, spec.stream)
+        """``value`` cut by ``spec`` into the current patch (``sequence.split_value``)."""
+        return split_value(self, value, spec)
 
     def gather(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """At the exit: the current patch's output written into the whole-sequence output, which is returned (the

@@ -151,15 +151,21 @@ class SequenceParallel:
 
     def split_value(self, value, spec: Split):
         """``value`` split by ``spec``: a tensor of the expected ndim, or each tensor of a list/tuple; else as is."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.split_value(v, spec) for v in value)
-        if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
-            return value
-        return self.split(value, spec.dim, spec.stream)
+        return split_value(self, value, spec)
 
     def gather(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Every rank's chunk of ``stream`` concatenated along ``dim`` (one all-gather)."""
         return all_gather_uneven(tensor, dim, self.ctx.stream_sizes[stream], self.group)
+
+
+def split_value(splitter, value, spec: Split):
+    """``value`` cut by ``spec`` through ``splitter.split(tensor, dim, stream)``: a tensor of the expected ndim, or each
+    tensor of a list or tuple; anything else as is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(split_value(splitter, v, spec) for v in value)
+    if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
+        return value
+    return splitter.split(value, spec.dim, spec.stream)
 
 
 class AtPath:
