@@ -25,3 +25,20 @@ def test_plan_auto_picks_an_implemented_config_for_the_process_count():
 def test_plan_auto_refuses_explicit_degrees():
     with pytest.raises(ConfigError, match="--plan auto picks the degrees itself"):
         planned_config(_args(ulysses=2), 2)
+
+
+def test_plan_auto_offers_pipefusion_to_the_planner_only_with_allow_stale(monkeypatch):
+    import ditmesh.planner
+    from ditmesh import ParallelConfig
+
+    offered = []
+
+    def recommend(*args, supported, **kwargs):
+        offered.append(supported)
+        return ParallelConfig(ulysses=2)
+
+    monkeypatch.setattr(ditmesh.planner, "recommend", recommend)
+    planned_config(_args(), 2)
+    planned_config(_args(allow_stale=True), 2)
+    assert "pp" not in offered[0] and "ulysses" in offered[0]
+    assert "pp" in offered[1]

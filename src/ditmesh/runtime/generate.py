@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, ParallelConfig, check_chunk, check_supported, check_vae_parallel
+from ..config import ConfigError, ParallelConfig, check_chunk, check_pipefusion, check_supported, check_vae_parallel
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
@@ -51,6 +51,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
     chunk_setting(getattr(args, "chunk", None))
+    check_pipefusion(config.pp, *pipefusion_options(args).values(),
+                     flags=("--pp-patches ", "--pp-warmup ", "pp_chunk_bytes="))
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
     check_image_args(args)
@@ -80,7 +82,18 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         from ..cache import CacheConfig
 
         CacheConfig.parse(args.cache)
+    if config.pp > 1:
+        from ..api import check_pipefusion_options
+
+        check_pipefusion_options(config, cache=bool(getattr(args, "cache", None)),
+                                 cuda_graph=getattr(args, "cuda_graph", False))
     return config, model
+
+
+def pipefusion_options(args) -> dict:
+    """``parallelize``'s PipeFusion arguments from ``--pp-patches``, ``--pp-warmup`` and ``--pp-chunk-mb``."""
+    return dict(pp_patches=getattr(args, "pp_patches", None), pp_warmup=getattr(args, "pp_warmup", 1),
+                pp_chunk_bytes=getattr(args, "pp_chunk_mb", 64) << 20)
 
 
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
@@ -257,7 +270,8 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     if model not in _archs() and not Path(model).is_dir():
         raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
                           f"{model}; download it first or give the degrees yourself")
-    supported = set(SUPPORTED_AXES)
+    # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
+    supported = set(SUPPORTED_AXES) - (set() if getattr(args, "allow_stale", False) else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
@@ -367,7 +381,7 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
                           chunk_tokens=chunk_setting(getattr(args, "chunk", None)),
-                          vae_parallel=getattr(args, "vae_parallel", "auto"))
+                          vae_parallel=getattr(args, "vae_parallel", "auto"), **pipefusion_options(args))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
@@ -486,6 +500,9 @@ def run(args) -> int:
             # feed-forwards run on pieces of the sequence (``--chunk``): the setting, and whether it applied
             "chunk": {"setting": getattr(args, "chunk", None),
                       "applied": any(name.startswith("chunk(") for name in runtime.applied)},
+            # PipeFusion (``--pp``): its patches and exact warm-up steps (the steps after them are approximate)
+            "pipefusion": ({"patches": getattr(args, "pp_patches", None) or config.pp,
+                            "warmup": getattr(args, "pp_warmup", 1)} if config.pp > 1 else None),
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
