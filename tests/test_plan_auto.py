@@ -42,3 +42,12 @@ def test_plan_auto_offers_pipefusion_to_the_planner_only_with_allow_stale(monkey
     planned_config(_args(allow_stale=True), 2)
     assert "pp" not in offered[0] and "ulysses" in offered[0]
     assert "pp" in offered[1]
+
+
+def test_plan_auto_with_allow_stale_picks_only_pairings_this_build_runs():
+    from ditmesh.config import not_supported
+    from ditmesh.planner import plan, recommend
+
+    predictions = plan("flux-dev", 1024, 1024, 4, supported={"pp", "ulysses"}).predictions
+    assert any(not_supported(p.config) for p in predictions)  # pp x ulysses is predicted ...
+    assert not_supported(recommend("flux-dev", 1024, 1024, 4, supported={"pp", "ulysses"})) is None  # ... not picked

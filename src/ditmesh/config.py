@@ -141,16 +141,24 @@ def check_chunk(chunk, flag: str = "chunk=") -> None:
         raise ConfigError(f"{flag}{chunk!r} is not a token count; give a positive integer (e.g. 4096) or auto")
 
 
-def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension (or pairing) this build cannot run yet."""
+def not_supported(config: ParallelConfig) -> str | None:
+    """What this build cannot run of ``config`` (one line: a dimension, or a pairing of dimensions), or None."""
     for axis, message in _NOT_YET.items():
         if getattr(config, axis) > 1:
-            raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")
+            return f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}"
     if config.pp > 1:
         paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
         if paired:
-            raise NotImplementedError(f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; "
-                                      "pp runs alone or with cfg and dp")
+            return (f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; pp runs alone or "
+                    "with cfg and dp")
+    return None
+
+
+def check_supported(config: ParallelConfig) -> None:
+    """Raise NotImplementedError naming the first requested dimension (or pairing) this build cannot run yet."""
+    reason = not_supported(config)
+    if reason:
+        raise NotImplementedError(reason)
 
 
 #: axes PipeFusion does not run beside yet (each would need its collectives inside a patch: sequence parallelism's

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import AXIS_ORDER, ParallelConfig
+from ..config import AXIS_ORDER, ParallelConfig, not_supported
 from .closed_forms import ring_attention_cost, tensor_parallel_cost, ulysses_attention_cost
 from .cost import Calibration, Hardware, Prediction, Workload, enumerate_configs, predict, rank, spearman
 from .hardware import DEVICES, LINKS, get_device, get_link
@@ -148,5 +148,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
 
 def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
               **kwargs) -> ParallelConfig:
-    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments)."""
-    return plan(model, height, width, gpus, supported=supported, **kwargs).best.config
+    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments): the best
+    ranked one whose pairing of axes this build runs (``config.not_supported``: e.g. pp beside ulysses)."""
+    predictions = plan(model, height, width, gpus, supported=supported, **kwargs).predictions
+    return next((p.config for p in predictions if not_supported(p.config) is None), predictions[0].config)
