@@ -296,7 +296,7 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_HOME}test_every_pipeline_run_starts_its_steps_afresh",),
            "a pipeline run that starts at the step where the last one ended continues its call count"),
     Mutant("hook-order-sequence-outside-batch", "hooks.py",
-           'ORDER = ("context", "graph", "consistency", "batch", "sequence", "pipefusion", "encode_once", "cache", "vae", "lora", "chunk")',
+           'ORDER = ("context", "graph", "consistency", "batch", "pipefusion", "sequence", "encode_once", "cache", "vae", "lora", "chunk")',
            'ORDER = ("context", "graph", "consistency", "sequence", "batch", "pipefusion", "encode_once", "cache", "vae", "lora", "chunk")',
            (f"{T_BATCH}test_flux_cfg2_x_ulysses2_matches_single",),
            "the sequence split runs outside the CFG/dp hook, so a skipped call's placeholder is one shard long"),

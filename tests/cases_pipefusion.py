@@ -5,12 +5,32 @@ from __future__ import annotations
 import torch
 
 
+def load(model: str, config: dict, stage_load: bool = False):
+    """The pipeline in folder ``model`` (float32); ``stage_load``: its transformer(s) with only this rank's PipeFusion
+    stage's block weights (``load_stage_transformer``)."""
+    from diffusers import DiffusionPipeline
+
+    if not stage_load:
+        return DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    import torch.distributed as dist
+
+    from ditmesh import ParallelConfig
+    from ditmesh.parallel.pipefusion import load_stage_transformer
+
+    names = [n for n in DiffusionPipeline.load_config(model) if n.startswith("transformer")]
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32, **dict.fromkeys(names))
+    parallel = ParallelConfig(**config)
+    stage = parallel.coordinate(dist.get_rank(), "pp")
+    pipe.register_modules(**{n: load_stage_transformer(model, stage, parallel.pp, "cpu", torch.float32, n) for n in names})
+    return pipe
+
+
 def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, width: int = 64, frames: int | None = None,
                  guidance_scale: float = 5.0, max_sequence_length: int = 16, per_step: bool = False, remove: bool = False,
-                 prompt="a red circle", call: dict | None = None, **options):
+                 prompt="a red circle", call: dict | None = None, stage_load: bool = False, **options):
     """Run the pipeline in folder ``model`` under ``config`` (``{}``: one process, not parallelized) with the
     PipeFusion ``options`` (``pp_patches``, ``pp_warmup``, ``pp_chunk_bytes``); ``call``: more pipeline arguments
-    (a negative prompt for FLUX's true CFG).
+    (a negative prompt for FLUX's true CFG); ``stage_load``: load only this rank's stage of the transformer(s).
 
     Returns ``(final latents, collectives of the call, collectives per step if per_step, state dict after remove if
     remove, the transformer (component name) each step ran)``.
@@ -23,7 +43,7 @@ def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, wid
     from ditmesh.comm import COUNTS, count_collectives
 
     torch.manual_seed(0)
-    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe = load(model, config, stage_load)
     pipe.set_progress_bar_config(disable=True)
     if config:
         parallelize(pipe, ParallelConfig(**config), **options)
@@ -230,18 +250,32 @@ def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, 
     return final["latents"]
 
 
-def stage_weights(model: str, config: dict, **options) -> dict:
-    """After ``parallelize``: the parameter elements this rank holds in each transformer block, and its stages."""
+def stage_weights(model: str, config: dict, stage_load: bool = False, **options) -> dict:
+    """After ``parallelize``: the parameter elements this rank holds in each transformer block (and each block's whole
+    count, from the files), and the stages."""
     from diffusers import DiffusionPipeline
 
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.hooks import find_hook
     from ditmesh.models import adapter_for
 
-    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
-    full = [sum(p.numel() for p in b.parameters()) for b in adapter_for(pipe.transformer).block_modules(pipe.transformer)]
+    whole = DiffusionPipeline.from_pretrained(model, dtype=torch.float32).transformer
+    full = [sum(p.numel() for p in b.parameters()) for b in adapter_for(whole).block_modules(whole)]
+    pipe = load(model, config, stage_load)
     parallelize(pipe, ParallelConfig(**config), **options)
     blocks = adapter_for(pipe.transformer).block_modules(pipe.transformer)
     held = [sum(p.numel() for p in b.parameters()) for b in blocks]
     stages = find_hook(blocks[0], "pipefusion").pf.stages
     return {"full": full, "held": held, "stages": [(s.start, s.stop) for s in stages]}
+
+
+def stage_loaded_elsewhere(model: str) -> None:
+    """Parallelize at pp 2 a transformer loaded with stage 0's blocks on every rank (wrong on rank 1)."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel.pipefusion import load_stage_transformer
+
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32, transformer=None)
+    pipe.register_modules(transformer=load_stage_transformer(model, 0, 2, "cpu", torch.float32))
+    parallelize(pipe, ParallelConfig(pp=2))

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cases_pipefusion import flux_stale_emulation, pipeline_run, stage_weights
+from cases_pipefusion import flux_stale_emulation, pipeline_run, stage_loaded_elsewhere, stage_weights
 from ditmesh.config import ConfigError, ParallelConfig, check_pipefusion, check_supported
 from ditmesh.parallel.pipefusion import split_stages
 from ditmesh.testing import RankError, rel_err
@@ -63,11 +63,11 @@ def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("axis", ["ulysses", "ring", "tp"])
+@pytest.mark.parametrize("axis", ["ring", "tp"])
 def test_pp_beside_sequence_or_tensor_parallelism_is_refused_in_one_line(axis):
     with pytest.raises(NotImplementedError, match=f"PipeFusion \\(pp=2\\) with {axis}=2 is not implemented yet"):
         check_supported(ParallelConfig(pp=2, **{axis: 2}))
-    check_supported(ParallelConfig(pp=2, cfg=2, dp=2))
+    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2))
 
 
 @pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),
@@ -153,19 +153,28 @@ def test_patches_beyond_the_image_tokens_are_refused_at_the_call(pools, flux_tin
 
 
 # -- memory and the way back ---------------------------------------------------------------------------------
-def test_each_rank_holds_only_its_stage_blocks_and_remove_gives_them_back(pools, flux_tiny):
+@pytest.mark.parametrize("stage_load", [False, True], ids=["loaded-whole", "stage-loaded"])
+def test_each_rank_holds_only_its_stage_blocks_and_remove_gives_them_back(pools, flux_tiny, stage_load):
     from diffusers import DiffusionPipeline
 
-    held = pools(2).run(stage_weights, flux_tiny, {"pp": 2})
+    held = pools(2).run(stage_weights, flux_tiny, {"pp": 2}, stage_load=stage_load)
     stages = held[0]["stages"]
     assert stages == [(0, 1), (1, 4)]  # 2 double blocks (334,720 parameters each), 2 single (139,328): 334,720 | 613,376
     for rank, h in enumerate(held):
         start, stop = stages[rank]
         assert h["held"] == [n if start <= i < stop else 0 for i, n in enumerate(h["full"])]
     original = DiffusionPipeline.from_pretrained(flux_tiny, dtype=torch.float32).transformer.state_dict()
-    for latents, _, _, state, _ in pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=1, remove=True):
+    results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=STEPS, remove=True,
+                           stage_load=stage_load)
+    for latents, _, _, state, _ in results:
+        assert rel_err(latents, reference(flux_tiny)) <= 1e-5
         assert state.keys() == original.keys()
         assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_a_stage_loaded_transformer_on_another_stage_is_refused(pools, flux_tiny):
+    with pytest.raises(RankError, match="loaded with the blocks of stage 0 of pp=2, but this rank is stage 1"):
+        pools(2).run(stage_loaded_elsewhere, flux_tiny)
 
 
 # -- compositions ---------------------------------------------------------------------------------------------
@@ -191,3 +200,36 @@ def test_pp_composes_with_cfg_and_dp(pools, flux_tiny, config, prompt, call):
         assert per_step == [{kind: 1, "broadcast": 1, "all_gather": 1}] * STEPS
         # the same stale schedule as pp alone: each branch / prompt keeps its own K/V buffers
         assert rel_err(stale[rank][0], stale_ref) <= 1e-5
+
+
+#: flux-tiny's stages at pp 2: block 0 (1 attention layer) | blocks 1-3 (3 attention layers)
+FLUX_STAGE_ATTENTIONS = (1, 3)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_pp2_x_ulysses2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(4).run(pipeline_run, path, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+                           pp_patches=3, **call)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        if family == "flux":
+            stage = rank // 2  # the mesh is (pp, ulysses)
+            # per call: 2 all-to-alls per attention layer of the stage, the ulysses gather at the exit, one message
+            # between the stages, one broadcast of the output
+            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage],
+                                 "all_gather": 1, "broadcast": 1}] * STEPS
+
+
+def test_pp2_x_ulysses2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny):
+    emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
+    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+                           pp_patches=3)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, emulated) <= 1e-5  # the patches' uneven halves (6, 5, 5 tokens over 2 ranks) too
+        stage = rank // 2
+        kind = "pp_send" if stage == 0 else "pp_recv"
+        per_patch = {kind: 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage], "all_gather": 1}
+        assert per_step == [dict(per_patch, broadcast=1)] + [
+            {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards) -> sequence -> cfg/data -> (cache) -> VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards) -> sequence -> pipefusion -> cfg/data -> (cache) -> VAE -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -153,9 +153,10 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
 
 
 def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache: bool = False,
-                             cuda_graph: bool = False) -> None:
+                             cuda_graph: bool = False, transport: str = "nccl") -> None:
     """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet."""
-    for on, option in ((fuse_qkv, "fuse_qkv"), (cache, "step caching"), (cuda_graph, "CUDA graphs")):
+    for on, option in ((fuse_qkv, "fuse_qkv"), (cache, "step caching"), (cuda_graph, "CUDA graphs"),
+                       (transport != "nccl", f"transport={transport}")):
         if on:
             raise ConfigError(f"{option} does not run with PipeFusion (pp={config.pp}) yet; drop it or use pp=1")
 
@@ -295,7 +296,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     if config.pp > 1:
         check_pipefusion(config.pp, pp_patches, pp_warmup, pp_chunk_bytes)
-        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph)
+        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph,
+                                 transport=transport)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -318,7 +320,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             return graph.apply_blocks(model, adapter)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> compile
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> pipefusion -> cfg/data -> cache -> vae -> compile
     # -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo. The `lora`
     # hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.

@@ -94,6 +94,14 @@ class ParallelConfig:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def coordinate(self, rank: int, axis: str) -> int:
+        """The coordinate along ``axis`` of global rank ``rank`` in the mesh (ranks row-major over ``AXIS_ORDER``, the
+        innermost axis varying fastest), known before the mesh is built (e.g. to load only a rank's weights)."""
+        inner = 1
+        for a in AXIS_ORDER[AXIS_ORDER.index(axis) + 1:]:
+            inner *= getattr(self, a)
+        return rank // inner % getattr(self, axis)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the product of degrees equals ``world_size``."""
         if self.world_size != world_size:
@@ -150,7 +158,7 @@ def not_supported(config: ParallelConfig) -> str | None:
         paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
         if paired:
             return (f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; pp runs alone or "
-                    "with cfg and dp")
+                    "with ulysses, cfg and dp")
     return None
 
 
@@ -161,9 +169,9 @@ def check_supported(config: ParallelConfig) -> None:
         raise NotImplementedError(reason)
 
 
-#: axes PipeFusion does not run beside yet (each would need its collectives inside a patch: sequence parallelism's
-#: fresh K/V reaching the group, tensor parallelism's sharded stage weights)
-PP_NOT_WITH = ("ring", "ulysses", "tp")
+#: axes PipeFusion does not run beside yet: ring attention (and USP) would pass the K/V buffer's chunks around the
+#: ring, tensor parallelism would shard the stage weights and buffers by heads; neither is written or tested
+PP_NOT_WITH = ("ring", "tp")
 
 #: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces
 PP_CHUNK_BYTES = 64 << 20

@@ -10,7 +10,8 @@
 - **Stages.** The adapter's ordered blocks are cut into ``pp`` contiguous stages whose costs are as even as a
   contiguous cut allows (:func:`split_stages`; the cost of a block is its parameter count, a proxy for its
   per-token FLOPs, which its linears dominate). A rank keeps only its stage's block weights: the others' tensors
-  are emptied after loading (:func:`free_other_stages`) and broadcast back from their owners by ``remove()``.
+  are emptied after loading (:func:`free_other_stages`), or never read (:func:`load_stage_transformer`), and are
+  broadcast back from their owners by ``remove()``.
 - **Patches.** Every transformer call is run ``M`` times (``pp_patches``, default ``pp``), once per patch: the
   split stream of the adapter's sequence plan (image or video tokens, the stream gathered at the exit) is cut
   into ``M`` contiguous patches (uneven where ``M`` does not divide it) at the plan's own split points, so
@@ -33,6 +34,10 @@
   at most ``pp_chunk_bytes`` (64 MiB by default). Sends do not wait: a stage computes its next patch while the
   last one travels, and waits for its sends at the end of the call. The last stage's output (the whole noise
   prediction) is broadcast over the pp group in pieces of the same size, so every rank's scheduler steps alike.
+- **Ulysses inside a stage.** The patch is cut first (this hook is outside ``sequence``; its inner split hooks are
+  prepended, its gather appended), then sequence parallelism cuts the patch; Ulysses' all-to-all gathers the
+  patch's tokens with this rank's heads, and :meth:`PipeFusion.attend_buffer` writes them at their positions
+  (:meth:`PipeFusion.token_runs`), so each rank's fresh K/V reach its group through the all-to-all it already does.
 
 Per transformer call at ``pp`` stages with ``P`` patches (1 in an exact call): ``P`` sends per stage but the
 last, ``P`` receives per stage but the first (times the pieces of each), and one broadcast (times its pieces).
@@ -44,20 +49,39 @@ happen in the same order on every rank.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .. import comm
 from ..config import PP_CHUNK_BYTES, ConfigError, check_pipefusion
-from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, output_sample, with_output_sample
+from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, find_hook, output_sample, with_output_sample
 from ..mesh import ParallelMesh
-from ..models.base import ModelAdapter, Split
+from ..models.base import ModelAdapter, Split, adapter_for
 from .sequence import split_points, split_value
+from .tensor import MetaLoad, _load_dtype, _set_param
+
+
+#: transformers loaded with one stage's block weights (:func:`load_stage_transformer`) -> (pp rank, pp degree, the full
+#: shape of every block tensor left empty, by name); kept here, not on the model
+_STAGE_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def named_blocks(model: torch.nn.Module, adapter: ModelAdapter) -> list[tuple[str, torch.nn.Module]]:
+    """(module path, block) of every block, in forward order."""
+    return [(f"{spec.path}.{i}", block) for spec in adapter.blocks for i, block in enumerate(model.get_submodule(spec.path))]
+
+
+def full_shape(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> torch.Size:
+    """The shape of ``model``'s tensor ``name`` in the checkpoint (a stage-loaded model's other blocks are empty)."""
+    return _STAGE_LOADED.get(model, (0, 0, {}))[2].get(name, tensor.shape)
 
 
 def block_costs(model: torch.nn.Module, adapter: ModelAdapter) -> list[int]:
     """The cost of each block, in forward order: its parameter count (a proxy for its per-token FLOPs)."""
-    return [sum(p.numel() for p in block.parameters()) for block in adapter.block_modules(model)]
+    return [sum(full_shape(model, f"{path}.{n}", p).numel() for n, p in block.named_parameters())
+            for path, block in named_blocks(model, adapter)]
 
 
 def split_stages(costs: list[int], stages: int) -> list[range]:
@@ -98,6 +122,9 @@ class PipeFusion:
     def __init__(self, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext,
                  name: str, patches: int | None, warmup: int, chunk_bytes: int):
         self.adapter, self.ctx, self.name = adapter, ctx, name
+        #: the sequence-parallel runtime of the same model (Ulysses inside each stage), or None
+        sequence = find_hook(model, "sequence")
+        self.sp = sequence.sp if sequence is not None else None
         self.plan = adapter.sequence_plan
         self.group = mesh.group("pp")
         self.degree = mesh.size("pp")
@@ -106,6 +133,11 @@ class PipeFusion:
         self.warmup = warmup
         self.chunk_bytes = chunk_bytes
         self.stages = split_stages(block_costs(model, adapter), self.degree)
+        loaded = _STAGE_LOADED.get(model)
+        if loaded is not None and loaded[:2] != (self.stage, self.degree):
+            raise ConfigError(f"this transformer was loaded with the blocks of stage {loaded[0]} of pp={loaded[1]}, "
+                              f"but this rank is stage {self.stage} of pp={self.degree}; load it with "
+                              "load_stage_transformer(..., pp_rank, pp) for this rank's place")
         #: the blocks this rank computes
         self.own = self.stages[self.stage]
         #: the stream cut into patches: the one gathered at the exit (image or video tokens)
@@ -170,12 +202,32 @@ class PipeFusion:
 
     # -- attention over the K/V buffer ----------------------------------------------------------------------
     def attend(self, layer: str, query, key, value, backend=None, streams=None, mask=None):
-        """The current patch's queries ``[B, S_patch, H, D]`` against the layer's K/V buffer, after writing this
-        patch's ``key`` and ``value`` into it (tokens in the order of ``streams``, default the plan's)."""
+        """The current patch's queries ``[B, S, H, D]`` against the layer's K/V buffer, after writing this patch's
+        ``key`` and ``value`` into it (tokens in the order of ``streams``, default the plan's). Under Ulysses the
+        all-to-all gathers the patch's tokens (with this rank's heads) first and scatters the output back."""
         if mask is not None:
             raise NotImplementedError("PipeFusion (pp > 1) does not take an attention mask yet; run this pipeline "
                                       "without pp")
         streams = [s for s in (streams or self.plan.streams) if s in self.lengths]
+        if self.sp is None:
+            return self.attend_buffer(layer, query, key, value, backend, streams)
+        return self.sp.attention(query, key, value, backend=backend, streams=streams,
+                                 local=lambda q, k, v: self.attend_buffer(layer, q, k, v, backend, streams))
+
+    def token_runs(self, streams: list[str]) -> list[tuple[int, int]]:
+        """(buffer position, count) of each run of the attention's tokens, in their order: per stream (in the
+        buffer's order) the current patch's part; under sequence parallelism, each sp rank's chunk of those parts
+        in turn (the order in which Ulysses gathers them)."""
+        starts = dict(zip(streams, comm.offsets([self.lengths[s] for s in streams])))
+        patch = {s: self.patch_range(s) for s in streams}
+        if self.sp is None:
+            return [(starts[s] + patch[s][0], patch[s][1]) for s in streams]
+        sizes = self.ctx.stream_sizes
+        return [(starts[s] + patch[s][0] + sum(sizes[s][:j]), sizes[s][j])
+                for j in range(self.sp.degree) for s in streams]
+
+    def attend_buffer(self, layer: str, query, key, value, backend, streams: list[str]):
+        """Write ``key`` and ``value`` (the tokens of :meth:`token_runs`) into the layer's buffer and attend to it."""
         total = sum(self.lengths[s] for s in streams)
         shape = (key.shape[0], total) + tuple(key.shape[2:])
         name = (self.name, layer, self.ctx.call_in_step)
@@ -184,13 +236,11 @@ class PipeFusion:
             if self.ctx.patch[1] != 1:  # cannot happen: a run's first call of each kind is exact
                 raise RuntimeError(f"PipeFusion: no K/V buffer of shape {shape} for {layer} in a stale call")
             kv = self.ctx.kv_buffers[name] = (key.new_empty(shape), value.new_empty(shape))
-        start = local = 0
-        for stream in streams:
-            offset, length = self.patch_range(stream)
-            kv[0][:, start + offset:start + offset + length] = key[:, local:local + length]
-            kv[1][:, start + offset:start + offset + length] = value[:, local:local + length]
+        local = 0
+        for start, length in self.token_runs(streams):
+            kv[0][:, start:start + length] = key[:, local:local + length]
+            kv[1][:, start:start + length] = value[:, local:local + length]
             local += length
-            start += self.lengths[stream]
         return dispatch_attention_fn(query, kv[0], kv[1], backend=backend)
 
     # -- between stages ------------------------------------------------------------------------------------
@@ -293,15 +343,15 @@ class StageBlock(Hook):
         return output
 
 
-def free_other_stages(pf: PipeFusion, blocks: list[torch.nn.Module]):
+def free_other_stages(pf: PipeFusion, model: torch.nn.Module):
     """Empty the parameters and buffers of the blocks of other stages (the Parameter objects stay, so names and
-    module types are kept); returns the callable that broadcasts them back from their owners (every rank of the
-    pp group calls it, in the same order)."""
+    module types are kept; a stage-loaded model's are empty already); returns the callable that broadcasts them
+    back from their owners (every rank of the pp group calls it, in the same order)."""
     owner = {i: s for s, stage in enumerate(pf.stages) for i in stage}
     kept = []
-    for i, block in enumerate(blocks):
-        for t in list(block.parameters()) + list(block.buffers()):
-            kept.append((owner[i], t, t.shape, t.dtype))
+    for i, (path, block) in enumerate(named_blocks(model, pf.adapter)):
+        for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+            kept.append((owner[i], t, full_shape(model, f"{path}.{name}", t), t.dtype))
             if owner[i] != pf.stage:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
@@ -322,11 +372,10 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
         return []
     check_pipefusion(mesh.size("pp"), patches, warmup, chunk_bytes)
     pf = PipeFusion(model, mesh, adapter, ctx, name, patches, warmup, chunk_bytes)
-    blocks = adapter.block_modules(model)
     undo = []
     loop = PatchLoop(pf, adapter.sequence_plan.inputs.get("", {}), model.forward)
     undo.append(add_hook(model, loop))
-    loop.points = split_points(model, adapter.sequence_plan, pf)
+    loop.points = split_points(model, adapter.sequence_plan, pf, first=True)
     undo += [p.remove for p in loop.points]
     index = 0
     for spec in adapter.blocks:
@@ -346,5 +395,34 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
         for key in [k for k in ctx.kv_buffers if k[0] == name]:
             del ctx.kv_buffers[key]
 
-    undo += [restore_processors, drop_buffers, free_other_stages(pf, blocks)]
+    undo += [restore_processors, drop_buffers, free_other_stages(pf, model)]
     return undo
+
+
+def load_stage_transformer(folder, pp_rank: int, pp_size: int, device, dtype: torch.dtype,
+                           component: str = "transformer") -> torch.nn.Module:
+    """Load a pipeline's transformer so that this rank reads only the block weights of its PipeFusion stage (and every
+    weight outside the blocks: embedders, exit layers).
+
+    The model is built on the meta device, the stages are cut from its shapes as :func:`apply` cuts them, and the
+    other stages' block parameters get empty storage of ``dtype``. ``folder``: as ``tensor.MetaLoad`` takes it.
+    Pass the result to the pipeline and :func:`ditmesh.parallelize` it with the same pp degree on this rank's place
+    (``ParallelConfig.coordinate(rank, "pp")``); ``remove()`` broadcasts the other stages' weights to it.
+    """
+    load = MetaLoad(folder, component, device, dtype)
+    model = load.model
+    adapter = adapter_for(model)
+    stage = split_stages(block_costs(model, adapter), pp_size)[pp_rank]
+    empty = {}
+    for i, (path, block) in enumerate(named_blocks(model, adapter)):
+        if i in stage:
+            continue
+        for name, param in list(block.named_parameters()):
+            full = f"{path}.{name}"
+            empty[full] = param.shape
+            module, _, attr = full.rpartition(".")
+            kind = _load_dtype(full, param, dtype, load.keep_fp32)
+            _set_param(model.get_submodule(module), attr, torch.empty(0, dtype=kind, device=load.device))
+    model = load.finish(set(empty))
+    _STAGE_LOADED[model] = (pp_rank, pp_size, empty)
+    return model

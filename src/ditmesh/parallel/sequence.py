@@ -67,14 +67,17 @@ class SequenceParallel:
         #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
         self._orders: dict[tuple, tuple] = {}
 
-    def attention(self, query, key, value, backend=None, streams=None, mask=None):
+    def attention(self, query, key, value, backend=None, streams=None, mask=None, local=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
         Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
         USP need the log-sum-exp of each partial result, so they run :func:`attention_with_lse` (fused
         flash / memory-efficient kernels on CUDA, float32 math on CPU) whatever ``backend`` says.
         ``mask``: optional, in the model's global token order (:meth:`gathered_mask`), boolean (True keeps)
-        or floating (added to the scores), as SDPA takes it.
+        or floating (added to the scores), as SDPA takes it. ``local``: under Ulysses alone, what attends over the
+        gathered tokens (``local(q, k, v)`` on ``[B, S, h, D]``, tokens in the sp ranks' order, :meth:`gathered_order`)
+        instead of the dispatcher: PipeFusion's attention over its K/V buffer; it gets all of this rank's heads at
+        once (one head group).
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -82,12 +85,13 @@ class SequenceParallel:
         if mask is not None:
             mask = self.gathered_mask(mask, self.plan.streams if streams is None else streams)
         if self.ring_degree == 1:
+            chunks = self.ulysses_chunks if local is None else 1
 
-            def local(q, k, v, mask=None):
+            def dispatched(q, k, v, mask=None):
                 return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=backend)
 
-            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
-                                     chunks=self.ulysses_chunks, transport=self.transport, mask=mask)
+            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name,
+                                     local or dispatched, chunks=chunks, transport=self.transport, mask=mask)
         if self.ulysses_degree == 1:
             return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
@@ -208,7 +212,7 @@ class SequenceEntry(Hook):
         return call_next((), kwargs)
 
 
-def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict[str, Split]):
+def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict[str, Split], first: bool = False):
     forward = module.forward
 
     def pre_hook(mod, args, kwargs):
@@ -217,32 +221,35 @@ def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: di
             return None
         return (), {k: (sp.split_value(v, splits[k]) if k in splits else v) for k, v in named.items()}
 
-    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first)
 
 
-def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict):
+def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict, first: bool = False):
     def hook(mod, args, out):
         if None in splits:
             return sp.split_value(out, splits[None])
         return type(out)(sp.split_value(t, splits[i]) if i in splits else t for i, t in enumerate(out))
 
-    return module.register_forward_hook(hook)
+    return module.register_forward_hook(hook, prepend=first)
 
 
 def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
     return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
 
 
-def split_points(model: torch.nn.Module, plan, splitter) -> list[AtPath]:
+def split_points(model: torch.nn.Module, plan, splitter, first: bool = False) -> list[AtPath]:
     """The split and gather points of ``plan`` inside ``model`` (every path but the entry ``""``), as :class:`AtPath`
     hooks that call ``splitter.split_value`` and ``splitter.gather``: a :class:`SequenceParallel`, or PipeFusion's
-    patch splitter, which cuts the same streams at the same places into patches."""
+    patch splitter, which cuts the same streams at the same places into patches. ``first``: its splits run before
+    the hooks already on those modules, its gathers after them (PipeFusion cuts a patch, then sequence parallelism
+    cuts the patch; sequence parallelism gathers the patch, then PipeFusion places it)."""
     points = []
     for path, splits in plan.inputs.items():
         if path:
-            points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(splitter, m, splits)))
+            points.append(AtPath(model, path,
+                                 lambda m, splits=splits: _split_inputs_hook(splitter, m, splits, first)))
     for path, splits in plan.outputs.items():
-        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(splitter, m, splits)))
+        points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(splitter, m, splits, first)))
     for path, spec in plan.gathers.items():
         points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(splitter, m, spec)))
     return points

@@ -86,7 +86,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         from ..api import check_pipefusion_options
 
         check_pipefusion_options(config, cache=bool(getattr(args, "cache", None)),
-                                 cuda_graph=getattr(args, "cuda_graph", False))
+                                 cuda_graph=getattr(args, "cuda_graph", False),
+                                 transport=getattr(args, "transport", "nccl"))
     return config, model
 
 
@@ -374,6 +375,15 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
         names = transformer_components(path)
         pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
         pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype, name)
+                                 for name in names})
+    elif config.pp > 1:
+        # Each rank reads only its PipeFusion stage's block weights.
+        from ..parallel.pipefusion import load_stage_transformer
+
+        names = transformer_components(path)
+        pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
+        stage = config.coordinate(rank, "pp")
+        pipe.register_modules(**{name: load_stage_transformer(path, stage, config.pp, device, dtype, name)
                                  for name in names})
     else:
         pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
