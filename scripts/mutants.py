@@ -66,6 +66,7 @@ T_FLUX_TP = "tests/test_tensor_parallel.py::test_flux_tp_matches_single_process"
 T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_process"
 T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
+T_PP = "tests/test_pipefusion.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -367,6 +368,25 @@ MUTANTS: tuple[Mutant, ...] = (
            'split = split_width is not None and always_split',
            ("tests/test_analyze.py::test_sequence_and_tensor_parallel_runs_record_the_single_process_numbers",),
            "attention outputs taken before the output projection (split by heads) are not summed over tp"),
+    # -- PipeFusion: the exact warm-up, the text with the first patch, per-branch buffers, the broadcast root --------
+    Mutant("pp-warmup-ignored", "parallel/pipefusion.py",
+           "return ctx.run_step < self.warmup or self.filled.get(ctx.call_in_step) != ctx.run",
+           "return self.filled.get(ctx.call_in_step) != ctx.run",
+           (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
+           "only a run's first call is exact; the warm-up steps after it run the stale pipeline"),
+    Mutant("pp-text-with-every-patch", "parallel/pipefusion.py",
+           "return (0, n) if index == 0 else (0, 0)", "return (0, n)",
+           (f"{T_PP}test_stale_schedule_matches_its_single_process_emulation",),
+           "the text tokens run through the blocks with every patch instead of with the first"),
+    Mutant("pp-kv-buffers-shared-by-cfg-branches", "parallel/pipefusion.py",
+           "name = (self.name, layer, self.ctx.call_in_step)", "name = (self.name, layer, 0)",
+           (f"{T_PP}test_pp_composes_with_cfg_and_dp",),
+           "the cond and uncond calls of a step read each other's stale K/V"),
+    Mutant("pp-output-broadcast-from-first-stage", "parallel/pipefusion.py",
+           "comm.broadcast_pieces(sample.view(-1), pf.degree - 1, pf.group, pf.chunk_bytes)",
+           "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
+           (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
+           "every rank steps on the first stage's output, which skipped the later blocks"),
 )
 
 

@@ -233,3 +233,23 @@ def test_pp2_x_ulysses2_stale_schedule_matches_its_single_process_emulation(pool
         per_patch = {kind: 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage], "all_gather": 1}
         assert per_step == [dict(per_patch, broadcast=1)] + [
             {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
+
+
+# -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
+def test_pp_sweep_scores_settings_against_the_exact_images():
+    from ditmesh.tiny.evaluate import eval_captions, parse_pp_setting, pp_sweep
+
+    settings = [parse_pp_setting("pp=2,patches=2,warmup=3"), parse_pp_setting("pp=2,patches=4")]
+    assert settings[1] == {"pp": 2, "patches": 4, "warmup": 1}
+    rows = pp_sweep(None, settings, eval_captions()[:1], steps=3, images_per_caption=2)
+    assert [(r["pp"], r["patches"], r["warmup"]) for r in rows] == [(1, 1, 3), (2, 2, 3), (2, 4, 1)]
+    assert rows[1]["psnr"] == math.inf and rows[1]["lost"] == 0  # exact: the same images
+    assert math.isfinite(rows[2]["psnr"]) and rows[2]["ssim"] < 1  # stale: close, not equal
+
+
+@pytest.mark.parametrize("text", ["pp=2,patches=x", "patches=2", "pp=2,steps=3"])
+def test_bad_pp_sweep_settings_are_refused_in_one_line(text):
+    from ditmesh.tiny.evaluate import parse_pp_setting
+
+    with pytest.raises(ConfigError, match="--pp-sweep setting"):
+        parse_pp_setting(text)
