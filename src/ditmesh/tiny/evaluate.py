@@ -203,9 +203,10 @@ def _pp_images(model_path: str | None, setting: dict, prompts: list[str], steps:
 
 
 def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], steps: int = 28, seed: int = 0,
-             images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5) -> list[dict]:
+             images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5, on_row=None) -> list[dict]:
     """Quality of PipeFusion settings (``pp``, ``patches``, ``warmup``; each on ``pp`` gloo processes) against the
-    exact images of one process, same captions, noise and batches: accuracies, lost attributes, PSNR / SSIM."""
+    exact images of one process, same captions, noise and batches: accuracies, lost attributes, PSNR / SSIM.
+    ``on_row(row)`` is called as each row is done."""
     from ..testing import ProcessPool
 
     pipe = load_pipeline(model_path)
@@ -213,14 +214,18 @@ def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], 
     prompts = [c for c in captions for _ in range(images_per_caption)]
     reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
     rows = [{"pp": 1, "patches": 1, "warmup": steps, **against_reference(reference, reference, prompts)}]
+    (on_row or (lambda row: None))(rows[0])
     pools: dict[int, ProcessPool] = {}
     try:
         for setting in settings:
-            pool = pools.setdefault(setting["pp"], ProcessPool(setting["pp"]))
+            if setting["pp"] not in pools:  # one pool per process count, started once
+                pools[setting["pp"]] = ProcessPool(setting["pp"])
+            pool = pools[setting["pp"]]
             start = time.time()
             images = pool.run(_pp_images, model_path, setting, prompts, steps, seed, batch_size, guidance_scale)[0]
             rows.append({**setting, **against_reference(images, reference, prompts),
                          "seconds": round(time.time() - start, 1)})
+            (on_row or (lambda row: None))(rows[-1])
     finally:
         for pool in pools.values():
             pool.close()
@@ -312,15 +317,17 @@ def run_eval(args: argparse.Namespace) -> int:
                 json.dump(rows, f, indent=1)
         return 0
     if args.pp_sweep:
-        rows = pp_sweep(args.model, [parse_pp_setting(t) for t in args.pp_sweep.split(";") if t], captions,
-                        steps=args.steps, seed=args.seed, images_per_caption=args.images_per_caption,
-                        batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale)
         print("| pp | patches | warm-up steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+        def print_row(r):
             print(f"| {r['pp']} | {r['patches']} | {r['warmup']} | {r['colour']:.3f} | {r['shape']:.3f} "
                   f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} "
-                  f"| {r['psnr']} | {r['ssim']} |")
+                  f"| {r['psnr']} | {r['ssim']} |", flush=True)
+
+        rows = pp_sweep(args.model, [parse_pp_setting(t) for t in args.pp_sweep.split(";") if t], captions,
+                        steps=args.steps, seed=args.seed, images_per_caption=args.images_per_caption,
+                        batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale, on_row=print_row)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
