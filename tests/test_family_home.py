@@ -161,6 +161,16 @@ def test_remove_after_cfg_parallelism_gives_back_the_pipeline(pools, flux_tiny):
         assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0
 
 
+def test_remove_after_pipefusion_gives_back_the_pipeline(pools, flux_tiny, model_checkpoints):
+    # the other stages' blocks were emptied on each rank; remove() broadcasts them back from their owners
+    for model, extra in ((flux_tiny, {}), (model_checkpoints["wan2.2-tiny"], {"num_frames": 5})):
+        for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, model, {"pp": 2}, extra=extra,
+                                                                 options={"pp_warmup": 2}):
+            assert diffs == [], model
+            assert parallel_err <= 1e-5, model  # every step exact
+            assert after_remove == 0.0, model
+
+
 def test_remove_after_tensor_parallel_sd3_and_wan(pools, model_checkpoints):
     for name in ("sd3-tiny", "wan2.2-tiny"):
         extra = {"num_frames": 5} if name.startswith("wan") else {}
