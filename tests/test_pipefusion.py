@@ -83,6 +83,18 @@ def test_parallelize_refuses_what_pipefusion_does_not_run_with(flux_tiny, option
         parallelize(pipe, ParallelConfig(pp=2), **option)
 
 
+def test_a_family_whose_block_lists_pass_different_activations_is_refused():
+    from ditmesh import parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:  # parallelize() needs only `.transformer`
+        transformer = build_transformer("chroma-tiny", seed=0, dtype=torch.float32)
+
+    with pytest.raises(NotImplementedError, match="PipeFusion does not run chroma yet: its single_transformer_blocks "
+                                                  "take hidden_states but its transformer_blocks return"):
+        parallelize(Pipe, ParallelConfig(pp=2))
+
+
 # -- exact: warm-up over every step ----------------------------------------------------------------------------
 @pytest.mark.parametrize("patches", [None, 3], ids=["patches=pp", "patches=3"])
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])

@@ -298,6 +298,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         check_pipefusion(config.pp, pp_patches, pp_warmup, pp_chunk_bytes)
         check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph,
                                  transport=transport)
+        for model in models.values():
+            pipefusion.check_blocks(adapter_for(model))
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context

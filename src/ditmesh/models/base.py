@@ -132,12 +132,15 @@ class BlockList:
     ``path`` is the ``ModuleList`` attribute; ``carries`` the forward inputs that each block updates (the
     activations that flow between blocks: what pipeline stages send on and what a step cache keeps);
     ``returns`` what a block returns, in order, naming the input each returned tensor replaces. Other
-    forward inputs (``temb``, RoPE) are the same for every block of a call.
+    forward inputs (``temb``, RoPE) are the same for every block of a call. ``streams``: the sequence plan's token
+    stream of each carried input, in the order of ``carries`` (tokens along dim 1), so that PipeFusion can size a
+    patch's activations before they arrive; empty when not declared.
     """
 
     path: str
     carries: tuple[str, ...]
     returns: tuple[str, ...]
+    streams: tuple[str, ...] = ()
 
 
 def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:

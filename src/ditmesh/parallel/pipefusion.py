@@ -32,7 +32,8 @@
   fill the buffers. Without a scheduler (a bare model call), every call is exact.
 - **Messages.** A patch's activations at a stage boundary travel as one flat buffer, point-to-point, in pieces of
   at most ``pp_chunk_bytes`` (64 MiB by default). Sends do not wait: a stage computes its next patch while the
-  last one travels, and waits for its sends at the end of the call. The last stage's output (the whole noise
+  last one travels, and waits for its sends at the end of the call; a receiving stage posts the next patch's
+  receive as soon as it has the current one. The last stage's output (the whole noise
   prediction) is broadcast over the pp group in pieces of the same size, so every rank's scheduler steps alike.
 - **Ulysses inside a stage.** The patch is cut first (this hook is outside ``sequence``; its inner split hooks are
   prepended, its gather appended), then sequence parallelism cuts the patch; Ulysses' all-to-all gathers the
@@ -49,6 +50,7 @@ happen in the same order on every rank.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -150,6 +152,8 @@ class PipeFusion:
         self.sends: list = []
         #: call in step -> the run whose first call of that kind has filled the K/V buffers
         self.filled: dict[int, int] = {}
+        #: (buffer, work handles) of the next patch's receive, posted while this patch is computed
+        self.prefetched = None
 
     # -- the current patch ----------------------------------------------------------------------------------
     def exact(self) -> bool:
@@ -158,11 +162,13 @@ class PipeFusion:
         ctx = self.ctx
         return ctx.run_step < self.warmup or self.filled.get(ctx.call_in_step) != ctx.run
 
-    def patch_range(self, stream: str) -> tuple[int, int]:
-        """(offset, length) of the current patch in ``stream``: a contiguous piece of the patch stream; the whole of
-        another stream in patch 0 (text travels with the first patch) and none of it in the others."""
+    def patch_range(self, stream: str, index: int | None = None) -> tuple[int, int]:
+        """(offset, length) of the current patch (or patch ``index`` of this call) in ``stream``: a contiguous piece
+        of the patch stream; the whole of another stream in patch 0 (text travels with the first patch) and none of
+        it in the others."""
         n = self.lengths[stream]
-        index, count = self.ctx.patch
+        current, count = self.ctx.patch
+        index = current if index is None else index
         if count == 1:
             return 0, n
         if stream == self.patch_stream:
@@ -249,22 +255,43 @@ class PipeFusion:
         flat = torch.cat([tensors[n].reshape(-1) for n in sorted(tensors)])
         self.sends.append((flat, comm.send_start(flat, self.stage + 1, self.group, self.chunk_bytes)))
 
-    def receive(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def receive(self, like: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
         """The previous stage's activations of the current patch, shaped like ``like`` (this rank's own inputs of
-        its first block, which have the same shapes)."""
+        its first block, which have the same shapes). The receive of the next patch is posted at once (sized from
+        the block list's ``streams``), so its transfer runs while this patch is computed."""
         names = sorted(like)
         dtypes = {like[n].dtype for n in names}
         if len(dtypes) != 1:
             raise NotImplementedError(f"PipeFusion sends one dtype per message; the carried tensors have {dtypes}")
         first = like[names[0]]
-        flat = torch.empty(sum(like[n].numel() for n in names), dtype=first.dtype, device=first.device)
-        for work in comm.recv_start(flat, self.stage - 1, self.group, self.chunk_bytes):
+        size = sum(like[n].numel() for n in names)
+        flat, works = self.prefetched or self.post_receive(size, first)
+        self.prefetched = None
+        if flat.numel() != size:
+            raise RuntimeError(f"PipeFusion: {flat.numel()} values were received for a patch of {size}")
+        for work in works:
             work.wait()
+        index, count = self.ctx.patch
+        if index + 1 < count and spec.streams:
+            streams = dict(zip(spec.carries, spec.streams))
+            # [batch, tokens, features...]: the next patch has the same batch and features, its own token counts
+            self.prefetched = self.post_receive(sum(like[n].shape[0] * self.local_tokens(streams[n], index + 1)
+                                                    * math.prod(like[n].shape[2:]) for n in names), first)
         out, offset = {}, 0
         for n in names:
             out[n] = flat[offset:offset + like[n].numel()].view(like[n].shape)
             offset += like[n].numel()
         return out
+
+    def post_receive(self, size: int, like: torch.Tensor):
+        """(buffer, work handles) of a receive of ``size`` values from the previous stage, posted now."""
+        flat = torch.empty(size, dtype=like.dtype, device=like.device)
+        return flat, comm.recv_start(flat, self.stage - 1, self.group, self.chunk_bytes)
+
+    def local_tokens(self, stream: str, index: int) -> int:
+        """Tokens of ``stream`` this rank holds in patch ``index`` (its sp chunk of the patch under Ulysses)."""
+        length = self.patch_range(stream, index)[1]
+        return length if self.sp is None else comm.split_sizes(length, self.sp.degree)[self.sp.rank]
 
     def finish_sends(self) -> None:
         """Wait for every send of this call (their buffers may then be freed)."""
@@ -310,7 +337,7 @@ class PatchLoop(Hook):
                 output = call_next((), patch)
             pf.finish_sends()
         finally:
-            ctx.patch, pf.out = None, None
+            ctx.patch, pf.out, pf.prefetched = None, None, None
             pf.sends.clear()
         if exact:
             pf.filled[ctx.call_in_step] = ctx.run
@@ -335,7 +362,7 @@ class StageBlock(Hook):
             outputs = [named.get(name) for name in self.spec.returns]
             return tuple(outputs) if len(outputs) > 1 else outputs[0]
         if index == pf.own.start and pf.stage > 0:
-            named.update(pf.receive({n: named[n] for n in self.spec.carries if named.get(n) is not None}))
+            named.update(pf.receive({n: named[n] for n in self.spec.carries if named.get(n) is not None}, self.spec))
         output = call_next((), named)
         if index == pf.own.stop - 1 and pf.stage < pf.degree - 1:
             outputs = output if isinstance(output, tuple) else (output,)
@@ -362,6 +389,17 @@ def free_other_stages(pf: PipeFusion, model: torch.nn.Module):
             comm.broadcast_pieces(t.data.view(-1), stage, pf.group, pf.chunk_bytes)
 
     return restore
+
+
+def check_blocks(adapter: ModelAdapter) -> None:
+    """Raise NotImplementedError for a family whose consecutive block lists pass different activations (a stage
+    boundary between them would send what the next block does not take; Chroma's single blocks take the text and
+    image streams concatenated)."""
+    for before, after in zip(adapter.blocks, adapter.blocks[1:]):
+        if set(before.returns) != set(after.carries):
+            raise NotImplementedError(
+                f"PipeFusion does not run {adapter.name} yet: its {after.path} take {', '.join(after.carries)} but its "
+                f"{before.path} return {', '.join(before.returns)}; use pp=1")
 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, name: str,
