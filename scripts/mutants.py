@@ -70,6 +70,7 @@ T_QWEN = "tests/test_qwenimage.py::test_qwenimage_pipeline_matches_single_proces
 T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_modulate_index_with_the_image"
 T_FLUX2 = "tests/test_flux2.py::test_flux2_pipeline_matches_single_process"
 T_FLUX2_CACHE = "tests/test_flux2.py::test_flux2_cache_decides_as_one_process_under_ulysses"
+T_PP = "tests/test_pipefusion.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -333,8 +334,8 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_HOME}test_every_pipeline_run_starts_its_steps_afresh",),
            "a pipeline run that starts at the step where the last one ended continues its call count"),
     Mutant("hook-order-sequence-outside-batch", "hooks.py",
-           'ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora", "chunk")',
-           'ORDER = ("context", "graph", "consistency", "sequence", "batch", "encode_once", "cache", "vae", "vae_chunk", "lora", "chunk")',
+           'ORDER = ("context", "graph", "consistency", "batch", "pipefusion", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora",\n         "chunk")',
+           'ORDER = ("context", "graph", "consistency", "sequence", "batch", "pipefusion", "encode_once", "cache", "vae", "vae_chunk", "lora",\n         "chunk")',
            (f"{T_BATCH}test_flux_cfg2_x_ulysses2_matches_single",),
            "the sequence split runs outside the CFG/dp hook, so a skipped call's placeholder is one shard long"),
     Mutant("consistency-check-always-passes", "comm.py",
@@ -439,6 +440,25 @@ MUTANTS: tuple[Mutant, ...] = (
            'if failed >= self.restart_attempts and False:',
            ("tests/test_serve.py::test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503",),
            "a replica that cannot start is retried for ever and the queue waits with it"),
+    # -- PipeFusion: the exact warm-up, the text with the first patch, per-branch buffers, the broadcast root --------
+    Mutant("pp-warmup-ignored", "parallel/pipefusion.py",
+           "return ctx.run_step < self.warmup or self.filled.get(ctx.call_in_step) != ctx.run",
+           "return self.filled.get(ctx.call_in_step) != ctx.run",
+           (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
+           "only a run's first call is exact; the warm-up steps after it run the stale pipeline"),
+    Mutant("pp-text-with-every-patch", "parallel/pipefusion.py",
+           "return (0, n) if index == 0 else (0, 0)", "return (0, n)",
+           (f"{T_PP}test_stale_schedule_matches_its_single_process_emulation",),
+           "the text tokens run through the blocks with every patch instead of with the first"),
+    Mutant("pp-kv-buffers-shared-by-cfg-branches", "parallel/pipefusion.py",
+           "name = (self.name, layer, self.ctx.call_in_step)", "name = (self.name, layer, 0)",
+           (f"{T_PP}test_pp_composes_with_cfg_and_dp",),
+           "the cond and uncond calls of a step read each other's stale K/V"),
+    Mutant("pp-output-broadcast-from-first-stage", "parallel/pipefusion.py",
+           "comm.broadcast_pieces(sample.view(-1), pf.degree - 1, pf.group, pf.chunk_bytes)",
+           "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
+           (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
+           "every rank steps on the first stage's output, which skipped the later blocks"),
 )
 
 

@@ -55,8 +55,9 @@ def _same(a: dict, b: dict) -> list[str]:
 
 
 def remove_restores_case(model: str, config: dict, fuse_qkv: bool = False, broadcast_text: bool = True,
-                         extra: dict | None = None):
-    """parallelize, run, remove: the pipeline must equal one never parallelized, and give the same outputs.
+                         extra: dict | None = None, options: dict | None = None):
+    """parallelize (with more ``options``), run, remove: the pipeline must equal one never parallelized, and give the
+    same outputs.
 
     Returns (differences after remove, rel err of the parallel run, max abs diff of the run after remove
     against the run before parallelize).
@@ -73,7 +74,7 @@ def remove_restores_case(model: str, config: dict, fuse_qkv: bool = False, broad
     if broadcast_text:
         os.environ[tensor.TEXT_ENCODERS_ENV] = "broadcast"
     try:
-        parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv)
+        parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv, **(options or {}))
     finally:
         os.environ.pop(tensor.TEXT_ENCODERS_ENV, None)
     parallel = _call(pipe, **extra)

@@ -88,6 +88,13 @@ class _nothing:
     (["bench", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
     (["generate", "--model", "flux-tiny", "--vae-parallel", "yes"], "--vae-parallel 'yes' is not a mode; use one of auto, on, tiled, off"),
     (["generate", "--model", "flux-tiny", "--chunk", "0"], "--chunk '0' is not a token count; give a positive integer"),
+    (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--pp-patches", "1"],
+     "--pp-patches 1 is fewer than the pp=2 stages"),
+    (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--pp-warmup", "0"], "--pp-warmup 0 must be >= 1"),
+    (["generate", "--model", "flux-tiny", "--nproc", "4", "--pp", "2", "--ring", "2"],
+     "PipeFusion (pp=2) with ring=2 is not implemented yet; pp runs alone or with ulysses, cfg and dp"),
+    (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--cache", "fbcache:0.1"],
+     "step caching does not run with PipeFusion (pp=2) yet"),
 ])
 def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

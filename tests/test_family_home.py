@@ -161,6 +161,16 @@ def test_remove_after_cfg_parallelism_gives_back_the_pipeline(pools, flux_tiny):
         assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0
 
 
+def test_remove_after_pipefusion_gives_back_the_pipeline(pools, flux_tiny, model_checkpoints):
+    # the other stages' blocks were emptied on each rank; remove() broadcasts them back from their owners
+    for model, extra in ((flux_tiny, {}), (model_checkpoints["wan2.2-tiny"], {"num_frames": 5})):
+        for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, model, {"pp": 2}, extra=extra,
+                                                                 options={"pp_warmup": 2}):
+            assert diffs == [], model
+            assert parallel_err <= 1e-5, model  # every step exact
+            assert after_remove == 0.0, model
+
+
 def test_remove_after_tensor_parallel_sd3_and_wan(pools, model_checkpoints):
     for name in ("sd3-tiny", "wan2.2-tiny"):
         extra = {"num_frames": 5} if name.startswith("wan") else {}
@@ -237,6 +247,9 @@ def test_block_lists_name_what_flows_between_blocks(adapter, arch):
                                     generator=torch.Generator().manual_seed(0), device="cpu", dtype=torch.float32,
                                     frames=5)
     seen = []
+    layout = adapter.layout(dict(model.config), 32, 32, 5, 8)
+    tokens = {stream: layout.text_tokens if stream == "text" else layout.image_tokens
+              for stream in adapter.sequence_plan.streams}
 
     def hook(module, args, kwargs, out, spec):
         named = bind_kwargs(module.forward, args, kwargs)
@@ -247,6 +260,9 @@ def test_block_lists_name_what_flows_between_blocks(adapter, arch):
             if tensor is not None:  # SD3's last block (context_pre_only) returns no text stream
                 assert tensor.shape == named[name].shape, (spec, name)
         assert all(name in named for name in spec.carries), spec
+        if spec.streams:  # each carried input holds its stream's tokens along dim 1 (PipeFusion sizes patches by it)
+            assert len(spec.streams) == len(spec.carries), spec
+            assert [named[name].shape[1] for name in spec.carries] == [tokens[s] for s in spec.streams], spec
 
     handles = [block.register_forward_hook(lambda m, a, k, o, spec=spec: hook(m, a, k, o, spec), with_kwargs=True)
                for spec in adapter.blocks for block in model.get_submodule(spec.path)]

@@ -39,6 +39,14 @@ def test_generate_ulysses2_matches_single_process(tmp_path, flux_tiny):
     assert all(m > 0 for m in r2["peak_memory_bytes"])
 
 
+def test_generate_pp2_with_every_step_exact_matches_single_process(tmp_path, flux_tiny):
+    _, l1, _ = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
+    r2, l2, _ = generate(tmp_path, "pp2", "--model", flux_tiny, "--nproc", "2", "--pp", "2", "--pp-patches", "3",
+                         "--pp-warmup", "3")
+    assert rel_err(l2, l1) <= 1e-5
+    assert r2["config"]["pp"] == 2 and r2["pipefusion"] == {"patches": 3, "warmup": 3}
+
+
 def test_synth_cli_writes_loadable_pipeline(tmp_path):
     out = tmp_path / "ft"
     proc = subprocess.run([sys.executable, "-m", "ditmesh", "synth", "--arch", "flux-tiny", "--out", str(out), "--seed", "3"],

@@ -35,3 +35,29 @@ def test_plan_auto_never_picks_a_configuration_that_runs_out_of_memory():
     # diffusers' tiling (here on one process) or the split over 4 GPUs holds it
     assert planned_config(_args(model="flux-dev", height=8192, width=8192, vae_parallel="tiled"), 1).world_size == 1
     assert planned_config(_args(model="flux-dev", height=8192, width=8192), 4).world_size == 4
+
+
+def test_plan_auto_offers_pipefusion_to_the_planner_only_with_allow_stale(monkeypatch):
+    import ditmesh.planner
+    from ditmesh import ParallelConfig
+
+    offered = []
+
+    def recommend(*args, supported, **kwargs):
+        offered.append(supported)
+        return ParallelConfig(ulysses=2)
+
+    monkeypatch.setattr(ditmesh.planner, "recommend", recommend)
+    planned_config(_args(), 2)
+    planned_config(_args(allow_stale=True), 2)
+    assert "pp" not in offered[0] and "ulysses" in offered[0]
+    assert "pp" in offered[1]
+
+
+def test_plan_auto_with_allow_stale_picks_only_pairings_this_build_runs():
+    from ditmesh.config import not_supported
+    from ditmesh.planner import plan, recommend
+
+    predictions = plan("flux-dev", 1024, 1024, 4, supported={"pp", "ring"}).predictions
+    assert any(not_supported(p.config) for p in predictions)  # pp x ring is predicted ...
+    assert not_supported(recommend("flux-dev", 1024, 1024, 4, supported={"pp", "ring"})) is None  # ... not picked

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -22,12 +22,12 @@ from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
-from .config import (AXIS_ORDER, SUPPORTED_AXES, ConfigError, ParallelConfig, check_chunk,  # noqa: F401
-                     check_supported, check_vae_chunk, check_vae_parallel)
+from .config import (AXIS_ORDER, PP_CHUNK_BYTES, SUPPORTED_AXES, ConfigError, ParallelConfig,  # noqa: F401
+                     check_chunk, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, graph, lora, sequence, tensor
+from .parallel import batch, chunk, consistency, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -123,8 +123,9 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) 
     options = symm.COMPILE_OPTIONS if hook is not None and hook.sp.transport == "symm" else None
     inner = []
     for block in blocks:
-        if find_hook(block, "cache") is not None:
-            # a step cache decides on the host around the block: compile the block's own forward, inside its hooks
+        if find_hook(block, "cache") is not None or find_hook(block, "pipefusion") is not None:
+            # a step cache decides on the host around the block, PipeFusion skips it or passes its activations
+            # between stages: compile the block's own forward, inside its hooks
             reg = registry(block)
             reg.inner = torch.compile(reg.original(block), options=options)
             inner.append(reg)
@@ -150,6 +151,15 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
     if check_consistency:
         raise ConfigError("CUDA graphs do not run with the consistency check (it reads values on the host); "
                           "use one or the other")
+
+
+def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache: bool = False,
+                             cuda_graph: bool = False, transport: str = "nccl") -> None:
+    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet."""
+    for on, option in ((fuse_qkv, "fuse_qkv"), (cache, "step caching"), (cuda_graph, "CUDA graphs"),
+                       (transport != "nccl", f"transport={transport}")):
+        if on:
+            raise ConfigError(f"{option} does not run with PipeFusion (pp={config.pp}) yet; drop it or use pp=1")
 
 
 def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> None:
@@ -232,7 +242,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                 compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
                 vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
-                vae_chunk: int | str | None = None) -> ParallelRuntime:
+                vae_chunk: int | str | None = None, pp_patches: int | None = None, pp_warmup: int = 1,
+                pp_chunk_bytes: int = PP_CHUNK_BYTES) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -277,6 +288,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             with halo rows (exact; lowers the peak memory of a decode that runs whole, e.g. on one GPU), ``"auto"``
             to size the pieces from free CUDA memory, or None (default): whole (``ditmesh.parallel.vae_chunk``;
             see :func:`chunk_vae`).
+        pp_patches: PipeFusion (``config.pp`` > 1): patches the image (video) tokens are cut into, at least ``pp``
+            (default ``pp``; uneven where they do not divide the tokens). ``ditmesh.parallel.pipefusion``.
+        pp_warmup: PipeFusion: steps of each run computed exactly (default 1, at least 1); the later steps read
+            one-step-stale K/V for the patches not yet computed in the step (an approximation).
+        pp_chunk_bytes: PipeFusion: the largest single point-to-point message (default 64 MiB); larger
+            activations travel in pieces.
     """
     models = transformers_of(pipe)
     if not models:
@@ -304,6 +321,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     check_chunk(chunk_tokens, "chunk_tokens=")
     check_vae_chunk(vae_chunk)
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
+    if config.pp > 1:
+        check_pipefusion(config.pp, pp_patches, pp_warmup, pp_chunk_bytes)
+        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph,
+                                 transport=transport)
+        for model in models.values():
+            pipefusion.check_blocks(adapter_for(model))
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -325,7 +348,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -339,6 +362,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                                                           pieces if config.sp == 1 else None))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,
+                                                                       pp_warmup, pp_chunk_bytes))
+                                                 for name, m in models.items()]),
         (f"batch(dp={config.dp}, cfg={config.cfg})", lambda: each(lambda m, a: batch.apply(pipe, m, mesh, a, ctx))),
         (f"cache({cache_config.policy})", lambda: keep(step_cache.apply(runtime, cache_config))),
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),

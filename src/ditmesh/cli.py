@@ -77,8 +77,19 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the model's)")
     add_degree_flags(parser)
+    parser.add_argument("--pp-patches", type=int, default=None, metavar="M",
+                        help="PipeFusion (--pp > 1): cut the image (video) tokens into M patches, M >= pp (default: pp)")
+    parser.add_argument("--pp-warmup", type=int, default=1, metavar="W",
+                        help="PipeFusion: compute the first W steps of a run exactly (default 1, at least 1); later steps "
+                             "read one-step-stale K/V for the patches not yet computed in the step (approximate)")
+    parser.add_argument("--pp-chunk-mb", type=_positive_int, default=64, metavar="MB",
+                        help="PipeFusion: the largest single point-to-point message in MiB (default 64); larger "
+                             "activations travel in pieces")
     parser.add_argument("--plan", choices=["auto"], default=None,
                         help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
+    parser.add_argument("--allow-stale", action="store_true",
+                        help="with --plan auto: let it pick approximate modes (PipeFusion's stale K/V); off, it picks "
+                             "only exact ones")
     parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                         help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
     parser.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",

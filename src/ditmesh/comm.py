@@ -230,3 +230,47 @@ def broadcast_tensors(obj, src: int, group, device: torch.device):
     if single:
         return out[0]
     return tuple(out) if as_tuple else out
+
+
+# -- PipeFusion's point-to-point messages: one flat buffer per patch and stage boundary, in pieces ---------------
+def pieces(flat: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, ...]:
+    """``flat`` (1-D) as consecutive views of at most ``chunk_bytes`` bytes each (at least one element each).
+
+    Large single messages have hung NCCL point-to-point transfers (xDiT's PipeFusion over 64 MB), so no message
+    is bigger than the caller's limit. Both sides cut the same element count the same way.
+    """
+    return flat.split(max(1, chunk_bytes // flat.element_size())) if flat.numel() else ()
+
+
+def send_start(flat: torch.Tensor, peer: int, group, chunk_bytes: int) -> list:
+    """Send the 1-D ``flat`` to group rank ``peer`` in pieces (:func:`pieces`) without waiting; returns the work
+    handles (wait on them before ``flat`` is changed or freed). Counted once per piece as ``"pp_send"``.
+
+    Cross-rank rule: ``peer`` posts :func:`recv_start` with a buffer of the same element count and ``chunk_bytes``.
+    """
+    dst = dist.get_global_rank(group, peer)
+    works = []
+    for piece in pieces(flat, chunk_bytes):
+        COUNTS["pp_send"] += 1
+        works.append(dist.isend(piece, dst, group=group))
+    return works
+
+
+def recv_start(flat: torch.Tensor, peer: int, group, chunk_bytes: int) -> list:
+    """Receive into the 1-D ``flat`` from group rank ``peer`` in pieces, without waiting (the counterpart of
+    :func:`send_start`); returns the work handles. Counted once per piece as ``"pp_recv"``."""
+    src = dist.get_global_rank(group, peer)
+    works = []
+    for piece in pieces(flat, chunk_bytes):
+        COUNTS["pp_recv"] += 1
+        works.append(dist.irecv(piece, src, group=group))
+    return works
+
+
+def broadcast_pieces(flat: torch.Tensor, root: int, group, chunk_bytes: int) -> None:
+    """Broadcast the 1-D ``flat`` (filled in place on the others) from group rank ``root`` in pieces of at most
+    ``chunk_bytes``; waits. Counted once per piece as ``"broadcast"``."""
+    src = dist.get_global_rank(group, root)
+    for piece in pieces(flat, chunk_bytes):
+        COUNTS["broadcast"] += 1
+        dist.broadcast(piece, src, group=group)

@@ -26,9 +26,7 @@ AXIS_HELP = {
 
 
 #: degree name -> what is missing while that dimension has not landed
-_NOT_YET = {
-    "pp": "PipeFusion (pp > 1) is not implemented yet",
-}
+_NOT_YET: dict[str, str] = {}
 
 #: dimensions this build runs
 SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
@@ -96,6 +94,14 @@ class ParallelConfig:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def coordinate(self, rank: int, axis: str) -> int:
+        """The coordinate along ``axis`` of global rank ``rank`` in the mesh (ranks row-major over ``AXIS_ORDER``, the
+        innermost axis varying fastest), known before the mesh is built (e.g. to load only a rank's weights)."""
+        inner = 1
+        for a in AXIS_ORDER[AXIS_ORDER.index(axis) + 1:]:
+            inner *= getattr(self, a)
+        return rank // inner % getattr(self, axis)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the product of degrees equals ``world_size``."""
         if self.world_size != world_size:
@@ -149,8 +155,51 @@ def check_vae_chunk(rows, flag: str = "vae_chunk=") -> None:
     check_chunk(rows, flag, "row count", 256)
 
 
-def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
+def not_supported(config: ParallelConfig) -> str | None:
+    """What this build cannot run of ``config`` (one line: a dimension, or a pairing of dimensions), or None."""
     for axis, message in _NOT_YET.items():
         if getattr(config, axis) > 1:
-            raise NotImplementedError(f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}")
+            return f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}"
+    if config.pp > 1:
+        paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
+        if paired:
+            return (f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; pp runs alone or "
+                    "with ulysses, cfg and dp")
+    return None
+
+
+def check_supported(config: ParallelConfig) -> None:
+    """Raise NotImplementedError naming the first requested dimension (or pairing) this build cannot run yet."""
+    reason = not_supported(config)
+    if reason:
+        raise NotImplementedError(reason)
+
+
+#: axes PipeFusion does not run beside yet: ring attention (and USP) would pass the K/V buffer's chunks around the
+#: ring, tensor parallelism would shard the stage weights and buffers by heads; neither is written or tested
+PP_NOT_WITH = ("ring", "tp")
+
+#: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces
+PP_CHUNK_BYTES = 64 << 20
+
+
+def check_pipefusion(pp: int, patches: int | None, warmup: int, chunk_bytes: int, flags: tuple[str, str, str] =
+                     ("pp_patches=", "pp_warmup=", "pp_chunk_bytes=")) -> None:
+    """Raise :class:`ConfigError` unless the PipeFusion settings can run at degree ``pp``.
+
+    ``patches``: the image (video) tokens are cut into this many patches, at least ``pp`` (None: ``pp``);
+    ``warmup``: steps of each run computed exactly, at least 1 (they fill the K/V buffers the stale steps read);
+    ``chunk_bytes``: the largest single point-to-point message. Whether the patches fit the token count is known
+    only at the call (it depends on the size), and is checked there.
+    """
+    for flag, value in zip(flags, (patches, warmup, chunk_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{flag}{value!r} is not an integer")
+    if patches is not None and patches < pp:
+        raise ConfigError(f"{flags[0]}{patches} is fewer than the pp={pp} stages; use at least {pp} patches "
+                          "(every stage needs a patch to work on)")
+    if warmup < 1:
+        raise ConfigError(f"{flags[1]}{warmup} must be >= 1: the first step of a run fills the K/V buffers the stale "
+                          "steps read; use 1 (default) or more")
+    if chunk_bytes < 1:
+        raise ConfigError(f"{flags[2]}{chunk_bytes} must be a positive byte count (default {PP_CHUNK_BYTES})")

@@ -25,13 +25,16 @@ from dataclasses import dataclass, field
 #: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
 #: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
 #: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
-#: ``sequence`` splits its tokens; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
+#: ``pipefusion`` runs a transformer call as patches through the pipeline stages (on a block: skips the blocks of
+#: other stages and passes activations between stages; ``ditmesh.parallel.pipefusion``), then ``sequence`` splits each
+#: patch's tokens over the sequence-parallel ranks; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
 #: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
 #: (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and up-samplers on pieces of rows
 #: (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
 #: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the
 #: sequence (``ditmesh.parallel.chunk``).
-ORDER = ("context", "graph", "consistency", "batch", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora", "chunk")
+ORDER = ("context", "graph", "consistency", "batch", "pipefusion", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora",
+         "chunk")
 
 
 class Hook:
@@ -200,6 +203,11 @@ class ForwardContext:
     timesteps: object = field(default=None, repr=False)
     #: the step index of the run's first call: 0, or where an image-to-image run starts part-way (its strength)
     first_step: int = 0
+    #: PipeFusion: (index, count) of the patch the transformer computes now; (0, 1) in an exact (warm-up) call
+    patch: tuple[int, int] | None = None
+    #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
+    #: sequence, written patch by patch; kept between steps (a patch reads the others' K/V from the last step)
+    kv_buffers: dict = field(default_factory=dict, repr=False)
 
     @property
     def run_step(self) -> int:

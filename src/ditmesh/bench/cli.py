@@ -32,6 +32,9 @@ METHODS = {
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
+    # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
+    "pp": lambda g: {"pp": g},
+    "pp-ulysses": lambda g: {"pp": 2, "ulysses": g // 2} if g >= 4 else {"pp": 0},
 }
 #: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
 PEERS = ("diffusers", "xdit")

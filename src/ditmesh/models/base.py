@@ -145,11 +145,14 @@ class BlockList:
     forward inputs (``temb``, RoPE) are the same for every block of a call. ``joins``: for a list whose one
     carried sequence the model builds by concatenating, along the tokens (dim 1), carries of the list before it
     (Chroma's and FLUX.2's single blocks: ``cat([encoder_hidden_states, hidden_states])``), those carries in order.
+    ``streams``: the sequence plan's token stream of each carried input, in the order of ``carries`` (tokens along dim 1), so that PipeFusion can size a
+    patch's activations before they arrive; empty when not declared.
     """
 
     path: str
     carries: tuple[str, ...]
     returns: tuple[str, ...]
+    streams: tuple[str, ...] = ()
     joins: tuple[str, ...] = ()
 
 

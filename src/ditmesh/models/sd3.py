@@ -237,7 +237,7 @@ SD3 = register(
         attention=AttentionSelector(class_names=("Attention",)),
         sequence_processor=SD3SequenceParallelProcessor,
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
-                          ("encoder_hidden_states", "hidden_states")),),
+                          ("encoder_hidden_states", "hidden_states"), ("image", "text")),),
         token_wise=("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
         modulated_input=norm1_modulated_input,
         example_inputs=sd3_example_inputs,

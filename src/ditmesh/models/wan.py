@@ -345,7 +345,7 @@ WAN = register(
         ),
         attention=AttentionSelector(class_names=("WanAttention",)),
         sequence_processor=WanSequenceParallelProcessor,
-        blocks=(BlockList("blocks", ("hidden_states",), ("hidden_states",)),),
+        blocks=(BlockList("blocks", ("hidden_states",), ("hidden_states",), ("video",)),),
         token_wise=("blocks.*.ffn",),
         modulated_input=wan_modulated_input,
         example_inputs=wan_example_inputs,

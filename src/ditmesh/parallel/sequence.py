@@ -68,7 +68,7 @@ class SequenceParallel:
         #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
         self._orders: dict[tuple, tuple] = {}
 
-    def attention(self, query, key, value, backend=None, streams=None, mask=None):
+    def attention(self, query, key, value, backend=None, streams=None, mask=None, local=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
 
         Ulysses alone runs the local attention through diffusers' dispatcher with ``backend``. Ring and
@@ -77,6 +77,10 @@ class SequenceParallel:
         ``mask``: optional, in the model's global token order (:meth:`gathered_mask`), boolean (True keeps)
         or floating (added to the scores), as SDPA takes it. With ``query_chunks`` the local attention (after the
         all-to-all, or each ring round's) runs on pieces of the queries; the collectives are the same.
+        ``local``: under Ulysses alone, what attends over the
+        gathered tokens (``local(q, k, v)`` on ``[B, S, h, D]``, tokens in the sp ranks' order, :meth:`gathered_order`)
+        instead of the dispatcher: PipeFusion's attention over its K/V buffer; it gets all of this rank's heads at
+        once (one head group).
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -84,12 +88,13 @@ class SequenceParallel:
         if mask is not None:
             mask = self.gathered_mask(mask, self.plan.streams if streams is None else streams)
         if self.ring_degree == 1:
+            chunks = self.ulysses_chunks if local is None else 1
 
-            def local(q, k, v, mask=None):
+            def dispatched(q, k, v, mask=None):
                 return dispatched_attention(q, k, v, mask, backend, self.query_chunks)
 
-            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name, local,
-                                     chunks=self.ulysses_chunks, transport=self.transport, mask=mask)
+            return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name,
+                                     local or dispatched, chunks=chunks, transport=self.transport, mask=mask)
         if self.ulysses_degree == 1:
             return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask,
                                   chunks=self.query_chunks)
@@ -158,15 +163,21 @@ class SequenceParallel:
 
     def split_value(self, value, spec: Split):
         """``value`` split by ``spec``: a tensor of the expected ndim, or each tensor of a list/tuple; else as is."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.split_value(v, spec) for v in value)
-        if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
-            return value
-        return self.split(value, spec.dim, spec.stream)
+        return split_value(self, value, spec)
 
     def gather(self, tensor: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Every rank's chunk of ``stream`` concatenated along ``dim`` (one all-gather)."""
         return all_gather_uneven(tensor, dim, self.ctx.stream_sizes[stream], self.group)
+
+
+def split_value(splitter, value, spec: Split):
+    """``value`` cut by ``spec`` through ``splitter.split(tensor, dim, stream)``: a tensor of the expected ndim, or each
+    tensor of a list or tuple; anything else as is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(split_value(splitter, v, spec) for v in value)
+    if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
+        return value
+    return splitter.split(value, spec.dim, spec.stream)
 
 
 class AtPath:
@@ -209,7 +220,7 @@ class SequenceEntry(Hook):
         return call_next((), kwargs)
 
 
-def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict[str, Split]):
+def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict[str, Split], first: bool = False):
     forward = module.forward
 
     def pre_hook(mod, args, kwargs):
@@ -218,16 +229,16 @@ def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: di
             return None
         return (), {k: (sp.split_value(v, splits[k]) if k in splits else v) for k, v in named.items()}
 
-    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first)
 
 
-def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict):
+def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict, first: bool = False):
     def hook(mod, args, out):
         if None in splits:
             return sp.split_value(out, splits[None])
         return type(out)(sp.split_value(t, splits[i]) if i in splits else t for i, t in enumerate(out))
 
-    return module.register_forward_hook(hook)
+    return module.register_forward_hook(hook, prepend=first)
 
 
 def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
@@ -241,6 +252,27 @@ def module_paths(model: torch.nn.Module, pattern: str) -> list[str]:
         return [pattern]
     regex = name_pattern(pattern)
     return [name for name, _ in model.named_modules() if regex.match(name)]
+
+
+def split_points(model: torch.nn.Module, plan, splitter, first: bool = False) -> list[AtPath]:
+    """The split and gather points of ``plan`` inside ``model`` (every path but the entry ``""``), as :class:`AtPath`
+    hooks that call ``splitter.split_value`` and ``splitter.gather``: a :class:`SequenceParallel`, or PipeFusion's
+    patch splitter, which cuts the same streams at the same places into patches. ``first``: its splits run before
+    the hooks already on those modules, its gathers after them (PipeFusion cuts a patch, then sequence parallelism
+    cuts the patch; sequence parallelism gathers the patch, then PipeFusion places it)."""
+    points = []
+    for pattern, splits in plan.inputs.items():
+        for path in module_paths(model, pattern) if pattern else ():
+            points.append(AtPath(model, path,
+                                 lambda m, splits=splits: _split_inputs_hook(splitter, m, splits, first)))
+    for pattern, splits in plan.outputs.items():
+        for path in module_paths(model, pattern):
+            points.append(AtPath(model, path,
+                                 lambda m, splits=splits: _split_outputs_hook(splitter, m, splits, first)))
+    for pattern, spec in plan.gathers.items():
+        for path in module_paths(model, pattern):
+            points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(splitter, m, spec)))
+    return points
 
 
 def default_chunks(device: torch.device, compiled: bool = False) -> int:
@@ -292,15 +324,6 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     plan = adapter.sequence_plan
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]
-    points = entry.points
-    for pattern, splits in plan.inputs.items():
-        for path in module_paths(model, pattern) if pattern else ():
-            points.append(AtPath(model, path, lambda m, splits=splits: _split_inputs_hook(sp, m, splits)))
-    for pattern, splits in plan.outputs.items():
-        for path in module_paths(model, pattern):
-            points.append(AtPath(model, path, lambda m, splits=splits: _split_outputs_hook(sp, m, splits)))
-    for pattern, spec in plan.gathers.items():
-        for path in module_paths(model, pattern):
-            points.append(AtPath(model, path, lambda m, spec=spec: _gather_hook(sp, m, spec)))
-    undo += [p.remove for p in points]
+    entry.points = split_points(model, plan, sp)
+    undo += [p.remove for p in entry.points]
     return undo + [adapter.set_processors(model, sp)]

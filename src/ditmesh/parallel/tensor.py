@@ -498,7 +498,7 @@ def _safetensors_files(folder: Path) -> dict[str, Path]:
         return {name: folder / file for name, file in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{folder} has no .safetensors weights; tensor-parallel loading reads safetensors")
+        raise FileNotFoundError(f"{folder} has no .safetensors weights; sharded (tp) and stage (pp) loading read safetensors")
     out = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -535,6 +535,67 @@ def _load_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None, keep_fp32
     return torch.float32 if any(m in name.split(".") for m in keep_fp32) else dtype
 
 
+class MetaLoad:
+    """A transformer built on the meta device from a pipeline folder, and what reads its tensors from safetensors.
+
+    ``folder`` is a pipeline folder (with ``transformer/``, or the ``component`` folder such as ``transformer_2/``),
+    the transformer folder itself, or a hub id (its transformer files only are fetched). :meth:`read` reads one
+    tensor (or ranges of it along ``dim``, with ``safe_open(...).get_slice``) cast to ``dtype`` on ``device``;
+    :meth:`finish` reads every parameter not set yet (except those in ``skip``), places the buffers, and returns the
+    model in eval mode.
+    """
+
+    def __init__(self, folder, component: str, device, dtype: torch.dtype | None):
+        import diffusers
+
+        if not Path(folder).exists():  # a hub id: fetch the transformer's files only
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(str(folder), allow_patterns=[f"{component}/*"])
+        folder = Path(folder)
+        if (folder / component / "config.json").is_file():
+            folder = folder / component
+        config = json.loads((folder / "config.json").read_text())
+        cls = getattr(diffusers, config["_class_name"])
+        with _parameters_on_meta():
+            self.model = cls.from_config(config)
+        self.files = _safetensors_files(folder)
+        self.device, self.dtype = torch.device(device), dtype
+        # As diffusers' from_pretrained: the modules in _keep_in_fp32_modules stay float32 under a lower dtype.
+        self.keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        self.handles: dict[Path, object] = {}
+
+    def read(self, name: str, dim: int | None = None, ranges=None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        view = self.handles[file].get_slice(name)
+        if ranges is None:
+            t = view[:]
+        else:
+            index = (slice(None),) * dim
+            t = torch.cat([view[index + (slice(s, s + n),)] for s, n in ranges], dim=dim)
+        return t.to(device=self.device, dtype=_load_dtype(name, t, self.dtype, self.keep_fp32))
+
+    def finish(self, skip: set[str]) -> torch.nn.Module:
+        model, device, dtype = self.model, self.device, self.dtype
+        for name, param in list(model.named_parameters()):
+            if name not in skip:
+                module, _, attr = name.rpartition(".")
+                _set_param(model.get_submodule(module), attr, self.read(name))
+        for name, buf in list(model.named_buffers()):  # computed by the constructor (RoPE tables, position tables)
+            module, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module)
+            if buf.is_floating_point() and any(m in name.split(".") for m in self.keep_fp32):
+                owner._buffers[attr] = buf.to(device)
+            else:
+                owner._buffers[attr] = buf.to(device=device, dtype=_load_dtype(name, buf, dtype, ()))
+        self.handles.clear()
+        return model.eval()
+
+
 def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: torch.dtype | None = None,
                              component: str = "transformer"):
     """Load a pipeline's transformer so that this rank materialises only its tensor-parallel shard.
@@ -542,62 +603,19 @@ def load_sharded_transformer(folder, tp_rank: int, tp_size: int, device, dtype: 
     The model is instantiated on the meta device; each parameter is then read from the safetensors files
     with ``safe_open(...).get_slice`` (only this rank's rows/columns of a sharded linear, the whole tensor
     otherwise), cast to ``dtype`` and placed on ``device``. Peak device memory stays at the shard size.
-    ``folder`` is a pipeline folder (with ``transformer/``, or the ``component`` folder such as
-    ``transformer_2/``) or the transformer folder itself. Pass the result to
+    ``folder``: see :class:`MetaLoad`. Pass the result to
     ``pipe`` and call :func:`ditmesh.parallelize`; it installs the all-reduces without slicing again.
     """
-    import diffusers
-    from safetensors import safe_open
-
-    if not Path(folder).exists():  # a hub id: fetch the transformer's files only
-        from huggingface_hub import snapshot_download
-
-        folder = snapshot_download(str(folder), allow_patterns=[f"{component}/*"])
-    folder = Path(folder)
-    if (folder / component / "config.json").is_file():
-        folder = folder / component
-    config = json.loads((folder / "config.json").read_text())
-    cls = getattr(diffusers, config["_class_name"])
-    with _parameters_on_meta():
-        model = cls.from_config(config)
+    load = MetaLoad(folder, component, device, dtype)
+    model = load.model
     adapter = adapter_for(model)
     if adapter.tensor_plan is None:
         raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan")
-    files = _safetensors_files(folder)
-    device = torch.device(device)
-    handles: dict[Path, object] = {}
-
-    def read(name: str, dim: int | None = None, ranges=None) -> torch.Tensor:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        view = handles[file].get_slice(name)
-        if ranges is None:
-            t = view[:]
-        else:
-            index = (slice(None),) * dim
-            t = torch.cat([view[index + (slice(s, s + n),)] for s, n in ranges], dim=dim)
-        return t.to(device=device, dtype=_load_dtype(name, t, dtype, keep_fp32))
-
-    # As diffusers' from_pretrained: the modules in _keep_in_fp32_modules stay float32 under a lower dtype.
-    keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=read)
+    shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=load.read)
     _LOADED_SHARDED.add(model)
     sharded = {f"{n}.{p}" for n, s in shards.items() for p in ("weight", "bias")
                if shard_slices(s, p, tp_rank, tp_size) is not None}
-    for name, param in list(model.named_parameters()):
-        if name not in sharded:
-            module, _, attr = name.rpartition(".")
-            _set_param(model.get_submodule(module), attr, read(name))
-    for name, buf in list(model.named_buffers()):  # computed by the constructor (RoPE tables, position tables)
-        module, _, attr = name.rpartition(".")
-        owner = model.get_submodule(module)
-        if buf.is_floating_point() and any(m in name.split(".") for m in keep_fp32):
-            owner._buffers[attr] = buf.to(device)
-        else:
-            owner._buffers[attr] = buf.to(device=device, dtype=_load_dtype(name, buf, dtype, ()))
-    handles.clear()
-    return model.eval()
+    return load.finish(sharded)
 
 
 # -- text encoders: encode once per tensor-parallel group, broadcast the embeddings ------------------------------

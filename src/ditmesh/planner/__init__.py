@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import AXIS_ORDER, ParallelConfig
+from ..config import AXIS_ORDER, ParallelConfig, not_supported
 from .closed_forms import ring_attention_cost, tensor_parallel_cost, ulysses_attention_cost
 from .cost import Calibration, Hardware, Prediction, Workload, enumerate_configs, predict, rank, spearman
 from .hardware import DEVICES, LINKS, get_device, get_link
@@ -197,12 +197,15 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
 
 def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
               require_fit: bool = False, **kwargs) -> ParallelConfig:
-    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments).
+    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments): the best
+    ranked one whose pairing of axes this build runs (``config.not_supported``: e.g. pp beside ring).
     ``require_fit``: only one predicted to fit in memory, step and VAE decode alike (the runtime does not offload
     weights); PlannerError naming the closest one and the largest size it holds otherwise."""
     result = plan(model, height, width, gpus, supported=supported, **kwargs)
-    if require_fit and result.best.fits != "yes":
-        best, big = result.best, result.largest()
+    runnable = [p for p in result.predictions if not_supported(p.config) is None] or result.predictions
+    best = runnable[0]
+    if require_fit and best.fits != "yes":
+        big = result.largest(best)
         size = (f"{big['height']}x{big['width']}" + (f"x{big['frames']}f" if big["frames"] > 1 else "")
                 if big["height"] else "nothing")
         raise PlannerError(
@@ -211,4 +214,4 @@ def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[
             + f" in {result.hardware.usable_gib:.0f} GiB per GPU: {best.config.describe()} needs "
             f"{best.memory['total']:.1f} GiB for a step and {best.memory.get('decode', 0):.1f} GiB for the VAE decode; "
             f"it holds about {size}; use more GPUs, a smaller size, --chunk, or --vae-chunk / --vae-parallel tiled")
-    return result.best.config
+    return best.config

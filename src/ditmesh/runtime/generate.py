@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import (ConfigError, ParallelConfig, check_chunk, check_supported, check_vae_chunk,
+from ..config import (ConfigError, ParallelConfig, check_chunk, check_pipefusion, check_supported, check_vae_chunk,
                       check_vae_parallel)
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
@@ -53,6 +53,8 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
     chunk_setting(getattr(args, "chunk", None))
     vae_chunk_setting(getattr(args, "vae_chunk", None))
+    check_pipefusion(config.pp, *pipefusion_options(args).values(),
+                     flags=("--pp-patches ", "--pp-warmup ", "pp_chunk_bytes="))
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
     check_image_args(args)
@@ -82,7 +84,19 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         from ..cache import CacheConfig
 
         CacheConfig.parse(args.cache)
+    if config.pp > 1:
+        from ..api import check_pipefusion_options
+
+        check_pipefusion_options(config, cache=bool(getattr(args, "cache", None)),
+                                 cuda_graph=getattr(args, "cuda_graph", False),
+                                 transport=getattr(args, "transport", "nccl"))
     return config, model
+
+
+def pipefusion_options(args) -> dict:
+    """``parallelize``'s PipeFusion arguments from ``--pp-patches``, ``--pp-warmup`` and ``--pp-chunk-mb``."""
+    return dict(pp_patches=getattr(args, "pp_patches", None), pp_warmup=getattr(args, "pp_warmup", 1),
+                pp_chunk_bytes=getattr(args, "pp_chunk_mb", 64) << 20)
 
 
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
@@ -267,7 +281,8 @@ def planned_config(args, world_size: int) -> ParallelConfig:
     if model not in _archs() and not Path(model).is_dir():
         raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
                           f"{model}; download it first or give the degrees yourself")
-    supported = set(SUPPORTED_AXES)
+    # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
+    supported = set(SUPPORTED_AXES) - (set() if getattr(args, "allow_stale", False) else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
@@ -378,6 +393,15 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
         pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
         pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype, name)
                                  for name in names})
+    elif config.pp > 1:
+        # Each rank reads only its PipeFusion stage's block weights.
+        from ..parallel.pipefusion import load_stage_transformer
+
+        names = transformer_components(path)
+        pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
+        stage = config.coordinate(rank, "pp")
+        pipe.register_modules(**{name: load_stage_transformer(path, stage, config.pp, device, dtype, name)
+                                 for name in names})
     else:
         pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
@@ -385,7 +409,7 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
                           chunk_tokens=chunk_setting(getattr(args, "chunk", None)),
                           vae_parallel=getattr(args, "vae_parallel", "auto"),
-                          vae_chunk=vae_chunk_setting(getattr(args, "vae_chunk", None)))
+                          vae_chunk=vae_chunk_setting(getattr(args, "vae_chunk", None)), **pipefusion_options(args))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
@@ -507,6 +531,9 @@ def run(args) -> int:
             # the VAE's residual blocks and up-samplers run on pieces of rows (``--vae-chunk``)
             "vae_chunk": {"setting": getattr(args, "vae_chunk", None),
                           "applied": any(name.startswith("vae_chunk(") for name in runtime.applied)},
+            # PipeFusion (``--pp``): its patches and exact warm-up steps (the steps after them are approximate)
+            "pipefusion": ({"patches": getattr(args, "pp_patches", None) or config.pp,
+                            "warmup": getattr(args, "pp_warmup", 1)} if config.pp > 1 else None),
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,

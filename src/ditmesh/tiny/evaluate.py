@@ -141,29 +141,94 @@ def cache_sweep(model_path: str | None, settings: list[str], captions: list[str]
     pipe.set_progress_bar_config(disable=True)
     prompts = [c for c in captions for _ in range(images_per_caption)]
     reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
-    ref_accuracy, ref_rows = score(reference, prompts)
-    attributes = ("colour", "shape", "position")
-    want = [tiny_data.parse_caption(p) for p in prompts]
-    ref_ok = [{k: r[k] == getattr(w, k) for k in attributes} for r, w in zip(ref_rows, want)]
-    rows = [{"cache": "off", "evaluations": float(steps), **ref_accuracy, "lost": 0, "psnr": float("inf"), "ssim": 1.0}]
+    rows = [{"cache": "off", "evaluations": float(steps), **against_reference(reference, reference, prompts)}]
     for setting in settings:
         runtime = parallelize(pipe, ParallelConfig(), cache=setting)
         cache = runtime.caches["transformer"]
         start = time.time()
         images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
         seconds = time.time() - start
-        accuracy, got_rows = score(images, prompts)
         total = len(cache.blocks)
         kept = cache.config.first + cache.config.last
         calls = len(cache.history)
         evaluations = sum(kept / total if h["skip"] else 1.0 for h in cache.history) * steps / max(1, calls)
-        lost = sum(any(ok[k] and g[k] != getattr(w, k) for k in attributes)
-                   for ok, g, w in zip(ref_ok, got_rows, want))
-        quality = [psnr_ssim(a, b) for a, b in zip(images, reference)]
-        rows.append({"cache": setting, "evaluations": round(evaluations, 2), **accuracy, "lost": lost,
-                     "psnr": round(float(np.mean([q[0] for q in quality if np.isfinite(q[0])] or [float("inf")])), 2),
-                     "ssim": round(float(np.mean([q[1] for q in quality])), 4), "seconds": round(seconds, 1)})
+        rows.append({"cache": setting, "evaluations": round(evaluations, 2),
+                     **against_reference(images, reference, prompts), "seconds": round(seconds, 1)})
         remove(pipe)
+    return rows
+
+
+def against_reference(images: np.ndarray, reference: np.ndarray, prompts: list[str]) -> dict:
+    """Accuracies of ``images``, how many lost an attribute the ``reference`` image of the same prompt and noise had
+    right, and their mean PSNR / SSIM against it."""
+    attributes = ("colour", "shape", "position")
+    want = [tiny_data.parse_caption(p) for p in prompts]
+    ref_rows = score(reference, prompts)[1]
+    accuracy, got_rows = score(images, prompts)
+    ref_ok = [{k: r[k] == getattr(w, k) for k in attributes} for r, w in zip(ref_rows, want)]
+    lost = sum(any(ok[k] and g[k] != getattr(w, k) for k in attributes) for ok, g, w in zip(ref_ok, got_rows, want))
+    quality = [psnr_ssim(a, b) for a, b in zip(images, reference)]
+    return {**accuracy, "lost": lost,
+            "psnr": round(float(np.mean([q[0] for q in quality if np.isfinite(q[0])] or [float("inf")])), 2),
+            "ssim": round(float(np.mean([q[1] for q in quality])), 4)}
+
+
+def parse_pp_setting(text: str) -> dict:
+    """``pp=2,patches=4,warmup=1`` -> ``{"pp": 2, "patches": 4, "warmup": 1}`` (patches default pp, warmup 1)."""
+    from ..config import ConfigError
+
+    values = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("pp", "patches", "warmup") or not value.isdigit():
+            raise ConfigError(f"--pp-sweep setting {text!r}: give pp=N,patches=M,warmup=W (e.g. pp=2,patches=4,warmup=1)")
+        values[key] = int(value)
+    if "pp" not in values:
+        raise ConfigError(f"--pp-sweep setting {text!r} has no pp=N")
+    return {"pp": values["pp"], "patches": values.get("patches", values["pp"]), "warmup": values.get("warmup", 1)}
+
+
+def _pp_images(model_path: str | None, setting: dict, prompts: list[str], steps: int, seed: int, batch_size: int,
+               guidance_scale: float):
+    """On every rank of a gloo pool: the images of ``prompts`` under PipeFusion ``setting``; rank 0 returns them."""
+    import torch.distributed as dist
+
+    from .. import ParallelConfig, parallelize
+
+    pipe = load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(pp=setting["pp"]), pp_patches=setting["patches"], pp_warmup=setting["warmup"])
+    images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+    return images if dist.get_rank() == 0 else None
+
+
+def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], steps: int = 28, seed: int = 0,
+             images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5, on_row=None) -> list[dict]:
+    """Quality of PipeFusion settings (``pp``, ``patches``, ``warmup``; each on ``pp`` gloo processes) against the
+    exact images of one process, same captions, noise and batches: accuracies, lost attributes, PSNR / SSIM.
+    ``on_row(row)`` is called as each row is done."""
+    from ..testing import ProcessPool
+
+    pipe = load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [c for c in captions for _ in range(images_per_caption)]
+    reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+    rows = [{"pp": 1, "patches": 1, "warmup": steps, **against_reference(reference, reference, prompts)}]
+    (on_row or (lambda row: None))(rows[0])
+    pools: dict[int, ProcessPool] = {}
+    try:
+        for setting in settings:
+            if setting["pp"] not in pools:  # one pool per process count, started once
+                pools[setting["pp"]] = ProcessPool(setting["pp"])
+            pool = pools[setting["pp"]]
+            start = time.time()
+            images = pool.run(_pp_images, model_path, setting, prompts, steps, seed, batch_size, guidance_scale)[0]
+            rows.append({**setting, **against_reference(images, reference, prompts),
+                         "seconds": round(time.time() - start, 1)})
+            (on_row or (lambda row: None))(rows[-1])
+    finally:
+        for pool in pools.values():
+            pool.close()
     return rows
 
 
@@ -214,6 +279,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--cache-sweep", default=None, metavar="SETTINGS",
                         help="semicolon-separated step-cache settings (e.g. 'fbcache:0.1;fbcache:0.2'): print each one's "
                              "evaluations per image, accuracy, lost attributes and PSNR/SSIM against the uncached images")
+    parser.add_argument("--pp-sweep", default=None, metavar="SETTINGS",
+                        help="semicolon-separated PipeFusion settings (e.g. 'pp=2,patches=2,warmup=1;pp=4,patches=8,warmup=2'), "
+                             "each run on pp local gloo processes: print accuracy, lost attributes and PSNR/SSIM against the "
+                             "exact images of one process")
     parser.set_defaults(func=run_eval)
     return parser
 
@@ -243,6 +312,22 @@ def run_eval(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"| {r['cache']} | {r['evaluations']} | {r['colour']:.3f} | {r['shape']:.3f} | {r['position']:.3f} "
                   f"| {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} | {r['psnr']} | {r['ssim']} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
+    if args.pp_sweep:
+        print("| pp | patches | warm-up steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+
+        def print_row(r):
+            print(f"| {r['pp']} | {r['patches']} | {r['warmup']} | {r['colour']:.3f} | {r['shape']:.3f} "
+                  f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} "
+                  f"| {r['psnr']} | {r['ssim']} |", flush=True)
+
+        rows = pp_sweep(args.model, [parse_pp_setting(t) for t in args.pp_sweep.split(";") if t], captions,
+                        steps=args.steps, seed=args.seed, images_per_caption=args.images_per_caption,
+                        batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale, on_row=print_row)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -1,0 +1,281 @@
+"""Functions run on every rank of a gloo worker pool for the PipeFusion tests (``tests/test_pipefusion.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load(model: str, config: dict, stage_load: bool = False):
+    """The pipeline in folder ``model`` (float32); ``stage_load``: its transformer(s) with only this rank's PipeFusion
+    stage's block weights (``load_stage_transformer``)."""
+    from diffusers import DiffusionPipeline
+
+    if not stage_load:
+        return DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    import torch.distributed as dist
+
+    from ditmesh import ParallelConfig
+    from ditmesh.parallel.pipefusion import load_stage_transformer
+
+    names = [n for n in DiffusionPipeline.load_config(model) if n.startswith("transformer")]
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32, **dict.fromkeys(names))
+    parallel = ParallelConfig(**config)
+    stage = parallel.coordinate(dist.get_rank(), "pp")
+    pipe.register_modules(**{n: load_stage_transformer(model, stage, parallel.pp, "cpu", torch.float32, n) for n in names})
+    return pipe
+
+
+def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, width: int = 64, frames: int | None = None,
+                 guidance_scale: float = 5.0, max_sequence_length: int = 16, per_step: bool = False, remove: bool = False,
+                 prompt="a red circle", call: dict | None = None, stage_load: bool = False, **options):
+    """Run the pipeline in folder ``model`` under ``config`` (``{}``: one process, not parallelized) with the
+    PipeFusion ``options`` (``pp_patches``, ``pp_warmup``, ``pp_chunk_bytes``); ``call``: more pipeline arguments
+    (a negative prompt for FLUX's true CFG); ``stage_load``: load only this rank's stage of the transformer(s).
+
+    Returns ``(final latents, collectives of the call, collectives per step if per_step, state dict after remove if
+    remove, the transformer (component name) each step ran)``.
+    """
+    from diffusers import DiffusionPipeline
+
+    from cases_models import call_kwargs
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.api import remove as ditmesh_remove
+    from ditmesh.comm import COUNTS, count_collectives
+
+    torch.manual_seed(0)
+    pipe = load(model, config, stage_load)
+    pipe.set_progress_bar_config(disable=True)
+    if config:
+        parallelize(pipe, ParallelConfig(**config), **options)
+    steps_counts, experts, marks = [], [], [dict(COUNTS)]
+    for name, component in pipe.components.items():
+        if name.startswith("transformer") and component is not None:
+            component.register_forward_pre_hook(lambda module, args, name=name: experts.append(name))
+    final = {}
+    kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
+    grab = kwargs["callback_on_step_end"]
+
+    def count_step(p, i, t, kw):  # the collectives of each step, and where it ends
+        now = dict(COUNTS)
+        steps_counts.append({k: now.get(k, 0) - marks[-1].get(k, 0) for k in now if now.get(k, 0) != marks[-1].get(k, 0)})
+        marks.append(now)
+        experts.append(None)
+        return grab(p, i, t, kw)
+
+    kwargs.update(call or {}, callback_on_step_end=count_step)
+    with count_collectives() as counts:
+        pipe(prompt, **kwargs)
+    state = None
+    if remove:
+        ditmesh_remove(pipe)
+        state = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    by_step, current = [], []
+    for name in experts:
+        if name is None:
+            by_step.append(sorted(set(current)))
+            current = []
+        else:
+            current.append(name)
+    return final["latents"], dict(counts), steps_counts if per_step else None, state, by_step
+
+
+class _StaleAttention:
+    """FLUX attention as PipeFusion's stale schedule defines it, written on its own (not ditmesh's code path): the
+    current patch's K/V are written into a per-layer buffer over ``[text, image]``, and its queries attend to the
+    whole buffer (SDPA), so the patches not yet computed in this step are read from the last step."""
+
+    def __init__(self, buffers: dict, layer: str, state: dict):
+        self.buffers, self.layer, self.state = buffers, layer, state
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        heads = lambda t: t.unflatten(-1, (attn.heads, -1))  # noqa: E731  [B, S, H, D]
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        joint = encoder_hidden_states is not None
+        if joint:
+            eq = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+            ek = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+            ev = heads(attn.add_v_proj(encoder_hidden_states))
+            q, k, v = torch.cat([eq, q], 1), torch.cat([ek, k], 1), torch.cat([ev, v], 1)
+        q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+        k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        text, image, offset, with_text = (self.state[n] for n in ("text", "image", "offset", "with_text"))
+        key = (self.layer, self.state["step"])
+        if key[1] == 0 or self.layer not in self.buffers:
+            self.buffers[self.layer] = (k.new_zeros(k.shape[0], text + image, *k.shape[2:]),
+                                        v.new_zeros(v.shape[0], text + image, *v.shape[2:]))
+        kb, vb = self.buffers[self.layer]
+        local_text = text if with_text else 0
+        kb[:, :local_text], vb[:, :local_text] = k[:, :local_text], v[:, :local_text]
+        n = k.shape[1] - local_text
+        kb[:, text + offset:text + offset + n], vb[:, text + offset:text + offset + n] = k[:, local_text:], v[:, local_text:]
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        if not joint:
+            return out
+        text_out, image_out = out[:, :encoder_hidden_states.shape[1]], out[:, encoder_hidden_states.shape[1]:]
+        return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
+
+
+def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, height: int = 64, width: int = 64,
+                         max_sequence_length: int = 16) -> torch.Tensor:
+    """Final latents of the FLUX pipeline in ``model`` on one process, under PipeFusion's schedule emulated without
+    ditmesh: the first ``warmup`` steps whole; later steps as ``patches`` patches of the image tokens in order (the
+    text with patch 0), the whole transformer per patch, each attention over its layer's K/V buffer
+    (:class:`_StaleAttention`)."""
+    from diffusers import DiffusionPipeline
+
+    from cases_models import call_kwargs
+
+    torch.manual_seed(0)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    transformer = pipe.transformer
+    state, buffers = {"step": -1}, {}
+    for name, module in transformer.named_modules():
+        if type(module).__name__ == "FluxAttention":
+            module.set_processor(_StaleAttention(buffers, name, state))
+    forward = transformer.forward
+
+    def patched(hidden_states, encoder_hidden_states, txt_ids, img_ids, **kwargs):
+        state["step"] += 1
+        image, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        count = 1 if state["step"] < warmup else patches
+        base, extra = divmod(image, count)
+        sizes = [base + (1 if j < extra else 0) for j in range(count)]
+        outs, offset = [], 0
+        for j, size in enumerate(sizes):
+            with_text = j == 0
+            state.update(text=text, image=image, offset=offset, with_text=with_text)
+            ehs, tids = (encoder_hidden_states, txt_ids) if with_text else (encoder_hidden_states[:, :0], txt_ids[:0])
+            outs.append(forward(hidden_states=hidden_states[:, offset:offset + size], encoder_hidden_states=ehs,
+                                txt_ids=tids, img_ids=img_ids[offset:offset + size], **kwargs)[0])
+            offset += size
+        return (torch.cat(outs, 1),)
+
+    transformer.forward = patched
+    final = {}
+    pipe("a red circle", **call_kwargs(final, steps, height, width, None, max_sequence_length, 5.0))
+    return final["latents"], dict(counts), steps_counts if per_step else None, state, by_step
+
+
+class _StaleAttention:
+    """FLUX attention as PipeFusion's stale schedule defines it, written on its own (not ditmesh's code path): the
+    current patch's K/V are written into a per-layer buffer over ``[text, image]``, and its queries attend to the
+    whole buffer (SDPA), so the patches not yet computed in this step are read from the last step."""
+
+    def __init__(self, buffers: dict, layer: str, state: dict):
+        self.buffers, self.layer, self.state = buffers, layer, state
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        heads = lambda t: t.unflatten(-1, (attn.heads, -1))  # noqa: E731  [B, S, H, D]
+        q, k, v = heads(attn.to_q(hidden_states)), heads(attn.to_k(hidden_states)), heads(attn.to_v(hidden_states))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        joint = encoder_hidden_states is not None
+        if joint:
+            eq = attn.norm_added_q(heads(attn.add_q_proj(encoder_hidden_states)))
+            ek = attn.norm_added_k(heads(attn.add_k_proj(encoder_hidden_states)))
+            ev = heads(attn.add_v_proj(encoder_hidden_states))
+            q, k, v = torch.cat([eq, q], 1), torch.cat([ek, k], 1), torch.cat([ev, v], 1)
+        q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+        k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
+        text, image, offset, with_text = (self.state[n] for n in ("text", "image", "offset", "with_text"))
+        key = (self.layer, self.state["step"])
+        if key[1] == 0 or self.layer not in self.buffers:
+            self.buffers[self.layer] = (k.new_zeros(k.shape[0], text + image, *k.shape[2:]),
+                                        v.new_zeros(v.shape[0], text + image, *v.shape[2:]))
+        kb, vb = self.buffers[self.layer]
+        local_text = text if with_text else 0
+        kb[:, :local_text], vb[:, :local_text] = k[:, :local_text], v[:, :local_text]
+        n = k.shape[1] - local_text
+        kb[:, text + offset:text + offset + n], vb[:, text + offset:text + offset + n] = k[:, local_text:], v[:, local_text:]
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))
+        out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+        if not joint:
+            return out
+        text_out, image_out = out[:, :encoder_hidden_states.shape[1]], out[:, encoder_hidden_states.shape[1]:]
+        return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
+
+
+def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, height: int = 64, width: int = 64,
+                         max_sequence_length: int = 16) -> torch.Tensor:
+    """Final latents of the FLUX pipeline in ``model`` on one process, under PipeFusion's schedule emulated without
+    ditmesh: the first ``warmup`` steps whole; later steps as ``patches`` patches of the image tokens in order (the
+    text with patch 0), the whole transformer per patch, each attention over its layer's K/V buffer
+    (:class:`_StaleAttention`)."""
+    from diffusers import DiffusionPipeline
+
+    from cases_models import call_kwargs
+
+    torch.manual_seed(0)
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    transformer = pipe.transformer
+    state, buffers = {"step": -1}, {}
+    for name, module in transformer.named_modules():
+        if type(module).__name__ == "FluxAttention":
+            module.set_processor(_StaleAttention(buffers, name, state))
+    forward = transformer.forward
+
+    def patched(hidden_states, encoder_hidden_states, txt_ids, img_ids, **kwargs):
+        state["step"] += 1
+        image, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        count = 1 if state["step"] < warmup else patches
+        base, extra = divmod(image, count)
+        sizes = [base + (1 if j < extra else 0) for j in range(count)]
+        outs, offset = [], 0
+        for j, size in enumerate(sizes):
+            with_text = j == 0
+            state.update(text=text, image=image, offset=offset, with_text=with_text)
+            ehs, tids = (encoder_hidden_states, txt_ids) if with_text else (encoder_hidden_states[:, :0], txt_ids[:0])
+            outs.append(forward(hidden_states=hidden_states[:, offset:offset + size], encoder_hidden_states=ehs,
+                                txt_ids=tids, img_ids=img_ids[offset:offset + size], **kwargs)[0])
+            offset += size
+        return (torch.cat(outs, 1),)
+
+    transformer.forward = patched
+    final = {}
+
+    def grab(p, i, t, kw):
+        final["latents"] = kw["latents"].clone()
+        return kw
+
+    pipe("a red circle", height=height, width=width, num_inference_steps=steps, guidance_scale=5.0,
+         generator=torch.Generator().manual_seed(42), max_sequence_length=max_sequence_length, output_type="latent",
+         callback_on_step_end=grab)
+    return final["latents"]
+
+
+def stage_weights(model: str, config: dict, stage_load: bool = False, **options) -> dict:
+    """After ``parallelize``: the parameter elements this rank holds in each transformer block (and each block's whole
+    count, from the files), and the stages."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.hooks import find_hook
+    from ditmesh.models import adapter_for
+
+    whole = DiffusionPipeline.from_pretrained(model, dtype=torch.float32).transformer
+    full = [sum(p.numel() for p in b.parameters()) for b in adapter_for(whole).block_modules(whole)]
+    pipe = load(model, config, stage_load)
+    parallelize(pipe, ParallelConfig(**config), **options)
+    blocks = adapter_for(pipe.transformer).block_modules(pipe.transformer)
+    held = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    stages = find_hook(blocks[0], "pipefusion").pf.stages
+    return {"full": full, "held": held, "stages": [(s.start, s.stop) for s in stages]}
+
+
+def stage_loaded_elsewhere(model: str) -> None:
+    """Parallelize at pp 2 a transformer loaded with stage 0's blocks on every rank (wrong on rank 1)."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel.pipefusion import load_stage_transformer
+
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32, transformer=None)
+    pipe.register_modules(transformer=load_stage_transformer(model, 0, 2, "cpu", torch.float32))
+    parallelize(pipe, ParallelConfig(pp=2))

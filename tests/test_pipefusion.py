@@ -1,0 +1,267 @@
+"""PipeFusion (pp): exact where it should be (warm-up over every step equals one process), the stale schedule equal to
+its single-process emulation, the point-to-point sends and broadcasts of every step counted, each rank holding only
+its stage's blocks, and the settings checked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cases_pipefusion import flux_stale_emulation, pipeline_run, stage_loaded_elsewhere, stage_weights
+from ditmesh.config import ConfigError, ParallelConfig, check_pipefusion, check_supported
+from ditmesh.parallel.pipefusion import split_stages
+from ditmesh.testing import RankError, rel_err
+
+STEPS = 3
+#: flux-tiny at 64x64 with 16 text tokens: 16 image tokens, 96 features per token (6 heads x 16), 64 out channels
+FLUX_IMAGE, FLUX_TEXT, FLUX_WIDTH, FLUX_OUT = 16, 16, 96, 64
+
+_REF: dict = {}
+
+
+def reference(path: str, **kwargs) -> torch.Tensor:
+    key = (path, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    if key not in _REF:
+        _REF[key] = pipeline_run(path, {}, steps=STEPS, **kwargs)[0]
+    return _REF[key]
+
+
+def family_case(name: str, checkpoints: dict, flux_tiny: str) -> tuple[str, dict]:
+    """(pipeline folder, pipeline-call options) of a family's tiny synthetic pipeline."""
+    if name == "flux":
+        return flux_tiny, {}
+    if name == "sd3":
+        return checkpoints["sd3-tiny"], {}
+    return checkpoints["wan2.2-tiny"], {"frames": 5, "height": 32, "width": 32}
+
+
+def sends_per_step(counts: list[dict], kind: str) -> list[int]:
+    return [c.get(kind, 0) for c in counts]
+
+
+# -- stages and settings ---------------------------------------------------------------------------------------
+def test_stages_are_contiguous_and_balanced_by_block_cost():
+    assert split_stages([3, 3, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert split_stages([1] * 6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert split_stages([1, 1, 1, 5], 2) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ConfigError, match="pp=5 exceeds the 4 transformer blocks"):
+        split_stages([1] * 4, 5)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2, 1, 1, 64), "pp_patches=1 is fewer than the pp=2 stages"),
+    ((2, None, 0, 64), "pp_warmup=0 must be >= 1"),
+    ((2, None, -1, 64), "pp_warmup=-1 must be >= 1"),
+    ((2, 2, 1, 0), "pp_chunk_bytes=0 must be a positive byte count"),
+    ((2, 2.5, 1, 64), "pp_patches=2.5 is not an integer"),
+])
+def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        check_pipefusion(*args)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("axis", ["ring", "tp"])
+def test_pp_beside_sequence_or_tensor_parallelism_is_refused_in_one_line(axis):
+    with pytest.raises(NotImplementedError, match=f"PipeFusion \\(pp=2\\) with {axis}=2 is not implemented yet"):
+        check_supported(ParallelConfig(pp=2, **{axis: 2}))
+    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2))
+
+
+@pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),
+                                             ({"cache": "fbcache:0.1"}, "step caching does not run with PipeFusion"),
+                                             ({"pp_patches": 1}, "pp_patches=1 is fewer than the pp=2 stages")])
+def test_parallelize_refuses_what_pipefusion_does_not_run_with(flux_tiny, option, message):
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import parallelize
+
+    pipe = DiffusionPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    with pytest.raises(ConfigError, match=message):
+        parallelize(pipe, ParallelConfig(pp=2), **option)
+
+
+def test_a_family_whose_block_lists_pass_different_activations_is_refused():
+    from ditmesh import parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:  # parallelize() needs only `.transformer`
+        transformer = build_transformer("chroma-tiny", seed=0, dtype=torch.float32)
+
+    with pytest.raises(NotImplementedError, match="PipeFusion does not run chroma yet: its single_transformer_blocks "
+                                                  "take hidden_states but its transformer_blocks return"):
+        parallelize(Pipe, ParallelConfig(pp=2))
+
+
+# -- exact: warm-up over every step ----------------------------------------------------------------------------
+@pytest.mark.parametrize("patches", [None, 3], ids=["patches=pp", "patches=3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints, flux_tiny, family, patches):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(2).run(pipeline_run, path, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+                           pp_patches=patches, **call)
+    calls = 2 if family == "wan" else 1  # Wan's CFG calls the transformer twice a step; SD3 batches it
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        # one patch per call, stage after stage: one message from stage 0 to stage 1, one broadcast of the output
+        assert per_step == [{"pp_send" if rank == 0 else "pp_recv": calls, "broadcast": calls}] * STEPS
+
+
+# -- stale: the PipeFusion schedule --------------------------------------------------------------------------
+@pytest.mark.parametrize("patches", [2, 3])
+def test_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, patches):
+    emulated = flux_stale_emulation(flux_tiny, patches, warmup=1, steps=STEPS)
+    assert rel_err(emulated, reference(flux_tiny)) > 1e-3  # the stale steps do differ from the exact run
+    results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+                           pp_patches=patches)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, emulated) <= 1e-5
+        kind = "pp_send" if rank == 0 else "pp_recv"
+        assert per_step == [{kind: 1, "broadcast": 1}] + [{kind: patches, "broadcast": 1}] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("family", ["sd3", "wan"])
+def test_stale_schedule_runs_patch_by_patch_on_sd3_and_wan(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(2).run(pipeline_run, path, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1, pp_patches=3,
+                           **call)
+    calls = 2 if family == "wan" else 1
+    assert rel_err(results[0][0], results[1][0]) == 0  # every rank steps on the same broadcast prediction
+    # a step is exact in warm-up and where its transformer runs for the first time in the run (Wan 2.2's low-noise
+    # expert takes over part-way, with empty K/V buffers); else 3 patches a call
+    experts = results[0][4]
+    exact = [step < 1 or experts[step] != experts[step - 1] for step in range(STEPS)]
+    assert exact.count(False) >= 1, experts
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert 1e-6 < rel_err(latents, ref) < 0.2
+        kind = "pp_send" if rank == 0 else "pp_recv"
+        assert per_step == [{kind: (1 if e else 3) * calls, "broadcast": calls} for e in exact]
+
+
+def test_messages_travel_in_pieces_of_at_most_the_chunk(pools, flux_tiny):
+    chunk = 4096  # bytes: 1024 float32 values
+    results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+                           pp_chunk_bytes=chunk)
+    unchunked = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=1)[0][0]
+    pieces = lambda values: math.ceil(values * 4 / chunk)  # noqa: E731
+    whole = pieces((FLUX_IMAGE + FLUX_TEXT) * FLUX_WIDTH)  # the warm-up step: every token, text and image
+    # patch 0 carries the text and half the image, patch 1 the other half
+    stale = pieces((FLUX_IMAGE // 2 + FLUX_TEXT) * FLUX_WIDTH) + pieces(FLUX_IMAGE // 2 * FLUX_WIDTH)
+    out = pieces(FLUX_IMAGE * FLUX_OUT)
+    assert (whole, stale, out) == (3, 4, 1)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert torch.equal(latents, unchunked)
+        kind = "pp_send" if rank == 0 else "pp_recv"
+        assert per_step == [{kind: whole, "broadcast": out}] + [{kind: stale, "broadcast": out}] * (STEPS - 1)
+
+
+def test_patches_beyond_the_image_tokens_are_refused_at_the_call(pools, flux_tiny):
+    with pytest.raises(RankError, match="pp_patches=17 exceeds the 16 image tokens of this call; use at most 16"):
+        pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=1, pp_patches=17)
+
+
+# -- memory and the way back ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage_load", [False, True], ids=["loaded-whole", "stage-loaded"])
+def test_each_rank_holds_only_its_stage_blocks_and_remove_gives_them_back(pools, flux_tiny, stage_load):
+    from diffusers import DiffusionPipeline
+
+    held = pools(2).run(stage_weights, flux_tiny, {"pp": 2}, stage_load=stage_load)
+    stages = held[0]["stages"]
+    assert stages == [(0, 1), (1, 4)]  # 2 double blocks (334,720 parameters each), 2 single (139,328): 334,720 | 613,376
+    for rank, h in enumerate(held):
+        start, stop = stages[rank]
+        assert h["held"] == [n if start <= i < stop else 0 for i, n in enumerate(h["full"])]
+    original = DiffusionPipeline.from_pretrained(flux_tiny, dtype=torch.float32).transformer.state_dict()
+    results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=STEPS, remove=True,
+                           stage_load=stage_load)
+    for latents, _, _, state, _ in results:
+        assert rel_err(latents, reference(flux_tiny)) <= 1e-5
+        assert state.keys() == original.keys()
+        assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_a_stage_loaded_transformer_on_another_stage_is_refused(pools, flux_tiny):
+    with pytest.raises(RankError, match="loaded with the blocks of stage 0 of pp=2, but this rank is stage 1"):
+        pools(2).run(stage_loaded_elsewhere, flux_tiny)
+
+
+# -- compositions ---------------------------------------------------------------------------------------------
+TRUE_CFG = {"negative_prompt": "", "true_cfg_scale": 2.0}
+
+
+@pytest.mark.parametrize("config, prompt, call", [
+    ({"cfg": 2, "pp": 2}, "a red circle", TRUE_CFG),
+    ({"dp": 2, "pp": 2}, ["a red circle", "a blue square"], {}),
+], ids=["cfg2xpp2", "dp2xpp2"])
+def test_pp_composes_with_cfg_and_dp(pools, flux_tiny, config, prompt, call):
+    ref = reference(flux_tiny, prompt=prompt, call=call)
+    stale_ref = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=1, prompt=prompt, call=call)[0][0]
+    exact = pools(4).run(pipeline_run, flux_tiny, config, steps=STEPS, per_step=True, pp_warmup=STEPS, prompt=prompt,
+                         call=call)
+    stale = pools(4).run(pipeline_run, flux_tiny, config, steps=STEPS, pp_warmup=1, prompt=prompt, call=call)
+    for rank in range(4):
+        latents, _, per_step, _, _ = exact[rank]
+        assert rel_err(latents, ref) <= 1e-5
+        pp_rank = rank % 2  # the mesh is (dp or cfg, pp): pp is the inner axis here
+        kind = "pp_send" if pp_rank == 0 else "pp_recv"
+        # each rank computes one call a step (its CFG branch or its prompt) and joins one all-gather of the outputs
+        assert per_step == [{kind: 1, "broadcast": 1, "all_gather": 1}] * STEPS
+        # the same stale schedule as pp alone: each branch / prompt keeps its own K/V buffers
+        assert rel_err(stale[rank][0], stale_ref) <= 1e-5
+
+
+#: flux-tiny's stages at pp 2: block 0 (1 attention layer) | blocks 1-3 (3 attention layers)
+FLUX_STAGE_ATTENTIONS = (1, 3)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_pp2_x_ulysses2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(4).run(pipeline_run, path, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+                           pp_patches=3, **call)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        if family == "flux":
+            stage = rank // 2  # the mesh is (pp, ulysses)
+            # per call: 2 all-to-alls per attention layer of the stage, the ulysses gather at the exit, one message
+            # between the stages, one broadcast of the output
+            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage],
+                                 "all_gather": 1, "broadcast": 1}] * STEPS
+
+
+def test_pp2_x_ulysses2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny):
+    emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
+    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+                           pp_patches=3)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, emulated) <= 1e-5  # the patches' uneven halves (6, 5, 5 tokens over 2 ranks) too
+        stage = rank // 2
+        kind = "pp_send" if stage == 0 else "pp_recv"
+        per_patch = {kind: 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage], "all_gather": 1}
+        assert per_step == [dict(per_patch, broadcast=1)] + [
+            {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
+
+
+# -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
+def test_pp_sweep_scores_settings_against_the_exact_images():
+    from ditmesh.tiny.evaluate import eval_captions, parse_pp_setting, pp_sweep
+
+    settings = [parse_pp_setting("pp=2,patches=2,warmup=3"), parse_pp_setting("pp=2,patches=4")]
+    assert settings[1] == {"pp": 2, "patches": 4, "warmup": 1}
+    rows = pp_sweep(None, settings, eval_captions()[:1], steps=3, images_per_caption=2)
+    assert [(r["pp"], r["patches"], r["warmup"]) for r in rows] == [(1, 1, 3), (2, 2, 3), (2, 4, 1)]
+    assert rows[1]["psnr"] == math.inf and rows[1]["lost"] == 0  # exact: the same images
+    assert math.isfinite(rows[2]["psnr"]) and rows[2]["ssim"] < 1  # stale: close, not equal
+
+
+@pytest.mark.parametrize("text", ["pp=2,patches=x", "patches=2", "pp=2,steps=3"])
+def test_bad_pp_sweep_settings_are_refused_in_one_line(text):
+    from ditmesh.tiny.evaluate import parse_pp_setting
+
+    with pytest.raises(ConfigError, match="--pp-sweep setting"):
+        parse_pp_setting(text)
