@@ -66,6 +66,7 @@ T_FLUX_TP = "tests/test_tensor_parallel.py::test_flux_tp_matches_single_process"
 T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_process"
 T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
+T_PIXART = "tests/test_pixart.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -223,6 +224,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "image_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
            (f"{T_FLUX_SP}[ulysses2-even]",),
            "FLUX's attention output is cut image first, though its tokens are text first"),
+    Mutant("pixart-self-attention-mask-dropped", "models/pixart.py",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=attention_mask)",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend)",
+           (f"{T_PIXART}test_pixart_self_attention_mask_matches_single_process[ulysses2]",),
+           "PixArt's sequence-parallel self-attention drops the model's attention_mask over image keys"),
+    Mutant("pixart-modulated-input-shift-and-scale-swapped", "models/pixart.py",
+           "shift, scale = modulation[:, 0:1], modulation[:, 1:2]",
+           "scale, shift = modulation[:, 0:1], modulation[:, 1:2]",
+           (f"{T_PIXART}test_pixart_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
+           "PixArt's modulated input (what teacache measures) takes the shift for the scale"),
+    Mutant("batch-dict-inputs-left-whole", "parallel/batch.py",
+           "return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}", "return value",
+           (f"{T_PIXART}test_pixart_alpha_micro_conditions_split_with_the_batch",),
+           "dp leaves a dict of per-sample inputs (PixArt-α's added_cond_kwargs) whole on every rank"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

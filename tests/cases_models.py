@@ -6,16 +6,19 @@ Each takes the parallel configuration as a dict of degrees (``{"ulysses": 2}``, 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
-                      fuse_qkv: bool = False):
-    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank.
+                      fuse_qkv: bool = False, extra: dict | None = None):
+    """Run the pipeline in folder ``model`` with ditmesh ``config`` on this rank (``extra``: more call kwargs).
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
-    for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
+    for image pipelines (SD3) and video pipelines (Wan, with ``frames``); a pipeline without
+    ``callback_on_step_end`` (PixArt) returns its final latents as its output.
     """
     from diffusers import DiffusionPipeline
 
@@ -29,10 +32,12 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
-    kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
+    kwargs = dict(call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale), **(extra or {}))
+    if "callback_on_step_end" not in inspect.signature(pipe.__call__).parameters:
+        del kwargs["callback_on_step_end"]
     with count_collectives() as counts:
-        pipe(prompt, **kwargs)
-    return final["latents"], dict(counts), len(calls)
+        out = pipe(prompt, **kwargs)
+    return final.get("latents", getattr(out, "images", None)), dict(counts), len(calls)
 
 
 def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | None, max_sequence_length: int,
