@@ -67,6 +67,7 @@ T_MODELS_TP = "tests/test_tensor_parallel_models.py::test_tp_matches_single_proc
 T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
 T_PIXART = "tests/test_pixart.py::"
+T_SANA = "tests/test_sana.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -238,6 +239,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}", "return value",
            (f"{T_PIXART}test_pixart_alpha_micro_conditions_split_with_the_batch",),
            "dp leaves a dict of per-sample inputs (PixArt-α's added_cond_kwargs) whole on every rank"),
+    Mutant("sana-key-sums-not-added-over-ranks", "models/sana.py",
+           "key_sums = self.sp.sum(torch.matmul(v, k))", "key_sums = torch.matmul(v, k)",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Sana's linear attention reads the key sums of its own rank's tokens only"),
+    Mutant("grid-split-in-tokens-not-rows", "parallel/sequence.py",
+           "if self.grid is None or stream != self.grid.stream:", "if True:",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "a token grid's stream is cut into token chunks that are not whole rows"),
+    Mutant("grid-convolution-without-halo", "parallel/sequence.py",
+           "            undo.append(add_hook(conv, ConvHook(sp.grid_rows, rows)))\n", "",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the token grid's convolutions run on the local rows with zero padding at every rank border"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"
