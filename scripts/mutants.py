@@ -68,6 +68,7 @@ T_BATCH = "tests/test_batch_parallel.py::"
 T_HOME = "tests/test_family_home.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
+T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -251,6 +252,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "            undo.append(add_hook(conv, ConvHook(sp.grid_rows, rows)))\n", "",
            (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
            "the token grid's convolutions run on the local rows with zero padding at every rank border"),
+    Mutant("hunyuan-keys-not-rotated", "models/pixart.py",
+           "            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)\n", "",
+           (f"{T_HUNYUAN}test_hunyuan_rope_text_masks_and_skips_matter",),
+           "the sequence-parallel self-attention rotates HunyuanDiT's queries but not its keys"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

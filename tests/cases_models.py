@@ -33,8 +33,11 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
     kwargs = dict(call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale), **(extra or {}))
-    if "callback_on_step_end" not in inspect.signature(pipe.__call__).parameters:
+    accepted = inspect.signature(pipe.__call__).parameters
+    if "callback_on_step_end" not in accepted:
         del kwargs["callback_on_step_end"]
+    if "max_sequence_length" not in accepted:  # HunyuanDiT: its text lengths are the model's
+        del kwargs["max_sequence_length"]
     with count_collectives() as counts:
         out = pipe(prompt, **kwargs)
     return final.get("latents", getattr(out, "images", None)), dict(counts), len(calls)

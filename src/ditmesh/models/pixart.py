@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, register, spatial_latent)
@@ -36,13 +37,14 @@ from .flux import FLUX_VAE, KL_VAE_PLAN
 
 
 class PixArtSequenceParallelProcessor:
-    """Processor for the ``Attention`` layers of ``BasicTransformerBlock``: self-attention sequence-parallel,
-    cross-attention local.
+    """Processor for the ``Attention`` layers of ``BasicTransformerBlock`` (and of HunyuanDiT's blocks):
+    self-attention sequence-parallel, cross-attention local.
 
-    Self-attention projects the local tokens as diffusers' ``AttnProcessor2_0`` does and runs only the softmax
-    attention through ``sp.attention``, with the model's ``attention_mask`` (a bias over the image keys, global
+    Self-attention projects the local tokens as diffusers' ``AttnProcessor2_0`` (``HunyuanAttnProcessor2_0``) does,
+    with per-head QK-norms and, where the model passes them, RoPE tables split with the tokens; only the softmax
+    attention runs through ``sp.attention``, with the model's ``attention_mask`` (a bias over the image keys, global
     order) if any. Cross-attention (``encoder_hidden_states`` given) goes to the previous processor unchanged: local
-    queries against the whole, replicated text and its mask.
+    queries (and their RoPE rows) against the whole, replicated text and its mask.
     """
 
     _parallel_config = None
@@ -52,9 +54,11 @@ class PixArtSequenceParallelProcessor:
         self.previous = previous
         self._attention_backend = getattr(previous, "_attention_backend", None)
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs):
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 image_rotary_emb=None):
         if encoder_hidden_states is not None:
-            return self.previous(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+            rope = {} if image_rotary_emb is None else {"image_rotary_emb": image_rotary_emb}
+            return self.previous(attn, hidden_states, encoder_hidden_states, attention_mask, temb, **rope)
         residual = hidden_states
         head_dim = attn.inner_dim // attn.heads  # unchanged by tensor parallelism, which divides both
         q, k, v = (proj(hidden_states).unflatten(-1, (-1, head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v))
@@ -62,6 +66,9 @@ class PixArtSequenceParallelProcessor:
             q = attn.norm_q(q)
         if attn.norm_k is not None:
             k = attn.norm_k(k)
+        if image_rotary_emb is not None:
+            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
+            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
         out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=attention_mask)
         out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(q.dtype)))
         if attn.residual_connection:
