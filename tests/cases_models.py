@@ -7,6 +7,7 @@ Each takes the parallel configuration as a dict of degrees (``{"ulysses": 2}``, 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -41,6 +42,14 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     with count_collectives() as counts:
         out = pipe(prompt, **kwargs)
     return final.get("latents", getattr(out, "images", None)), dict(counts), len(calls)
+
+
+def generate_on(pools, path: str, config: dict, **kwargs) -> list:
+    """:func:`pipeline_generate` of the folder ``path`` under ``config`` on every rank of the pool of its world size
+    (``pools(n)``), or in this process when ``pools`` is None; a list of per-rank results either way."""
+    if pools is None:
+        return [pipeline_generate(path, config, **kwargs)]
+    return pools(math.prod(config.values())).run(pipeline_generate, path, config, **kwargs)
 
 
 def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | None, max_sequence_length: int,

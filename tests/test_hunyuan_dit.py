@@ -4,12 +4,10 @@ whole masked text on every rank, tensor parallelism, batched CFG and data parall
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cases_models import pipeline_generate, transformer_call
+from cases_models import generate_on, transformer_call
 from ditmesh.testing import rel_err
 
 PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
@@ -31,15 +29,13 @@ def hunyuan_tiny(tmp_path_factory) -> str:
 _REFERENCES: dict = {}
 
 
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None):
-    args = (pipeline_generate, path, config)
-    kwargs = dict(steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
-    return pools(math.prod(config.values())).run(*args, **kwargs) if pools else args[0](*args[1:], **kwargs)
+def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
+    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
 
 
 def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
     if (path, shape, prompt) not in _REFERENCES:
-        _REFERENCES[path, shape, prompt] = generate(path, {}, shape, list(prompt))[0]
+        _REFERENCES[path, shape, prompt] = generate(path, {}, shape, list(prompt))[0][0]
     return _REFERENCES[path, shape, prompt]
 
 

@@ -4,12 +4,10 @@ batched CFG and data parallelism."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cases_models import pipeline_generate, transformer_call
+from cases_models import generate_on, transformer_call
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the cross-attention mask differs
@@ -38,14 +36,12 @@ _REFERENCES: dict = {}
 def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
     key = (shape, prompt)
     if key not in _REFERENCES:
-        _REFERENCES[key] = generate(path, {}, shape, list(prompt))[0]
+        _REFERENCES[key] = generate(path, {}, shape, list(prompt))[0][0]
     return _REFERENCES[key]
 
 
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None):
-    args = (pipeline_generate, path, config)
-    kwargs = dict(steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
-    return pools(math.prod(config.values())).run(*args, **kwargs) if pools else args[0](*args[1:], **kwargs)
+def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
+    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
 
 
 def expected_counts(config: dict) -> dict:
@@ -148,7 +144,7 @@ def test_pixart_tp4_matches_single_process(pools, tmp_path_factory):
     from ditmesh.synth import write_checkpoint
 
     path = str(write_checkpoint("pixart-sigma-tiny-tp", tmp_path_factory.mktemp("pixart-tp") / "tp", seed=0, device="cpu"))
-    ref = generate(path, {}, "uneven")[0]
+    ref = generate(path, {}, "uneven")[0][0]
     for latents, counts, calls in generate(path, {"tp": 4}, "uneven", pools=pools):
         assert rel_err(latents, ref) <= 1e-5 and counts == expected_counts({"tp": 4})
 
