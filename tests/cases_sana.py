@@ -41,3 +41,18 @@ def sana_without_case(missing: str, inputs: dict) -> torch.Tensor:
 
     with torch.no_grad(), mock.patch.object(vae, "exchange_rows", zeros if missing == "halo" else vae.exchange_rows):
         return model(**inputs)[0]
+
+
+def compiled_sequence_parallel_case() -> str:
+    """parallelize(sana-tiny, ulysses 2, compile=True): the ConfigError's message (empty when accepted)."""
+    from ditmesh import ConfigError, ParallelConfig, parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:
+        transformer = build_transformer("sana-tiny", seed=0, dtype=torch.float32)
+
+    try:
+        parallelize(Pipe, ParallelConfig(ulysses=2), compile=True)
+    except ConfigError as exc:
+        return str(exc)
+    return ""

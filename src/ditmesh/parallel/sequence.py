@@ -35,6 +35,7 @@ from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
 from ..comm import all_gather_uneven, all_reduce_sum, group_name, offsets, split_sizes
+from ..config import ConfigError
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
 from ..models.base import Gather, ModelAdapter, Split, is_attention, name_pattern
@@ -347,6 +348,9 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     """
     if mesh.config.sp == 1:
         return []
+    if compiled and adapter.sequence_plan.grid is not None:
+        raise ConfigError(f"{adapter.name}: the halo exchange of its token grid's convolutions does not run inside "
+                          "compiled blocks; use compile off with sequence parallelism, or compile with tp, cfg or dp")
     check_attention_selection(model, adapter)
     sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport)
     plan = adapter.sequence_plan
