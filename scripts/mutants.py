@@ -71,6 +71,9 @@ T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_m
 T_FLUX2 = "tests/test_flux2.py::test_flux2_pipeline_matches_single_process"
 T_FLUX2_CACHE = "tests/test_flux2.py::test_flux2_cache_decides_as_one_process_under_ulysses"
 T_PP = "tests/test_pipefusion.py::"
+T_PIXART = "tests/test_pixart.py::"
+T_SANA = "tests/test_sana.py::"
+T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -261,6 +264,36 @@ MUTANTS: tuple[Mutant, ...] = (
            "    conv_padding=None,\n",
            ("tests/test_parallel_vae.py::test_wan_causal_vae_split_along_height_matches_single_process[qwen-decode-5-3-1]",),
            "the QwenImage VAE's causal convolutions are taken to pad as conv.padding says (they pad in forward)"),
+    Mutant("pixart-self-attention-mask-dropped", "models/pixart.py",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=attention_mask)",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend)",
+           (f"{T_PIXART}test_pixart_self_attention_mask_matches_single_process[ulysses2]",),
+           "PixArt's sequence-parallel self-attention drops the model's attention_mask over image keys"),
+    Mutant("pixart-modulated-input-shift-and-scale-swapped", "models/pixart.py",
+           "shift, scale = modulation[:, 0:1], modulation[:, 1:2]",
+           "scale, shift = modulation[:, 0:1], modulation[:, 1:2]",
+           (f"{T_PIXART}test_pixart_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
+           "PixArt's modulated input (what teacache measures) takes the shift for the scale"),
+    Mutant("batch-dict-inputs-left-whole", "parallel/batch.py",
+           "return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}", "return value",
+           (f"{T_PIXART}test_pixart_alpha_micro_conditions_split_with_the_batch",),
+           "dp leaves a dict of per-sample inputs (PixArt-α's added_cond_kwargs) whole on every rank"),
+    Mutant("sana-key-sums-not-added-over-ranks", "models/sana.py",
+           "key_sums = self.sp.sum(torch.matmul(v, k))", "key_sums = torch.matmul(v, k)",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Sana's linear attention reads the key sums of its own rank's tokens only"),
+    Mutant("grid-split-in-tokens-not-rows", "parallel/sequence.py",
+           "if self.grid is None or stream != self.grid.stream:", "if True:",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "a token grid's stream is cut into token chunks that are not whole rows"),
+    Mutant("grid-convolution-without-halo", "parallel/sequence.py",
+           "            undo.append(add_hook(conv, ConvHook(sp.grid_rows, rows)))\n", "",
+           (f"{T_SANA}test_sana_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the token grid's convolutions run on the local rows with zero padding at every rank border"),
+    Mutant("hunyuan-keys-not-rotated", "models/pixart.py",
+           "            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)\n", "",
+           (f"{T_HUNYUAN}test_hunyuan_rope_text_masks_and_skips_matter",),
+           "the sequence-parallel self-attention rotates HunyuanDiT's queries but not its keys"),
     # -- tensor parallelism -----------------------------------------------------------------------------------------
     Mutant("tp-row-bias-before-all-reduce", "parallel/tensor.py",
            "out = all_reduce_sum(F.linear(x, self.weight), self.group)\n"

@@ -6,6 +6,9 @@ Each takes the parallel configuration as a dict of degrees (``{"ulysses": 2}``, 
 
 from __future__ import annotations
 
+import inspect
+import math
+
 import torch
 
 #: two prompts of different lengths (a pipeline that pads to the longest pads the first)
@@ -23,7 +26,8 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     more call kwargs).
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
-    for image pipelines (SD3) and video pipelines (Wan, with ``frames``).
+    for image pipelines (SD3) and video pipelines (Wan, with ``frames``); a pipeline without
+    ``callback_on_step_end`` (PixArt) returns its final latents as its output.
     """
     from diffusers import DiffusionPipeline
 
@@ -37,11 +41,23 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))
     final = {}
-    kwargs = call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale)
-    kwargs.update(extra or {})
+    kwargs = dict(call_kwargs(final, steps, height, width, frames, max_sequence_length, guidance_scale), **(extra or {}))
+    accepted = inspect.signature(pipe.__call__).parameters
+    if "callback_on_step_end" not in accepted:
+        del kwargs["callback_on_step_end"]
+    if "max_sequence_length" not in accepted:  # HunyuanDiT: its text lengths are the model's
+        del kwargs["max_sequence_length"]
     with count_collectives() as counts:
-        pipe(prompt=prompt, **kwargs)
-    return final["latents"], dict(counts), len(calls)
+        out = pipe(prompt=prompt, **kwargs)
+    return final.get("latents", getattr(out, "images", None)), dict(counts), len(calls)
+
+
+def generate_on(pools, path: str, config: dict, **kwargs) -> list:
+    """:func:`pipeline_generate` of the folder ``path`` under ``config`` on every rank of the pool of its world size
+    (``pools(n)``), or in this process when ``pools`` is None; a list of per-rank results either way."""
+    if pools is None:
+        return [pipeline_generate(path, config, **kwargs)]
+    return pools(math.prod(config.values())).run(pipeline_generate, path, config, **kwargs)
 
 
 def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | None, max_sequence_length: int,

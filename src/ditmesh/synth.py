@@ -109,6 +109,26 @@ def build_t5_tokenizer(words=WORDS, max_length: int = 512):
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
+def build_gemma_tokenizer(words=WORDS, max_length: int = 300):
+    """A Gemma (BPE) tokenizer over single characters, with merges that make each of ``words`` (after the ``▁`` that
+    marks a word start) one token."""
+    from transformers import GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
+    for c in "\u2581abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
+        vocab[c] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for word in words:
+        pieces = ["\u2581", *word]
+        while len(pieces) > 1:
+            if (pieces[0], pieces[1]) not in merges:
+                merges.append((pieces[0], pieces[1]))
+            joined = pieces[0] + pieces[1]
+            vocab.setdefault(joined, len(vocab))
+            pieces = [joined] + pieces[2:]
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
 # ---------------------------------------------------------------------------------------------------
 # seeded weights
 # ---------------------------------------------------------------------------------------------------
@@ -197,6 +217,9 @@ class Kit:
     def byte_bpe(self, specials: tuple[str, ...], words=()):
         """(vocab, merges) of a byte-level BPE knowing ``specials`` and :data:`WORDS` plus ``words`` (:func:`byte_bpe`)."""
         return byte_bpe(specials, tuple(WORDS) + tuple(words))
+
+    def gemma_tokenizer(self, max_length: int):
+        return build_gemma_tokenizer(max_length=max_length)
 
     def clip_config(self, tokenizer, cfg: dict):
         import transformers

@@ -41,6 +41,24 @@ class Gather:
 
 
 @dataclass(frozen=True)
+class TokenGrid:
+    """A stream whose tokens are the rows of a 2-D grid, row-major, that some layers mix across rows (Sana's Mix-FFN:
+    a depthwise 3x3 convolution over the token grid).
+
+    The stream is split in whole rows (chunk sizes are multiples of the row width, uneven by at most one row), every
+    rank holding at least one. ``width``: (transformer, its forward inputs by name) -> tokens per row. ``rows``:
+    module-path patterns (``*`` = one segment) -> the name of the int input that counts the grid's rows (the block's
+    ``height``), replaced by this rank's rows. ``convs``: patterns of the convolutions over the grid (``[B, C, rows,
+    width]``), which exchange the halo rows their windows need with the neighbouring ranks before they run.
+    """
+
+    stream: str
+    width: Callable
+    rows: dict[str, str] = field(default_factory=dict)
+    convs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SequencePlan:
     """Where a transformer's tokens are split over the sequence-parallel ranks and where they are gathered.
 
@@ -62,6 +80,8 @@ class SequencePlan:
     #: forward inputs the class's ``_cp_plan`` splits that this plan keeps whole on every rank: a mask over the
     #: keys, which the processor passes to ``sp.attention`` in the model's own order (it is reordered like the keys)
     whole: tuple[str, ...] = ()
+    #: a stream laid out as a 2-D grid that convolutions mix across rows (:class:`TokenGrid`), or None
+    grid: TokenGrid | None = None
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------------
@@ -331,6 +351,10 @@ class ModelAdapter:
     #: stream its attention reads), shaped and split like ``hidden_states``: what the TeaCache-like step cache and
     #: ``ditmesh analyze`` measure. None: the family does not name one
     modulated_input: Callable | None = None
+    #: exchanges sequence parallelism adds beyond the softmax attentions' (which the planner finds by tracing):
+    #: (transformer config dict, :class:`Layout`, bytes per element, tp) -> ``[(collective, bytes of one sample's
+    #: exchanged tensors per transformer call, messages)]``; None: none
+    sequence_traffic: Callable | None = None
     #: module-name patterns of the modules that act on each token alone (the feed-forwards), which
     #: ``parallelize(chunk=...)`` may run on pieces of the sequence
     token_wise: tuple[str, ...] = ()

@@ -141,7 +141,10 @@ class BatchParallel:
 
 
 def _narrow_batch(value, batch: int, start: int, size: int):
-    """This rank's batch chunk of a tensor (or of each tensor of a list, e.g. ControlNet residuals)."""
+    """This rank's batch chunk of a tensor, of each tensor of a list (ControlNet residuals) or of each value of a dict
+    (PixArt-α's micro-conditions, ``added_cond_kwargs``)."""
+    if isinstance(value, dict):
+        return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_narrow_batch(v, batch, start, size) for v in value)
     if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == batch:

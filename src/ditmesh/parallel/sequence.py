@@ -14,6 +14,13 @@ local sequences one after another (``[text_0, image_0, text_1, image_1, ...]``).
 gathered_mask` reorders the mask's key columns (and its query rows, when it has one per query) into that order,
 from the stream sizes of the call, so the attention functions slice it by rank like the keys.
 
+Token grids. A stream whose tokens are the rows of a 2-D grid that a convolution mixes across rows (the plan's
+``TokenGrid``: Sana's Mix-FFN) is split in whole rows, from the row width the grid reads off the forward's inputs at
+the entry; the int input that counts the rows (a block's ``height``) is replaced by this rank's rows, and each of the
+grid's convolutions exchanges the halo rows its window needs with the neighbouring ranks first (the parallel VAE's
+``ConvHook`` on a state whose rows per rank are the stream's split). Partial sums over keys (linear attention) are
+added over the sp ranks with :meth:`SequenceParallel.sum`.
+
 Cross-rank rules: chunk sizes come from global lengths only (identical on every rank, nothing is
 exchanged); every rank runs every attention layer in the same order.
 """
@@ -25,11 +32,13 @@ from ..attention.local import QueryChunks, score_mask
 from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import usp_attention
-from ..comm import all_gather_uneven, group_name, offsets, split_sizes
+from ..comm import all_gather_uneven, all_reduce_sum, group_name, offsets, split_sizes
+from ..config import ConfigError
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
 from ..models.base import Gather, ModelAdapter, Split, is_attention, name_pattern
 from .chunk import dispatched_attention
+from .vae import ConvHook, ConvRows, VaeParallel
 
 
 class SequenceParallel:
@@ -67,6 +76,16 @@ class SequenceParallel:
         self.seq_sizes: list[int] = []
         #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
         self._orders: dict[tuple, tuple] = {}
+        #: the plan's token grid (a stream split in whole rows), its row width in this call, and the rows each rank
+        #: holds, which the grid's convolutions read to exchange their halo rows (the parallel VAE's ``ConvHook``)
+        self.grid = self.plan.grid
+        self.grid_width: int | None = None
+        self.grid_rows = VaeParallel(self.group, strict=True) if self.grid is not None else None
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the sp ranks (one all-reduce): the exact merge of per-rank partial sums over keys,
+        such as linear attention's ``sum_k v k^T`` and ``sum_k k`` (``models/sana.py``), under ulysses, ring or USP."""
+        return all_reduce_sum(tensor, self.group)
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None, local=None):
         """Full-sequence attention from local shards ``[B, S_local, H, D]``; returns the same layout.
@@ -138,6 +157,9 @@ class SequenceParallel:
         """Start a transformer call: no stream has been split yet (its sizes come from its first split)."""
         self.ctx.stream_sizes = {}
         self.seq_sizes = []
+        self.grid_width = None
+        if self.grid_rows is not None:
+            self.grid_rows.units = None
 
     def stream_length(self, stream: str) -> int:
         """The global token count of ``stream`` in this call (it must have been split already)."""
@@ -155,11 +177,31 @@ class SequenceParallel:
         agrees); later splits of the same stream (its RoPE table, its positions) must have that length.
         """
         n = tensor.shape[dim]
-        sizes = self.ctx.stream_sizes.setdefault(stream, split_sizes(n, self.degree))
+        if stream not in self.ctx.stream_sizes:
+            self.ctx.stream_sizes[stream] = self.chunk_sizes(stream, n)
+        sizes = self.ctx.stream_sizes[stream]
         if sum(sizes) != n:
             raise ValueError(f"stream {stream!r} has {sum(sizes)} tokens but a split point sees {n}")
         self.seq_sizes = self.local_lengths(self.plan.streams)
         return tensor.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def chunk_sizes(self, stream: str, n: int) -> list[int]:
+        """Tokens of ``stream`` on each sp rank: contiguous, uneven by at most one token; a grid stream
+        (:class:`~ditmesh.models.base.TokenGrid`) in whole rows, uneven by at most one row."""
+        if self.grid is None or stream != self.grid.stream:
+            return split_sizes(n, self.degree)
+        width = self.grid_width
+        rows, rest = divmod(n, width)
+        if rest or rows < self.degree:
+            raise ValueError(f"{self.adapter.name} splits its {stream} tokens in whole grid rows, one or more per rank: "
+                             f"{n} tokens in rows of {width} cannot go to {self.degree} sequence-parallel ranks; use "
+                             f"an image at least {self.degree} latent rows tall or fewer ranks")
+        self.grid_rows.units = split_sizes(rows, self.degree)
+        return [r * width for r in self.grid_rows.units]
+
+    def local_rows(self) -> int:
+        """Grid rows of this rank in this call (after the grid stream's first split)."""
+        return self.grid_rows.units[self.rank]
 
     def split_value(self, value, spec: Split):
         """``value`` split by ``spec``: a tensor of the expected ndim, or each tensor of a list/tuple; else as is."""
@@ -216,6 +258,8 @@ class SequenceEntry(Hook):
             point.follow(owner)
         self.sp.begin()
         kwargs = bind_kwargs(self.forward, args, kwargs)
+        if self.sp.grid is not None:
+            self.sp.grid_width = self.sp.grid.width(owner, kwargs)
         kwargs = {k: (self.sp.split_value(v, self.splits[k]) if k in self.splits else v) for k, v in kwargs.items()}
         return call_next((), kwargs)
 
@@ -230,6 +274,40 @@ def _split_inputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: di
         return (), {k: (sp.split_value(v, splits[k]) if k in splits else v) for k, v in named.items()}
 
     return module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first)
+
+
+def _local_rows_hook(sp: SequenceParallel, module: torch.nn.Module, name: str):
+    """Replace the int input ``name`` (the grid's row count, e.g. Sana's block ``height``) by this rank's rows."""
+    forward = module.forward
+
+    def pre_hook(mod, args, kwargs):
+        named = bind_kwargs(forward, args, kwargs)
+        return (), dict(named, **{name: sp.local_rows()})
+
+    return module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+
+
+def _grid_hooks(model: torch.nn.Module, sp: SequenceParallel) -> list:
+    """The token grid's hooks: its row counts made local (torch pre-hooks that follow the module at their path) and
+    its convolutions given the parallel VAE's halo exchange (``ConvHook``). Returns (points, undo callables)."""
+    grid, points, undo = sp.grid, [], []
+    for pattern, name in grid.rows.items():
+        for path, _ in _modules_at(model, pattern):
+            points.append(AtPath(model, path, lambda m, name=name: _local_rows_hook(sp, m, name)))
+    for pattern in grid.convs:
+        for path, conv in _modules_at(model, pattern):
+            if not isinstance(conv, torch.nn.Conv2d) or isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+                raise NotImplementedError(f"{path}: the token grid's halo exchange takes zero-padded nn.Conv2d layers, "
+                                          f"not {type(conv).__name__} (padding {conv.padding!r})")
+            kernel = conv.dilation[0] * (conv.kernel_size[0] - 1) + 1
+            rows = ConvRows(kernel, conv.stride[0], conv.padding[0], conv.padding[0])
+            undo.append(add_hook(conv, ConvHook(sp.grid_rows, rows)))
+    return points, undo
+
+
+def _modules_at(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every module of ``model`` whose path matches ``pattern`` (:func:`module_paths`)."""
+    return [(path, model.get_submodule(path)) for path in module_paths(model, pattern)]
 
 
 def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: dict, first: bool = False):
@@ -319,11 +397,18 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     """
     if mesh.config.sp == 1:
         return []
+    if compiled and adapter.sequence_plan.grid is not None:
+        raise ConfigError(f"{adapter.name}: the halo exchange of its token grid's convolutions does not run inside "
+                          "compiled blocks; use compile off with sequence parallelism, or compile with tp, cfg or dp")
     check_attention_selection(model, adapter)
     sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport, query_chunks)
     plan = adapter.sequence_plan
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]
     entry.points = split_points(model, plan, sp)
+    if plan.grid is not None:
+        grid_points, grid_undo = _grid_hooks(model, sp)
+        entry.points += grid_points
+        undo += grid_undo
     undo += [p.remove for p in entry.points]
     return undo + [adapter.set_processors(model, sp)]

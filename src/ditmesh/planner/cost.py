@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..config import AXIS_ORDER, ParallelConfig
 from .hardware import Device, Link
-from .stats import ModelStats
+from .stats import ModelStats, adapter_of
 from .vae import VaeDecode
 
 GIB = 2**30
@@ -280,6 +280,11 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             step_attn = att.flops * samples * token_frac / tp / config.ring / (rate * cal.attention_efficiency)
             exposed = (r - 1) * max(0.0, step_comm - step_attn) + links["ring"].latency_us * 1e-6
             send("ring_p2p", "ring", (r - 1) * chunk_bytes / pp, count=r - 1, exposed=exposed / pp)
+    traffic_of = adapter_of(stats.spec.transformer_class).sequence_traffic
+    if sp > 1 and traffic_of is not None:  # e.g. linear attention's key sums, a convolution's halo rows
+        for kind, nbytes, count in traffic_of(stats.spec.config, stats.layout, bpe, tp):
+            moved = 2 * nbytes * (sp - 1) / sp if kind == "all_reduce" else nbytes  # a ring all-reduce sends twice
+            send(kind, "ring" if config.ring > 1 else "ulysses", moved * samples / pp, count=count)
     if tp > 1:
         for lin in stats.linears:
             if lin.row_parallel:

@@ -351,6 +351,16 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
 
 
+def step_callback(pipe, on_step_end) -> dict:
+    """Pipeline-call kwargs that run ``on_step_end(pipe, i, t, {"latents": latents, ...})`` after every denoising step:
+    ``callback_on_step_end`` where the pipeline takes it, else the older ``callback(i, t, latents)`` on every step
+    (``callback_steps=1``; PixArt's pipelines)."""
+    accepted = inspect.signature(pipe.__call__).parameters
+    if "callback_on_step_end" in accepted or "callback" not in accepted:
+        return {"callback_on_step_end": on_step_end}
+    return {"callback": lambda i, t, latents: on_step_end(pipe, i, t, {"latents": latents}), "callback_steps": 1}
+
+
 @dataclass
 class LoadedPipeline:
     """A pipeline loaded on one rank and parallelized, with its LoRAs: what :func:`load_pipeline` returns."""
@@ -457,7 +467,7 @@ def run(args) -> int:
         return warm_up(pipe, call, config, world, rank, device, load_s, getattr(args, "compile", False))
     _sync(device)
     t0 = time.perf_counter()
-    result = pipe(**call, callback_on_step_end=on_step_end)
+    result = pipe(**call, **step_callback(pipe, on_step_end))
     _sync(device)
     total_s = time.perf_counter() - t0
     step_s = [b - a for a, b in zip([t0] + marks[:-1], marks)]

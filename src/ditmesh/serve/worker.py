@@ -108,7 +108,7 @@ def _serve(rank: int, world: int, state: dict, requests, events, parent: int) ->
 
 def _run_request(rank: int, request: dict, state: dict, events) -> None:
     from ..comm import broadcast_tensors
-    from ..runtime.generate import _call_kwargs
+    from ..runtime.generate import _call_kwargs, step_callback
     from ..shared import one_line
 
     job = request["id"]
@@ -137,7 +137,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
                 raise _Cancelled(i + 1)
             return kw
 
-        result = pipe(**call, callback_on_step_end=on_step_end)
+        result = pipe(**call, **step_callback(pipe, on_step_end))
         if rank == 0:
             events.put(("done", rank, job, True, _encode(result), round(time.perf_counter() - start, 4)))
     except _Cancelled as exc:
