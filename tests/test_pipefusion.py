@@ -95,6 +95,19 @@ def test_a_family_whose_block_lists_pass_different_activations_is_refused():
         parallelize(Pipe, ParallelConfig(pp=2))
 
 
+def test_a_family_pipefusion_was_not_built_for_is_refused():
+    # its block lists declare no token streams: its attention may not read PipeFusion's K/V buffers
+    from ditmesh import parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:
+        transformer = build_transformer("qwenimage-tiny", seed=0, dtype=torch.float32)
+
+    with pytest.raises(NotImplementedError, match=r"PipeFusion does not run qwenimage yet \(its transformer_blocks "
+                                                  r"declare no token streams\); use pp=1"):
+        parallelize(Pipe, ParallelConfig(pp=2))
+
+
 # -- exact: warm-up over every step ----------------------------------------------------------------------------
 @pytest.mark.parametrize("patches", [None, 3], ids=["patches=pp", "patches=3"])
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])

@@ -71,9 +71,12 @@ def main() -> int:
                                   "ok": ok}), flush=True)
     if rank == 0:
         torch.save(saved, sys.argv[1])
-    dist.destroy_process_group()
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # measured on 2x H100: tearing the NCCL group down after captured graphs did not return within a minute; the
+    # results are out, so the rank leaves without destructors
+    os._exit(code)

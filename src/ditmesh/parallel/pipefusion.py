@@ -396,15 +396,15 @@ def check_blocks(adapter: ModelAdapter) -> None:
     boundary between them would send what the next block does not take; Chroma's single blocks take the text and
     image streams concatenated), or whose block lists do not declare the streams of what they carry (the families
     PipeFusion has not been tested on: their attention may not read the K/V buffers)."""
-    undeclared = [spec.path for spec in adapter.blocks if len(spec.streams) != len(spec.carries)]
-    if undeclared:
-        raise NotImplementedError(f"PipeFusion does not run {adapter.name} yet (its {', '.join(undeclared)} declare no "
-                                  f"token streams); use pp=1")
     for before, after in zip(adapter.blocks, adapter.blocks[1:]):
         if set(before.returns) != set(after.carries):
             raise NotImplementedError(
                 f"PipeFusion does not run {adapter.name} yet: its {after.path} take {', '.join(after.carries)} but its "
                 f"{before.path} return {', '.join(before.returns)}; use pp=1")
+    undeclared = [spec.path for spec in adapter.blocks if len(spec.streams) != len(spec.carries)]
+    if undeclared:
+        raise NotImplementedError(f"PipeFusion does not run {adapter.name} yet (its {', '.join(undeclared)} declare no "
+                                  f"token streams); use pp=1")
 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, name: str,
