@@ -221,6 +221,16 @@ class Kit:
     def gemma_tokenizer(self, max_length: int):
         return build_gemma_tokenizer(max_length=max_length)
 
+    def gemma2_text_encoder(self, arch) -> dict:
+        """``text_encoder`` (a Gemma-2 of ``arch.t5``'s sizes) and its ``tokenizer``, as Sana's and Lumina 2's
+        pipelines take them."""
+        import transformers
+
+        tokenizer = self.gemma_tokenizer(arch.max_sequence_length)
+        config = transformers.Gemma2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                           max_position_embeddings=8192, attn_implementation="eager", **arch.t5)
+        return dict(text_encoder=self.make(transformers.Gemma2Model, config, 3), tokenizer=tokenizer)
+
     def clip_config(self, tokenizer, cfg: dict):
         import transformers
 

@@ -358,6 +358,9 @@ class ModelAdapter:
     #: module-name patterns of the modules that act on each token alone (the feed-forwards), which
     #: ``parallelize(chunk=...)`` may run on pieces of the sequence
     token_wise: tuple[str, ...] = ()
+    #: attention layers that run on tokens every rank holds whole, before the sequence is split (Lumina 2's
+    #: refiners): left as they are under sequence parallelism. None: every attention layer runs on split tokens
+    whole_attention: AttentionSelector | None = None
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one

@@ -247,13 +247,8 @@ def sana_components(arch: SynthArch, kit) -> dict:
     """SanaPipeline's other components: the DC-AE (``AutoencoderDC``) and a Gemma-2 text encoder with a Gemma
     tokenizer (``arch.t5`` holds the text encoder's sizes)."""
     import diffusers
-    import transformers
 
-    tokenizer = kit.gemma_tokenizer(arch.max_sequence_length)
-    config = transformers.Gemma2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                       max_position_embeddings=8192, attn_implementation="eager", **arch.t5)
-    return dict(vae=kit.make(diffusers.AutoencoderDC, arch.vae, 1),
-                text_encoder=kit.make(transformers.Gemma2Model, config, 3), tokenizer=tokenizer)
+    return dict(vae=kit.make(diffusers.AutoencoderDC, arch.vae, 1), **kit.gemma2_text_encoder(arch))
 
 
 SANA = register(

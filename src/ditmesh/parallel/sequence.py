@@ -368,10 +368,12 @@ def default_chunks(device: torch.device, compiled: bool = False) -> int:
 def check_attention_selection(model: torch.nn.Module, adapter: ModelAdapter) -> None:
     """Refuse an adapter whose attention selection misses an attention layer of ``model`` (or matches none).
 
-    A layer left out would attend over its local tokens only and give a wrong result with no error.
+    A layer left out would attend over its local tokens only and give a wrong result with no error; the layers the
+    adapter declares whole (``whole_attention``, run before the split) are not counted.
     """
     selected = {name for name, _ in adapter.attention_modules(model)}
-    every = [name for name, module in model.named_modules() if is_attention(module)]
+    whole = {name for name, _ in adapter.whole_attention.select(model)} if adapter.whole_attention else set()
+    every = [name for name, module in model.named_modules() if is_attention(module) and name not in whole]
     missed = [name for name in every if name not in selected]
     if not selected or missed:
         shown = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
