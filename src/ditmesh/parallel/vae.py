@@ -288,14 +288,31 @@ class ConvHook(Hook):
         return [torch.cat([p for _, p in sorted(ps, key=lambda item: item[0])], dim=-2) for ps in parts]
 
 
+#: values per piece of the float32 work of a group norm on half-precision rows: the statistics and the normalization
+#: run a few groups at a time, so their float32 temporaries stay this small whatever the activation's size (a
+#: 128-channel 4096 x 2048 half of a FLUX decode would otherwise make several 4 GiB float32 copies)
+GROUP_PIECE = 1 << 24
+
+
+def group_pieces(v: torch.Tensor):
+    """``(first, last)`` group ranges of ``v`` (``[N, G, ...]``) whose values number about :data:`GROUP_PIECE`."""
+    per_group = v[:, :1].numel()
+    step = max(1, GROUP_PIECE // max(1, per_group))
+    return [(g, min(g + step, v.shape[1])) for g in range(0, v.shape[1], step)]
+
+
 def group_stats(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``[3, N, groups]`` float64: per sample and group, the count, mean and centred sum of squares (M2) of ``x``'s
-    values (computed in float32 for half-precision inputs)."""
+    values (computed in float32 for half-precision inputs, a few groups at a time: :func:`group_pieces`)."""
     v = x.reshape(x.shape[0], groups, -1)
-    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
     count = torch.full((x.shape[0], groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
-    mean = compute.sum(-1, dtype=torch.float64) / count
-    m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
+    mean = torch.empty_like(count)
+    m2 = torch.empty_like(count)
+    for a, b in group_pieces(v):
+        piece = v[:, a:b]
+        compute = piece if piece.dtype in (torch.float32, torch.float64) else piece.float()
+        mean[:, a:b] = compute.sum(-1, dtype=torch.float64) / count[:, a:b]
+        m2[:, a:b] = (compute - mean[:, a:b].to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
     return torch.stack([count, mean, m2])
 
 
@@ -311,15 +328,21 @@ def combine_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def group_normalize(x: torch.Tensor, norm: nn.GroupNorm, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """``norm`` applied to ``x`` (any rows of the tensor the statistics describe) with the given per (sample, group)
-    ``mean`` and ``var``: computed in float32 for half-precision inputs, returned in ``x``'s dtype."""
-    v = x.reshape(x.shape[0], norm.num_groups, -1)
-    compute = v if v.dtype in (torch.float32, torch.float64) else v.float()
-    y = (compute - mean.to(compute.dtype)[..., None]) * torch.rsqrt(var + norm.eps).to(compute.dtype)[..., None]
-    y = y.view(x.shape).to(x.dtype)
+    ``mean`` and ``var``: normalized in float32 for half-precision inputs a few groups at a time
+    (:func:`group_pieces`), written in ``x``'s dtype, then the affine part in that dtype."""
+    groups = norm.num_groups
+    v = x.reshape(x.shape[0], groups, -1)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o = out.view(x.shape[0], groups, -1)
+    rstd = torch.rsqrt(var + norm.eps)
+    for a, b in group_pieces(v):
+        piece = v[:, a:b]
+        compute = piece if piece.dtype in (torch.float32, torch.float64) else piece.float()
+        o[:, a:b] = (compute - mean[:, a:b].to(compute.dtype)[..., None]) * rstd[:, a:b].to(compute.dtype)[..., None]
     if norm.affine:
         shape = (1, -1) + (1,) * (x.ndim - 2)
-        y = y * norm.weight.view(shape) + norm.bias.view(shape)
-    return y
+        out.mul_(norm.weight.view(shape)).add_(norm.bias.view(shape))
+    return out
 
 
 class GroupNormHook(Hook):

@@ -49,7 +49,18 @@ def axes(adapter) -> dict[str, str]:
         "cfg / dp": f"yes ({adapter.cfg_mode} CFG)",
         "step cache": ", ".join(caches) if adapter.blocks else "",
         "parallel VAE": "yes" if adapter.vae is not None else "",
+        "PipeFusion": "yes" if _pipefusion_runs(adapter) else "",
     }
+
+
+def _pipefusion_runs(adapter) -> bool:
+    from ..parallel.pipefusion import check_blocks
+
+    try:
+        check_blocks(adapter)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def rows() -> list[list[str]]:
@@ -62,7 +73,7 @@ def rows() -> list[list[str]]:
         try:
             adapter = adapter_for_class(class_name)
         except Exception:  # noqa: BLE001  (no adapter: refused before loading)
-            out.append([f"`{class_name}`", shown, "no adapter: refused", "", "", "", "", ""])
+            out.append([f"`{class_name}`", shown, "no adapter: refused", "", "", "", "", "", ""])
             continue
         out.append([f"`{class_name}`", shown, adapter.name, *axes(adapter).values()])
     return out
@@ -70,7 +81,8 @@ def rows() -> list[list[str]]:
 
 def markdown() -> str:
     """The table, between the README's markers."""
-    header = ["transformer class", "pipelines", "family", "sequence", "tp", "cfg / dp", "step cache", "parallel VAE"]
+    header = ["transformer class", "pipelines", "family", "sequence", "tp", "cfg / dp", "step cache", "parallel VAE",
+              "PipeFusion"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows()]
     return "\n".join([START, *lines, END])
