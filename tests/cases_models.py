@@ -19,6 +19,35 @@ JOINT_SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
                 "uneven": dict(height=48, width=48, max_sequence_length=15)}
 
 
+#: the parallel configurations of a family's pipeline test: every axis at degree 2 (ring x ulysses at 4)
+EVERY_AXIS = [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}, {"cfg": 2}, {"dp": 2}]
+
+
+def axis_id(config: dict) -> str:
+    """A test id of a configuration: ``ring2-ulysses2``."""
+    return "-".join(f"{k}{v}" for k, v in config.items())
+
+
+def sequence_counts(config: dict, layers: int, calls: int) -> dict:
+    """Collectives of a sequence-parallel pipeline call whose ``layers`` attentions each run over the split joint
+    sequence: per layer 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds under ring; one all-gather of the
+    output per transformer call."""
+    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
+    return {**{kind: n * layers * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
+
+
+def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
+    """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
+    ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""
+    from ditmesh.testing import rel_err
+
+    for latents, got_counts, got_calls in outs:
+        assert rel_err(latents, ref) <= 1e-5
+        assert got_calls == calls
+        assert got_counts == counts
+    assert torch.equal(outs[0][0], outs[-1][0])
+
+
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
                       fuse_qkv: bool = False, chunk_tokens=None, extra: dict | None = None):
@@ -47,6 +76,8 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
         del kwargs["callback_on_step_end"]
     if "max_sequence_length" not in accepted:  # HunyuanDiT: its text lengths are the model's
         del kwargs["max_sequence_length"]
+    if isinstance(prompt, list):  # ZImagePipeline writes the chat-templated prompts into the list it is given
+        prompt = list(prompt)
     with count_collectives() as counts:
         out = pipe(prompt=prompt, **kwargs)
     return final.get("latents", getattr(out, "images", None)), dict(counts), len(calls)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cases_models import pipeline_generate, transformer_call
+from cases_models import EVERY_AXIS, axis_id, check_ranks, pipeline_generate, sequence_counts, transformer_call
 from ditmesh.testing import rel_err
 
 PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
@@ -46,23 +46,17 @@ def expected_counts(config: dict) -> dict:
         return {"all_gather": calls}  # each call's output gathered over the two groups' samples
     if "tp" in config:
         return {"all_reduce": 3 * LAYERS * calls}  # attention output, and the shared feed-forward once per stream
-    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
-    return {**{kind: n * LAYERS * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
+    return sequence_counts(config, LAYERS, calls)
 
 
 @pytest.mark.parametrize("shape", ["even", "uneven"])
-@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}, {"cfg": 2},
-                                    {"dp": 2}], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", EVERY_AXIS, ids=axis_id)
 def test_cogview4_pipeline_matches_single_process(pools, cogview4_tiny, config, shape):
     prompt = PROMPTS if "dp" in config else PROMPTS[0]
     ref = reference(cogview4_tiny, shape, prompt)
     outs = pools(math.prod(config.values())).run(pipeline_generate, cogview4_tiny, config, steps=STEPS,
                                                  prompt=prompt, **SHAPES[shape])
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == 2 * STEPS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 
 def _masked_inputs() -> dict:

@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from cases_models import pipeline_generate
-from ditmesh.testing import rel_err
+from cases_models import EVERY_AXIS, axis_id, check_ranks, pipeline_generate, sequence_counts
 
 #: two prompts of different lengths: the joint sequences differ, so the main layers get a key-padding mask
 PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
@@ -48,22 +47,16 @@ def expected_counts(config: dict) -> dict:
         return {"all_gather": calls}  # each call's output gathered over the two groups' samples
     if "tp" in config:
         return {"all_reduce": 2 * (LAYERS + REFINERS) * calls}  # attention output and SwiGLU, every block
-    per_layer = {"all_to_all": 2 if "ulysses" in config else 0, "ring_p2p": config.get("ring", 1) - 1}
-    return {**{kind: n * LAYERS * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
+    return sequence_counts(config, LAYERS, calls)
 
 
 @pytest.mark.parametrize("shape", ["even", "uneven"])
-@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}, {"cfg": 2},
-                                    {"dp": 2}], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("config", EVERY_AXIS, ids=axis_id)
 def test_lumina2_pipeline_matches_single_process(pools, lumina2_tiny, config, shape):
     ref = reference(lumina2_tiny, shape)
     outs = pools(math.prod(config.values())).run(pipeline_generate, lumina2_tiny, config, steps=STEPS,
                                                  prompt=PROMPTS, guidance_scale=4.0, **SHAPES[shape])
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == 2 * STEPS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 
 def test_lumina2_joint_sequence_is_padded_and_masked_per_sample(lumina2_tiny):

@@ -190,15 +190,15 @@ FLUX2_TINY = dataclasses.replace(
     max_sequence_length=32,
 )
 
-#: a chat template of the Qwen2 kind, enough for the Klein pipeline's ``apply_chat_template`` (one user turn)
+#: a chat template of the Qwen2 kind, enough for the pipelines' ``apply_chat_template`` (one user turn)
 _CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def flux2_components(arch: SynthArch, kit) -> dict:
-    """Flux2KleinPipeline's other components: the FLUX.2 VAE, a Qwen3 text encoder (``arch.t5``) and a byte-level
-    BPE Qwen2 tokenizer with a chat template, built locally."""
-    import diffusers
+def qwen3_text_encoder(arch: SynthArch, kit, model_class: str = "Qwen3ForCausalLM") -> dict:
+    """``text_encoder`` (the ``transformers`` Qwen3 class ``model_class`` of ``arch.t5``'s sizes) and its
+    ``tokenizer`` (a byte-level BPE Qwen2 tokenizer with a one-turn chat template, built locally), as FLUX.2 Klein's
+    and Z-Image's pipelines take them."""
     import transformers
 
     specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -208,9 +208,15 @@ def flux2_components(arch: SynthArch, kit) -> dict:
     tokenizer.chat_template = _CHAT_TEMPLATE
     config = transformers.Qwen3Config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                                       pad_token_id=tokenizer.pad_token_id, **arch.t5)
-    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1),
-                text_encoder=kit.make(transformers.Qwen3ForCausalLM, config, 3),
-                tokenizer=tokenizer)
+    return dict(text_encoder=kit.make(getattr(transformers, model_class), config, 3), tokenizer=tokenizer)
+
+
+def flux2_components(arch: SynthArch, kit) -> dict:
+    """Flux2KleinPipeline's other components: the FLUX.2 VAE, a Qwen3 text encoder (``arch.t5``) and a byte-level
+    BPE Qwen2 tokenizer with a chat template, built locally."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), **qwen3_text_encoder(arch, kit))
 
 
 FLUX2 = register(

@@ -100,12 +100,22 @@ def lumina2_layout(config: dict, height: int, width: int, frames: int, text_toke
 
 
 _BLOCK_LISTS = ("layers", "noise_refiner", "context_refiner")
-LUMINA2_TENSOR_PLAN = TensorPlan(
-    colwise=tuple(f"{blocks}.*.{name}" for blocks in _BLOCK_LISTS for name in (
-        "attn.to_q", "attn.to_k", "attn.to_v", "feed_forward.linear_1", "feed_forward.linear_3")),
-    rowwise=tuple(f"{blocks}.*.{name}" for blocks in _BLOCK_LISTS for name in ("attn.to_out.0", "feed_forward.linear_2")),
-    per_rank_attrs={f"{blocks}.*.attn": ("heads",) for blocks in _BLOCK_LISTS},
-)
+
+
+def swiglu_blocks_plan(block_lists: tuple[str, ...], attn: str, gate: str, value: str, out: str) -> TensorPlan:
+    """The tensor plan of blocks of self-attention and a SwiGLU feed-forward in each of ``block_lists``: Q, K, V and
+    the SwiGLU's ``gate`` and ``value`` linears column-parallel, the attention output and the SwiGLU's ``out`` linear
+    row-parallel (2 all-reduces per block); ``attn``'s ``heads`` counted per rank."""
+    return TensorPlan(
+        colwise=tuple(f"{blocks}.*.{name}" for blocks in block_lists
+                      for name in (f"{attn}.to_q", f"{attn}.to_k", f"{attn}.to_v", gate, value)),
+        rowwise=tuple(f"{blocks}.*.{name}" for blocks in block_lists for name in (f"{attn}.to_out.0", out)),
+        per_rank_attrs={f"{blocks}.*.{attn}": ("heads",) for blocks in block_lists},
+    )
+
+
+LUMINA2_TENSOR_PLAN = swiglu_blocks_plan(_BLOCK_LISTS, "attn", "feed_forward.linear_1", "feed_forward.linear_3",
+                                         "feed_forward.linear_2")
 
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
