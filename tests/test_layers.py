@@ -113,7 +113,10 @@ def family_words() -> tuple[re.Pattern, set[str]]:
     for adapter in adapters():
         names.update(adapter.class_names + adapter.pipelines + adapter.attention.class_names)
         for cls in adapter.class_names:
-            prefixes.add(re.match(r"[A-Z0-9]+(?=[A-Z][a-z])|[A-Z][a-z0-9]+", cls).group())
+            prefix = re.match(r"[A-Z0-9]+(?=[A-Z][a-z])|[A-Z][a-z0-9]+", cls).group()
+            if len(prefix) == 1:  # one letter names no family ("A-Z"): Z-Image's "Z" takes its next word, "ZImage"
+                prefix = re.match(r"[A-Z]{2}[a-z0-9]+", cls).group()
+            prefixes.add(prefix)
     words = sorted(names | prefixes, key=len, reverse=True)
     # a family word not glued to other lowercase letters ("Wan" but not "Wanted"); "Attention" alone is a
     # generic diffusers class that SD3 happens to use, so only the family-specific names count

@@ -184,6 +184,9 @@ class StepCache:
             raise ConfigError(f"cache teacache needs the modulated input of {type(model).__name__}'s first block, "
                               f"which the {adapter.name} adapter does not name; use dbcache, taylor or static")
         blocks = [(spec, block) for spec in adapter.blocks for block in model.get_submodule(spec.path)]
+        if not blocks:
+            raise ConfigError(f"step caches skip blocks, and the {adapter.name} adapter declares no block lists of "
+                              f"{type(model).__name__}; run without a cache")
         if config.first + config.last >= len(blocks):
             raise ConfigError(f"cache first={config.first} + last={config.last} leaves no block of the "
                               f"{len(blocks)} of {type(model).__name__} to skip; use smaller values")

@@ -324,6 +324,11 @@ class ModelAdapter:
     tensor_plan: TensorPlan | None = None
     #: forward inputs that carry the batch in dim 0 (split by data/CFG parallelism); others are replicated
     batch_inputs: tuple[str, ...] = ()
+    #: the forward input whose dim 0 counts the samples of a call (data/CFG parallelism splits by it)
+    sample_input: str = "hidden_states"
+    #: batch inputs that are lists with one tensor per sample (Z-Image's latents and captions): split by slicing the
+    #: list; a family with any returns one output tensor per sample too (a list, gathered stacked)
+    sample_lists: tuple[str, ...] = ()
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"

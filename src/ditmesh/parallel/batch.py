@@ -6,7 +6,9 @@ nearly all the work, is divided:
 
 * **Data parallelism** splits the batch (prompts x images per prompt) of every transformer call into
   contiguous chunks over the ``dp`` ranks (uneven counts are fine; a rank with no item skips the call)
-  and all-gathers the outputs along the batch in order: one all-gather per transformer call.
+  and all-gathers the outputs along the batch in order: one all-gather per transformer call. A transformer
+  that takes one tensor per sample in lists (the adapter's ``sample_lists``) has those lists sliced, and its list
+  of per-sample outputs is gathered stacked.
 * **CFG parallelism, batched pipelines** (SD3: one call on ``[uncond, cond]``): the same batch split,
   over the combined ``dp x cfg`` group; one all-gather per step.
 * **CFG parallelism, sequential pipelines** (FLUX true CFG, Wan: a "cond" call then an "uncond" call per
@@ -67,6 +69,8 @@ class BatchParallel:
         self.cfg_group = mesh.group("cfg")
         # per-call state: the batch chunk sizes of this call (None: not split)
         self.batch_sizes: list[int] | None = None
+        # a model taking a list of samples: its first sample, batched (what an empty chunk's placeholder is shaped like)
+        self.sample_template: torch.Tensor | None = None
         # sequential CFG: the cond call's result (computed on cfg rank 0, a placeholder on cfg rank 1)
         self.pending: torch.Tensor | None = None
         self.run = ctx.run  # the pipeline run ``pending`` belongs to
@@ -106,7 +110,8 @@ class BatchParallel:
             if ctx.skip:
                 return kwargs
         if self.batch_degree > 1:
-            batch = kwargs["hidden_states"].shape[0]
+            samples = kwargs[self.adapter.sample_input]
+            batch = len(samples) if self.adapter.sample_lists else samples.shape[0]
             self.batch_sizes = split_sizes(batch, self.batch_degree)
             if 0 in self.batch_sizes and ctx.needs_full_batches:  # every rank computes the same sizes: all refuse
                 raise ConfigError(f"a batch of {batch} cannot give each of the {self.batch_degree} dp/cfg batch ranks an "
@@ -115,8 +120,12 @@ class BatchParallel:
             start = sum(self.batch_sizes[: self.batch_rank])
             size = self.batch_sizes[self.batch_rank]
             kwargs = dict(kwargs)
+            if self.adapter.sample_lists:  # the placeholder of an empty chunk is shaped like one sample's output
+                self.sample_template = samples[0].unsqueeze(0)
             for name in self.adapter.batch_inputs:
-                kwargs[name] = _narrow_batch(kwargs.get(name), batch, start, size)
+                value = kwargs.get(name)
+                kwargs[name] = value[start:start + size] if name in self.adapter.sample_lists \
+                    else _narrow_batch(value, batch, start, size)
             ctx.skip = size == 0
         return kwargs
 
@@ -124,6 +133,8 @@ class BatchParallel:
         """The call's full output on every rank: batch chunks gathered; under sequential CFG, the two branches
         exchanged after the uncond call."""
         sample = output_sample(output)
+        if self.adapter.sample_lists:  # one output tensor per sample (Z-Image): gathered as one stacked batch
+            sample = torch.stack(sample) if isinstance(sample, list) else sample
         if self.batch_sizes is not None:
             sample = all_gather_uneven(sample, 0, self.batch_sizes, self.batch_group)
         if self.sequential:
@@ -137,6 +148,8 @@ class BatchParallel:
                     self.pending.copy_(cond)  # the tensor the pipeline holds as its cond prediction
                 sample = uncond if self.cfg_rank == 1 else uncond.clone()
                 self.pending = None
+        if self.adapter.sample_lists:
+            sample = list(sample.unbind(0))
         return with_output_sample(output, sample)
 
 
@@ -174,7 +187,9 @@ class BatchHook(Hook):
         return bp.post_hook(output)
 
     def placeholder(self, kwargs: dict):
-        sample = self.bp.adapter.output_like(self.bp.model, kwargs["hidden_states"])
+        bp = self.bp
+        like = bp.sample_template.narrow(0, 0, 0) if bp.adapter.sample_lists else kwargs[bp.adapter.sample_input]
+        sample = bp.adapter.output_like(bp.model, like)
         if not kwargs.get("return_dict", self.return_dict_default):
             return (sample,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput

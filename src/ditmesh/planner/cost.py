@@ -158,7 +158,7 @@ def invalid_reason(config: ParallelConfig, stats: ModelStats, workload: Workload
         return f"ulysses={config.ulysses} does not divide the {stats.num_heads // config.tp} heads per tensor-parallel rank"
     if config.sp > min(stats.layout.image_tokens, stats.layout.split_tokens):
         return f"ring x ulysses = {config.sp} exceeds the {stats.layout.image_tokens} image tokens"
-    if config.pp > stats.num_blocks:
+    if config.pp > 1 and config.pp > stats.num_blocks:  # a family without block lists (Z-Image) counts none
         return f"pp={config.pp} exceeds the {stats.num_blocks} transformer blocks"
     return None
 
