@@ -332,7 +332,8 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
 
     size = defaults.get("default_size") or [None, None]
     kwargs = dict(
-        prompt=args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
+        prompt=list(args.prompt) if len(args.prompt) > 1 else args.prompt[0],
         height=args.height or size[0],
         width=args.width or size[1],
         num_inference_steps=args.steps,
