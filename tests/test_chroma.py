@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cases_cache import assert_cache_decides_as_one_process
-from cases_models import JOINT_SHAPES, PROMPTS, masks_dropped, pipeline_counts, pipeline_generate
+from cases_models import JOINT_SHAPES, PROMPTS, check_ranks, masks_dropped, pipeline_counts, pipeline_generate
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the mask differs per sample
@@ -44,11 +44,7 @@ def expected_counts(config: dict) -> dict:
 def test_chroma_pipeline_matches_single_process(pools, chroma_tiny, config, shape):
     ref = reference(chroma_tiny, shape)
     outs = pools(math.prod(config.values())).run(pipeline_generate, chroma_tiny, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == 2 * STEPS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 
 @pytest.mark.parametrize("config", [{}, {"ulysses": 2}, {"ring": 2}], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "single")

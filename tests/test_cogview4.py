@@ -20,11 +20,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def cogview4_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("cogview4-tiny", tmp_path_factory.mktemp("cogview4") / "cogview4-tiny", seed=0,
-                                device="cpu"))
+def cogview4_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("cogview4-tiny")
 
 
 _REFERENCES: dict = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import generate_on, transformer_call
+from cases_models import check_ranks, generate_on, transformer_call
 from ditmesh.testing import rel_err
 
 PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
@@ -20,10 +20,8 @@ CALLS = STEPS  # batched CFG
 
 
 @pytest.fixture(scope="module")
-def hunyuan_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("hunyuan-dit-tiny", tmp_path_factory.mktemp("hunyuan") / "tiny", seed=0, device="cpu"))
+def hunyuan_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("hunyuan-dit-tiny")
 
 
 _REFERENCES: dict = {}
@@ -61,11 +59,7 @@ def expected_counts(config: dict, calls: int = CALLS) -> dict:
 def test_hunyuan_pipeline_matches_single_process(pools, hunyuan_tiny, config, shape):
     ref = reference(hunyuan_tiny, shape)
     outs = generate(hunyuan_tiny, config, shape, pools=pools)
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == CALLS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, CALLS, expected_counts(config))
 
 
 def test_hunyuan_dp2_three_prompts_matches_single_process(pools, hunyuan_tiny):
@@ -76,11 +70,8 @@ def test_hunyuan_dp2_three_prompts_matches_single_process(pools, hunyuan_tiny):
         assert counts == expected_counts({"dp": 2})
 
 
-def test_hunyuan_tp4_matches_single_process(pools, tmp_path_factory):
-    from ditmesh.synth import write_checkpoint
-
-    path = str(write_checkpoint("hunyuan-dit-tiny-tp", tmp_path_factory.mktemp("hunyuan-tp") / "tp", seed=0,
-                                device="cpu"))
+def test_hunyuan_tp4_matches_single_process(pools, tiny_checkpoints):
+    path = tiny_checkpoints("hunyuan-dit-tiny-tp")
     for latents, counts, _ in generate(path, {"tp": 4}, "uneven", pools=pools):
         assert rel_err(latents, reference(path, "uneven")) <= 1e-5 and counts == expected_counts({"tp": 4})
 

@@ -21,11 +21,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def lumina2_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("lumina2-tiny", tmp_path_factory.mktemp("lumina2") / "lumina2-tiny", seed=0,
-                                device="cpu"))
+def lumina2_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("lumina2-tiny")
 
 
 _REFERENCES: dict = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import generate_on, transformer_call
+from cases_models import check_ranks, generate_on, transformer_call
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the cross-attention mask differs
@@ -23,11 +23,8 @@ CALLS = STEPS  # batched CFG: one transformer call per step on [uncond, cond]
 
 
 @pytest.fixture(scope="module")
-def pixart_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("pixart-sigma-tiny", tmp_path_factory.mktemp("pixart") / "pixart-sigma-tiny", seed=0,
-                                device="cpu"))
+def pixart_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("pixart-sigma-tiny")
 
 
 _REFERENCES: dict = {}
@@ -67,11 +64,7 @@ def expected_counts(config: dict) -> dict:
 def test_pixart_pipeline_matches_single_process(pools, pixart_tiny, config, shape):
     ref = reference(pixart_tiny, shape)
     outs = generate(pixart_tiny, config, shape, pools=pools)
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == CALLS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, CALLS, expected_counts(config))
 
 
 def test_pixart_dp2_three_prompts_matches_single_process(pools, pixart_tiny):
@@ -140,10 +133,8 @@ def test_pixart_alpha_micro_conditions_split_with_the_batch(pools):
     assert rel_err(transformer_call("pixart-alpha-tiny", {}, inputs)[0], ref) > 1e-3  # the conditions matter
 
 
-def test_pixart_tp4_matches_single_process(pools, tmp_path_factory):
-    from ditmesh.synth import write_checkpoint
-
-    path = str(write_checkpoint("pixart-sigma-tiny-tp", tmp_path_factory.mktemp("pixart-tp") / "tp", seed=0, device="cpu"))
+def test_pixart_tp4_matches_single_process(pools, tiny_checkpoints):
+    path = tiny_checkpoints("pixart-sigma-tiny-tp")
     ref = generate(path, {}, "uneven")[0][0]
     for latents, counts, calls in generate(path, {"tp": 4}, "uneven", pools=pools):
         assert rel_err(latents, ref) <= 1e-5 and counts == expected_counts({"tp": 4})

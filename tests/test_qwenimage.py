@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cases_cache import assert_cache_decides_as_one_process
-from cases_models import PROMPTS, masks_dropped, pipeline_counts, pipeline_generate, transformer_call
+from cases_models import PROMPTS, check_ranks, masks_dropped, pipeline_counts, pipeline_generate, transformer_call
 from ditmesh.testing import rel_err
 
 #: true CFG: the prompts' call, then the negative prompts' (the pipeline passes no mask there: nothing is padded)
@@ -55,11 +55,7 @@ def expected_counts(config: dict) -> dict:
 def test_qwenimage_pipeline_matches_single_process(pools, qwenimage_tiny, config, shape):
     ref = reference(qwenimage_tiny, shape)
     outs = pools(math.prod(config.values())).run(run, qwenimage_tiny, config, shape)
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == 2 * STEPS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 
 def test_qwenimage_mask_changes_the_output(qwenimage_tiny):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import generate_on, transformer_call
+from cases_models import check_ranks, generate_on, transformer_call
 from cases_sana import compiled_sequence_parallel_case, sana_without_case, transformer_call_error
 from ditmesh.testing import rel_err
 
@@ -24,10 +24,8 @@ CALLS = STEPS  # batched CFG: one transformer call per step on [uncond, cond]
 
 
 @pytest.fixture(scope="module")
-def sana_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    return str(write_checkpoint("sana-tiny", tmp_path_factory.mktemp("sana") / "sana-tiny", seed=0, device="cpu"))
+def sana_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("sana-tiny")
 
 
 _REFERENCES: dict = {}
@@ -65,11 +63,7 @@ def expected_counts(config: dict, calls: int = CALLS) -> dict:
 def test_sana_pipeline_matches_single_process(pools, sana_tiny, config, shape):
     ref = reference(sana_tiny, shape)
     outs = generate(sana_tiny, config, shape, pools=pools)
-    for latents, counts, calls in outs:
-        assert rel_err(latents, ref) <= 1e-5
-        assert calls == CALLS
-        assert counts == expected_counts(config)
-    assert torch.equal(outs[0][0], outs[-1][0])
+    check_ranks(outs, ref, CALLS, expected_counts(config))
 
 
 def test_sana_dp2_three_prompts_matches_single_process(pools, sana_tiny):
@@ -80,10 +74,8 @@ def test_sana_dp2_three_prompts_matches_single_process(pools, sana_tiny):
         assert counts == expected_counts({"dp": 2})
 
 
-def test_sana_tp4_matches_single_process(pools, tmp_path_factory):
-    from ditmesh.synth import write_checkpoint
-
-    path = str(write_checkpoint("sana-tiny-tp", tmp_path_factory.mktemp("sana-tp") / "tp", seed=0, device="cpu"))
+def test_sana_tp4_matches_single_process(pools, tiny_checkpoints):
+    path = tiny_checkpoints("sana-tiny-tp")
     for latents, counts, _ in generate(path, {"tp": 4}, "uneven", pools=pools):
         assert rel_err(latents, reference(path, "uneven")) <= 1e-5 and counts == expected_counts({"tp": 4})
 

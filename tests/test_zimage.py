@@ -26,11 +26,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def zimage_tiny(tmp_path_factory) -> str:
-    from ditmesh.synth import write_checkpoint
-
-    folder = tmp_path_factory.mktemp("zimage") / "z-image-tiny"
-    return str(write_checkpoint("z-image-tiny", folder, seed=0, device="cpu"))
+def zimage_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("z-image-tiny")
 
 
 @functools.cache
