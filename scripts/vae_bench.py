@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="CPU check: flux-tiny and wan-tiny VAEs, float32, sizes 64,96 and 32x48x5, 16-pixel tiles")
     p.add_argument("--json", default=None, help="also write the rows to this file (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU: profile one more decode of each mode and print where its time goes (rank 0's GPU): "
+                        "compute, communication, idle, and the kernels that take longest")
     args = p.parse_args(argv)
     if args.tiny:
         args.sizes, args.wan_sizes, args.dtype = "64,96", "32x48x5", "float32"
@@ -171,8 +174,8 @@ def reduce_max(values: list[float], device, group) -> list[float]:
 
 
 def run_mode(vae, z, mode, args, device, group):
-    """(seconds, peak allocated GiB, peak reserved GiB, picture on the CPU) of ``mode``, or None (does not apply)
-    or "OOM"; the same answer on every rank."""
+    """(seconds, peak allocated GiB, peak reserved GiB, picture on the CPU, profile or None) of ``mode``, or None
+    (does not apply) or "OOM"; the same answer on every rank."""
     undo = installed(vae, mode, group, device, args.chunk_rows)
     if undo is None:
         return None
@@ -199,7 +202,14 @@ def run_mode(vae, z, mode, args, device, group):
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             reserved = torch.cuda.max_memory_reserved(device) / 2**30
         seconds, peak, reserved = reduce_max([statistics.median(times), peak, reserved], device, group)
-        return seconds, peak, reserved, out.float().cpu()
+        picture, profiled = out.float().cpu(), None
+        if args.profile and device.type == "cuda":
+            from ditmesh.profiling import profile_step
+
+            out = None
+            sync(device, group)
+            profiled = profile_step(lambda: vae.decode(z), device)
+        return seconds, peak, reserved, picture, profiled
     finally:
         for fn in reversed(undo):
             fn()
@@ -227,6 +237,8 @@ def bench_case(label: str, vae, z, args, device, group) -> list[dict]:
         else:
             row.update(status="ok", seconds=result[0], peak_gib=result[1], reserved_gib=result[2])
             pictures[mode] = result[3]
+            if result[4] is not None:
+                row["profile"] = result[4]
         rows.append(row)
     for row in rows:
         picture = pictures.get(row["mode"])
@@ -253,6 +265,12 @@ def table(rows: list[dict], device, dtype: str, ranks: int) -> str:
         lines.append(f"| {r['case']} | {r['mode']} | {r['gpus']} | {num(r['seconds'], '.3f')} | "
                      f"{num(r['peak_gib'], '.2f')} | {num(r['reserved_gib'], '.2f')} | {num(r['err_whole'], '.2e')} | "
                      f"{num(r['err_tiled'], '.2e')} |")
+    for r in rows:
+        b = r.get("profile")
+        if b:
+            lines += ["", f"profile of {r['case']}, {r['mode']}: span {b['span_ms']} ms, compute {b['compute_ms']}, "
+                          f"comm exposed {b['comm_exposed_ms']}, idle {b['idle_ms']}; by kind {b['kernels_ms']}"]
+            lines += [f"    {ms:9.2f} ms {count:6d}x  {name}" for name, ms, count in b["top_kernels"]]
     return "\n".join(lines)
 
 

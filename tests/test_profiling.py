@@ -29,6 +29,12 @@ def test_breakdown_splits_compute_comm_and_idle():
     assert b["comm_exposed_ms"] == pytest.approx(0.002)
     assert b["idle_ms"] == pytest.approx(0.005)
     assert b["kernels_ms"] == {"gemm": 0.01, "attention": 0.005, "comm": 0.006, "copy": 0.0, "other": 0.008}
+    assert b["top_kernels"][0] == ["nvjet_gemm", 0.01, 1]
+
+
+def test_breakdown_ranks_kernels_by_summed_time():
+    kernels = [("small", 0, 3), ("many", 3, 2), ("many", 5, 2), ("big", 7, 5)]
+    assert breakdown(kernels, top=2)["top_kernels"] == [["big", 0.005, 1], ["many", 0.004, 2]]
 
 
 def test_breakdown_rejects_an_empty_trace():

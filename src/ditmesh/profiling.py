@@ -9,7 +9,9 @@ intervals of this rank's GPU from the exported trace, and :func:`breakdown` redu
   with no compute kernel running beside it (what overlap could still win), ``comm_hidden_ms`` the rest;
 - ``idle_ms``: time no kernel, copy or memset runs at all (host launch gaps, waits on the host);
 - ``kernels_ms``: summed durations by kind (``gemm``, ``attention``, ``comm``, ``copy`` for memcpy and
-  memset, ``other``); copies count as compute.
+  memset, ``other``); copies count as compute;
+- ``top_kernels``: the kernels (by name, cut to 90 characters) with the largest summed durations, as
+  ``[name, ms, count]``, largest first (what to look at first in a slow step).
 
 A communication kernel's time includes waiting for the slowest peer to reach the collective, so load
 imbalance between ranks shows up as communication.
@@ -69,15 +71,19 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
-def breakdown(kernels: list[tuple[str, float, float]]) -> dict:
+def breakdown(kernels: list[tuple[str, float, float]], top: int = 12) -> dict:
     """Reduce ``(name, start_us, duration_us)`` kernel records of one GPU to the step's time budget (ms)."""
     if not kernels:
         raise ValueError("no GPU kernels were recorded")
     by_kind: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "comm": 0.0, "copy": 0.0, "other": 0.0}
+    by_name: dict[str, list] = {}
     comm, compute = [], []
     for name, start, dur in kernels:
         kind = kind_of(name)
         by_kind[kind] += dur
+        entry = by_name.setdefault(name[:90], [0.0, 0])
+        entry[0] += dur
+        entry[1] += 1
         (comm if kind == "comm" else compute).append((start, start + dur))
     comm_u, compute_u = _union(comm), _union(compute)
     busy = _length(_union(comm + compute))
@@ -93,6 +99,8 @@ def breakdown(kernels: list[tuple[str, float, float]]) -> dict:
         "idle_ms": ms(span - busy),
         "kernels_ms": {k: ms(v) for k, v in by_kind.items()},
         "kernel_count": len(kernels),
+        "top_kernels": [[name, ms(us), count] for name, (us, count)
+                        in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]],
     }
 
 

@@ -19,9 +19,11 @@ row) follows from the local height, so no layer needs to be told where it sits.
 - **Group norms** are exact: each rank computes, per sample and group, its count, mean and centred sum of squares
   (float64), one all-gather collects them, and Chan's combination adds the between-rank term
   ``sum n_r (mean_r - mean)^2`` that a norm over local rows (or a sum of local variances) misses.
-- **Modules that mix all rows** (the plan's ``gathered``: the mid-block attention) run on the all-gathered rows,
-  and each rank keeps its own rows of the result. Memory: such a module holds the whole frame's activations on
-  every rank (the attention itself at this resolution does anyway).
+- **Modules that mix all rows** (the plan's ``gathered``: the mid-block attention). diffusers' plain ``Attention``
+  (the KL VAE's) is split by its queries: each rank's rows attend to the all-gathered keys and values of every row
+  (:class:`RowsAttentionHook`), so each rank does its share of the attention. Other such modules (Wan's attention
+  block) run on the all-gathered rows, and each rank keeps its own rows of the result. Memory: either way a rank
+  holds the whole frame's key and value input.
 
 A call that cannot be split runs whole on every rank (``auto``) or raises (``on``), decided from global shapes,
 so every rank takes the same path: tiling on, fewer latent rows than ranks, or an image height that is not a
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..comm import all_gather_uneven, exchange_rows, offsets, split_sizes
@@ -391,6 +394,50 @@ class GatherHook(Hook):
         return out.narrow(dim, offsets(state.units)[state.rank] * m, state.units[state.rank] * m)
 
 
+class RowsAttentionHook(GatherHook):
+    """Around diffusers' ``Attention`` over one frame's rows (the KL VAE's mid-block): this rank's rows are the
+    queries, every rank's rows the keys and values.
+
+    The input's group norm runs on the own rows with statistics over every rank's rows (its ``GroupNormHook``), the
+    normalized rows are all-gathered once (the keys' and values' input), and the attention, output projection,
+    residual and rescale run on the own rows only: a ``1 / world`` share of the attention's work on each rank,
+    where running the module on the gathered rows would repeat all of it on every rank (at 4096² the mid-block
+    attention over 262,144 positions is most of a FLUX decode). Calls it does not cover (a mask, a cross-attention
+    input, a processor other than diffusers' plain one, a spatial norm) run as :class:`GatherHook` runs them.
+    """
+
+    def __call__(self, attn, call_next, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        plain = (len(args) <= 1 and not any(v is not None for k, v in kwargs.items() if k != "hidden_states")
+                 and x is not None and x.ndim == 4)
+        if not (self.state.active and plain):
+            return super().__call__(attn, call_next, args, kwargs)
+        state = self.state
+        batch, channels, rows, width = x.shape
+        m = state.scale(rows)
+        own = attn.group_norm(x.reshape(batch, channels, rows * width))  # [B, C, own positions]
+        every = all_gather_uneven(own, 2, [r * width for r in state.sizes(m)], state.group)
+        query = attn.to_q(own.transpose(1, 2))
+        key, value = attn.to_k(every.transpose(1, 2)), attn.to_v(every.transpose(1, 2))
+        heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # noqa: E731
+        out = F.scaled_dot_product_attention(heads(query), heads(key), heads(value))
+        out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2).to(query.dtype)))
+        out = out.transpose(1, 2).reshape(batch, channels, rows, width)
+        if attn.residual_connection:
+            out = out + x
+        return out / attn.rescale_output_factor
+
+    @staticmethod
+    def covers(module: nn.Module) -> bool:
+        """Whether ``module`` is a diffusers ``Attention`` this hook computes (group norm in front, diffusers' plain
+        processor, no spatial or cross norm, no query/key norms)."""
+        from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+
+        return (isinstance(module, Attention) and type(module.processor) in (AttnProcessor, AttnProcessor2_0)
+                and isinstance(module.group_norm, nn.GroupNorm) and module.spatial_norm is None
+                and not module.norm_cross and module.norm_q is None and module.norm_k is None)
+
+
 # -- rank-parallel tiled decode ----------------------------------------------------------------------------------
 class TiledDecode:
     """The state of one tiled decode spread over ranks: the tile calls seen so far and this rank's decoded tiles.
@@ -543,9 +590,10 @@ def _pre_padded(vae: nn.Module) -> dict[int, tuple[int, int]]:
 def layer_hooks(vae: nn.Module, plan, state: VaeParallel) -> list[tuple[nn.Module, Hook]]:
     """(module, hook) for every layer of ``vae`` that needs one; NotImplementedError naming a layer it cannot split."""
     gathered = [m for m in vae.modules() if type(m).__name__ in plan.gathered]
-    inside = {id(sub) for g in gathered for sub in g.modules()}
+    rows_attention = [g for g in gathered if RowsAttentionHook.covers(g)]
+    inside = {id(sub) for g in gathered for sub in g.modules()} - {id(g.group_norm) for g in rows_attention}
     pre = _pre_padded(vae)
-    hooks = [(g, GatherHook(state)) for g in gathered]
+    hooks = [(g, RowsAttentionHook(state) if g in rows_attention else GatherHook(state)) for g in gathered]
     for name, module in vae.named_modules():
         if id(module) in inside:
             continue
