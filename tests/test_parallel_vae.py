@@ -153,3 +153,15 @@ def test_flux_pipeline_tiled_mode_over_two_ranks_equals_diffusers_tiling_on_one(
     for r in pools(2).run(pipeline_vae_case, flux_tiny, {"ulysses": 2}, "tiled", remove=True, tile=32):
         assert rel_err(r["image"], tiled["image"]) <= 1e-5
         assert r["counts"] == {"all_gather": 1} and r["restored"]
+
+
+@pytest.mark.parametrize("queries,keys", [(37, 53), (64, 64)])
+def test_wide_head_attention_in_pieces_matches_sdpa(monkeypatch, queries, keys):
+    # the mid-block attention's path for heads wider than the fused kernels take: pieces of query rows
+    from ditmesh.parallel import vae as parallel_vae
+
+    monkeypatch.setattr(parallel_vae, "ATTEND_PIECE", 10 * keys)  # 10 query rows per piece: several pieces, one short
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1, n, 320, generator=g) for n in (queries, keys, keys))
+    out = parallel_vae.attend(q, k, v)
+    assert rel_err(out, torch.nn.functional.scaled_dot_product_attention(q, k, v)) <= 1e-5
