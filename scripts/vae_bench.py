@@ -18,7 +18,9 @@ in every mode ditmesh has:
 
 Per mode: the median seconds of ``--repeat`` timed decodes (after ``--warmup``), slowest rank; the peak allocated
 and reserved GiB of the decode on the busiest GPU; and the relative error (Frobenius) of the picture against the
-``whole`` decode of this run (``err whole``) and, for the tiled modes, against ``tiled`` (``err tiled``). A mode
+``whole`` decode of this run (``err whole``), for the tiled modes against ``tiled`` (``err tiled``), and with
+``--fp32-reference`` against a whole float32 decode (``err fp32``: the half-precision error of each mode, the 1-GPU
+decode's included). A mode
 that runs out of memory says ``OOM`` on every rank and the run goes on. Modes that need several ranks are skipped on
 one; ``tiled-ranks`` and ``chunked`` are skipped for Wan's VAE (not covered). Rank 0 prints the table (and writes
 ``--json``).
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="CPU check: flux-tiny and wan-tiny VAEs, float32, sizes 64,96 and 32x48x5, 16-pixel tiles")
     p.add_argument("--json", default=None, help="also write the rows to this file (rank 0)")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="also decode each case whole in float32 and give every mode's error against it (err vs fp32): "
+                        "how far each half-precision decode, the 1-GPU one included, is from the float32 result")
     p.add_argument("--profile", action="store_true",
                    help="GPU: profile one more decode of each mode and print where its time goes (rank 0's GPU): "
                         "compute, communication, idle, and the kernels that take longest")
@@ -224,14 +229,32 @@ def rel_err(a, b) -> float | None:
     return float((a - b).norm() / b.norm())
 
 
+def fp32_decode(vae, z, device, group):
+    """The whole decode of ``z`` in float32 on the CPU (None where it runs out of memory on any rank); the VAE is
+    given back in its own dtype."""
+    dtype, failed, out = z.dtype, 0.0, None
+    try:
+        with torch.no_grad():
+            out = vae.float().decode(z.float()).sample.cpu()
+    except torch.OutOfMemoryError:
+        failed = 1.0
+    finally:
+        vae.to(dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return None if reduce_max([failed], device, group)[0] else out
+
+
 def bench_case(label: str, vae, z, args, device, group) -> list[dict]:
     rows, pictures = [], {}
+    reference = fp32_decode(vae, z, device, group) if args.fp32_reference else None
     for mode in args.modes.split(","):
         result = run_mode(vae, z, mode, args, device, group)
         if result is None:
             continue
         row = dict(case=label, mode=mode, gpus=world(group) if mode in ("split", "tiled-ranks") else 1,
-                   ranks=world(group), seconds=None, peak_gib=None, reserved_gib=None, err_whole=None, err_tiled=None)
+                   ranks=world(group), seconds=None, peak_gib=None, reserved_gib=None, err_whole=None, err_tiled=None,
+                   err_fp32=None)
         if result == "OOM":
             row["status"] = "OOM"
         else:
@@ -243,6 +266,7 @@ def bench_case(label: str, vae, z, args, device, group) -> list[dict]:
     for row in rows:
         picture = pictures.get(row["mode"])
         row["err_whole"] = rel_err(picture, pictures.get("whole")) if row["mode"] != "whole" else None
+        row["err_fp32"] = rel_err(picture, reference)
         if row["mode"] in ("tiled", "tiled-ranks"):
             row["err_tiled"] = rel_err(picture, pictures.get("tiled")) if row["mode"] != "tiled" else None
     return rows
@@ -252,19 +276,19 @@ def table(rows: list[dict], device, dtype: str, ranks: int) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [f"VAE decode, {dtype}, {ranks} rank(s) on {name}; torch {torch.__version__}",
              "",
-             "| case | mode | GPUs | s | peak GiB/GPU | reserved GiB/GPU | err vs whole | err vs tiled |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| case | mode | GPUs | s | peak GiB/GPU | reserved GiB/GPU | err vs whole | err vs tiled | err vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
 
     for r in rows:
         if r["status"] == "OOM":
-            lines.append(f"| {r['case']} | {r['mode']} | {r['gpus']} | OOM | OOM | OOM | - | - |")
+            lines.append(f"| {r['case']} | {r['mode']} | {r['gpus']} | OOM | OOM | OOM | - | - | - |")
             continue
         lines.append(f"| {r['case']} | {r['mode']} | {r['gpus']} | {num(r['seconds'], '.3f')} | "
                      f"{num(r['peak_gib'], '.2f')} | {num(r['reserved_gib'], '.2f')} | {num(r['err_whole'], '.2e')} | "
-                     f"{num(r['err_tiled'], '.2e')} |")
+                     f"{num(r['err_tiled'], '.2e')} | {num(r['err_fp32'], '.2e')} |")
     for r in rows:
         b = r.get("profile")
         if b:
