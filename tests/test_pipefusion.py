@@ -63,11 +63,10 @@ def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("axis", ["ring", "tp"])
-def test_pp_beside_sequence_or_tensor_parallelism_is_refused_in_one_line(axis):
-    with pytest.raises(NotImplementedError, match=f"PipeFusion \\(pp=2\\) with {axis}=2 is not implemented yet"):
-        check_supported(ParallelConfig(pp=2, **{axis: 2}))
-    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2))
+def test_pp_beside_tensor_parallelism_is_refused_in_one_line():
+    with pytest.raises(NotImplementedError, match="PipeFusion \\(pp=2\\) with tp=2 is not implemented yet"):
+        check_supported(ParallelConfig(pp=2, tp=2))
+    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2, ring=2))
 
 
 @pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),
@@ -231,31 +230,41 @@ def test_pp_composes_with_cfg_and_dp(pools, flux_tiny, config, prompt, call):
 FLUX_STAGE_ATTENTIONS = (1, 3)
 
 
+def sp_per_call(sp: str, attentions: int) -> dict:
+    """Collectives of one patch's pass through a stage with ``attentions`` attention layers under sp 2, and the sp
+    gather at the exit: Ulysses' two all-to-alls per layer, or the ring group's one all-gather of K and V per layer."""
+    if sp == "ulysses":
+        return {"all_to_all": 2 * attentions, "all_gather": 1}
+    return {"all_gather": attentions + 1}
+
+
+@pytest.mark.parametrize("sp", ["ulysses", "ring"])
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
-def test_pp2_x_ulysses2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family):
+def test_pp2_x_sp2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family, sp):
     path, call = family_case(family, model_checkpoints, flux_tiny)
     ref = reference(path, **call)
-    results = pools(4).run(pipeline_run, path, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+    results = pools(4).run(pipeline_run, path, {"pp": 2, sp: 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
                            pp_patches=3, **call)
     for rank, (latents, _, per_step, _, _) in enumerate(results):
         assert rel_err(latents, ref) <= 1e-5
         if family == "flux":
-            stage = rank // 2  # the mesh is (pp, ulysses)
-            # per call: 2 all-to-alls per attention layer of the stage, the ulysses gather at the exit, one message
-            # between the stages, one broadcast of the output
-            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage],
-                                 "all_gather": 1, "broadcast": 1}] * STEPS
+            stage = rank // 2  # the mesh is (pp, sp)
+            # per call: the sp collectives of the stage's attention layers and the exit, one message between the
+            # stages, one broadcast of the output
+            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "broadcast": 1,
+                                 **sp_per_call(sp, FLUX_STAGE_ATTENTIONS[stage])}] * STEPS
 
 
-def test_pp2_x_ulysses2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny):
+@pytest.mark.parametrize("sp", ["ulysses", "ring"])
+def test_pp2_x_sp2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, sp):
     emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
-    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "ulysses": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, sp: 2}, steps=STEPS, per_step=True, pp_warmup=1,
                            pp_patches=3)
     for rank, (latents, _, per_step, _, _) in enumerate(results):
         assert rel_err(latents, emulated) <= 1e-5  # the patches' uneven halves (6, 5, 5 tokens over 2 ranks) too
         stage = rank // 2
         kind = "pp_send" if stage == 0 else "pp_recv"
-        per_patch = {kind: 1, "all_to_all": 2 * FLUX_STAGE_ATTENTIONS[stage], "all_gather": 1}
+        per_patch = {kind: 1, **sp_per_call(sp, FLUX_STAGE_ATTENTIONS[stage])}
         assert per_step == [dict(per_patch, broadcast=1)] + [
             {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
 
@@ -278,3 +287,15 @@ def test_bad_pp_sweep_settings_are_refused_in_one_line(text):
 
     with pytest.raises(ConfigError, match="--pp-sweep setting"):
         parse_pp_setting(text)
+
+
+def test_pp2_x_usp_with_every_step_exact_matches_single_process(pools, flux_tiny):
+    # pp 2 x ring 2 x ulysses 2: the Ulysses all-to-all inside each ring rank, then the ring group's all-gather
+    ref = reference(flux_tiny)
+    results = pools(8).run(pipeline_run, flux_tiny, {"pp": 2, "ring": 2, "ulysses": 2}, steps=STEPS, per_step=True,
+                           pp_warmup=STEPS, pp_patches=3)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        stage, attentions = rank // 4, FLUX_STAGE_ATTENTIONS[rank // 4]  # the mesh is (pp, ring, ulysses)
+        assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "broadcast": 1, "all_to_all": 2 * attentions,
+                             "all_gather": attentions + 1}] * STEPS

@@ -58,6 +58,6 @@ def test_plan_auto_with_allow_stale_picks_only_pairings_this_build_runs():
     from ditmesh.config import not_supported
     from ditmesh.planner import plan, recommend
 
-    predictions = plan("flux-dev", 1024, 1024, 4, supported={"pp", "ring"}).predictions
-    assert any(not_supported(p.config) for p in predictions)  # pp x ring is predicted ...
-    assert not_supported(recommend("flux-dev", 1024, 1024, 4, supported={"pp", "ring"})) is None  # ... not picked
+    predictions = plan("flux-dev", 1024, 1024, 4, supported={"pp", "tp"}).predictions
+    assert any(not_supported(p.config) for p in predictions)  # pp x tp is predicted ...
+    assert not_supported(recommend("flux-dev", 1024, 1024, 4, supported={"pp", "tp"})) is None  # ... not picked

@@ -164,7 +164,7 @@ def not_supported(config: ParallelConfig) -> str | None:
         paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
         if paired:
             return (f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; pp runs alone or "
-                    "with ulysses, cfg and dp")
+                    "with ulysses, ring, cfg and dp")
     return None
 
 
@@ -175,9 +175,9 @@ def check_supported(config: ParallelConfig) -> None:
         raise NotImplementedError(reason)
 
 
-#: axes PipeFusion does not run beside yet: ring attention (and USP) would pass the K/V buffer's chunks around the
-#: ring, tensor parallelism would shard the stage weights and buffers by heads; neither is written or tested
-PP_NOT_WITH = ("ring", "tp")
+#: axes PipeFusion does not run beside yet: tensor parallelism would shard the stage weights and buffers by heads,
+#: which is not written or tested
+PP_NOT_WITH = ("tp",)
 
 #: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces
 PP_CHUNK_BYTES = 64 << 20

@@ -31,7 +31,7 @@ import torch
 from ..attention.local import QueryChunks, score_mask
 from ..attention.ring import ring_attention
 from ..attention.ulysses import ulysses_attention
-from ..attention.usp import usp_attention
+from ..attention.usp import ring_chunk_sizes, usp_attention
 from ..comm import all_gather_uneven, all_reduce_sum, group_name, offsets, split_sizes
 from ..config import ConfigError
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs
@@ -96,16 +96,19 @@ class SequenceParallel:
         ``mask``: optional, in the model's global token order (:meth:`gathered_mask`), boolean (True keeps)
         or floating (added to the scores), as SDPA takes it. With ``query_chunks`` the local attention (after the
         all-to-all, or each ring round's) runs on pieces of the queries; the collectives are the same.
-        ``local``: under Ulysses alone, what attends over the
-        gathered tokens (``local(q, k, v)`` on ``[B, S, h, D]``, tokens in the sp ranks' order, :meth:`gathered_order`)
-        instead of the dispatcher: PipeFusion's attention over its K/V buffer; it gets all of this rank's heads at
-        once (one head group).
+        ``local``: what attends over the gathered tokens (``local(q, k, v)`` on ``[B, S, h, D]``, the keys and
+        values of every sp rank in the sp ranks' order, :meth:`gathered_order`) instead of the dispatcher:
+        PipeFusion's attention over its K/V buffer; it gets all of this rank's heads at once (one head group). Under
+        ring (and USP) its keys and values are all-gathered over the ring group (:meth:`ring_gathered`) and its
+        queries are this ring rank's tokens.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
         seq_sizes = self.seq_sizes if streams is None else self.local_lengths(streams)
         if mask is not None:
             mask = self.gathered_mask(mask, self.plan.streams if streams is None else streams)
+        if local is not None and self.ring_degree > 1:
+            return self.ring_gathered(query, key, value, seq_sizes, local)
         if self.ring_degree == 1:
             chunks = self.ulysses_chunks if local is None else 1
 
@@ -119,6 +122,23 @@ class SequenceParallel:
                                   chunks=self.query_chunks)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
                              self.ring_group, self.ulysses_group, mask=mask, chunks=self.query_chunks)
+
+    def ring_gathered(self, query, key, value, seq_sizes: list[int], local):
+        """``local`` over every sp rank's keys and values under ring or USP: after the Ulysses all-to-all (USP) the
+        ring ranks' keys and values are all-gathered (one all-gather, K and V together), and ``local`` attends this
+        ring rank's queries to all of them. PipeFusion's K/V buffer holds the whole sequence on every rank, so the
+        ring's rounds and their log-sum-exp merge have nothing to add; the bytes moved are the ring's."""
+        ring_sizes = ring_chunk_sizes(seq_sizes, self.ulysses_degree)
+
+        def gathered(q, k, v):
+            kv = all_gather_uneven(torch.cat([k, v], dim=-1), 1, ring_sizes, self.ring_group)
+            return local(q, *kv.chunk(2, dim=-1))
+
+        if self.ulysses_degree == 1:
+            return gathered(query, key, value)
+        first = self.ring_rank * self.ulysses_degree
+        return ulysses_attention(query, key, value, seq_sizes[first:first + self.ulysses_degree], self.ulysses_rank,
+                                 self.ulysses_group_name, gathered, chunks=1, transport=self.transport)
 
     def gathered_order(self, streams) -> list[int]:
         """Global positions of the tokens of ``streams`` in the sp ranks' order: rank 0's chunk of each stream (in
