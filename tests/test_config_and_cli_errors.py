@@ -91,8 +91,6 @@ class _nothing:
     (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--pp-patches", "1"],
      "--pp-patches 1 is fewer than the pp=2 stages"),
     (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--pp-warmup", "0"], "--pp-warmup 0 must be >= 1"),
-    (["generate", "--model", "flux-tiny", "--nproc", "4", "--pp", "2", "--tp", "2"],
-     "PipeFusion (pp=2) with tp=2 is not implemented yet; pp runs alone or with ulysses, ring, cfg and dp"),
     (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--cache", "fbcache:0.1"],
      "step caching does not run with PipeFusion (pp=2) yet"),
 ])

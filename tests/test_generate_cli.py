@@ -47,6 +47,15 @@ def test_generate_pp2_with_every_step_exact_matches_single_process(tmp_path, flu
     assert r2["config"]["pp"] == 2 and r2["pipefusion"] == {"patches": 3, "warmup": 3}
 
 
+def test_generate_pp2_x_tp2_with_every_step_exact_matches_single_process(tmp_path, flux_tiny):
+    # the tp shards are loaded, then each rank keeps only its stage's blocks of its shard
+    _, l1, _ = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
+    r4, l4, _ = generate(tmp_path, "pp2tp2", "--model", flux_tiny, "--nproc", "4", "--pp", "2", "--tp", "2",
+                         "--pp-warmup", "3")
+    assert rel_err(l4, l1) <= 1e-5
+    assert r4["config"]["pp"] == 2 and r4["config"]["tp"] == 2
+
+
 def test_synth_cli_writes_loadable_pipeline(tmp_path):
     out = tmp_path / "ft"
     proc = subprocess.run([sys.executable, "-m", "ditmesh", "synth", "--arch", "flux-tiny", "--out", str(out), "--seed", "3"],

@@ -63,10 +63,8 @@ def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
     assert "\n" not in str(err.value)
 
 
-def test_pp_beside_tensor_parallelism_is_refused_in_one_line():
-    with pytest.raises(NotImplementedError, match="PipeFusion \\(pp=2\\) with tp=2 is not implemented yet"):
-        check_supported(ParallelConfig(pp=2, tp=2))
-    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2, ring=2))
+def test_pp_runs_beside_every_other_axis():
+    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2, ring=2, tp=2))
 
 
 @pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),
@@ -287,6 +285,38 @@ def test_bad_pp_sweep_settings_are_refused_in_one_line(text):
 
     with pytest.raises(ConfigError, match="--pp-sweep setting"):
         parse_pp_setting(text)
+
+
+#: flux-tiny's all-reduces per call under tp 2 in each stage at pp 2: the double block's attention outputs and
+#: feed-forwards (image and text: 4) | three single blocks' attention + MLP output (2 each)
+FLUX_STAGE_TP_ALL_REDUCES = (4, 6)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_pp2_x_tp2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(4).run(pipeline_run, path, {"pp": 2, "tp": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+                           pp_patches=3, **call)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        if family == "flux":
+            stage = rank // 2  # the mesh is (pp, tp)
+            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "broadcast": 1,
+                                 "all_reduce": FLUX_STAGE_TP_ALL_REDUCES[stage]}] * STEPS
+
+
+def test_pp2_x_tp2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny):
+    # each tp rank keeps its heads' K/V buffers; the activations between stages are whole (after the all-reduces)
+    emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
+    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "tp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
+                           pp_patches=3)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, emulated) <= 1e-5
+        stage = rank // 2
+        per_patch = {"pp_send" if stage == 0 else "pp_recv": 1, "all_reduce": FLUX_STAGE_TP_ALL_REDUCES[stage]}
+        assert per_step == [dict(per_patch, broadcast=1)] + [
+            {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
 
 
 def test_pp2_x_usp_with_every_step_exact_matches_single_process(pools, flux_tiny):

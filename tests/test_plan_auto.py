@@ -54,10 +54,10 @@ def test_plan_auto_offers_pipefusion_to_the_planner_only_with_allow_stale(monkey
     assert "pp" in offered[1]
 
 
-def test_plan_auto_with_allow_stale_picks_only_pairings_this_build_runs():
+def test_every_pairing_the_planner_predicts_runs_in_this_build():
     from ditmesh.config import not_supported
-    from ditmesh.planner import plan, recommend
+    from ditmesh.planner import plan
 
-    predictions = plan("flux-dev", 1024, 1024, 4, supported={"pp", "tp"}).predictions
-    assert any(not_supported(p.config) for p in predictions)  # pp x tp is predicted ...
-    assert not_supported(recommend("flux-dev", 1024, 1024, 4, supported={"pp", "tp"})) is None  # ... not picked
+    predictions = plan("flux-dev", 1024, 1024, 8).predictions
+    assert any(p.config.pp > 1 and p.config.tp > 1 and p.config.ring > 1 for p in predictions)
+    assert all(not_supported(p.config) is None for p in predictions)

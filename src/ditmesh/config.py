@@ -156,28 +156,19 @@ def check_vae_chunk(rows, flag: str = "vae_chunk=") -> None:
 
 
 def not_supported(config: ParallelConfig) -> str | None:
-    """What this build cannot run of ``config`` (one line: a dimension, or a pairing of dimensions), or None."""
+    """What this build cannot run of ``config`` (one line naming a dimension), or None."""
     for axis, message in _NOT_YET.items():
         if getattr(config, axis) > 1:
             return f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}"
-    if config.pp > 1:
-        paired = [f"{axis}={getattr(config, axis)}" for axis in PP_NOT_WITH if getattr(config, axis) > 1]
-        if paired:
-            return (f"PipeFusion (pp={config.pp}) with {', '.join(paired)} is not implemented yet; pp runs alone or "
-                    "with ulysses, ring, cfg and dp")
     return None
 
 
 def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension (or pairing) this build cannot run yet."""
+    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
     reason = not_supported(config)
     if reason:
         raise NotImplementedError(reason)
 
-
-#: axes PipeFusion does not run beside yet: tensor parallelism would shard the stage weights and buffers by heads,
-#: which is not written or tested
-PP_NOT_WITH = ("tp",)
 
 #: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces
 PP_CHUNK_BYTES = 64 << 20

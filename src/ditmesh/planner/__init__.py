@@ -198,7 +198,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
 def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
               require_fit: bool = False, **kwargs) -> ParallelConfig:
     """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments): the best
-    ranked one whose pairing of axes this build runs (``config.not_supported``: e.g. pp beside ring).
+    ranked one whose axes this build runs (``config.not_supported``).
     ``require_fit``: only one predicted to fit in memory, step and VAE decode alike (the runtime does not offload
     weights); PlannerError naming the closest one and the largest size it holds otherwise."""
     result = plan(model, height, width, gpus, supported=supported, **kwargs)

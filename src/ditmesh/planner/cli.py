@@ -52,14 +52,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def runs_here(config) -> str:
-    """``yes`` when this build runs ``config``; else which axis (or pairing) is not implemented yet (predicted only)."""
-    from ..config import PP_NOT_WITH, SUPPORTED_AXES, not_supported
+    """``yes`` when this build runs ``config``; else which axes are not implemented yet (predicted only)."""
+    from ..config import SUPPORTED_AXES, not_supported
 
     if not_supported(config) is None:
         return "yes"
     missing = [axis for axis, degree in config.as_dict().items() if degree > 1 and axis not in SUPPORTED_AXES]
-    if not missing:  # a pairing: pp beside an axis it does not run with yet
-        missing = ["pp with " + "/".join(a for a in PP_NOT_WITH if getattr(config, a) > 1)]
     return f"not yet ({', '.join(missing)})"
 
 
