@@ -228,41 +228,49 @@ def test_pp_composes_with_cfg_and_dp(pools, flux_tiny, config, prompt, call):
 FLUX_STAGE_ATTENTIONS = (1, 3)
 
 
-def sp_per_call(sp: str, attentions: int) -> dict:
-    """Collectives of one patch's pass through a stage with ``attentions`` attention layers under sp 2, and the sp
-    gather at the exit: Ulysses' two all-to-alls per layer, or the ring group's one all-gather of K and V per layer."""
-    if sp == "ulysses":
+#: flux-tiny's all-reduces per call under tp 2 in each stage at pp 2: the double block's attention outputs and
+#: feed-forwards (image and text: 4) | three single blocks' attention and MLP output (2 each)
+FLUX_STAGE_TP_ALL_REDUCES = (4, 6)
+
+
+def axis_per_call(axis: str, stage: int) -> dict:
+    """Collectives of one patch's pass through flux-tiny's ``stage`` (of pp 2) under ``axis`` 2: Ulysses' two
+    all-to-alls per attention layer and its gather at the exit; the ring group's one all-gather of K and V per layer
+    and the exit's; tp's all-reduces (each tp rank keeps its heads' K/V buffers, the activations between stages are
+    whole after the all-reduces)."""
+    attentions = FLUX_STAGE_ATTENTIONS[stage]
+    if axis == "ulysses":
         return {"all_to_all": 2 * attentions, "all_gather": 1}
-    return {"all_gather": attentions + 1}
+    if axis == "ring":
+        return {"all_gather": attentions + 1}
+    return {"all_reduce": FLUX_STAGE_TP_ALL_REDUCES[stage]}
 
 
-@pytest.mark.parametrize("sp", ["ulysses", "ring"])
+@pytest.mark.parametrize("axis", ["ulysses", "ring", "tp"])
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
-def test_pp2_x_sp2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family, sp):
+def test_pp2_x_axis2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family, axis):
     path, call = family_case(family, model_checkpoints, flux_tiny)
     ref = reference(path, **call)
-    results = pools(4).run(pipeline_run, path, {"pp": 2, sp: 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
+    results = pools(4).run(pipeline_run, path, {"pp": 2, axis: 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
                            pp_patches=3, **call)
     for rank, (latents, _, per_step, _, _) in enumerate(results):
         assert rel_err(latents, ref) <= 1e-5
         if family == "flux":
-            stage = rank // 2  # the mesh is (pp, sp)
-            # per call: the sp collectives of the stage's attention layers and the exit, one message between the
-            # stages, one broadcast of the output
+            stage = rank // 2  # the mesh is (pp, axis)
+            # per call: the axis' collectives in the stage, one message between the stages, one broadcast
             assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "broadcast": 1,
-                                 **sp_per_call(sp, FLUX_STAGE_ATTENTIONS[stage])}] * STEPS
+                                 **axis_per_call(axis, stage)}] * STEPS
 
 
-@pytest.mark.parametrize("sp", ["ulysses", "ring"])
-def test_pp2_x_sp2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, sp):
+@pytest.mark.parametrize("axis", ["ulysses", "ring", "tp"])
+def test_pp2_x_axis2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, axis):
     emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
-    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, sp: 2}, steps=STEPS, per_step=True, pp_warmup=1,
+    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, axis: 2}, steps=STEPS, per_step=True, pp_warmup=1,
                            pp_patches=3)
     for rank, (latents, _, per_step, _, _) in enumerate(results):
         assert rel_err(latents, emulated) <= 1e-5  # the patches' uneven halves (6, 5, 5 tokens over 2 ranks) too
         stage = rank // 2
-        kind = "pp_send" if stage == 0 else "pp_recv"
-        per_patch = {kind: 1, **sp_per_call(sp, FLUX_STAGE_ATTENTIONS[stage])}
+        per_patch = {"pp_send" if stage == 0 else "pp_recv": 1, **axis_per_call(axis, stage)}
         assert per_step == [dict(per_patch, broadcast=1)] + [
             {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
 
@@ -285,38 +293,6 @@ def test_bad_pp_sweep_settings_are_refused_in_one_line(text):
 
     with pytest.raises(ConfigError, match="--pp-sweep setting"):
         parse_pp_setting(text)
-
-
-#: flux-tiny's all-reduces per call under tp 2 in each stage at pp 2: the double block's attention outputs and
-#: feed-forwards (image and text: 4) | three single blocks' attention + MLP output (2 each)
-FLUX_STAGE_TP_ALL_REDUCES = (4, 6)
-
-
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
-def test_pp2_x_tp2_with_every_step_exact_matches_single_process(pools, model_checkpoints, flux_tiny, family):
-    path, call = family_case(family, model_checkpoints, flux_tiny)
-    ref = reference(path, **call)
-    results = pools(4).run(pipeline_run, path, {"pp": 2, "tp": 2}, steps=STEPS, per_step=True, pp_warmup=STEPS,
-                           pp_patches=3, **call)
-    for rank, (latents, _, per_step, _, _) in enumerate(results):
-        assert rel_err(latents, ref) <= 1e-5
-        if family == "flux":
-            stage = rank // 2  # the mesh is (pp, tp)
-            assert per_step == [{"pp_send" if stage == 0 else "pp_recv": 1, "broadcast": 1,
-                                 "all_reduce": FLUX_STAGE_TP_ALL_REDUCES[stage]}] * STEPS
-
-
-def test_pp2_x_tp2_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny):
-    # each tp rank keeps its heads' K/V buffers; the activations between stages are whole (after the all-reduces)
-    emulated = flux_stale_emulation(flux_tiny, 3, warmup=1, steps=STEPS)
-    results = pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "tp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
-                           pp_patches=3)
-    for rank, (latents, _, per_step, _, _) in enumerate(results):
-        assert rel_err(latents, emulated) <= 1e-5
-        stage = rank // 2
-        per_patch = {"pp_send" if stage == 0 else "pp_recv": 1, "all_reduce": FLUX_STAGE_TP_ALL_REDUCES[stage]}
-        assert per_step == [dict(per_patch, broadcast=1)] + [
-            {k: 3 * v for k, v in per_patch.items()} | {"broadcast": 1}] * (STEPS - 1)
 
 
 def test_pp2_x_usp_with_every_step_exact_matches_single_process(pools, flux_tiny):
