@@ -92,7 +92,7 @@ class _nothing:
      "--pp-patches 1 is fewer than the pp=2 stages"),
     (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--pp-warmup", "0"], "--pp-warmup 0 must be >= 1"),
     (["generate", "--model", "flux-tiny", "--nproc", "2", "--pp", "2", "--cache", "fbcache:0.1"],
-     "step caching does not run with PipeFusion (pp=2) yet"),
+     "cache dbcache does not run with PipeFusion (pp=2): its statistic covers the whole image"),
 ])
 def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

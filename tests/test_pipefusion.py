@@ -21,6 +21,13 @@ FLUX_IMAGE, FLUX_TEXT, FLUX_WIDTH, FLUX_OUT = 16, 16, 96, 64
 _REF: dict = {}
 
 
+def reference_steps(path: str, steps: int) -> torch.Tensor:
+    key = (path, "steps", steps)
+    if key not in _REF:
+        _REF[key] = pipeline_run(path, {}, steps=steps)[0]
+    return _REF[key]
+
+
 def reference(path: str, **kwargs) -> torch.Tensor:
     key = (path, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     if key not in _REF:
@@ -68,7 +75,8 @@ def test_pp_runs_beside_every_other_axis():
 
 
 @pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),
-                                             ({"cache": "fbcache:0.1"}, "step caching does not run with PipeFusion"),
+                                             ({"cache": "fbcache:0.1"}, "cache dbcache does not run with PipeFusion"),
+                                             ({"cache": "teacache:0.1"}, "cache teacache does not run with PipeFusion"),
                                              ({"pp_patches": 1}, "pp_patches=1 is fewer than the pp=2 stages")])
 def test_parallelize_refuses_what_pipefusion_does_not_run_with(flux_tiny, option, message):
     from diffusers import DiffusionPipeline
@@ -316,3 +324,45 @@ def test_pp2_with_compiled_blocks_matches_eager(pools, flux_tiny):
         assert rel_err(latents, eager[rank][0]) <= 1e-5
         kind = "pp_send" if rank == 0 else "pp_recv"
         assert per_step == [{kind: 1, "broadcast": 1}] + [{kind: 2, "broadcast": 1}] * (STEPS - 1)
+
+
+# -- step caching under PipeFusion (static and taylor: decided by the step on every stage) -----------------------
+CACHES = ["static:skip=2,first=1", "taylor:interval=2,warmup=2"]
+CACHE_STEPS = 5
+
+
+@pytest.mark.parametrize("config", [{"pp": 2}, {"pp": 2, "ulysses": 2}], ids=["pp2", "pp2xulysses2"])
+@pytest.mark.parametrize("setting", CACHES)
+def test_cached_pp_with_every_step_exact_matches_the_cached_single_process_run(pools, flux_tiny, setting, config):
+    # each stage keeps the residual of its part of the middle blocks; a skip adds it there, so the stages' parts add
+    # up to the middle's residual of the single process (flux-tiny at pp 2: block 0 | blocks 1-3, middle 1-3)
+    ref = pipeline_run(flux_tiny, {"ulysses": 1}, steps=CACHE_STEPS, cache=setting)[0]
+    uncached = reference_steps(flux_tiny, CACHE_STEPS)
+    assert rel_err(ref, uncached) > 1e-4  # the cache skipped something
+    world = 2 * config.get("ulysses", 1)
+    results = pools(world).run(pipeline_run, flux_tiny, config, steps=CACHE_STEPS, per_step=True,
+                               pp_warmup=CACHE_STEPS, cache=setting)
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        assert rel_err(latents, ref) <= 1e-5
+        kind = "pp_send" if rank < world // 2 else "pp_recv"
+        assert all(step[kind] == 1 for step in per_step)  # a skipped step still passes its activations on
+
+
+def test_cached_pp_stale_schedule_skips_the_same_steps_and_stays_close(pools, flux_tiny):
+    setting = "taylor:interval=2,warmup=2"
+    stale = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=CACHE_STEPS, per_step=True, pp_warmup=1,
+                         pp_patches=3, cache=setting)
+    uncached_stale = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=CACHE_STEPS, pp_warmup=1, pp_patches=3)
+    exact = pipeline_run(flux_tiny, {"ulysses": 1}, steps=CACHE_STEPS, cache=setting)[0]
+    assert rel_err(stale[0][0], stale[1][0]) == 0  # both stages step on the same broadcast prediction
+    for rank, (latents, _, per_step, _, _) in enumerate(stale):
+        assert 1e-6 < rel_err(latents, uncached_stale[rank][0])  # the residuals were replayed patch by patch
+        assert rel_err(latents, exact) < 0.2
+        kind = "pp_send" if rank == 0 else "pp_recv"
+        assert [step[kind] for step in per_step] == [1] + [3] * (CACHE_STEPS - 1)
+
+
+def test_cached_pp_beside_sequence_parallelism_refuses_a_stale_step(pools, flux_tiny):
+    with pytest.raises(RankError, match="runs only while every step is exact"):
+        pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "ulysses": 2}, steps=CACHE_STEPS, pp_warmup=1,
+                     cache="static:skip=2,first=1")

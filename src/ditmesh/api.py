@@ -153,13 +153,19 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
                           "use one or the other")
 
 
-def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache: bool = False,
+def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache=None,
                              cuda_graph: bool = False, transport: str = "nccl") -> None:
-    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet."""
-    for on, option in ((fuse_qkv, "fuse_qkv"), (cache, "step caching"), (cuda_graph, "CUDA graphs"),
+    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet. ``cache``: the step cache's
+    :class:`~ditmesh.cache.CacheConfig` (or its text), or None."""
+    for on, option in ((fuse_qkv, "fuse_qkv"), (cuda_graph, "CUDA graphs"),
                        (transport != "nccl", f"transport={transport}")):
         if on:
             raise ConfigError(f"{option} does not run with PipeFusion (pp={config.pp}) yet; drop it or use pp=1")
+    policy = step_cache.CacheConfig.parse(cache).policy if isinstance(cache, (str, type(None))) else cache.policy
+    if policy not in ("off", "static", "taylor"):
+        raise ConfigError(f"cache {policy} does not run with PipeFusion (pp={config.pp}): its statistic covers the "
+                          "whole image after the first blocks, which no stage holds while patches flow; use static or "
+                          "taylor (--cache default is taylor), or pp=1")
 
 
 def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> None:
@@ -323,7 +329,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
     if config.pp > 1:
         check_pipefusion(config.pp, pp_patches, pp_warmup, pp_chunk_bytes)
-        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph,
+        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config, cuda_graph=cuda_graph,
                                  transport=transport)
         for model in models.values():
             pipefusion.check_blocks(adapter_for(model))

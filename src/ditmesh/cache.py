@@ -26,6 +26,14 @@ Policies decided by the step alone take no statistic and issue no collective: ``
 listed steps (``ditmesh analyze --schedule`` proposes them from measured redundancy); ``taylor`` runs them every
 ``interval`` steps and extrapolates their residual linearly (TaylorSeer-like, first order) in between.
 
+Under PipeFusion (pp > 1) only ``static`` and ``taylor`` run: their decision comes from the step alone, so every
+stage takes it on its own, with no message, when it reaches its first block (once per call, at the first patch).
+Each stage keeps the residual of its own part of the middle blocks (from the first middle block it computes to the
+last) and a skip adds it there: the stages' residuals add up to the middle's, and the activations still travel
+between the stages. In a call of several patches each patch reads and writes its tokens of the residual (the
+patch's run of each carried stream). ``dbcache`` and ``teacache`` are refused: their statistic covers the whole
+image after the first blocks, which no stage holds while patches flow.
+
 With ``compile``, ``api.compile_blocks`` compiles each block's own forward (the registry's ``inner``) instead of
 the whole block call, so this hook stays eager and the decision is taken on the host between compiled blocks.
 With CUDA graphs, static and taylor decide before the call (``plan_call``, from the ``graph`` hook) and each path
@@ -44,7 +52,7 @@ import torch
 
 from .comm import all_reduce_sum
 from .config import ConfigError
-from .hooks import Hook, add_hook, bind_kwargs
+from .hooks import Hook, add_hook, bind_kwargs, find_hook
 from .redundancy import batched_cfg, change_sums
 
 POLICIES = ("off", "dbcache", "fbcache", "teacache", "static", "taylor", "default")
@@ -193,6 +201,13 @@ class StepCache:
         self.blocks = blocks
         self.modulated_input = adapter.modulated_input
         self.middle = range(config.first, len(blocks) - config.last)
+        #: PipeFusion's state when the model runs as pipeline stages (the cache's hooks sit inside its block hooks)
+        loop = find_hook(model, "pipefusion")
+        self.pf = loop.pf if loop is not None else None
+        own = self.pf.own if self.pf is not None else range(len(blocks))
+        #: the block where this rank takes a call's decision (its first), and the middle blocks it computes
+        self.first_own = own.start
+        self.here = range(max(self.middle.start, own.start), min(self.middle.stop, own.stop))
         self.branches: dict[int, _Branch] = {}
         self.entry: torch.Tensor | None = None
         self.middle_in: dict = {}
@@ -326,6 +341,20 @@ class StepCache:
             state.earlier_step, state.middle_step = state.middle_step, step
         return skip
 
+    def patch_slice(self, spec, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (a kept residual of carried ``name``) narrowed to the current PipeFusion patch's tokens; the
+        whole of it outside a call of several patches."""
+        pf, patch = self.pf, self.ctx.patch
+        if pf is None or patch is None or patch[1] == 1:
+            return tensor
+        if pf.sp is not None:
+            raise ConfigError("a step cache under PipeFusion with sequence parallelism runs only while every step is "
+                              "exact (--pp-warmup covering all steps): a stale step's patches are split over the "
+                              "sequence-parallel ranks differently from the whole sequence; raise --pp-warmup, or "
+                              "drop ulysses/ring or the cache")
+        offset, length = pf.patch_range(dict(zip(spec.carries, spec.streams))[name])
+        return tensor.narrow(1, offset, length)
+
     def remove(self) -> None:
         for undo in self.undo:
             undo()
@@ -343,7 +372,8 @@ class _BlockHook(Hook):
     def __call__(self, owner, call_next, args, kwargs):
         cache, index, config = self.cache, self.index, self.cache.config
         named = bind_kwargs(self.forward, args, kwargs)
-        if index == 0:
+        patch = cache.ctx.patch
+        if index == cache.first_own and (patch is None or patch[0] == 0):  # once per call, at its first patch
             cache.entry = named["hidden_states"]
             if cache.planned is not None:  # taken before the call (a graph replays this path)
                 cache.skip = cache.planned
@@ -351,19 +381,19 @@ class _BlockHook(Hook):
                 cache.skip = cache.decide(None)
             else:
                 cache.skip = config.policy == "teacache" and cache.decide_at(cache.modulated_input(owner, named))
-        middle = cache.middle
-        if index in middle:
-            if index == middle.start:
+        middle, here = cache.middle, cache.here
+        if index in here:
+            if index == here.start:
                 cache.middle_in = {name: named[name] for name in self.spec.carries if named.get(name) is not None}
             if cache.skip:
-                return self._replay(named, index == middle.stop - 1)
+                return self._replay(named, index == here.stop - 1)
         output = call_next((), named)
         if cache.cuts is not None and index == middle.start < middle.stop - 1:
             cache.cuts.cut_inside()
         if index == config.first - 1 and config.policy == "dbcache":
             hidden = self._stream(output, "hidden_states")
             cache.skip = cache.decide_at(hidden - cache.entry)
-        if index == middle.stop - 1 and not cache.skip:
+        if index == here.stop - 1 and not cache.skip:
             state = cache.branch()
             taylor = config.policy == "taylor"
             for name, before in self._entering(cache.middle_in).items():
@@ -372,19 +402,21 @@ class _BlockHook(Hook):
                     continue
                 residual = (out - before).detach()
                 kept = state.middle.get(name)
+                if kept is not None and kept.dtype == residual.dtype and kept.shape != residual.shape:
+                    kept = cache.patch_slice(self.spec, name, kept)  # a patch of the residual kept whole
                 if kept is None or kept.shape != residual.shape or kept.dtype != residual.dtype:
                     state.middle[name] = residual.clone()
                     if taylor:
                         state.earlier[name] = residual.clone()
                     continue
                 if taylor:
-                    state.earlier[name].copy_(kept)
+                    cache.patch_slice(self.spec, name, state.earlier[name]).copy_(kept)
                 kept.copy_(residual)  # in place: a captured graph reads and writes this memory
             if cache.cuts is not None:  # the middle blocks' graph ends here; a skip writes these outputs instead
                 cache.cuts.cut_middle({name: (before, state.middle[name], self._stream(output, name))
                                        for name, before in cache.middle_in.items() if name in state.middle},
                                       self.spec.returns)
-        if index == middle.stop - 1:
+        if index == here.stop - 1:
             cache.middle_in, cache.entry = {}, None  # nothing of this call is kept beyond the cached residuals
         return output
 
@@ -408,9 +440,10 @@ class _BlockHook(Hook):
         for name in self.spec.returns:
             value = named.get(name)
             if last and value is not None and name in state.middle:
-                residual = state.middle[name]
+                residual = self.cache.patch_slice(self.spec, name, state.middle[name])
                 if factor:
-                    residual = residual + (residual - state.earlier[name]) * factor
+                    earlier = self.cache.patch_slice(self.spec, name, state.earlier[name])
+                    residual = residual + (residual - earlier) * factor
                 value = value + residual
             outputs.append(value)
         return tuple(outputs) if len(outputs) > 1 else outputs[0]

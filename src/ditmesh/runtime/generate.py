@@ -87,7 +87,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     if config.pp > 1:
         from ..api import check_pipefusion_options
 
-        check_pipefusion_options(config, cache=bool(getattr(args, "cache", None)),
+        check_pipefusion_options(config, cache=getattr(args, "cache", None),
                                  cuda_graph=getattr(args, "cuda_graph", False),
                                  transport=getattr(args, "transport", "nccl"))
     return config, model
