@@ -23,11 +23,11 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import (AXIS_ORDER, PP_CHUNK_BYTES, SUPPORTED_AXES, ConfigError, ParallelConfig,  # noqa: F401
-                     check_chunk, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
+                     check_chunk, check_displaced, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, graph, lora, pipefusion, sequence, tensor
+from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -154,12 +154,14 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
 
 
 def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache: bool = False,
-                             cuda_graph: bool = False, transport: str = "nccl") -> None:
-    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet."""
+                             cuda_graph: bool = False, transport: str = "nccl", displaced: bool = False) -> None:
+    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1), or displaced attention (``displaced``), does
+    not run with yet."""
+    mode, off = ("displaced attention", "drop displaced") if displaced else (f"PipeFusion (pp={config.pp})", "use pp=1")
     for on, option in ((fuse_qkv, "fuse_qkv"), (cache, "step caching"), (cuda_graph, "CUDA graphs"),
                        (transport != "nccl", f"transport={transport}")):
         if on:
-            raise ConfigError(f"{option} does not run with PipeFusion (pp={config.pp}) yet; drop it or use pp=1")
+            raise ConfigError(f"{option} does not run with {mode} yet; drop it or {off}")
 
 
 def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> None:
@@ -243,7 +245,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
                 vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
                 vae_chunk: int | str | None = None, pp_patches: int | None = None, pp_warmup: int = 1,
-                pp_chunk_bytes: int = PP_CHUNK_BYTES) -> ParallelRuntime:
+                pp_chunk_bytes: int = PP_CHUNK_BYTES, displaced: bool = False,
+                displaced_warmup: int = 1) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -294,6 +297,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             one-step-stale K/V for the patches not yet computed in the step (an approximation).
         pp_chunk_bytes: PipeFusion: the largest single point-to-point message (default 64 MiB); larger
             activations travel in pieces.
+        displaced: displaced patch parallelism over the ulysses axis (``ditmesh.parallel.displaced``): each rank
+            attends to the other ranks' K/V of the previous step, gathered while the step computes (an
+            approximation after the warm-up); needs ulysses > 1 and ring = 1, not with pp.
+        displaced_warmup: displaced: steps of each run computed exactly (default 1, at least 1).
     """
     models = transformers_of(pipe)
     if not models:
@@ -327,6 +334,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                  transport=transport)
         for model in models.values():
             pipefusion.check_blocks(adapter_for(model))
+    if displaced:
+        for model in models.values():
+            displaced_attention.check_family(adapter_for(model))
+        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config.on, cuda_graph=cuda_graph,
+                                 transport=transport, displaced=True)
+        check_displaced(config, displaced_warmup)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -348,7 +361,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -362,6 +375,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                                                           pieces if config.sp == 1 else None))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"displaced(warmup={displaced_warmup})",
+         lambda: [keep(displaced_attention.apply(m, runtime.sequence(name), adapter_for(m), ctx, name, displaced_warmup))
+                  for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,
                                                                        pp_warmup, pp_chunk_bytes))
                                                  for name, m in models.items()]),

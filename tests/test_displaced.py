@@ -1,0 +1,141 @@
+"""Displaced attention (``displaced=True`` over the ulysses axis): exact where it should be (warm-up over every step
+equals one process), the stale schedule equal to its single-process emulation, the gathers of every step counted
+(synchronous in exact steps, started a step ahead in stale ones, none in the last step), and the settings checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from cases_pipefusion import flux_stale_emulation, pipeline_run
+from test_pipefusion import STEPS, TRUE_CFG, family_case, reference
+from ditmesh.config import ConfigError, ParallelConfig, check_displaced
+from ditmesh.testing import rel_err
+
+#: self-attention layers of each tiny family's transformer (FLUX: 2 double + 2 single blocks; SD3: 3 joint blocks and
+#: block 0's image-only attn2; Wan: 2 blocks' attn1, cross-attention runs locally)
+LAYERS = {"flux": 4, "sd3": 4, "wan": 2}
+
+
+def per_step_counts(family: str, exact_steps: int, calls: int = 1) -> list[dict]:
+    """Collectives of each step: per call and attention layer one all-gather, synchronous in an exact step and
+    started (``kv_async``) in a stale one but the last; and the exit's gather."""
+    layers = LAYERS[family] * calls
+    out = []
+    for step in range(STEPS):
+        if step < exact_steps:
+            out.append({"all_gather": layers + calls})
+        elif step < STEPS - 1:
+            out.append({"all_gather": calls, "kv_async": layers})
+        else:
+            out.append({"all_gather": calls})
+    return out
+
+
+# -- settings ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config, warmup, message", [
+    ({"ulysses": 2}, 0, "displaced_warmup=0 must be >= 1"),
+    ({"ulysses": 2}, 1.5, "displaced_warmup=1.5 is not an integer"),
+    ({"pp": 2, "ulysses": 2}, 1, r"displaced attention and PipeFusion \(pp=2\) are two stale-K/V schemes; use one"),
+    ({"ring": 2, "ulysses": 2}, 1, "ring=2 is set: use ring=1 and ulysses=4"),
+    ({"ring": 2}, 1, "ring=2 is set: use ring=1 and ulysses=2"),
+    ({"cfg": 2}, 1, "displaced attention needs ulysses > 1"),
+])
+def test_bad_displaced_settings_are_refused_in_one_line(config, warmup, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        check_displaced(ParallelConfig(**config), warmup)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("option, message", [({"cache": "fbcache:0.1"}, "step caching does not run with displaced"),
+                                             ({"fuse_qkv": True}, "fuse_qkv does not run with displaced")])
+def test_parallelize_refuses_what_displaced_does_not_run_with(flux_tiny, option, message):
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import parallelize
+
+    pipe = DiffusionPipeline.from_pretrained(flux_tiny)
+    with pytest.raises(ConfigError, match=message):
+        parallelize(pipe, ParallelConfig(), displaced=True, **option)
+
+
+def test_cuda_graphs_are_refused_with_displaced():
+    from ditmesh.api import check_pipefusion_options
+
+    with pytest.raises(ConfigError, match="CUDA graphs does not run with displaced attention yet; drop it or drop "
+                                          "displaced"):
+        check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+
+
+def test_a_family_with_a_token_grid_is_refused():
+    from ditmesh import parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:
+        transformer = build_transformer("sana-tiny", seed=0)
+
+    with pytest.raises(NotImplementedError, match="displaced attention does not run sana"):
+        parallelize(Pipe, ParallelConfig(), displaced=True)
+
+
+# -- exact: warm-up over every step ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(2).run(pipeline_run, path, {"ulysses": 2}, steps=STEPS, per_step=True, displaced=True,
+                           displaced_warmup=STEPS, **call)
+    calls = 2 if family == "wan" else 1  # Wan's CFG calls the transformer twice a step; SD3 batches it
+    for latents, _, per_step, _, _ in results:
+        assert rel_err(latents, ref) <= 1e-5
+        if family != "wan":  # Wan 2.2's two experts: see the stale test
+            assert per_step == per_step_counts(family, STEPS, calls)
+
+
+# -- stale: the displaced schedule ----------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, ranks):
+    emulated = flux_stale_emulation(flux_tiny, ranks, warmup=1, steps=STEPS, displaced=True)
+    assert rel_err(emulated, reference(flux_tiny)) > 1e-3  # the stale steps do differ from the exact run
+    results = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True,
+                               displaced=True)
+    for latents, _, per_step, _, _ in results:
+        assert rel_err(latents, emulated) <= 1e-5  # at 3 ranks: 16 text and 16 image tokens as 6, 5, 5
+        assert per_step == per_step_counts("flux", 1)
+
+
+@pytest.mark.parametrize("family", ["sd3", "wan"])
+def test_stale_schedule_runs_on_sd3_and_wan(pools, model_checkpoints, flux_tiny, family):
+    path, call = family_case(family, model_checkpoints, flux_tiny)
+    ref = reference(path, **call)
+    results = pools(2).run(pipeline_run, path, {"ulysses": 2}, steps=STEPS, per_step=True, displaced=True, **call)
+    assert rel_err(results[0][0], results[1][0]) == 0  # every rank steps on the same gathered prediction
+    experts = results[0][4]
+    for latents, _, per_step, _, _ in results:
+        assert 1e-6 < rel_err(latents, ref) < 0.2
+        if family == "sd3":
+            assert per_step == per_step_counts(family, 1)
+        else:
+            # a step is exact in warm-up and where its transformer runs for the first time in the run (Wan 2.2's
+            # low-noise expert takes over part-way); a transformer's last step starts no gather only at the run's end
+            for step, counts in enumerate(per_step):
+                fresh = step < 1 or experts[step] != experts[step - 1]
+                assert counts.get("kv_async", 0) == (0 if fresh or step == STEPS - 1 else 2 * LAYERS[family]), per_step
+
+
+# -- compositions ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config, prompt, call", [
+    ({"cfg": 2, "ulysses": 2}, "a red circle", TRUE_CFG),
+    ({"dp": 2, "ulysses": 2}, ["a red circle", "a blue square"], {}),
+    ({"ulysses": 2, "tp": 2}, "a red circle", {}),
+], ids=["cfg2xulysses2", "dp2xulysses2", "ulysses2xtp2"])
+def test_displaced_composes_with_cfg_dp_and_tp(pools, flux_tiny, config, prompt, call):
+    ref = reference(flux_tiny, prompt=prompt, call=call)
+    stale_ref = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, displaced=True, prompt=prompt,
+                             call=call)[0][0]
+    exact = pools(4).run(pipeline_run, flux_tiny, config, steps=STEPS, displaced=True, displaced_warmup=STEPS,
+                         prompt=prompt, call=call)
+    stale = pools(4).run(pipeline_run, flux_tiny, config, steps=STEPS, displaced=True, prompt=prompt, call=call)
+    for rank in range(4):
+        assert rel_err(exact[rank][0], ref) <= 1e-5
+        # the same stale schedule as ulysses alone: each branch / prompt keeps its own K/V buffers
+        assert rel_err(stale[rank][0], stale_ref) <= 1e-5
