@@ -139,3 +139,35 @@ def test_displaced_composes_with_cfg_dp_and_tp(pools, flux_tiny, config, prompt,
         assert rel_err(exact[rank][0], ref) <= 1e-5
         # the same stale schedule as ulysses alone: each branch / prompt keeps its own K/V buffers
         assert rel_err(stale[rank][0], stale_ref) <= 1e-5
+
+
+# -- compile ----------------------------------------------------------------------------------------------------
+def test_compiled_blocks_give_the_eager_displaced_run(pools, flux_tiny):
+    # the buffer exchange runs outside the graphs (a graph break per attention); the rest of each block is compiled
+    eager = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, displaced=True)
+    compiled = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, per_step=True, displaced=True,
+                            compile=True)
+    for (latents, _, per_step, _, _), (ref, _, _, _, _) in zip(compiled, eager):
+        assert rel_err(latents, ref) <= 1e-5
+        assert per_step == per_step_counts("flux", 1)  # the exchange is eager: its gathers are counted
+
+
+# -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
+def test_pp_sweep_scores_displaced_settings_against_the_exact_images():
+    import math
+
+    from ditmesh.tiny.evaluate import eval_captions, parse_pp_setting, pp_sweep
+
+    settings = [parse_pp_setting("displaced=2,warmup=3"), parse_pp_setting("displaced=2")]
+    assert settings[1] == {"displaced": 2, "warmup": 1}
+    rows = pp_sweep(None, settings, eval_captions()[:1], steps=3, images_per_caption=2)
+    assert rows[1]["psnr"] == math.inf and rows[1]["lost"] == 0  # exact: the same images
+    assert math.isfinite(rows[2]["psnr"]) and rows[2]["ssim"] < 1  # stale: close, not equal
+
+
+@pytest.mark.parametrize("text", ["displaced=2,patches=2", "displaced=x"])
+def test_bad_displaced_sweep_settings_are_refused_in_one_line(text):
+    from ditmesh.tiny.evaluate import parse_pp_setting
+
+    with pytest.raises(ConfigError, match="--pp-sweep setting"):
+        parse_pp_setting(text)
