@@ -171,3 +171,41 @@ def test_bad_displaced_sweep_settings_are_refused_in_one_line(text):
 
     with pytest.raises(ConfigError, match="--pp-sweep setting"):
         parse_pp_setting(text)
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, needle", [
+    (["--nproc", "4", "--ulysses", "2", "--ring", "2", "--displaced"], "ring=2 is set: use ring=1 and ulysses=4"),
+    (["--nproc", "4", "--ulysses", "2", "--pp", "2", "--displaced"], "displaced attention and PipeFusion (pp=2)"),
+    (["--nproc", "2", "--ulysses", "2", "--displaced", "--cache", "fbcache:0.1"],
+     "step caching does not run with displaced attention yet; drop it or drop displaced"),
+    (["--nproc", "2", "--ulysses", "2", "--displaced", "--displaced-warmup", "0"], "--displaced-warmup 0 must be >= 1"),
+    (["--nproc", "2", "--ulysses", "2", "--displaced-warmup", "2"], "--displaced-warmup 2 is given without --displaced"),
+    (["--nproc", "2", "--cfg", "2", "--displaced"], "displaced attention needs ulysses > 1"),
+])
+def test_bad_displaced_command_lines_fail_in_one_line_with_exit_2(argv, needle, capsys, tmp_path, monkeypatch):
+    from ditmesh.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--model", "flux-tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_measures_displaced_rows(tmp_path):
+    import json
+
+    from test_bench_smoke import bench
+
+    out = tmp_path / "bench.json"
+    proc = bench(["--gpus", "1,2", "--methods", "displaced", "--steps", "1", "--warmup", "1", "--out", str(out)],
+                 tmp_path)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["rows"]}
+    displaced = rows[("displaced", 2)]
+    assert "error" not in displaced and displaced["degrees"] == {"ulysses": 2} and not displaced["graph"]
+    # the timed step is stale, but every bench step has the same inputs: the last step's K/V are this step's, so the
+    # stale attention gives the one-process output
+    assert displaced["rel_err_vs_1gpu"] <= 1e-5

@@ -200,9 +200,11 @@ def setting_ranks(setting: dict) -> int:
 
 
 def describe_setting(setting: dict) -> str:
-    """A sweep row's mode as the README writes it: ``pp 2, 4 patches`` or ``displaced, ulysses 2``."""
+    """A sweep row's mode as the README writes it: ``pp 2, 4 patches``, ``displaced, ulysses 2``, or the reference."""
     if setting.get("displaced"):
         return f"displaced, ulysses {setting['displaced']}"
+    if setting["pp"] == 1:
+        return "one process (exact)"
     return f"pp {setting['pp']}, {setting['patches']} patches"
 
 
