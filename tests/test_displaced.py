@@ -209,3 +209,41 @@ def test_bench_measures_displaced_rows(tmp_path):
     # the timed step is stale, but every bench step has the same inputs: the last step's K/V are this step's, so the
     # stale attention gives the one-process output
     assert displaced["rel_err_vs_1gpu"] <= 1e-5
+
+
+# -- the planner ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_plan_predicts_the_kv_buffer_bytes_a_run_holds(pools, flux_tiny, ranks):
+    from cases_displaced import buffer_bytes_after_first_step
+    from ditmesh.planner import model_stats, resolve_model
+    from ditmesh.planner.cost import displaced_kv_bytes
+
+    stats = model_stats(resolve_model(flux_tiny), 64, 64)
+    text = stats.layout.text_tokens  # the planner's text length (32), run below; 16 image tokens
+    predicted = displaced_kv_bytes(stats, ParallelConfig(ulysses=ranks), samples=1) / stats.bytes_per_element * 4
+    for held in pools(ranks).run(buffer_bytes_after_first_step, flux_tiny, {"ulysses": ranks},
+                                 max_sequence_length=text):
+        # float32 here; after every step but the last, one pending gather per layer; none once the run is done
+        assert held == [predicted] * (STEPS - 1) + [0]
+
+
+def test_plan_ranks_displaced_only_when_asked_and_not_with_cuda_graphs():
+    from ditmesh.planner import plan, recommend_prediction
+
+    exact = plan("flux-dev", 1024, 1024, 4).predictions
+    assert not any(p.displaced for p in exact)
+    stale = plan("flux-dev", 1024, 1024, 4, displaced=True).predictions
+    shown = {p.describe(): p for p in stale}
+    displaced, ulysses = shown["ulysses4 displaced"], shown["ulysses4"]
+    assert displaced.comm_bytes["by_collective"]["kv_async"] > 0 and "all_to_all" not in displaced.comm_bytes["by_collective"]
+    assert displaced.comm_ms < ulysses.comm_ms and displaced.memory["kv_cache"] > 0 == ulysses.memory["kv_cache"]
+    assert not any(p.displaced for p in plan("flux-dev", 1024, 1024, 4, displaced=True, cuda_graph=True).predictions)
+    assert recommend_prediction("flux-dev", 1024, 1024, 4, displaced=True).displaced  # hidden gathers win here
+
+
+def test_plan_command_lists_displaced_rows(capsys):
+    from ditmesh.cli import main
+
+    assert main(["plan", "--model", "flux-dev", "--gpus", "4", "--displaced", "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "ulysses4 displaced" in out and "--ulysses 4 --displaced" in out

@@ -269,19 +269,27 @@ def apply_auto_plan(args, world_size: int) -> ParallelConfig:
     (said on stderr) and return it."""
     import sys
 
-    config = planned_config(args, world_size)
-    print(f"ditmesh: --plan auto picked {config.describe()} for {world_size} process(es)", file=sys.stderr)
+    chosen = planned_setting(args, world_size)
+    config = chosen.config
+    print(f"ditmesh: --plan auto picked {chosen.describe()} for {world_size} process(es)", file=sys.stderr)
     for axis, degree in config.degrees().items():
         setattr(args, axis, degree)
+    args.displaced = chosen.displaced
     return config
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
-    """The configuration the planner recommends for this run, restricted to what this build implements and to
-    configurations predicted to fit in memory with the run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk``
-    (a ConfigError naming the largest size that fits otherwise)."""
+    """The degrees of :func:`planned_setting`."""
+    return planned_setting(args, world_size).config
+
+
+def planned_setting(args, world_size: int):
+    """The planner's prediction of the configuration it recommends for this run (its ``displaced``: with displaced
+    attention), restricted to what this build implements and to configurations predicted to fit in memory with the
+    run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk`` (a ConfigError naming the largest size that fits
+    otherwise). Approximate modes (PipeFusion, displaced attention) only with ``--allow-stale``."""
     from ..config import SUPPORTED_AXES
-    from ..planner import PlannerError, recommend
+    from ..planner import PlannerError, recommend_prediction
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
         raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
@@ -290,7 +298,8 @@ def planned_config(args, world_size: int) -> ParallelConfig:
         raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
                           f"{model}; download it first or give the degrees yourself")
     # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
-    supported = set(SUPPORTED_AXES) - (set() if getattr(args, "allow_stale", False) else {"pp"})
+    stale = getattr(args, "allow_stale", False)
+    supported = set(SUPPORTED_AXES) - (set() if stale else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
@@ -299,7 +308,7 @@ def planned_config(args, world_size: int) -> ParallelConfig:
                "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
     counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
     try:
-        return recommend(model, args.height or size[0], args.width or size[1], world_size,
+        return recommend_prediction(model, args.height or size[0], args.width or size[1], world_size, displaced=stale,
                          frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
                          batch=prompts * getattr(args, "images_per_prompt", 1),
                          mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
