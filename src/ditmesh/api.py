@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
