@@ -247,3 +247,30 @@ def test_plan_command_lists_displaced_rows(capsys):
     assert main(["plan", "--model", "flux-dev", "--gpus", "4", "--displaced", "--top", "0"]) == 0
     out = capsys.readouterr().out
     assert "ulysses4 displaced" in out and "--ulysses 4 --displaced" in out
+
+
+def test_generate_displaced_with_every_step_exact_matches_single_process(tmp_path, flux_tiny):
+    from test_generate_cli import generate
+
+    _, single, _ = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
+    report, latents, _ = generate(tmp_path, "displaced", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2",
+                                  "--displaced", "--displaced-warmup", "3")
+    assert rel_err(latents, single) <= 1e-5
+    assert report["config"]["ulysses"] == 2 and report["displaced"] == {"warmup": 3}
+    _, stale, _ = generate(tmp_path, "stale", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--displaced")
+    assert 1e-6 < rel_err(stale, single) < 0.2
+
+
+def test_plan_auto_runs_the_displaced_choice(monkeypatch):
+    import argparse
+
+    import ditmesh.planner
+    from ditmesh.planner import Prediction
+    from ditmesh.runtime.generate import apply_auto_plan
+
+    chosen = Prediction(ParallelConfig(ulysses=2), 1.0, 1.0, 0.0, 0.0, {}, {}, "yes", displaced=True)
+    monkeypatch.setattr(ditmesh.planner, "recommend_prediction", lambda *a, **k: chosen)
+    args = argparse.Namespace(model="flux-tiny", height=None, width=None, dp=1, cfg=1, pp=1, ring=1, ulysses=1, tp=1,
+                              negative_prompt=None, true_cfg_scale=4.0, guidance=3.5, prompt=None, allow_stale=True)
+    assert apply_auto_plan(args, 2) == ParallelConfig(ulysses=2)
+    assert args.ulysses == 2 and args.displaced
