@@ -80,9 +80,10 @@ class Displaced:
         slot = (self.name, layer, ctx.call_in_step)
         held = ctx.kv_buffers.pop(slot, None)
         exact = ctx.run_step < self.warmup or held is None or held[0] != ctx.run or held[1] != sizes
-        padded = self.padded(kv, sizes)
+        if exact and held is not None:
+            comm.wait(held[2])  # a gather of an earlier run (or of other sizes), not read: its transfer is finished
         if exact:  # this step's K/V of every rank, waited at once: the next step's buffer as it is
-            raw = gathered = comm.wait(comm.all_gather_start(padded, self.sp.group))
+            raw = gathered = comm.wait(comm.all_gather_start(self.padded(kv, sizes), self.sp.group))
         else:  # the previous step's (waited a step after its start), with this rank's fresh K/V in its place
             gathered = comm.wait(held[2])
         chunks = [gathered[j].narrow(2, 0, n) for j, n in enumerate(sizes)]
@@ -90,7 +91,7 @@ class Displaced:
         last = ctx.run_steps is None or ctx.run_step + 1 >= ctx.run_steps
         if not last:
             if not exact:
-                raw = comm.all_gather_start(padded, self.sp.group, "kv_async")
+                raw = comm.all_gather_start(self.padded(kv, sizes), self.sp.group, "kv_async")
             ctx.kv_buffers[slot] = (ctx.run, sizes, raw)
         whole = torch.cat(chunks, dim=2)
         return whole[0], whole[1]
