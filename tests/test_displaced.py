@@ -262,15 +262,15 @@ def test_generate_displaced_with_every_step_exact_matches_single_process(tmp_pat
 
 
 def test_plan_auto_runs_the_displaced_choice(monkeypatch):
-    import argparse
-
     import ditmesh.planner
+    import ditmesh.runtime.launch
+    from ditmesh.cli import main
     from ditmesh.planner import Prediction
-    from ditmesh.runtime.generate import apply_auto_plan
 
     chosen = Prediction(ParallelConfig(ulysses=2), 1.0, 1.0, 0.0, 0.0, {}, {}, "yes", displaced=True)
     monkeypatch.setattr(ditmesh.planner, "recommend_prediction", lambda *a, **k: chosen)
-    args = argparse.Namespace(model="flux-tiny", height=None, width=None, dp=1, cfg=1, pp=1, ring=1, ulysses=1, tp=1,
-                              negative_prompt=None, true_cfg_scale=4.0, guidance=3.5, prompt=None, allow_stale=True)
-    assert apply_auto_plan(args, 2) == ParallelConfig(ulysses=2)
-    assert args.ulysses == 2 and args.displaced
+    launched = []
+    monkeypatch.setattr(ditmesh.runtime.launch, "launch", lambda nproc, argv, **kw: launched.append(argv) or 0)
+    assert main(["generate", "--model", "flux-tiny", "--nproc", "2", "--plan", "auto", "--allow-stale"]) == 0
+    # the ranks are started with the planner's degrees and its displaced choice
+    assert "--ulysses=2" in launched[0] and "--displaced" in launched[0] and "--plan" not in launched[0]

@@ -225,6 +225,8 @@ def _cmd_generate(args, argv: list[str]) -> int:
     if args.plan == "auto":
         config = generate.apply_auto_plan(args, world)
         argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
+        if args.displaced and "--displaced" not in argv:  # the planner chose displaced attention (--allow-stale)
+            argv.append("--displaced")
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch
