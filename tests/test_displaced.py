@@ -87,8 +87,7 @@ def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints,
     calls = 2 if family == "wan" else 1  # Wan's CFG calls the transformer twice a step; SD3 batches it
     for latents, _, per_step, _, _ in results:
         assert rel_err(latents, ref) <= 1e-5
-        if family != "wan":  # Wan 2.2's two experts: see the stale test
-            assert per_step == per_step_counts(family, STEPS, calls)
+        assert per_step == per_step_counts(family, STEPS, calls)
 
 
 # -- stale: the displaced schedule ----------------------------------------------------------------------------
