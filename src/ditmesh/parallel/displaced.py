@@ -34,8 +34,8 @@ its attention reads the other patches' K/V from the previous step, gathered whil
   refused with displaced attention.
 
 Collectives per transformer call, per attention layer: one all-gather (``all_gather``, waited at once) in an exact
-call, one started all-gather (``kv_async``, waited a step later) in a stale one, none in the run's last step; and the
-exit's gather as under sequence parallelism.
+call, one started all-gather (``kv_async``, waited a step later) in a stale one, none in a stale call of the run's last
+step; and the exit's gather as under sequence parallelism.
 
 Cross-rank rule: exact or stale is decided from the step, run and call in step (the same on every rank) and from
 which buffers exist (the same on every rank); every rank starts and waits the same gathers in the same layer order.
