@@ -71,6 +71,7 @@ T_QWEN_EDIT = "tests/test_qwenimage.py::test_qwenimage_edit_transformer_splits_m
 T_FLUX2 = "tests/test_flux2.py::test_flux2_pipeline_matches_single_process"
 T_FLUX2_CACHE = "tests/test_flux2.py::test_flux2_cache_decides_as_one_process_under_ulysses"
 T_PP = "tests/test_pipefusion.py::"
+T_DISP = "tests/test_displaced.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
@@ -501,6 +502,19 @@ MUTANTS: tuple[Mutant, ...] = (
            "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
            (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
            "every rank steps on the first stage's output, which skipped the later blocks"),
+    # -- displaced attention: its own fresh K/V, the warm-up, the buffers per call ----------------------------------
+    Mutant("displaced-own-kv-stale", "parallel/displaced.py",
+           "chunks[self.sp.rank] = kv", "pass",
+           (f"{T_DISP}test_stale_schedule_matches_its_single_process_emulation",),
+           "a rank attends to its own K/V of the previous step instead of this step's"),
+    Mutant("displaced-warmup-ignored", "parallel/displaced.py",
+           "exact = ctx.run_step < self.warmup or held is None", "exact = held is None",
+           (f"{T_DISP}test_warmup_over_every_step_matches_single_process",),
+           "only a run's first call is exact; the warm-up steps after it read stale K/V"),
+    Mutant("displaced-buffers-shared-by-cfg-branches", "parallel/displaced.py",
+           "slot = (self.name, layer, ctx.call_in_step)", "slot = (self.name, layer, 0)",
+           (f"{T_DISP}test_displaced_composes_with_cfg_dp_and_tp",),
+           "the cond and uncond calls of a step read each other's stale K/V"),
 )
 
 

@@ -80,12 +80,14 @@ def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, wid
 
 
 class _StaleAttention:
-    """FLUX attention as PipeFusion's stale schedule defines it, written on its own (not ditmesh's code path): the
-    current patch's K/V are written into a per-layer buffer over ``[text, image]``, and its queries attend to the
-    whole buffer (SDPA), so the patches not yet computed in this step are read from the last step."""
+    """FLUX attention over a per-layer K/V buffer, written on its own (not ditmesh's code path): the current piece's
+    K/V (its text tokens at ``text_offset``, its image tokens at ``offset`` of the image) are written into the
+    layer's buffer over ``[text, image]`` of ``written``, and its queries attend to the layer's buffer of ``read``
+    (SDPA). PipeFusion reads and writes one buffer (the patches not yet computed in this step are read from the last
+    step); displaced attention reads the last step's and writes the next step's."""
 
-    def __init__(self, buffers: dict, layer: str, state: dict):
-        self.buffers, self.layer, self.state = buffers, layer, state
+    def __init__(self, read: dict, written: dict, layer: str, state: dict):
+        self.read, self.written, self.layer, self.state = read, written, layer, state
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         from diffusers.models.embeddings import apply_rotary_emb
@@ -101,17 +103,24 @@ class _StaleAttention:
             q, k, v = torch.cat([eq, q], 1), torch.cat([ek, k], 1), torch.cat([ev, v], 1)
         q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
         k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        text, image, offset, with_text = (self.state[n] for n in ("text", "image", "offset", "with_text"))
-        key = (self.layer, self.state["step"])
-        if key[1] == 0 or self.layer not in self.buffers:
-            self.buffers[self.layer] = (k.new_zeros(k.shape[0], text + image, *k.shape[2:]),
-                                        v.new_zeros(v.shape[0], text + image, *v.shape[2:]))
-        kb, vb = self.buffers[self.layer]
-        local_text = text if with_text else 0
-        kb[:, :local_text], vb[:, :local_text] = k[:, :local_text], v[:, :local_text]
+        text, image, offset, local_text, text_offset = (self.state[n] for n in ("text", "image", "offset", "local_text",
+                                                                                 "text_offset"))
+        for buffers in (self.read, self.written):
+            if self.state["step"] == 0 or self.layer not in buffers:
+                buffers[self.layer] = (k.new_zeros(k.shape[0], text + image, *k.shape[2:]),
+                                       v.new_zeros(v.shape[0], text + image, *v.shape[2:]))
+        kb, vb = self.written[self.layer]
+        kb[:, text_offset:text_offset + local_text] = k[:, :local_text]
+        vb[:, text_offset:text_offset + local_text] = v[:, :local_text]
         n = k.shape[1] - local_text
         kb[:, text + offset:text + offset + n], vb[:, text + offset:text + offset + n] = k[:, local_text:], v[:, local_text:]
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2))
+        kr, vr = self.read[self.layer]
+        if self.read is not self.written:  # the piece's own K/V are fresh
+            kr, vr = kr.clone(), vr.clone()
+            kr[:, text_offset:text_offset + local_text], vr[:, text_offset:text_offset + local_text] = (
+                k[:, :local_text], v[:, :local_text])
+            kr[:, text + offset:text + offset + n], vr[:, text + offset:text + offset + n] = k[:, local_text:], v[:, local_text:]
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2))
         out = out.transpose(1, 2).flatten(2, 3).to(q.dtype)
         if not joint:
             return out
@@ -119,12 +128,19 @@ class _StaleAttention:
         return attn.to_out[1](attn.to_out[0](image_out)), attn.to_add_out(text_out)
 
 
+def _sizes(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (1 if j < extra else 0) for j in range(parts)]
+
+
 def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, height: int = 64, width: int = 64,
-                         max_sequence_length: int = 16) -> torch.Tensor:
-    """Final latents of the FLUX pipeline in ``model`` on one process, under PipeFusion's schedule emulated without
-    ditmesh: the first ``warmup`` steps whole; later steps as ``patches`` patches of the image tokens in order (the
-    text with patch 0), the whole transformer per patch, each attention over its layer's K/V buffer
-    (:class:`_StaleAttention`)."""
+                         max_sequence_length: int = 16, displaced: bool = False) -> torch.Tensor:
+    """Final latents of the FLUX pipeline in ``model`` on one process, under a stale schedule emulated without
+    ditmesh: the first ``warmup`` steps whole; later steps as ``patches`` pieces in order, the whole transformer per
+    piece, each attention over its layer's K/V buffer (:class:`_StaleAttention`). PipeFusion: the pieces are patches
+    of the image tokens, the text with patch 0, one buffer read and written. ``displaced``: the pieces are the
+    ranks' contiguous chunks of the text and of the image tokens (uneven by at most one, the larger first), each
+    reading the buffer the last step wrote (its own tokens fresh) and writing the next step's."""
     from diffusers import DiffusionPipeline
 
     from cases_models import call_kwargs
@@ -133,26 +149,31 @@ def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, 
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer
-    state, buffers = {"step": -1}, {}
+    state, read = {"step": -1}, {}
+    written = {} if displaced else read
     for name, module in transformer.named_modules():
         if type(module).__name__ == "FluxAttention":
-            module.set_processor(_StaleAttention(buffers, name, state))
+            module.set_processor(_StaleAttention(read, written, name, state))
     forward = transformer.forward
 
     def patched(hidden_states, encoder_hidden_states, txt_ids, img_ids, **kwargs):
         state["step"] += 1
+        if displaced and state["step"] > 0:  # the last step's K/V are read in this one
+            for layer, (k, v) in written.items():
+                read[layer] = (k.clone(), v.clone())
         image, text = hidden_states.shape[1], encoder_hidden_states.shape[1]
         count = 1 if state["step"] < warmup else patches
-        base, extra = divmod(image, count)
-        sizes = [base + (1 if j < extra else 0) for j in range(count)]
-        outs, offset = [], 0
-        for j, size in enumerate(sizes):
-            with_text = j == 0
-            state.update(text=text, image=image, offset=offset, with_text=with_text)
-            ehs, tids = (encoder_hidden_states, txt_ids) if with_text else (encoder_hidden_states[:, :0], txt_ids[:0])
+        sizes = _sizes(image, count)
+        texts = _sizes(text, count) if displaced else [text] + [0] * (count - 1)
+        outs, offset, text_offset = [], 0, 0
+        for size, local_text in zip(sizes, texts):
+            state.update(text=text, image=image, offset=offset, local_text=local_text, text_offset=text_offset)
+            ehs = encoder_hidden_states[:, text_offset:text_offset + local_text]
+            tids = txt_ids[text_offset:text_offset + local_text]
             outs.append(forward(hidden_states=hidden_states[:, offset:offset + size], encoder_hidden_states=ehs,
                                 txt_ids=tids, img_ids=img_ids[offset:offset + size], **kwargs)[0])
             offset += size
+            text_offset += local_text
         return (torch.cat(outs, 1),)
 
     transformer.forward = patched

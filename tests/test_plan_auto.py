@@ -37,21 +37,23 @@ def test_plan_auto_never_picks_a_configuration_that_runs_out_of_memory():
     assert planned_config(_args(model="flux-dev", height=8192, width=8192), 4).world_size == 4
 
 
-def test_plan_auto_offers_pipefusion_to_the_planner_only_with_allow_stale(monkeypatch):
+def test_plan_auto_offers_pipefusion_and_displaced_to_the_planner_only_with_allow_stale(monkeypatch):
     import ditmesh.planner
     from ditmesh import ParallelConfig
 
+    from ditmesh.planner import Prediction
+
     offered = []
 
-    def recommend(*args, supported, **kwargs):
-        offered.append(supported)
-        return ParallelConfig(ulysses=2)
+    def recommend_prediction(*args, supported, displaced, **kwargs):
+        offered.append((supported, displaced))
+        return Prediction(ParallelConfig(ulysses=2), 1.0, 1.0, 0.0, 0.0, {}, {}, "yes")
 
-    monkeypatch.setattr(ditmesh.planner, "recommend", recommend)
+    monkeypatch.setattr(ditmesh.planner, "recommend_prediction", recommend_prediction)
     planned_config(_args(), 2)
     planned_config(_args(allow_stale=True), 2)
-    assert "pp" not in offered[0] and "ulysses" in offered[0]
-    assert "pp" in offered[1]
+    assert "pp" not in offered[0][0] and "ulysses" in offered[0][0] and not offered[0][1]  # nor displaced
+    assert "pp" in offered[1][0] and offered[1][1]
 
 
 def test_every_pairing_the_planner_predicts_runs_in_this_build():

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -23,11 +23,11 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import (AXIS_ORDER, PP_CHUNK_BYTES, SUPPORTED_AXES, ConfigError, ParallelConfig,  # noqa: F401
-                     check_chunk, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
+                     check_chunk, check_displaced, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, graph, lora, pipefusion, sequence, tensor
+from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -154,14 +154,16 @@ def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consist
 
 
 def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache=None,
-                             cuda_graph: bool = False, transport: str = "nccl") -> None:
-    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1) does not run with yet. ``cache``: the step cache's
-    :class:`~ditmesh.cache.CacheConfig` (or its text), or None."""
-    for on, option in ((fuse_qkv, "fuse_qkv"), (cuda_graph, "CUDA graphs"),
-                       (transport != "nccl", f"transport={transport}")):
-        if on:
-            raise ConfigError(f"{option} does not run with PipeFusion (pp={config.pp}) yet; drop it or use pp=1")
+                             cuda_graph: bool = False, transport: str = "nccl", displaced: bool = False) -> None:
+    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1), or displaced attention (``displaced``), does
+    not run with yet. ``cache``: the step cache's :class:`~ditmesh.cache.CacheConfig` (or its text), or None:
+    PipeFusion runs static and taylor, displaced attention none."""
+    mode, off = ("displaced attention", "drop displaced") if displaced else (f"PipeFusion (pp={config.pp})", "use pp=1")
     policy = step_cache.CacheConfig.parse(cache).policy if isinstance(cache, (str, type(None))) else cache.policy
+    for on, option in ((fuse_qkv, "fuse_qkv"), (displaced and policy != "off", "step caching"),
+                       (cuda_graph, "CUDA graphs"), (transport != "nccl", f"transport={transport}")):
+        if on:
+            raise ConfigError(f"{option} does not run with {mode} yet; drop it or {off}")
     if policy not in ("off", "static", "taylor"):
         raise ConfigError(f"cache {policy} does not run with PipeFusion (pp={config.pp}): its statistic covers the "
                           "whole image after the first blocks, which no stage holds while patches flow; use static or "
@@ -249,7 +251,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                 fuse_qkv: bool = False, transport: str = "nccl", cache=None,
                 vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
                 vae_chunk: int | str | None = None, pp_patches: int | None = None, pp_warmup: int = 1,
-                pp_chunk_bytes: int = PP_CHUNK_BYTES) -> ParallelRuntime:
+                pp_chunk_bytes: int = PP_CHUNK_BYTES, displaced: bool = False,
+                displaced_warmup: int = 1) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -300,6 +303,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             one-step-stale K/V for the patches not yet computed in the step (an approximation).
         pp_chunk_bytes: PipeFusion: the largest single point-to-point message (default 64 MiB); larger
             activations travel in pieces.
+        displaced: displaced patch parallelism over the ulysses axis (``ditmesh.parallel.displaced``): each rank
+            attends to the other ranks' K/V of the previous step, gathered while the step computes (an
+            approximation after the warm-up); needs ulysses > 1 and ring = 1, not with pp.
+        displaced_warmup: displaced: steps of each run computed exactly (default 1, at least 1).
     """
     models = transformers_of(pipe)
     if not models:
@@ -333,6 +340,12 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                  transport=transport)
         for model in models.values():
             pipefusion.check_blocks(adapter_for(model))
+    if displaced:
+        for model in models.values():
+            displaced_attention.check_family(adapter_for(model))
+        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config, cuda_graph=cuda_graph,
+                                 transport=transport, displaced=True)
+        check_displaced(config, displaced_warmup)
     mesh = ParallelMesh.build(config, torch.device(device))
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
@@ -354,7 +367,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
         return graph.apply(model, cache=cache)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -368,6 +381,9 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                                                           pieces if config.sp == 1 else None))),
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"displaced(warmup={displaced_warmup})",
+         lambda: [keep(displaced_attention.apply(m, runtime.sequence(name), adapter_for(m), ctx, name, displaced_warmup))
+                  for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,
                                                                        pp_warmup, pp_chunk_bytes))
                                                  for name, m in models.items()]),

@@ -85,11 +85,17 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-chunk-mb", type=_positive_int, default=64, metavar="MB",
                         help="PipeFusion: the largest single point-to-point message in MiB (default 64); larger "
                              "activations travel in pieces")
+    parser.add_argument("--displaced", action="store_true",
+                        help="displaced patch parallelism over the --ulysses ranks: each rank attends to the other "
+                             "ranks' K/V of the previous step, gathered while the step computes (approximate after the "
+                             "warm-up; not with --ring, --pp, --cache, --cuda-graph)")
+    parser.add_argument("--displaced-warmup", type=int, default=1, metavar="W",
+                        help="--displaced: compute the first W steps of a run exactly (default 1, at least 1)")
     parser.add_argument("--plan", choices=["auto"], default=None,
                         help="auto: let `ditmesh plan` pick the degrees for the process count (leave the degree flags at 1)")
     parser.add_argument("--allow-stale", action="store_true",
-                        help="with --plan auto: let it pick approximate modes (PipeFusion's stale K/V); off, it picks "
-                             "only exact ones")
+                        help="with --plan auto: let it pick approximate modes (PipeFusion's and displaced attention's "
+                             "stale K/V); off, it picks only exact ones")
     parser.add_argument("--nproc", type=_positive_int, default=None, metavar="N",
                         help="launch N local processes (default: run as one rank of an outer torchrun, or alone)")
     parser.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
@@ -219,6 +225,8 @@ def _cmd_generate(args, argv: list[str]) -> int:
     if args.plan == "auto":
         config = generate.apply_auto_plan(args, world)
         argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
+        if args.displaced and "--displaced" not in argv:  # the planner chose displaced attention (--allow-stale)
+            argv.append("--displaced")
     generate.validate(args, world)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch

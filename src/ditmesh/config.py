@@ -194,3 +194,23 @@ def check_pipefusion(pp: int, patches: int | None, warmup: int, chunk_bytes: int
                           "steps read; use 1 (default) or more")
     if chunk_bytes < 1:
         raise ConfigError(f"{flags[2]}{chunk_bytes} must be a positive byte count (default {PP_CHUNK_BYTES})")
+
+
+def check_displaced(config: ParallelConfig, warmup, flag: str = "displaced_warmup=") -> None:
+    """Raise :class:`ConfigError` unless displaced attention (``parallel.displaced``) can run on ``config``: its patches
+    are the ulysses ranks' token chunks (ulysses > 1, ring = 1, no PipeFusion); ``warmup``: exact steps of each run,
+    at least 1 (they fill the K/V buffers the stale steps read)."""
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise ConfigError(f"{flag}{warmup!r} is not an integer")
+    if warmup < 1:
+        raise ConfigError(f"{flag}{warmup} must be >= 1: the first step of a run fills the K/V buffers the stale "
+                          "steps read; use 1 (default) or more")
+    if config.pp > 1:
+        raise ConfigError(f"displaced attention and PipeFusion (pp={config.pp}) are two stale-K/V schemes; use one: "
+                          f"pp=1 with displaced, or pp without displaced")
+    if config.ring > 1:
+        raise ConfigError(f"displaced attention gathers every rank's K/V and runs no ring; ring={config.ring} is set: "
+                          f"use ring=1 and ulysses={config.sp}")
+    if config.ulysses == 1:
+        raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token chunks; "
+                          "e.g. ulysses=4 with displaced")

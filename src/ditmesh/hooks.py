@@ -206,7 +206,8 @@ class ForwardContext:
     #: PipeFusion: (index, count) of the patch the transformer computes now; (0, 1) in an exact (warm-up) call
     patch: tuple[int, int] | None = None
     #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
-    #: sequence, written patch by patch; kept between steps (a patch reads the others' K/V from the last step)
+    #: sequence, written patch by patch; kept between steps (a patch reads the others' K/V from the last step).
+    #: Displaced attention keeps its pending K/V gathers here under the same keys (``parallel.displaced``)
     kv_buffers: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -35,7 +35,12 @@ METHODS = {
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
     "pp-ulysses": lambda g: {"pp": 2, "ulysses": g // 2} if g >= 4 else {"pp": 0},
+    # displaced attention over g ulysses ranks (1 exact warm-up step; the measured steps are stale): approximate; no
+    # CUDA graph (``parallel.displaced``)
+    "displaced": lambda g: {"ulysses": g},
 }
+#: methods whose rows run without a CUDA graph whatever --cuda-graph says
+UNGRAPHED = ("displaced",)
 #: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
 PEERS = ("diffusers", "xdit")
 METHODS.update({f"{peer}-{m}": METHODS[m] for peer in PEERS for m in ("ulysses", "ring", "usp")})
@@ -203,8 +208,8 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
     plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
     plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]  # ditmesh on one GPU
-    plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"] if g > 1
-             for m in s["methods"]]
+    plan += [(m, g, c, s["cuda_graph"] and not peer(m) and m not in UNGRAPHED) for c in compiled for g in s["gpus"]
+             if g > 1 for m in s["methods"]]
     for method, g, comp, graph in plan:
         degrees = METHODS[method](g)
         product = 1

@@ -89,7 +89,7 @@ def run_worker(spec: dict) -> None:
             runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
                                   ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
                                   transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
-                                  cache=row.get("cache"))
+                                  cache=row.get("cache"), displaced=spec["method"] == "displaced")
             ours = True
             if spec.get("fuse_qkv"):
                 row["fuse_qkv"] = True

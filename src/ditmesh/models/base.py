@@ -386,10 +386,15 @@ class ModelAdapter:
     def set_processors(self, model: torch.nn.Module, runtime) -> Callable[[], None]:
         """Give every attention layer the plan parallelizes the family's processor around ``runtime`` (what it calls
         ``attention`` on: the sequence-parallel runtime, or the chunked local one); returns the undo callable."""
+        return self.set_layer_processors(model, lambda name: runtime)
+
+    def set_layer_processors(self, model: torch.nn.Module, runtime_of: Callable) -> Callable[[], None]:
+        """:meth:`set_processors` with a runtime per layer, ``runtime_of(layer name)`` (PipeFusion's and displaced
+        attention's per-layer K/V buffers); returns the undo callable."""
         previous = {}
         for name, attn in self.attention_modules(model):
             previous[name] = attn.processor
-            attn.set_processor(self.sequence_processor(runtime, attn.processor))
+            attn.set_processor(self.sequence_processor(runtime_of(name), attn.processor))
 
         def restore() -> None:
             for name, attn in self.attention_modules(model):

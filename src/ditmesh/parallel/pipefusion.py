@@ -302,15 +302,22 @@ class PipeFusion:
 
 
 class LayerAttention:
-    """What one attention layer's processor calls as ``sp.attention``: PipeFusion's attention over that layer's
-    K/V buffer (the adapters' sequence-parallel processors compute projections, norms and RoPE on local tokens
-    and hand the core attention to this object)."""
+    """What one attention layer's processor calls as ``sp.attention``: the attention over that layer's K/V buffer
+    of PipeFusion (or of displaced attention, ``parallel.displaced``), through ``owner.attend(layer, ...)`` (the
+    adapters' sequence-parallel processors compute projections, norms and RoPE on local tokens and hand the core
+    attention to this object)."""
 
-    def __init__(self, pf: PipeFusion, layer: str):
-        self.pf, self.layer = pf, layer
+    def __init__(self, owner, layer: str):
+        self.owner, self.layer = owner, layer
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
-        return self.pf.attend(self.layer, query, key, value, backend=backend, streams=streams, mask=mask)
+        return self.owner.attend(self.layer, query, key, value, backend=backend, streams=streams, mask=mask)
+
+
+def drop_buffers(ctx: ForwardContext, name: str) -> None:
+    """Forget the K/V buffers of transformer ``name`` (``ForwardContext.kv_buffers``, keyed by name first)."""
+    for key in [k for k in ctx.kv_buffers if k[0] == name]:
+        del ctx.kv_buffers[key]
 
 
 class PatchLoop(Hook):
@@ -428,20 +435,8 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
         for block in model.get_submodule(spec.path):
             undo.append(add_hook(block, StageBlock(pf, index, spec, block.forward)))
             index += 1
-    previous = {}
-    for layer, attn in adapter.attention_modules(model):
-        previous[layer] = attn.processor
-        attn.set_processor(adapter.sequence_processor(LayerAttention(pf, layer), attn.processor))
-
-    def restore_processors():
-        for layer, attn in adapter.attention_modules(model):
-            attn.set_processor(previous[layer])
-
-    def drop_buffers():
-        for key in [k for k in ctx.kv_buffers if k[0] == name]:
-            del ctx.kv_buffers[key]
-
-    undo += [restore_processors, drop_buffers, free_other_stages(pf, model)]
+    restore_processors = adapter.set_layer_processors(model, lambda layer: LayerAttention(pf, layer))
+    undo += [restore_processors, lambda: drop_buffers(ctx, name), free_other_stages(pf, model)]
     return undo
 
 

@@ -18,7 +18,8 @@ from .stats import ModelStats, PlannerError, model_stats, resolve_model
 from .vae import VaeDecode, vae_decode
 
 __all__ = [
-    "ring_attention_cost", "ulysses_attention_cost", "tensor_parallel_cost", "plan", "recommend", "PlanResult",
+    "ring_attention_cost", "ulysses_attention_cost", "tensor_parallel_cost", "plan", "recommend",
+    "recommend_prediction", "PlanResult",
     "PlannerError", "model_stats", "resolve_model", "predict", "enumerate_configs", "Hardware", "Workload",
     "Calibration", "DEVICES", "LINKS", "spearman",
 ]
@@ -45,16 +46,16 @@ class PlanResult:
         gib = hw.usable_gib
         if best.fits == "no":
             return (f"no configuration fits in {gib:.1f} GiB per GPU, even with weights offloaded; "
-                    f"{best.config.describe()} comes closest at {best.memory['total']:.1f} GiB")
+                    f"{best.describe()} comes closest at {best.memory['total']:.1f} GiB")
         faster = [p for p in self.predictions if p.step_ms < best.step_ms and p.fits != "yes"]
         comm = best.comm_bytes["total"] / 1e6
-        head = (f"{best.config.describe()} is predicted fastest at {best.effective_ms:.1f} ms/step "
+        head = (f"{best.describe()} is predicted fastest at {best.effective_ms:.1f} ms/step "
                 f"({best.speedup:.2f}x one GPU{', which must offload' if self.baseline.fits != 'yes' else ''}) in {best.memory['total']:.1f} of {gib:.1f} GiB per GPU")
         if best.fits == "offload":
             return head + f", streaming the weights that do not fit from host memory every step"
         if faster:
             f = min(faster, key=lambda p: p.step_ms)
-            return (head + f"; {f.config.describe()} would compute faster ({f.step_ms:.1f} ms) but needs "
+            return (head + f"; {f.describe()} would compute faster ({f.step_ms:.1f} ms) but needs "
                     f"{f.memory['total']:.1f} GiB per GPU")
         if best.config.world_size == 1:
             return head
@@ -79,7 +80,7 @@ class PlanResult:
                   if grow > 0]
         ratio = max(0.0, min(ratios)) if ratios else float("inf")
         s = self.stats
-        out = {"config": p.config.describe()}
+        out = {"config": p.describe()}
         if s.frames > 1:
             latent = (s.frames - 1) // 4 + 1
             frames = 4 * int(latent * ratio - 1) + 1 if ratio != float("inf") else None
@@ -101,7 +102,8 @@ class PlanResult:
             "workload": {"height": self.stats.height, "width": self.stats.width, "frames": self.stats.frames,
                          "batch": self.workload.batch, "cfg": self.workload.cfg_on, "mode": self.workload.mode,
                          "cuda_graph": self.workload.cuda_graph},
-            "recommendation": {"config": self.best.config.describe(), "degrees": self.best.config.as_dict(),
+            "recommendation": {"config": self.best.describe(), "degrees": self.best.config.as_dict(),
+                               "displaced": self.best.displaced,
                                "reason": self.reason(), "largest": self.largest()},
             "vae": None if self.vae is None else {"class": self.vae.class_name, "mode": self.workload.vae_parallel,
                                                   "vae_chunk": self.workload.vae_chunk},
@@ -141,14 +143,16 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          memory_gib: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
          tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
          calibration: Calibration | None = None, cuda_graph: bool = False, chunk: int | None = None,
-         vae_parallel: str = "auto", vae_chunk: int | None = None) -> PlanResult:
+         vae_parallel: str = "auto", vae_chunk: int | None = None, displaced: bool = False) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
     the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``). ``cuda_graph``: every transformer call
     replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``). ``chunk``,
     ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
-    (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`).
+    (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`). ``displaced``: also predict
+    displaced attention (stale K/V, approximate) on every configuration it runs on (ulysses > 1 without ring or pp;
+    not with CUDA graphs).
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
@@ -190,15 +194,24 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
     baseline = predict(ParallelConfig(), stats, single_hw, workload, cal, vae)
     predictions = [predict(c, stats, hw, workload, cal, vae) for c in configs]
+    if displaced and not cuda_graph:
+        predictions += [predict(c, stats, hw, workload, cal, vae, displaced=True) for c in configs
+                        if c.ulysses > 1 and c.ring == 1 and c.pp == 1]
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms
     return PlanResult(stats, hw, workload, rank(predictions), baseline, vae)
 
 
-def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
-              require_fit: bool = False, **kwargs) -> ParallelConfig:
-    """The configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the arguments): the best
-    ranked one whose axes this build runs (``config.not_supported``).
+def recommend(model: str, height: int, width: int, gpus: int, **kwargs) -> ParallelConfig:
+    """The degrees of :func:`recommend_prediction` (see there)."""
+    return recommend_prediction(model, height, width, gpus, **kwargs).config
+
+
+def recommend_prediction(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
+                         require_fit: bool = False, **kwargs) -> Prediction:
+    """The prediction of the configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the
+    arguments; its ``displaced`` says whether to run it with displaced attention): the best ranked one whose axes
+    this build runs (``config.not_supported``).
     ``require_fit``: only one predicted to fit in memory, step and VAE decode alike (the runtime does not offload
     weights); PlannerError naming the closest one and the largest size it holds otherwise."""
     result = plan(model, height, width, gpus, supported=supported, **kwargs)
@@ -214,4 +227,4 @@ def recommend(model: str, height: int, width: int, gpus: int, *, supported: set[
             + f" in {result.hardware.usable_gib:.0f} GiB per GPU: {best.config.describe()} needs "
             f"{best.memory['total']:.1f} GiB for a step and {best.memory.get('decode', 0):.1f} GiB for the VAE decode; "
             f"it holds about {size}; use more GPUs, a smaller size, --chunk, or --vae-chunk / --vae-parallel tiled")
-    return best.config
+    return best

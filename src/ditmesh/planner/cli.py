@@ -40,6 +40,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="count the VAE decode as generate --vae-parallel runs it (default auto: split over the GPUs)")
     p.add_argument("--vae-chunk", type=int, default=None, metavar="ROWS",
                    help="count a whole VAE decode in pieces of ROWS rows (generate --vae-chunk)")
+    p.add_argument("--displaced", action="store_true",
+                   help="also rank displaced attention (stale K/V, approximate) on every ulysses configuration it runs on")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -77,12 +79,13 @@ def format_table(result, top: int = 20) -> str:
     rows = result.predictions if top <= 0 else result.predictions[:top]
     for i, p in enumerate(rows, 1):
         ms = f"{p.effective_ms:9.1f}"
-        lines.append(f"{i:>3}  {p.config.describe():<28} {ms} {p.speedup:7.2f}x {p.memory['total']:8.1f} "
+        lines.append(f"{i:>3}  {p.describe():<28} {ms} {p.speedup:7.2f}x {p.memory['total']:8.1f} "
                      f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits:<4}  {runs_here(p.config)}")
     if len(rows) < len(result.predictions):
         lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
-    lines += ["", f"recommended: {result.best.config.describe()}  "
-              + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1),
+    lines += ["", f"recommended: {result.best.describe()}  "
+              + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1)
+              + (" --displaced" if result.best.displaced else ""),
               f"why: {result.reason()}.",
               largest_line(result),
               "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
@@ -131,7 +134,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
                       tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported,
                       cuda_graph=args.cuda_graph, chunk=args.chunk, vae_parallel=args.vae_parallel,
-                      vae_chunk=args.vae_chunk)
+                      vae_chunk=args.vae_chunk, displaced=args.displaced)
     except PlannerError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -116,6 +116,11 @@ class Prediction:
     speedup: float = 1.0
     gpu_ms: float = 0.0  # GPU-side time (compute + exposed comm + per-kernel cost)
     host_ms: float = 0.0  # host-side time (Python + kernel launches + collective calls)
+    displaced: bool = False  # displaced attention over the ulysses axis (stale K/V; ``parallel.displaced``)
+
+    def describe(self) -> str:
+        """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
+        return self.config.describe() + (" displaced" if self.displaced else "")
 
     @property
     def effective_ms(self) -> float:
@@ -123,7 +128,7 @@ class Prediction:
 
     def as_dict(self) -> dict:
         return {
-            "config": self.config.describe(), "degrees": self.config.as_dict(),
+            "config": self.describe(), "degrees": self.config.as_dict(), "displaced": self.displaced,
             "step_ms": round(self.step_ms, 2), "compute_ms": round(self.compute_ms, 2),
             "comm_ms": round(self.comm_ms, 2), "overhead_ms": round(self.overhead_ms, 2),
             "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
@@ -194,9 +199,11 @@ def _level(link: Link, hw: Hardware) -> str:
 
 
 def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: Workload,
-            cal: Calibration = Calibration(), vae: VaeDecode | None = None) -> Prediction:
+            cal: Calibration = Calibration(), vae: VaeDecode | None = None, displaced: bool = False) -> Prediction:
     """Predicted step latency, memory and communication of ``config`` on ``hw``; with ``vae``, the VAE decode's
-    memory too (``memory["decode"]``: the transformer's weights, the VAE's and the decode's peak)."""
+    memory too (``memory["decode"]``: the transformer's weights, the VAE's and the decode's peak). ``displaced``:
+    the ulysses ranks run displaced attention (a stale step: one all-gather of K/V per self-attention layer,
+    hidden behind the step's compute; the buffers of :func:`displaced_kv_bytes`)."""
     dev = hw.device
     rate = dev.matmul_tflops * 1e12
     mode = workload.mode
@@ -265,12 +272,18 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         t = count * link.latency_us * 1e-6 + nbytes / (link.gbps * 1e9)
         comm_s += t if exposed is None else exposed
 
+    gathers_s = 0.0  # displaced: the step's K/V all-gathers, which run beside its compute
     for att in stats.attentions:
         if not att.self_attention or sp == 1:
             continue
         local_tokens = math.ceil(att.q_len / sp) * att.batch * samples
         width = att.heads * att.head_dim / tp
-        if config.ulysses > 1:
+        if displaced:  # each rank receives the other ranks' K and V chunks (padded to the longest)
+            nbytes = 2 * displaced_tokens(att.q_len, stats.layout, sp) * att.batch * samples * width * bpe * (sp - 1)
+            link = links["ulysses"]
+            gathers_s += link.latency_us * 1e-6 + nbytes / (link.gbps * 1e9)
+            send("kv_async", "ulysses", nbytes, exposed=0.0)
+        elif config.ulysses > 1:
             u = config.ulysses
             send("all_to_all", "ulysses", 4 * local_tokens * width * bpe * (u - 1) / u / pp, count=2)
         if config.ring > 1:
@@ -298,6 +311,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     if pp > 1:  # each stage passes its patches' hidden states to the next one; overlapped with compute
         hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
         send("pp_p2p", "pp", hidden, count=patches, exposed=patches * links["pp"].latency_us * 1e-6)
+    comm_s += max(0.0, gathers_s - compute_s)  # displaced: what the step's compute does not cover
     kernel_us = cal.graph_kernel_us if workload.cuda_graph else cal.kernel_us[mode]
     gpu_s = compute_s + comm_s + kernels * kernel_us * 1e-6
     # a graph is one replay per call; otherwise the host launches every kernel and collective
@@ -317,11 +331,15 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         if config.ring > 1:  # double-buffered K/V chunks + fp32 output accumulator + lse
             attn_buf = 2 * 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe
             attn_buf += local_tokens * config.ulysses * (width / config.ulysses) * 4 + local_tokens * largest.heads * 4
-        if config.ulysses > 1:  # send and receive buffers of the fused QKV all-to-all
+        if displaced:  # one layer at a time: the waited gather and the K/V the attention reads, whole sequence
+            attn_buf = 2 * 2 * displaced_tokens(largest.q_len, stats.layout, sp) * sp * samples * width * bpe
+        elif config.ulysses > 1:  # send and receive buffers of the fused QKV all-to-all
             comm_buf = 2 * 3 * local_tokens * width * bpe
     kv_cache = 0.0
     if pp > 1:  # PipeFusion keeps last step's K/V of the full sequence for its own blocks
         kv_cache = pipefusion_kv_bytes(stats, config, samples)
+    if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps
+        kv_cache = displaced_kv_bytes(stats, config, samples)
     memory = {
         "weights": weights / GIB, "activations": act_peak / GIB, "attention": attn_buf / GIB,
         "comm_buffers": comm_buf / GIB, "kv_cache": kv_cache / GIB,
@@ -349,7 +367,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         comm_bytes={"by_collective": {k: int(v) for k, v in by_collective.items()},
                     "by_level": {k: int(v) for k, v in by_level.items()},
                     "total": int(sum(by_collective.values()))},
-        fits=fits, offload_step_ms=offload_ms, gpu_ms=gpu_s * 1e3, host_ms=host_s * 1e3,
+        fits=fits, offload_step_ms=offload_ms, gpu_ms=gpu_s * 1e3, host_ms=host_s * 1e3, displaced=displaced,
     )
 
 
@@ -361,13 +379,28 @@ def pipefusion_kv_bytes(stats: ModelStats, config: ParallelConfig, samples: floa
     return total / config.pp / (config.sp if config.sp > 1 else 1)
 
 
+def displaced_tokens(q_len: int, layout, sp: int) -> int:
+    """Tokens of the longest rank's chunk of an attention over ``q_len`` tokens split over ``sp`` ranks: each stream
+    is split on its own (uneven by at most one, the larger chunks first), so rank 0 holds the ceiling of each."""
+    streams = [layout.text_tokens, q_len - layout.text_tokens] if 0 < layout.text_tokens < q_len else [q_len]
+    return sum(math.ceil(n / sp) for n in streams)
+
+
+def displaced_kv_bytes(stats: ModelStats, config: ParallelConfig, samples: float) -> float:
+    """Bytes displaced attention keeps between steps: per self-attention layer and sample, every ulysses rank's K
+    and V chunk padded to the longest (one pending all-gather)."""
+    sp = config.sp
+    return sum(2 * sp * displaced_tokens(att.q_len, stats.layout, sp) * att.batch * att.heads * att.head_dim
+               / config.tp * stats.bytes_per_element * samples for att in stats.attentions if att.self_attention)
+
+
 _FITS_ORDER = {"yes": 0, "offload": 1, "no": 2}
 
 
 def rank(predictions: list[Prediction]) -> list[Prediction]:
     """Fitting configurations first (fastest first), then offloading ones, then the rest."""
     return sorted(predictions, key=lambda p: (_FITS_ORDER[p.fits], p.effective_ms, len(p.config.active_axes()),
-                                              [getattr(p.config, a) for a in AXIS_ORDER]))
+                                              [getattr(p.config, a) for a in AXIS_ORDER], p.displaced))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

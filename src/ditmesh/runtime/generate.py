@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import (ConfigError, ParallelConfig, check_chunk, check_pipefusion, check_supported, check_vae_chunk,
-                      check_vae_parallel)
+from ..config import (ConfigError, ParallelConfig, check_chunk, check_displaced, check_pipefusion, check_supported,
+                      check_vae_chunk, check_vae_parallel)
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
@@ -53,8 +53,14 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
     chunk_setting(getattr(args, "chunk", None))
     vae_chunk_setting(getattr(args, "vae_chunk", None))
-    check_pipefusion(config.pp, *pipefusion_options(args).values(),
+    stale = pipefusion_options(args)
+    check_pipefusion(config.pp, stale["pp_patches"], stale["pp_warmup"], stale["pp_chunk_bytes"],
                      flags=("--pp-patches ", "--pp-warmup ", "pp_chunk_bytes="))
+    if stale["displaced"]:
+        check_displaced(config, stale["displaced_warmup"], "--displaced-warmup ")
+    elif stale["displaced_warmup"] != 1:
+        raise ConfigError(f"--displaced-warmup {stale['displaced_warmup']} is given without --displaced; add "
+                          "--displaced or drop it")
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
     check_image_args(args)
@@ -84,19 +90,21 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         from ..cache import CacheConfig
 
         CacheConfig.parse(args.cache)
-    if config.pp > 1:
+    if config.pp > 1 or stale["displaced"]:
         from ..api import check_pipefusion_options
 
         check_pipefusion_options(config, cache=getattr(args, "cache", None),
                                  cuda_graph=getattr(args, "cuda_graph", False),
-                                 transport=getattr(args, "transport", "nccl"))
+                                 transport=getattr(args, "transport", "nccl"), displaced=stale["displaced"])
     return config, model
 
 
 def pipefusion_options(args) -> dict:
-    """``parallelize``'s PipeFusion arguments from ``--pp-patches``, ``--pp-warmup`` and ``--pp-chunk-mb``."""
+    """``parallelize``'s stale-K/V arguments: PipeFusion's from ``--pp-patches``, ``--pp-warmup`` and
+    ``--pp-chunk-mb``, displaced attention's from ``--displaced`` and ``--displaced-warmup``."""
     return dict(pp_patches=getattr(args, "pp_patches", None), pp_warmup=getattr(args, "pp_warmup", 1),
-                pp_chunk_bytes=getattr(args, "pp_chunk_mb", 64) << 20)
+                pp_chunk_bytes=getattr(args, "pp_chunk_mb", 64) << 20, displaced=getattr(args, "displaced", False),
+                displaced_warmup=getattr(args, "displaced_warmup", 1))
 
 
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
@@ -261,19 +269,27 @@ def apply_auto_plan(args, world_size: int) -> ParallelConfig:
     (said on stderr) and return it."""
     import sys
 
-    config = planned_config(args, world_size)
-    print(f"ditmesh: --plan auto picked {config.describe()} for {world_size} process(es)", file=sys.stderr)
+    chosen = planned_setting(args, world_size)
+    config = chosen.config
+    print(f"ditmesh: --plan auto picked {chosen.describe()} for {world_size} process(es)", file=sys.stderr)
     for axis, degree in config.degrees().items():
         setattr(args, axis, degree)
+    args.displaced = chosen.displaced
     return config
 
 
 def planned_config(args, world_size: int) -> ParallelConfig:
-    """The configuration the planner recommends for this run, restricted to what this build implements and to
-    configurations predicted to fit in memory with the run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk``
-    (a ConfigError naming the largest size that fits otherwise)."""
+    """The degrees of :func:`planned_setting`."""
+    return planned_setting(args, world_size).config
+
+
+def planned_setting(args, world_size: int):
+    """The planner's prediction of the configuration it recommends for this run (its ``displaced``: with displaced
+    attention), restricted to what this build implements and to configurations predicted to fit in memory with the
+    run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk`` (a ConfigError naming the largest size that fits
+    otherwise). Approximate modes (PipeFusion, displaced attention) only with ``--allow-stale``."""
     from ..config import SUPPORTED_AXES
-    from ..planner import PlannerError, recommend
+    from ..planner import PlannerError, recommend_prediction
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
         raise ConfigError("--plan auto picks the degrees itself; leave --dp --cfg --pp --ring --ulysses --tp at 1")
@@ -282,7 +298,8 @@ def planned_config(args, world_size: int) -> ParallelConfig:
         raise ConfigError(f"--plan auto needs a local pipeline folder or a synthetic architecture, not the hub id "
                           f"{model}; download it first or give the degrees yourself")
     # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
-    supported = set(SUPPORTED_AXES) - (set() if getattr(args, "allow_stale", False) else {"pp"})
+    stale = getattr(args, "allow_stale", False)
+    supported = set(SUPPORTED_AXES) - (set() if stale else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
@@ -291,7 +308,7 @@ def planned_config(args, world_size: int) -> ParallelConfig:
                "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
     counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
     try:
-        return recommend(model, args.height or size[0], args.width or size[1], world_size,
+        return recommend_prediction(model, args.height or size[0], args.width or size[1], world_size, displaced=stale,
                          frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
                          batch=prompts * getattr(args, "images_per_prompt", 1),
                          mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
@@ -545,6 +562,9 @@ def run(args) -> int:
             # PipeFusion (``--pp``): its patches and exact warm-up steps (the steps after them are approximate)
             "pipefusion": ({"patches": getattr(args, "pp_patches", None) or config.pp,
                             "warmup": getattr(args, "pp_warmup", 1)} if config.pp > 1 else None),
+            # displaced attention (``--displaced``): its exact warm-up steps (the steps after them are approximate)
+            "displaced": ({"warmup": getattr(args, "displaced_warmup", 1)} if getattr(args, "displaced", False)
+                          else None),
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,

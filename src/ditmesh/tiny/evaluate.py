@@ -174,37 +174,63 @@ def against_reference(images: np.ndarray, reference: np.ndarray, prompts: list[s
 
 
 def parse_pp_setting(text: str) -> dict:
-    """``pp=2,patches=4,warmup=1`` -> ``{"pp": 2, "patches": 4, "warmup": 1}`` (patches default pp, warmup 1)."""
+    """``pp=2,patches=4,warmup=1`` -> ``{"pp": 2, "patches": 4, "warmup": 1}`` (patches default pp, warmup 1);
+    ``displaced=2,warmup=1`` -> ``{"displaced": 2, "warmup": 1}`` (displaced attention over 2 ulysses ranks)."""
     from ..config import ConfigError
 
     values = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if key not in ("pp", "patches", "warmup") or not value.isdigit():
-            raise ConfigError(f"--pp-sweep setting {text!r}: give pp=N,patches=M,warmup=W (e.g. pp=2,patches=4,warmup=1)")
+        if key not in ("pp", "patches", "warmup", "displaced") or not value.isdigit():
+            raise ConfigError(f"--pp-sweep setting {text!r}: give pp=N,patches=M,warmup=W or displaced=N,warmup=W (e.g. "
+                              "pp=2,patches=4,warmup=1)")
         values[key] = int(value)
+    if "displaced" in values:
+        if set(values) - {"displaced", "warmup"}:
+            raise ConfigError(f"--pp-sweep setting {text!r}: displaced=N takes only warmup=W beside it")
+        return {"displaced": values["displaced"], "warmup": values.get("warmup", 1)}
     if "pp" not in values:
-        raise ConfigError(f"--pp-sweep setting {text!r} has no pp=N")
+        raise ConfigError(f"--pp-sweep setting {text!r} has no pp=N or displaced=N")
     return {"pp": values["pp"], "patches": values.get("patches", values["pp"]), "warmup": values.get("warmup", 1)}
+
+
+def setting_ranks(setting: dict) -> int:
+    """The processes a ``--pp-sweep`` setting runs on."""
+    return setting.get("displaced") or setting["pp"]
+
+
+def describe_setting(setting: dict) -> str:
+    """A sweep row's mode as the README writes it: ``pp 2, 4 patches``, ``displaced, ulysses 2``, or the reference."""
+    if setting.get("displaced"):
+        return f"displaced, ulysses {setting['displaced']}"
+    if setting["pp"] == 1:
+        return "one process (exact)"
+    return f"pp {setting['pp']}, {setting['patches']} patches"
 
 
 def _pp_images(model_path: str | None, setting: dict, prompts: list[str], steps: int, seed: int, batch_size: int,
                guidance_scale: float):
-    """On every rank of a gloo pool: the images of ``prompts`` under PipeFusion ``setting``; rank 0 returns them."""
+    """On every rank of a gloo pool: the images of ``prompts`` under PipeFusion (or displaced) ``setting``; rank 0
+    returns them."""
     import torch.distributed as dist
 
     from .. import ParallelConfig, parallelize
 
     pipe = load_pipeline(model_path)
     pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(pp=setting["pp"]), pp_patches=setting["patches"], pp_warmup=setting["warmup"])
+    if setting.get("displaced"):
+        parallelize(pipe, ParallelConfig(ulysses=setting["displaced"]), displaced=True,
+                    displaced_warmup=setting["warmup"])
+    else:
+        parallelize(pipe, ParallelConfig(pp=setting["pp"]), pp_patches=setting["patches"], pp_warmup=setting["warmup"])
     images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
     return images if dist.get_rank() == 0 else None
 
 
 def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], steps: int = 28, seed: int = 0,
              images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5, on_row=None) -> list[dict]:
-    """Quality of PipeFusion settings (``pp``, ``patches``, ``warmup``; each on ``pp`` gloo processes) against the
+    """Quality of PipeFusion settings (``pp``, ``patches``, ``warmup``; each on ``pp`` gloo processes) and displaced
+    ones (``displaced``, ``warmup``; on ``displaced`` processes) against the
     exact images of one process, same captions, noise and batches: accuracies, lost attributes, PSNR / SSIM.
     ``on_row(row)`` is called as each row is done."""
     from ..testing import ProcessPool
@@ -218,9 +244,10 @@ def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], 
     pools: dict[int, ProcessPool] = {}
     try:
         for setting in settings:
-            if setting["pp"] not in pools:  # one pool per process count, started once
-                pools[setting["pp"]] = ProcessPool(setting["pp"])
-            pool = pools[setting["pp"]]
+            ranks = setting_ranks(setting)
+            if ranks not in pools:  # one pool per process count, started once
+                pools[ranks] = ProcessPool(ranks)
+            pool = pools[ranks]
             start = time.time()
             images = pool.run(_pp_images, model_path, setting, prompts, steps, seed, batch_size, guidance_scale)[0]
             rows.append({**setting, **against_reference(images, reference, prompts),
@@ -280,8 +307,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="semicolon-separated step-cache settings (e.g. 'fbcache:0.1;fbcache:0.2'): print each one's "
                              "evaluations per image, accuracy, lost attributes and PSNR/SSIM against the uncached images")
     parser.add_argument("--pp-sweep", default=None, metavar="SETTINGS",
-                        help="semicolon-separated PipeFusion settings (e.g. 'pp=2,patches=2,warmup=1;pp=4,patches=8,warmup=2'), "
-                             "each run on pp local gloo processes: print accuracy, lost attributes and PSNR/SSIM against the "
+                        help="semicolon-separated PipeFusion or displaced settings (e.g. 'pp=2,patches=2,warmup=1;"
+                             "displaced=4,warmup=1'), each run on pp (displaced) local gloo processes: print accuracy, lost attributes and PSNR/SSIM against the "
                              "exact images of one process")
     parser.set_defaults(func=run_eval)
     return parser
@@ -317,11 +344,11 @@ def run_eval(args: argparse.Namespace) -> int:
                 json.dump(rows, f, indent=1)
         return 0
     if args.pp_sweep:
-        print("| pp | patches | warm-up steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| mode | warm-up steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
 
         def print_row(r):
-            print(f"| {r['pp']} | {r['patches']} | {r['warmup']} | {r['colour']:.3f} | {r['shape']:.3f} "
+            print(f"| {describe_setting(r)} | {r['warmup']} | {r['colour']:.3f} | {r['shape']:.3f} "
                   f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} "
                   f"| {r['psnr']} | {r['ssim']} |", flush=True)
 
