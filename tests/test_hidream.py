@@ -1,0 +1,142 @@
+"""HiDream-I1 under every axis on real gloo process groups, against one process: image, T5 and Llama states split as
+streams of their own (Ulysses, ring, USP, even and uneven counts), the heads and every SwiGLU of the MoE shard (TP),
+the batched CFG halves and the prompts run on their own ranks (cfg, dp), non-square latents padded with their key mask,
+and a step cache deciding as one process.
+
+HiDreamImagePipeline renders ``default_sample_size`` squared latent pixels whatever size is asked (it keeps only the
+aspect ratio), so the tests set it on the loaded pipeline: 8 gives 64x64 images (16 image tokens), 6 gives 48x48 (9).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cases_cache import assert_cache_decides_as_one_process
+from cases_models import PROMPTS, axis_id, check_ranks, pipeline_counts, pipeline_generate, transformer_call
+from ditmesh.testing import rel_err
+
+#: image tokens (H/16 * W/16) and text tokens (T5 and Llama, each max_sequence_length): 16 + 32 + 2 x 32 divide 2 and
+#: 4; 9 + 15 + 2 x 15 divide neither
+SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32, pipe_attrs={"default_sample_size": 8}),
+          "uneven": dict(height=48, width=48, max_sequence_length=15, pipe_attrs={"default_sample_size": 6})}
+STEPS = 2
+#: attention layers per call: 2 double + 2 single blocks
+LAYERS = 4
+#: all-reduces of one call under tp: double block: to_out, to_out_t, 4 sharded QK-norms, the text MLP, the shared
+#: expert and the 4 routed experts (each chose by some token) = 12; single block: to_out, 2 QK-norms, the shared
+#: expert and 4 routed experts = 8
+TP_ALL_REDUCES = 2 * 12 + 2 * 8
+PROMPTS_3 = PROMPTS + ["a green triangle"]
+
+
+@pytest.fixture(scope="module")
+def hidream_tiny(tiny_checkpoints) -> str:
+    return tiny_checkpoints("hidream-tiny")
+
+
+_REFERENCES: dict = {}
+
+
+def run(path: str, config: dict, shape: str, prompt=PROMPTS):
+    return pipeline_generate(path, config, steps=STEPS, prompt=prompt, **SHAPES[shape])
+
+
+def reference(path: str, shape: str, prompt=PROMPTS) -> torch.Tensor:
+    key = (shape, len(prompt))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run(path, {}, shape, prompt)[0]
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("config, shape", [
+    ({"ulysses": 2}, "even"), ({"ulysses": 4}, "even"), ({"ring": 2}, "even"), ({"ring": 4}, "even"),
+    ({"ring": 2, "ulysses": 2}, "even"), ({"tp": 2}, "even"), ({"tp": 4}, "even"), ({"cfg": 2}, "even"),
+    ({"ulysses": 2}, "uneven"), ({"ulysses": 4}, "uneven"), ({"ring": 2}, "uneven"), ({"ring": 4}, "uneven"),
+    ({"ring": 2, "ulysses": 2}, "uneven"), ({"tp": 2, "ulysses": 2}, "uneven"), ({"tp": 2, "ring": 2}, "uneven"),
+], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
+def test_hidream_pipeline_matches_single_process(pools, hidream_tiny, config, shape):
+    ref = reference(hidream_tiny, shape)
+    outs = pools(math.prod(config.values())).run(run, hidream_tiny, config, shape)
+    # batched CFG: one transformer call per step
+    check_ranks(outs, ref, STEPS, pipeline_counts(config, STEPS, LAYERS, TP_ALL_REDUCES, calls_per_step=1))
+
+
+def test_hidream_data_parallel_splits_an_uneven_prompt_count(pools, hidream_tiny):
+    # 3 prompts: the batched [uncond x 3, cond x 3] call splits 3 / 3, each rank with a mix of both halves
+    ref = reference(hidream_tiny, "uneven", PROMPTS_3)
+    outs = pools(2).run(run, hidream_tiny, {"dp": 2}, "uneven", PROMPTS_3)
+    check_ranks(outs, ref, STEPS, {"all_gather": STEPS})
+
+
+def _non_square_inputs() -> dict:
+    """One step's inputs at a 64 x 32 image: 4 x 2 = 8 image tokens, padded to max_seq = 16 x 16 / 4 = 64 by the
+    model with ``hidden_states_masks`` over them; 7 T5 and 5 Llama tokens."""
+    from ditmesh.models.base import adapter_for
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer("hidream-tiny", dtype=torch.float32)
+    inputs = adapter_for(model).example_inputs(model, height=64, width=32, batch=2, text_len=7, device="cpu",
+                                               dtype=torch.float32, generator=torch.Generator().manual_seed(3))
+    inputs["encoder_hidden_states_llama3"] = inputs["encoder_hidden_states_llama3"][:, :, :5]
+    return inputs
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}], ids=axis_id)
+def test_hidream_non_square_latents_with_their_key_mask_match_single_process(pools, config):
+    inputs = _non_square_inputs()
+    ref, _ = transformer_call("hidream-tiny", {}, inputs)
+    assert ref.shape == (2, 4, 8, 4)
+    ulysses, ring = config.get("ulysses", 1), config.get("ring", 1)
+    expected = {"all_gather": 1, **({"all_to_all": 2 * LAYERS} if ulysses > 1 else {}),
+                **({"ring_p2p": (ring - 1) * LAYERS} if ring > 1 else {})}
+    for out, counts in pools(ulysses * ring).run(transformer_call, "hidream-tiny", config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == expected
+
+
+def test_hidream_padded_keys_take_part_in_the_attention():
+    # the mask zeroes the padded keys but keeps them (score 0, not -inf): a run without the 56 padded tokens differs,
+    # so the split must keep them where one process has them
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer("hidream-tiny", dtype=torch.float32)
+    inputs = _non_square_inputs()
+    with torch.no_grad():
+        padded = model(**inputs)[0]
+        hidden, masks, sizes, ids = model.patchify(inputs["hidden_states"])
+        assert masks.shape == (2, 64) and masks.sum().item() == 2 * 8
+        trimmed = model(**dict(inputs, hidden_states=hidden[:, :8], hidden_states_masks=masks[:, :8],
+                               img_sizes=sizes, img_ids=ids[:, :8]))[0]
+    assert rel_err(trimmed, padded) > 1e-3
+
+
+def test_hidream_cache_decides_as_one_process_under_ulysses(pools, hidream_tiny):
+    assert_cache_decides_as_one_process(pools, hidream_tiny, {"ulysses": 2}, "dbcache:threshold=0.85,first=1,last=1",
+                                        steps=5, prompts=PROMPTS, size=64, max_sequence_length=32,
+                                        pipe_attrs={"default_sample_size": 8})
+
+
+def test_hidream_pipefusion_is_refused_in_one_line():
+    from ditmesh.models import adapter_for_class
+    from ditmesh.parallel.pipefusion import check_blocks
+
+    with pytest.raises(NotImplementedError, match="use pp=1") as error:
+        check_blocks(adapter_for_class("HiDreamImageTransformer2DModel"))
+    assert "\n" not in str(error.value)
+
+
+def test_hidream_real_size_matches_the_published_config():
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import get_arch
+
+    t = get_arch("hidream-i1").transformer
+    assert (t["num_layers"], t["num_single_layers"], t["num_attention_heads"], t["attention_head_dim"]) == (16, 32, 20, 128)
+    assert (t["num_routed_experts"], t["num_activated_experts"], len(t["llama_layers"])) == (4, 2, 48)
+    assert t["llama_layers"][31:] == [31] * 17 and t["caption_channels"] == [4096, 4096]
+    adapter = adapter_for_class("HiDreamImageTransformer2DModel")
+    layout = adapter.layout(t, 1024, 1024, 1, 128)
+    assert (layout.image_tokens, layout.text_tokens, layout.split_tokens) == (4096, 384, 4480)
+    assert adapter.layout(t, 1024, 768, 1, 128).image_tokens == 4096  # non-square: padded to max_seq
