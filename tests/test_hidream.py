@@ -140,3 +140,26 @@ def test_hidream_real_size_matches_the_published_config():
     layout = adapter.layout(t, 1024, 1024, 1, 128)
     assert (layout.image_tokens, layout.text_tokens, layout.split_tokens) == (4096, 384, 4480)
     assert adapter.layout(t, 1024, 768, 1, 128).image_tokens == 4096  # non-square: padded to max_seq
+
+
+def test_hidream_planner_trace_counts_the_flops_of_a_real_call():
+    # the meta trace cannot route tokens (the MoE counts them per expert on the host); it runs num_activated_experts
+    # experts on every token instead, which is what any routing costs: its GEMM FLOPs equal a real call's
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ditmesh.models.base import adapter_for
+    from ditmesh.planner.stats import resolve_model, trace_stats
+    from ditmesh.synth import build_transformer
+
+    spec = resolve_model("hidream-tiny", "float32")
+    stats = trace_stats(spec, 64, 64)
+    model = build_transformer("hidream-tiny", dtype=torch.float32)
+    inputs = adapter_for(model).example_inputs(model, height=64, width=64, batch=1, text_len=spec.text_tokens,
+                                               generator=torch.Generator().manual_seed(0), device="cpu",
+                                               dtype=torch.float32)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model(**inputs)
+    real = counter.get_flop_counts()["Global"]
+    assert stats.gemm_flops == sum(n for op, n in real.items() if str(op) in ("aten.mm", "aten.addmm")) > 0
+    assert stats.attention_flops > 0

@@ -375,6 +375,9 @@ class ModelAdapter:
     whole_attention: AttentionSelector | None = None
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
+    #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
+    #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
+    meta_trace: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     notes: dict = field(default_factory=dict)

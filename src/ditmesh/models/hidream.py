@@ -135,6 +135,35 @@ def hidream_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor
     return inner.norm1_i(named["hidden_states"]) * (1 + scale) + shift
 
 
+def _average_moe_forward(moe: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The cost of an MoE feed-forward call without its data-dependent routing: the router and the shared expert on
+    every token, and ``num_activated_experts`` routed experts on every token (each token runs that many). The
+    output is the shared expert's: only shapes and FLOPs matter on the meta device."""
+    moe.gate(x)
+    for expert in list(moe.experts)[: moe.num_activated_experts]:
+        expert(x)
+    return moe.shared_experts(x)
+
+
+def hidream_meta_trace(model: torch.nn.Module):
+    """Give every MoE feed-forward of ``model`` :func:`_average_moe_forward` (its routing counts tokens per expert on
+    the host, which the meta device cannot) and make ``unpatchify``, which reads the patch grid's size from a tensor,
+    return the tokens as they are; returns the undo callable."""
+    import types
+
+    moes = [m for m in model.modules() if hasattr(m, "moe_infer")]
+    for moe in moes:
+        moe.forward = types.MethodType(_average_moe_forward, moe)
+    model.unpatchify = lambda tokens, img_sizes, is_training: tokens
+
+    def undo() -> None:
+        for moe in moes:
+            del moe.forward
+        del model.unpatchify
+
+    return undo
+
+
 def _swiglu(prefix: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(column-parallel, row-parallel) patterns of the SwiGLU feed-forward at ``prefix``."""
     return (f"{prefix}.w1", f"{prefix}.w3"), (f"{prefix}.w2",)
@@ -301,5 +330,6 @@ HIDREAM = register(
         synth_archs=(HIDREAM_TINY, HIDREAM_I1),
         synth_components=hidream_components,
         vae=KL_VAE_PLAN,
+        meta_trace=hidream_meta_trace,
     )
 )
