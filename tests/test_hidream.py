@@ -112,10 +112,12 @@ def test_hidream_padded_keys_take_part_in_the_attention():
     assert rel_err(trimmed, padded) > 1e-3
 
 
-def test_hidream_cache_decides_as_one_process_under_ulysses(pools, hidream_tiny):
-    assert_cache_decides_as_one_process(pools, hidream_tiny, {"ulysses": 2}, "dbcache:threshold=0.85,first=1,last=1",
-                                        steps=5, prompts=PROMPTS, size=64, max_sequence_length=32,
-                                        pipe_attrs={"default_sample_size": 8})
+# dbcache's middle (blocks 1-2) spans the last double block and the first single block: its residual is taken over
+# the joined sequence; teacache reads the first double block's modulated image stream
+@pytest.mark.parametrize("setting", ["dbcache:threshold=0.85,first=1,last=1", "teacache:threshold=1.0,warmup=1"])
+def test_hidream_cache_decides_as_one_process_under_ulysses(pools, hidream_tiny, setting):
+    assert_cache_decides_as_one_process(pools, hidream_tiny, {"ulysses": 2}, setting, steps=5, prompts=PROMPTS,
+                                        size=64, max_sequence_length=32, pipe_attrs={"default_sample_size": 8})
 
 
 def test_hidream_pipefusion_is_refused_in_one_line():
