@@ -120,6 +120,17 @@ def test_hidream_cache_decides_as_one_process_under_ulysses(pools, hidream_tiny,
                                         size=64, max_sequence_length=32, pipe_attrs={"default_sample_size": 8})
 
 
+def test_remove_after_tensor_and_sequence_parallel_hidream_gives_back_the_pipeline(pools, hidream_tiny):
+    # sharded experts and QK-norms, the sequence processors and hooks: all undone
+    from cases_hooks import remove_restores_case
+
+    for diffs, parallel_err, after_remove in pools(4).run(remove_restores_case, hidream_tiny, {"tp": 2, "ulysses": 2},
+                                                             pipe_attrs={"default_sample_size": 6}):
+        assert diffs == []
+        assert parallel_err <= 1e-5
+        assert after_remove == 0.0
+
+
 def test_hidream_pipefusion_is_refused_in_one_line():
     from ditmesh.models import adapter_for_class
     from ditmesh.parallel.pipefusion import check_blocks
