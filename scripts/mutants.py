@@ -76,7 +76,7 @@ T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 T_HIDREAM = "tests/test_hidream.py::test_hidream_pipeline_matches_single_process"
 T_HIDREAM_NS = "tests/test_hidream.py::test_hidream_non_square_latents_with_their_key_mask_match_single_process"
-T_HIDREAM_DP = "tests/test_hidream.py::test_hidream_data_parallel_splits_an_uneven_prompt_count"
+T_HIDREAM_DP = "tests/test_batch_parallel_models.py::test_hidream_dp2_three_prompts_matches_single_in_order"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -277,7 +277,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("hidream-shared-expert-replicated", "models/hidream.py",
            'ffs = [f"{blocks}.*.block.ff_i.experts.*", f"{blocks}.*.block.ff_i.shared_experts"]',
            'ffs = [f"{blocks}.*.block.ff_i.experts.*"]',
-           (f"{T_HIDREAM}[tp2-even]",),
+           (f"{T_MODELS_TP}[hidream-tiny-tp2]",),
            "the MoE's shared expert stays whole on every tp rank (exact, but the weights and all-reduces are not the "
            "plan's)"),
     Mutant("hidream-llama-batch-dim-0", "models/hidream.py",

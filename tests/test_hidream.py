@@ -1,7 +1,7 @@
-"""HiDream-I1 under every axis on real gloo process groups, against one process: image, T5 and Llama states split as
-streams of their own (Ulysses, ring, USP, even and uneven counts), the heads and every SwiGLU of the MoE shard (TP),
-the batched CFG halves and the prompts run on their own ranks (cfg, dp), non-square latents padded with their key mask,
-and a step cache deciding as one process.
+"""HiDream-I1 on real gloo process groups, against one process: image, T5 and Llama states split as streams of their
+own, the heads and every SwiGLU of the MoE shard, mixed axes (tp x ulysses, tp x ring, tp 4), non-square latents padded
+with their key mask, step caches deciding as one process, remove(), the planner's meta trace; the rest of the matrix
+is in test_models_sp.py, test_tensor_parallel_models.py and test_batch_parallel_models.py.
 
 HiDreamImagePipeline renders ``default_sample_size`` squared latent pixels whatever size is asked (it keeps only the
 aspect ratio), so the tests set it on the loaded pipeline: 8 gives 64x64 images (16 image tokens), 6 gives 48x48 (9).
@@ -26,10 +26,9 @@ STEPS = 2
 #: attention layers per call: 2 double + 2 single blocks
 LAYERS = 4
 #: all-reduces of one call under tp: double block: to_out, to_out_t, 4 sharded QK-norms, the text MLP, the shared
-#: expert and the 4 routed experts (each chose by some token) = 12; single block: to_out, 2 QK-norms, the shared
+#: expert and the 4 routed experts (each chosen by some token) = 12; single block: to_out, 2 QK-norms, the shared
 #: expert and 4 routed experts = 8
 TP_ALL_REDUCES = 2 * 12 + 2 * 8
-PROMPTS_3 = PROMPTS + ["a green triangle"]
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +39,21 @@ def hidream_tiny(tiny_checkpoints) -> str:
 _REFERENCES: dict = {}
 
 
-def run(path: str, config: dict, shape: str, prompt=PROMPTS):
-    return pipeline_generate(path, config, steps=STEPS, prompt=prompt, **SHAPES[shape])
+def run(path: str, config: dict, shape: str):
+    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
 
 
-def reference(path: str, shape: str, prompt=PROMPTS) -> torch.Tensor:
-    key = (shape, len(prompt))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run(path, {}, shape, prompt)[0]
-    return _REFERENCES[key]
+def reference(path: str, shape: str) -> torch.Tensor:
+    if shape not in _REFERENCES:
+        _REFERENCES[shape] = run(path, {}, shape)[0]
+    return _REFERENCES[shape]
 
 
-# ulysses 4, ring 2 and 4 and ring 2 x ulysses 2, even and uneven: tests/test_models_sp.py
+# ulysses 4, ring 2 and 4 and ring 2 x ulysses 2, even and uneven: tests/test_models_sp.py; tp 2 (alone, x ulysses 2,
+# x ring 2, sharded loading) with the all-reduces of each block: tests/test_tensor_parallel_models.py; cfg 2 (alone and
+# x ulysses 2) and dp 2 over 3 prompts: tests/test_batch_parallel_models.py
 @pytest.mark.parametrize("config, shape", [
-    ({"ulysses": 2}, "even"), ({"tp": 2}, "even"), ({"tp": 4}, "even"), ({"cfg": 2}, "even"),
+    ({"ulysses": 2}, "even"), ({"tp": 4}, "even"),
     ({"ulysses": 2}, "uneven"), ({"tp": 2, "ulysses": 2}, "uneven"), ({"tp": 2, "ring": 2}, "uneven"),
 ], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 def test_hidream_pipeline_matches_single_process(pools, hidream_tiny, config, shape):
@@ -61,13 +61,6 @@ def test_hidream_pipeline_matches_single_process(pools, hidream_tiny, config, sh
     outs = pools(math.prod(config.values())).run(run, hidream_tiny, config, shape)
     # batched CFG: one transformer call per step
     check_ranks(outs, ref, STEPS, pipeline_counts(config, STEPS, LAYERS, TP_ALL_REDUCES, calls_per_step=1))
-
-
-def test_hidream_data_parallel_splits_an_uneven_prompt_count(pools, hidream_tiny):
-    # 3 prompts: the batched [uncond x 3, cond x 3] call splits 3 / 3, each rank with a mix of both halves
-    ref = reference(hidream_tiny, "uneven", PROMPTS_3)
-    outs = pools(2).run(run, hidream_tiny, {"dp": 2}, "uneven", PROMPTS_3)
-    check_ranks(outs, ref, STEPS, {"all_gather": STEPS})
 
 
 def _non_square_inputs() -> dict:
