@@ -124,6 +124,19 @@ def test_remove_after_tensor_and_sequence_parallel_hidream_gives_back_the_pipeli
         assert after_remove == 0.0
 
 
+def test_hidream_cuda_graphs_are_refused_in_one_line():
+    # the MoE reads its routing on the host in every call, which no CUDA graph can capture
+    from ditmesh import ConfigError, ParallelConfig, parallelize
+    from ditmesh.synth import build_transformer
+
+    class Pipe:
+        transformer = build_transformer("hidream-tiny", dtype=torch.float32)
+
+    with pytest.raises(ConfigError, match="CUDA graphs do not run hidream: its MoE") as error:
+        parallelize(Pipe, ParallelConfig(), cuda_graph=True)
+    assert "\n" not in str(error.value)
+
+
 def test_hidream_pipefusion_is_refused_in_one_line():
     from ditmesh.models import adapter_for_class
     from ditmesh.parallel.pipefusion import check_blocks

@@ -375,6 +375,8 @@ class ModelAdapter:
     whole_attention: AttentionSelector | None = None
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
+    #: why a transformer call of the family cannot be captured in a CUDA graph (one line), or None: it can
+    graph_refusal: str | None = None
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None

@@ -331,5 +331,7 @@ HIDREAM = register(
         synth_components=hidream_components,
         vae=KL_VAE_PLAN,
         meta_trace=hidream_meta_trace,
+        graph_refusal="its MoE feed-forward counts the tokens of each expert on the host in every call "
+                      "(MOEFeedForwardSwiGLU.moe_infer)",
     )
 )
