@@ -75,6 +75,9 @@ T_DISP = "tests/test_displaced.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
+T_HIDREAM = "tests/test_hidream.py::test_hidream_pipeline_matches_single_process"
+T_HIDREAM_NS = "tests/test_hidream.py::test_hidream_non_square_latents_with_their_key_mask_match_single_process"
+T_HIDREAM_DP = "tests/test_batch_parallel_models.py::test_hidream_dp2_three_prompts_matches_single_in_order"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -247,6 +250,41 @@ MUTANTS: tuple[Mutant, ...] = (
            '"transformer_blocks.*": {"modulate_index": Split(dim=1, stream="image", ndim=3)}',
            (f"{T_QWEN_EDIT}[{{'ulysses': 2}}]",),
            "an edit checkpoint's modulate_index [B, N] is never split with the image tokens"),
+    Mutant("hidream-rope-ids-whole", "models/hidream.py",
+           '"pe_embedder": {"ids": Split(dim=1, stream="image", ndim=3, leading=True)},', '',
+           (f"{T_HIDREAM}[ulysses2-even]",),
+           "HiDream's RoPE ids stay whole while the image tokens are split"),
+    Mutant("hidream-rope-ids-split-whole-length", "parallel/sequence.py",
+           "n = splitter.stream_length(spec.stream)", "n = value.shape[spec.dim]",
+           (f"{T_HIDREAM}[ulysses2-even]",),
+           "a leading split cuts the whole tensor (image and local text ids) as the image stream"),
+    Mutant("hidream-llama-split-on-layers", "models/hidream.py",
+           '"encoder_hidden_states_llama3": Split(dim=2, stream="llama", ndim=4)',
+           '"encoder_hidden_states_llama3": Split(dim=1, stream="llama", ndim=4)',
+           (f"{T_HIDREAM}[ulysses2-even]",),
+           "the Llama stack is cut along its batch, not its tokens"),
+    Mutant("hidream-block-llama-not-counted", "models/hidream.py",
+           'ATTENTION_STREAMS = ("image", "t5", "llama", "llama")', 'ATTENTION_STREAMS = ("image", "t5", "llama")',
+           (f"{T_HIDREAM}[ulysses2-uneven]",),
+           "the attention's local lengths leave out the block's own Llama states"),
+    Mutant("hidream-single-mask-not-split", "models/hidream.py",
+           '"single_stream_blocks.*": {"hidden_states_masks": Split(dim=1, stream="image", ndim=2, leading=True)},', '',
+           (f"{T_HIDREAM_NS}[ulysses2]",),
+           "the single blocks' key mask (image mask, then ones over the text) stays whole"),
+    Mutant("hidream-key-mask-dropped", "models/hidream.py",
+           "key = key * hidden_states_masks.view(batch, -1, 1, 1)", "key = key",
+           (f"{T_HIDREAM_NS}[ulysses2]",),
+           "HiDream's processor leaves the padded image keys unmasked on non-square latents"),
+    Mutant("hidream-shared-expert-replicated", "models/hidream.py",
+           'ffs = [f"{blocks}.*.block.ff_i.experts.*", f"{blocks}.*.block.ff_i.shared_experts"]',
+           'ffs = [f"{blocks}.*.block.ff_i.experts.*"]',
+           (f"{T_MODELS_TP}[hidream-tiny-tp2]",),
+           "the MoE's shared expert stays whole on every tp rank (exact, but the weights and all-reduces are not the "
+           "plan's)"),
+    Mutant("hidream-llama-batch-dim-0", "models/hidream.py",
+           'batch_dims={"encoder_hidden_states_llama3": 1},', "",
+           (T_HIDREAM_DP,),
+           "dp and cfg cut the Llama stack [layers, B, L, D] along its layers"),
     Mutant("flux2-fused-split-at-the-full-width", "models/flux2.py",
            "local_qkv = fused.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)", "local_qkv = qkv_dim",
            (f"{T_FLUX2}[tp2-ring2-uneven]",),  # under tp alone the model's own processor runs
@@ -276,7 +314,7 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_PIXART}test_pixart_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
            "PixArt's modulated input (what teacache measures) takes the shift for the scale"),
     Mutant("batch-dict-inputs-left-whole", "parallel/batch.py",
-           "return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}", "return value",
+           "return {key: _narrow_batch(v, batch, start, size, dim) for key, v in value.items()}", "return value",
            (f"{T_PIXART}test_pixart_alpha_micro_conditions_split_with_the_batch",),
            "dp leaves a dict of per-sample inputs (PixArt-α's added_cond_kwargs) whole on every rank"),
     Mutant("sana-key-sums-not-added-over-ranks", "models/sana.py",

@@ -15,8 +15,9 @@ def flux_call(model: str, config: dict, call: dict, steps: int = 2):
         return "error: " + str(exc)
 
 
-def pipe_call(model: str, config: dict, call: dict, steps: int = 2):
-    """Any DiffusionPipeline folder with ``call`` kwargs under ``config``; returns (final latents, collective counts)."""
+def pipe_call(model: str, config: dict, call: dict, steps: int = 2, pipe_attrs: dict | None = None):
+    """Any DiffusionPipeline folder with ``call`` kwargs under ``config`` (``pipe_attrs``: attributes set on the loaded
+    pipeline); returns (final latents, collective counts)."""
     from diffusers import DiffusionPipeline
 
     from ditmesh import ParallelConfig, parallelize
@@ -24,6 +25,8 @@ def pipe_call(model: str, config: dict, call: dict, steps: int = 2):
 
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    for name, value in (pipe_attrs or {}).items():
+        setattr(pipe, name, value)
     parallelize(pipe, ParallelConfig(**config))
     final = {}
 

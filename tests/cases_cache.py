@@ -14,9 +14,10 @@ def tiny_model() -> str:
 
 
 def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 10, prompts=TINY_PROMPTS[:1],
-               cfg: bool = False, size: int = 64, compile: bool = False, **extra):
+               cfg: bool = False, size: int = 64, compile: bool = False, pipe_attrs: dict | None = None, **extra):
     """Final latents, the cache's decisions and the collectives of the call, for ``model`` (default: the tiny
-    trained pipeline, whose steps repeat themselves as a real model's do) under ``config`` with ``cache``."""
+    trained pipeline, whose steps repeat themselves as a real model's do) under ``config`` with ``cache``
+    (``pipe_attrs``: attributes set on the loaded pipeline)."""
     from diffusers import DiffusionPipeline
 
     from ditmesh import ParallelConfig, parallelize
@@ -25,6 +26,8 @@ def cached_run(model: str | None, config: dict, cache: str | None, steps: int = 
     torch.manual_seed(0)
     pipe = DiffusionPipeline.from_pretrained(model or tiny_model(), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    for name, value in (pipe_attrs or {}).items():
+        setattr(pipe, name, value)
     runtime = parallelize(pipe, ParallelConfig(**config), cache=cache, compile=compile)
     for step_cache in runtime.caches.values():
         step_cache.record_local = True

@@ -55,9 +55,9 @@ def _same(a: dict, b: dict) -> list[str]:
 
 
 def remove_restores_case(model: str, config: dict, fuse_qkv: bool = False, broadcast_text: bool = True,
-                         extra: dict | None = None, options: dict | None = None):
+                         extra: dict | None = None, options: dict | None = None, pipe_attrs: dict | None = None):
     """parallelize (with more ``options``), run, remove: the pipeline must equal one never parallelized, and give the
-    same outputs.
+    same outputs (``pipe_attrs``: attributes set on the loaded pipeline, as HiDream's ``default_sample_size``).
 
     Returns (differences after remove, rel err of the parallel run, max abs diff of the run after remove
     against the run before parallelize).
@@ -69,6 +69,8 @@ def remove_restores_case(model: str, config: dict, fuse_qkv: bool = False, broad
     extra = extra or {}
     torch.manual_seed(0)
     pipe = _load(model)
+    for name, value in (pipe_attrs or {}).items():
+        setattr(pipe, name, value)
     reference = _call(pipe, **extra)
     before = _snapshot(pipe)  # after a call: diffusers' own cache_context leaves its hook registry on the model
     if broadcast_text:

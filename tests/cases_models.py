@@ -50,9 +50,11 @@ def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None
 
 def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
                       max_sequence_length: int = 32, guidance_scale: float = 5.0, prompt: str = "a red circle",
-                      fuse_qkv: bool = False, chunk_tokens=None, extra: dict | None = None):
+                      fuse_qkv: bool = False, chunk_tokens=None, extra: dict | None = None,
+                      pipe_attrs: dict | None = None):
     """Run the pipeline in folder ``model`` with ditmesh ``config`` (and ``chunk_tokens``) on this rank (``extra``:
-    more call kwargs).
+    more call kwargs; ``pipe_attrs``: attributes set on the loaded pipeline, such as HiDream's
+    ``default_sample_size``, which fixes the image area whatever the size asked).
 
     Returns ``(final latents, collectives issued during the call, number of transformer calls)``. Works
     for image pipelines (SD3) and video pipelines (Wan, with ``frames``); a pipeline without
@@ -66,6 +68,8 @@ def pipeline_generate(model: str, config: dict, steps: int = 2, height: int = 64
     torch.manual_seed(0)
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    for name, value in (pipe_attrs or {}).items():
+        setattr(pipe, name, value)
     parallelize(pipe, ParallelConfig(**config), fuse_qkv=fuse_qkv, chunk_tokens=chunk_tokens)
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda module, args: calls.append(1))

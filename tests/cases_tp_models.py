@@ -9,9 +9,11 @@ import torch.distributed as dist
 
 
 def _blocks(transformer) -> list[tuple[str, torch.nn.Module]]:
-    """(name, block) of the transformer's blocks: ``transformer_blocks`` (SD3) or ``blocks`` (Wan)."""
-    attr = "transformer_blocks" if hasattr(transformer, "transformer_blocks") else "blocks"
-    return [(f"{attr}.{i}", b) for i, b in enumerate(getattr(transformer, attr))]
+    """(name, block) of the transformer's blocks, in forward order (its adapter's block lists)."""
+    from ditmesh.models.base import adapter_for
+
+    return [(f"{spec.path}.{i}", b) for spec in adapter_for(transformer).blocks
+            for i, b in enumerate(transformer.get_submodule(spec.path))]
 
 
 def _counters(transformer):
@@ -38,8 +40,10 @@ def _counters(transformer):
 
 
 def tp_model_case(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, frames: int | None = None,
-                  max_sequence_length: int = 32, guidance_scale: float = 5.0, sharded_load: bool = False):
-    """The pipeline in folder ``model`` (SD3 or Wan) under ``config`` on this rank.
+                  max_sequence_length: int = 32, guidance_scale: float = 5.0, sharded_load: bool = False,
+                  pipe_attrs: dict | None = None):
+    """The pipeline in folder ``model`` (SD3, Wan or HiDream) under ``config`` on this rank (``pipe_attrs``: attributes
+    set on the loaded pipeline).
 
     Returns a dict: final latents, collectives of the whole call, collectives of each transformer call and of
     each block during the first call, this rank's parameter bytes and ``replicated + sharded // tp``.
@@ -55,6 +59,8 @@ def tp_model_case(model: str, config: dict, steps: int = 2, height: int = 64, wi
     torch.manual_seed(0)
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    for name, value in (pipe_attrs or {}).items():
+        setattr(pipe, name, value)
     replicated, sharded = tensor.partition_bytes(pipe.transformer, adapter_for(pipe.transformer).tensor_plan, tp)
     if sharded_load:
         pipe.transformer = tensor.load_sharded_transformer(model, dist.get_rank() % tp, tp, "cpu", torch.float32)

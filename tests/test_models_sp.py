@@ -1,4 +1,4 @@
-"""SD3 and Wan under sequence parallelism on real gloo process groups, against single-process results.
+"""SD3, Wan and HiDream under sequence parallelism on real gloo process groups, against single-process results.
 
 Matrix: model x parallel configuration x token counts that divide the degree or not. Add ring / USP
 configurations to ``CONFIGS`` (with their expected collectives in ``expected_counts``) and every model and
@@ -30,12 +30,19 @@ SHAPES = {
         "even": dict(height=64, width=64, frames=5),  # 2 x 4 x 4 = 32 tokens
         "uneven": dict(height=48, width=48, frames=9),  # 3 x 3 x 3 = 27 tokens
     },
+    # image tokens and T5 and Llama tokens (max_sequence_length each); HiDreamImagePipeline renders
+    # default_sample_size^2 latent pixels whatever size is asked: 8 -> 64x64 (16 tokens), 6 -> 48x48 (9 tokens)
+    "hidream-tiny": {
+        "even": dict(height=64, width=64, max_sequence_length=32, pipe_attrs={"default_sample_size": 8}),
+        "uneven": dict(height=48, width=48, max_sequence_length=15, pipe_attrs={"default_sample_size": 6}),
+    },
 }
 
 #: attention layers that run through ``sp.attention`` in one transformer call
 SP_ATTENTION_LAYERS = {
     "sd3-tiny": 4,  # 3 joint attentions + the image-only attn2 of dual-attention block 0
     "wan-tiny": 2,  # one self-attention per block; the cross-attentions communicate nothing
+    "hidream-tiny": 4,  # 2 double + 2 single blocks, one attention each
 }
 
 CONFIGS = [{"ulysses": 2}, {"ulysses": 4}, {"ring": 2}, {"ring": 4}, {"ring": 2, "ulysses": 2}]
@@ -53,7 +60,7 @@ def expected_counts(model: str, config: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """Synthetic sd3-tiny and wan-tiny pipeline folders (seed 0)."""
+    """Synthetic sd3-tiny, wan-tiny and hidream-tiny pipeline folders (seed 0)."""
     from ditmesh.synth import write_checkpoint
 
     root = tmp_path_factory.mktemp("models")
@@ -80,8 +87,8 @@ def test_sequence_parallel_matches_single_process(pools, checkpoints, model, con
     per_call = expected_counts(model, config)
     for latents, counts, calls in outs:
         assert rel_err(latents, ref) <= 1e-5
-        # SD3 runs CFG as one batched call per step, Wan as two calls: 2 steps -> 2 or 4 calls
-        assert calls == {"sd3-tiny": 2, "wan-tiny": 4}[model]
+        # SD3 and HiDream run CFG as one batched call per step, Wan as two calls: 2 steps -> 2 or 4 calls
+        assert calls == {"sd3-tiny": 2, "wan-tiny": 4, "hidream-tiny": 2}[model]
         assert counts == {kind: n * calls for kind, n in per_call.items()}
     assert torch.equal(outs[0][0], outs[-1][0])
 

@@ -21,6 +21,8 @@ from ditmesh.testing import rel_err
 SHAPES = {
     "sd3-tiny": dict(height=64, width=64, max_sequence_length=35),
     "wan-tiny": dict(height=64, width=64, frames=5),
+    # 16 image + 32 T5 + 2 x 32 Llama tokens (HiDreamImagePipeline renders default_sample_size^2 latent pixels)
+    "hidream-tiny": dict(height=64, width=64, max_sequence_length=32, pipe_attrs={"default_sample_size": 8}),
 }
 
 #: all-reduces per block under tp > 1, in block order.
@@ -28,11 +30,13 @@ SHAPES = {
 #: block 1 a plain joint block (4), block 2 is context_pre_only (no to_add_out, no ff_context: 2).
 #: wan-tiny: attn1.to_out.0, attn2.to_out.0, ffn.net.2 (3 row-parallel) + the sharded QK-norms of both
 #: attentions (norm_q, norm_k: 4) = 7 per block.
-BLOCK_ALL_REDUCES = {"sd3-tiny": [5, 4, 2], "wan-tiny": [7, 7]}
+#: hidream-tiny: double block: to_out, to_out_t, 4 sharded QK-norms, the text MLP, the MoE's shared expert and its 4
+#: routed experts (each chosen by some token here) = 12; single block: to_out, 2 QK-norms, shared + 4 experts = 8.
+BLOCK_ALL_REDUCES = {"sd3-tiny": [5, 4, 2], "wan-tiny": [7, 7], "hidream-tiny": [12, 12, 8, 8]}
 #: attention layers that run through sp.attention in one transformer call (see test_models_sp.py)
-SP_ATTENTION_LAYERS = {"sd3-tiny": 4, "wan-tiny": 2}
+SP_ATTENTION_LAYERS = {"sd3-tiny": 4, "wan-tiny": 2, "hidream-tiny": 4}
 #: transformer calls per pipeline run of 2 steps: SD3 batches CFG in one call, Wan calls twice per step
-CALLS = {"sd3-tiny": 2, "wan-tiny": 4}
+CALLS = {"sd3-tiny": 2, "wan-tiny": 4, "hidream-tiny": 2}
 
 CONFIGS = [{"tp": 2}, {"tp": 2, "ulysses": 2}, {"tp": 2, "ring": 2}]
 
@@ -63,7 +67,7 @@ def _write_checkpoints(tmp_path_factory, folder: str, names) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    """Synthetic sd3-tiny and wan-tiny pipeline folders (seed 0)."""
+    """Synthetic sd3-tiny, wan-tiny and hidream-tiny pipeline folders (seed 0)."""
     return _write_checkpoints(tmp_path_factory, "tp-models", SHAPES)
 
 
@@ -89,8 +93,7 @@ def check_tp_results(results: list, ref: torch.Tensor, model: str, config: dict)
     for r in results:
         assert rel_err(r["latents"], ref) <= 1e-5
         assert r["param_bytes"] == r["expected_bytes"]  # replicated + sharded / tp, exactly
-        prefix = "transformer_blocks" if model == "sd3-tiny" else "blocks"
-        blocks = [r["per_block"][f"{prefix}.{i}"].get("all_reduce", 0) for i in range(len(BLOCK_ALL_REDUCES[model]))]
+        blocks = [counts.get("all_reduce", 0) for counts in r["per_block"].values()]  # in forward order
         assert blocks == BLOCK_ALL_REDUCES[model]
         assert r["calls"] == [expected] * CALLS[model]  # every transformer call, exactly
         assert r["counts"] == {k: v * CALLS[model] for k, v in expected.items()}  # nothing outside the transformer

@@ -327,6 +327,10 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     if device is None:
         device = next(first.parameters()).device
     if cuda_graph:
+        for model in models.values():
+            adapter = adapter_for(model)
+            if adapter.graph_refusal:
+                raise ConfigError(f"CUDA graphs do not run {adapter.name}: {adapter.graph_refusal}; drop the graph option")
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)

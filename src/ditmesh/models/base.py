@@ -25,11 +25,16 @@ class Split:
     ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
     timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
     list or tuple of tensors (SD3's ControlNet residuals) is split element by element.
+
+    ``leading``: the stream fills only the first ``stream_length`` entries along ``dim`` (the stream must have been
+    split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's
+    position ids: the image's, built whole, then the local text's).
     """
 
     dim: int
     stream: str
     ndim: int | None = None
+    leading: bool = False
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,8 @@ class ModelAdapter:
     tensor_plan: TensorPlan | None = None
     #: forward inputs that carry the batch in dim 0 (split by data/CFG parallelism); others are replicated
     batch_inputs: tuple[str, ...] = ()
+    #: batch inputs whose batch is another dim than 0, by name (HiDream's Llama states ``[layers, B, L, D]``: 1)
+    batch_dims: dict[str, int] = field(default_factory=dict)
     #: the forward input whose dim 0 counts the samples of a call (data/CFG parallelism splits by it)
     sample_input: str = "hidden_states"
     #: batch inputs that are lists with one tensor per sample (Z-Image's latents and captions): split by slicing the
@@ -368,6 +375,11 @@ class ModelAdapter:
     whole_attention: AttentionSelector | None = None
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
+    #: why a transformer call of the family cannot be captured in a CUDA graph (one line), or None: it can
+    graph_refusal: str | None = None
+    #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
+    #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
+    meta_trace: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     notes: dict = field(default_factory=dict)

@@ -125,7 +125,7 @@ class BatchParallel:
             for name in self.adapter.batch_inputs:
                 value = kwargs.get(name)
                 kwargs[name] = value[start:start + size] if name in self.adapter.sample_lists \
-                    else _narrow_batch(value, batch, start, size)
+                    else _narrow_batch(value, batch, start, size, self.adapter.batch_dims.get(name, 0))
             ctx.skip = size == 0
         return kwargs
 
@@ -153,15 +153,15 @@ class BatchParallel:
         return with_output_sample(output, sample)
 
 
-def _narrow_batch(value, batch: int, start: int, size: int):
-    """This rank's batch chunk of a tensor, of each tensor of a list (ControlNet residuals) or of each value of a dict
-    (PixArt-α's micro-conditions, ``added_cond_kwargs``)."""
+def _narrow_batch(value, batch: int, start: int, size: int, dim: int = 0):
+    """This rank's batch chunk (along ``dim``) of a tensor, of each tensor of a list (ControlNet residuals) or of each
+    value of a dict (PixArt-α's micro-conditions, ``added_cond_kwargs``)."""
     if isinstance(value, dict):
-        return {key: _narrow_batch(v, batch, start, size) for key, v in value.items()}
+        return {key: _narrow_batch(v, batch, start, size, dim) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_narrow_batch(v, batch, start, size) for v in value)
-    if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == batch:
-        return value.narrow(0, start, size)
+        return type(value)(_narrow_batch(v, batch, start, size, dim) for v in value)
+    if isinstance(value, torch.Tensor) and value.ndim > dim and value.shape[dim] == batch:
+        return value.narrow(dim, start, size)
     return value
 
 

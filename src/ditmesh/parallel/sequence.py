@@ -239,6 +239,10 @@ def split_value(splitter, value, spec: Split):
         return type(value)(split_value(splitter, v, spec) for v in value)
     if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
         return value
+    if spec.leading:  # the stream's tokens first, then tokens already local: only the former are cut
+        n = splitter.stream_length(spec.stream)
+        rest = value.narrow(spec.dim, n, value.shape[spec.dim] - n)
+        return torch.cat([splitter.split(value.narrow(spec.dim, 0, n), spec.dim, spec.stream), rest], dim=spec.dim)
     return splitter.split(value, spec.dim, spec.stream)
 
 

@@ -339,6 +339,8 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
         model = cls(**config).eval()
         # nn.Module._apply, not ModelMixin.to: same cast on meta tensors, without diffusers' fp32-module warning
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    if adapter.meta_trace is not None:
+        adapter.meta_trace(model)  # the traced model is the planner's own: nothing to undo
     if chunk:
         from ..attention.local import QueryChunks
         from ..parallel import chunk as chunking
