@@ -1,0 +1,86 @@
+"""CogVideoX under every axis on real gloo process groups, against one process: text and video split as streams of
+their own where the model cuts them apart, the pipeline's RoPE table cut with the video tokens, the heads shard (TP),
+the batched CFG call's halves and the prompts on their own ranks (cfg, dp); odd token counts split unevenly. CogVideoX
+1.0 2B (no RoPE, positions added whole in patch_embed) and 1.5 (two latent frames a patch) under Ulysses and ring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cases_models import PROMPTS, axis_id, check_ranks, pipeline_counts, pipeline_generate
+from ditmesh.testing import rel_err
+
+#: video tokens ((frames - 1) / 4 + 1 latent frames x H/16 x W/16) and text tokens (max_sequence_length, every prompt
+#: padded to it): 32 + 32 divide 2 and 4; 27 + 31 divide neither
+SHAPES = {"even": dict(height=64, width=64, frames=5, max_sequence_length=32),
+          "uneven": dict(height=48, width=48, frames=9, max_sequence_length=31),
+          # 2B's sine-cosine positions cover max_text_seq_length (32) text tokens: only the video is uneven (27)
+          "odd-video": dict(height=48, width=48, frames=9, max_sequence_length=32)}
+BLOCKS = 2
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def cogvideox(tiny_checkpoints):
+    return tiny_checkpoints
+
+
+_REFERENCES: dict = {}
+
+
+def run(path: str, config: dict, shape: str):
+    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, guidance_scale=5.0, **SHAPES[shape])
+
+
+def reference(path: str, shape: str) -> torch.Tensor:
+    if (path, shape) not in _REFERENCES:
+        _REFERENCES[path, shape] = run(path, {}, shape)[0]
+    return _REFERENCES[path, shape]
+
+
+def expected_counts(config: dict) -> dict:
+    """Collectives of one pipeline call: 2 steps x 1 transformer call ([uncond, cond] batched); under tp 2
+    all-reduces per block (attention output, feed-forward)."""
+    return pipeline_counts(config, STEPS, BLOCKS, all_reduces_per_call=2 * BLOCKS, calls_per_step=1)
+
+
+@pytest.mark.parametrize("config, shape", [
+    ({"ulysses": 2}, "even"), ({"ring": 2}, "even"), ({"tp": 2}, "even"), ({"cfg": 2}, "even"), ({"ring": 4}, "even"),
+    ({"ulysses": 2}, "uneven"), ({"ulysses": 4}, "uneven"), ({"ring": 2}, "uneven"), ({"ring": 2, "ulysses": 2}, "uneven"),
+    ({"tp": 2, "ring": 2}, "uneven"), ({"dp": 2}, "uneven"),
+], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
+def test_cogvideox_pipeline_matches_single_process(pools, cogvideox, config, shape):
+    path = cogvideox("cogvideox-tiny")
+    ref = reference(path, shape)
+    check_ranks(pools(math.prod(config.values())).run(run, path, config, shape), ref, STEPS, expected_counts(config))
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}], ids=axis_id)
+@pytest.mark.parametrize("arch", ["cogvideox-2b-tiny", "cogvideox1.5-tiny"])
+def test_cogvideox_1_0_without_rope_and_1_5_match_single_process(pools, cogvideox, arch, config):
+    path = cogvideox(arch)
+    ref = reference(path, "odd-video")
+    check_ranks(pools(2).run(run, path, config, "odd-video"), ref, STEPS, expected_counts(config))
+
+
+def test_cogvideox_rope_and_positions_matter(cogvideox):
+    # the three variants differ only in positions: without the RoPE split test above could pass with any table
+    outs = [reference(cogvideox(arch), "odd-video") for arch in ("cogvideox-tiny", "cogvideox-2b-tiny")]
+    assert outs[0].shape == outs[1].shape and rel_err(outs[0], outs[1]) > 1e-2
+
+
+def test_cogvideox_real_size_matches_the_published_config():
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import get_arch
+
+    t = get_arch("cogvideox-5b").transformer
+    assert (t["num_layers"], t["num_attention_heads"], t["attention_head_dim"], t["text_embed_dim"]) == (42, 48, 64, 4096)
+    assert t["use_rotary_positional_embeddings"] and t["patch_size"] == 2
+    adapter = adapter_for_class("CogVideoXTransformer3DModel")
+    layout = adapter.layout(t, 480, 720, 49, 226)
+    assert layout.image_tokens == 13 * 30 * 45 and layout.split_tokens == 17550 + 226
+    assert layout.latent_shape == (13, 16, 60, 90)
+    assert adapter.frames_error(48) is not None and adapter.frames_error(49) is None
