@@ -104,3 +104,30 @@ def test_hunyuan_video_real_size_matches_the_published_config():
     assert layout.latent_shape == (16, 33, 90, 160)
     with pytest.raises(ValueError, match="4k\\+1"):
         adapter_for_class("HunyuanVideoTransformer3DModel").layout(t, 720, 1280, 128, 256)
+
+
+def _token_replace_call():
+    """HunyuanVideo-I2V's token-replace layout of hunyuan-video-tiny and one step's inputs (5 frames at 32x32)."""
+    import dataclasses
+
+    from ditmesh.models import adapter_for
+    from ditmesh.synth import build_transformer, get_arch
+
+    arch = get_arch("hunyuan-video-tiny")
+    arch = dataclasses.replace(arch, transformer=dict(arch.transformer, image_condition_type="token_replace"))
+    model = build_transformer(arch)
+    inputs = adapter_for(model).example_inputs(model, 32, 32, 1, 8, torch.Generator().manual_seed(0), "cpu",
+                                               torch.float32, frames=5)
+    return arch, inputs
+
+
+def test_hunyuan_video_token_replace_is_refused_under_sequence_parallelism_and_runs_under_tp(pools):
+    from cases_models import refused_call, transformer_call
+
+    arch, inputs = _token_replace_call()
+    for message in pools(2).run(refused_call, arch, {"ulysses": 2}, inputs):
+        assert "token_replace" in message and "use tp, cfg or dp" in message and "\n" not in message
+    ref, _ = transformer_call(arch, {}, inputs)
+    for out, counts in pools(2).run(transformer_call, arch, {"tp": 2}, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == {"all_reduce": 2 * 4 + 2 * 1}

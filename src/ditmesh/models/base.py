@@ -370,6 +370,10 @@ class ModelAdapter:
     vae: VaePlan | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
+    #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming
+    #: what would work), or None: ``parallelize`` refuses it with that line (HunyuanVideo's token-replace blocks under
+    #: sequence parallelism). None: every configuration the plans allow runs
+    unsupported: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

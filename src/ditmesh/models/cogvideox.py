@@ -80,8 +80,10 @@ def cogvideox_rotary_table(model, height: int, width: int, latent_frames: int, d
 def cogvideox_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one CogVideoXPipeline denoising step: random latents ``[B, frames, C, H/8, W/8]`` with
     ``(frames - 1) // 4 + 1`` latent frames (default 49 frames; 1.5 pads them to a multiple of ``patch_size_t`` as its
-    pipeline does), text embeddings and the pipeline's RoPE table."""
+    pipeline does), text embeddings (``max_text_seq_length`` of them where the model adds positions over the text,
+    CogVideoX 1.0 2B) and the pipeline's RoPE table."""
     cfg = model.config
+    text_len = cogvideox_text_tokens(cfg, text_len)
     frames = frames or 49
     latent_frames = (frames - 1) // 4 + 1
     if cfg.patch_size_t is not None:
@@ -97,6 +99,14 @@ def cogvideox_example_inputs(model, height, width, batch, text_len, generator, d
     )
 
 
+def cogvideox_text_tokens(config, text_tokens: int) -> int:
+    """The text tokens a checkpoint takes: without RoPE (CogVideoX 1.0 2B) ``patch_embed`` adds sine-cosine positions
+    over exactly ``max_text_seq_length`` text tokens; with RoPE any count."""
+    if config.get("use_rotary_positional_embeddings", False):
+        return text_tokens
+    return config.get("max_text_seq_length", 226)
+
+
 def cogvideox_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
     """Token counts of a CogVideoXPipeline call: 8x spatial and 4x temporal VAE, ``patch_size`` patches (and
     ``patch_size_t`` frames in 1.5, after the pipeline pads the latent frames). 480x720x49: 13 x 30 x 45 = 17,550
@@ -109,6 +119,7 @@ def cogvideox_layout(config: dict, height: int, width: int, frames: int, text_to
     latent_frames = (frames - 1) // 4 + 1
     latent_frames += -latent_frames % pt
     video = (latent_frames // pt) * (lh // p) * (lw // p)
+    text_tokens = cogvideox_text_tokens(config, text_tokens)
     return Layout(video, text_tokens, video + text_tokens, (latent_frames, config.get("in_channels", 16), lh, lw))
 
 

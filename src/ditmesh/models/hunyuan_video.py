@@ -18,8 +18,9 @@ and the processor hands it to ``sp.attention`` in the model's order, which reord
 
 Tensor plan: FLUX.1's (the same block layout and module names): dual blocks 4 all-reduces, single blocks 1 (the
 packed ``proj_out`` over attention and MLP). CFG: true CFG with a negative prompt, two calls per step (sequential);
-``guidance_scale`` is the distilled guidance, an input of one call. The image-to-video checkpoints' token-replace
-blocks (``image_condition_type="token_replace"``) modulate the first frame's tokens apart and are not covered.
+``guidance_scale`` is the distilled guidance, an input of one call. Image-to-video checkpoints that concatenate the
+image latents on channels (``latent_concat``) have the same tokens; those whose blocks modulate the first frame's
+tokens apart (``token_replace``) are refused under sequence parallelism (``unsupported``).
 
 The VAE (``AutoencoderKLHunyuanVideo``) runs whole on every rank: its causal convolutions pad height by replicating
 the edge rows inside ``forward``, which the parallel VAE's zero-row halos do not reproduce.
@@ -82,6 +83,17 @@ class HunyuanVideoSequenceParallelProcessor:
         if getattr(attn, "to_add_out", None) is not None:
             text_out = attn.to_add_out(text_out.contiguous())
         return video_out, text_out
+
+
+def hunyuan_video_unsupported(model, config) -> str | None:
+    """Why ``config`` cannot run this checkpoint exactly, or None. Token-replace checkpoints
+    (``image_condition_type="token_replace"``, HunyuanVideo-I2V) modulate the first latent frame's tokens apart inside
+    every block, at a token count that is global, so a rank holding a slice of the video would modulate the wrong
+    tokens; tensor, cfg and data parallelism leave the tokens whole."""
+    if model.config.get("image_condition_type") == "token_replace" and config.sp > 1:
+        return (f"HunyuanVideo's token-replace image conditioning (image_condition_type='token_replace') does not run "
+                f"under sequence parallelism (ulysses={config.ulysses}, ring={config.ring}); use tp, cfg or dp")
+    return None
 
 
 def hunyuan_video_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
@@ -245,5 +257,6 @@ HUNYUAN_VIDEO_ADAPTER = register(
         pipelines=("HunyuanVideoPipeline",),
         synth_archs=(HUNYUAN_VIDEO, HUNYUAN_VIDEO_TINY),
         synth_components=hunyuan_video_components,
+        unsupported=hunyuan_video_unsupported,
     )
 )
