@@ -74,6 +74,8 @@ T_PP = "tests/test_pipefusion.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
+T_HYV = "tests/test_hunyuan_video.py::test_hunyuan_video_pipeline_matches_single_process"
+T_COGVIDEOX = "tests/test_cogvideox.py::test_cogvideox_pipeline_matches_single_process"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -492,6 +494,38 @@ MUTANTS: tuple[Mutant, ...] = (
            "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
            (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
            "every rank steps on the first stage's output, which skipped the later blocks"),
+    Mutant("hunyuan-video-stream-order", "models/hunyuan_video.py",
+           "out = self.sp.attention(torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1),",
+           "out = self.sp.attention(torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1),",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's processor joins [text, video], the reverse of the order its key mask and output cut assume"),
+    Mutant("hunyuan-video-mask-dropped", "models/hunyuan_video.py",
+           "backend=self._attention_backend, mask=attention_mask)",
+           "backend=self._attention_backend)",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's sequence-parallel attention drops the padded-text key mask"),
+    Mutant("hunyuan-video-text-not-split", "models/hunyuan_video.py",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3),
+                                             "encoder_hidden_states": Split(dim=1, stream="text", ndim=3)}""",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}""",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's text tokens are left whole on every rank, so each joint attention sees them once per rank"),
+    Mutant("cogvideox-output-split-order", "models/cogvideox.py",
+           "text_out, video_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)",
+           "video_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's attention output is cut video first, though its tokens are text first"),
+    Mutant("cogvideox-rope-not-split", "models/cogvideox.py",
+           'inputs={"": {"image_rotary_emb": Split(dim=0, stream="video", ndim=2)},',
+           'inputs={"": {"image_rotary_emb": Split(dim=0, stream="video", ndim=3)},',
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's RoPE table (cos, sin [video, D]) stays whole while its video tokens are split"),
+    Mutant("cogvideox-text-not-split", "models/cogvideox.py",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3),
+                                             "encoder_hidden_states": Split(dim=1, stream="text", ndim=3)}""",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}""",
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's text tokens are left whole on every rank, so each joint attention sees them once per rank"),
 )
 
 

@@ -84,3 +84,28 @@ def test_cogvideox_real_size_matches_the_published_config():
     assert layout.image_tokens == 13 * 30 * 45 and layout.split_tokens == 17550 + 226
     assert layout.latent_shape == (13, 16, 60, 90)
     assert adapter.frames_error(48) is not None and adapter.frames_error(49) is None
+
+
+@pytest.mark.parametrize("world, rows, frames", [(2, 5, 5), (3, 5, 5), (3, 4, 2)])
+def test_cogvideox_vae_decode_split_along_height_matches_single_process(pools, world, rows, frames):
+    # 5 latent rows over 3 ranks: 2 + 2 + 1; 5 latent frames: two decoder calls (3 + 2 frames) with the causal cache
+    # between them on every rank, for its own rows
+    from torch import nn
+
+    from cases_vae import tiny_vae, vae_case
+
+    decoder = tiny_vae("cogvideox").decoder
+    convs = sum(isinstance(m, (nn.Conv2d, nn.Conv3d)) and m.kernel_size[-2] > 1 for m in decoder.modules())
+    norms = sum(isinstance(m, nn.GroupNorm) for m in decoder.modules())
+    calls = max(frames // 2, 1)  # two latent frames a decoder call, an odd one with the first two
+    for r in pools(world).run(vae_case, "cogvideox", "decode", rows, 3, frames):
+        assert r["err"] <= 1e-5 and r["restored"]
+        # a halo exchange per convolution taller than a row, a statistics gather per group norm, the output gather
+        assert r["counts"] == {"halo": calls * convs, "all_gather": calls * norms + 1}
+
+
+def test_cogvideox_vae_encodes_whole_on_every_rank(pools):
+    from cases_vae import vae_case
+
+    for r in pools(2).run(vae_case, "cogvideox", "encode", 5, 3, 5):
+        assert r["err"] == 0 and r["counts"] == {} and r["restored"]

@@ -18,7 +18,7 @@ Tensor plan (diffusers gives none): Q/K/V and the feed-forward's first linear co
 feed-forward's second linear row-parallel: 2 all-reduces per block; the QK-norms are LayerNorms over one head. CFG:
 one call on ``[uncond, cond]`` per step (batched), on with ``guidance_scale > 1``.
 
-The VAE (``AutoencoderKLCogVideoX``) runs whole on every rank (no ``VaePlan``).
+The VAE (``AutoencoderKLCogVideoX``) decodes split along height (``COGVIDEOX_VAE_PLAN``); it encodes whole.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, VaePlan, register, spatial_latent)
 
 
 class CogVideoXSequenceParallelProcessor:
@@ -133,6 +133,20 @@ COGVIDEOX_TENSOR_PLAN = TensorPlan(
              "transformer_blocks.*.ff.net.0.proj"),
     rowwise=("transformer_blocks.*.attn1.to_out.0", "transformer_blocks.*.ff.net.2"),
     per_rank_attrs={"transformer_blocks.*.attn1": ("heads",)},
+)
+
+
+#: The CogVideoX VAE's decode split along height. It decodes two latent frames at a time with a causal temporal cache
+#: that each rank keeps for its own rows (the cache is joined to the input in time, before the convolution whose rows
+#: the halos extend); its causal convolutions pad height through ``conv.padding``, its group norms (also inside the
+#: decoder's spatial norms) take statistics over the ranks, and the spatial norms' nearest resize of the latent to a
+#: level's rows maps local rows to local rows. Encode runs whole on every rank (``encode_method`` names no method):
+#: its downsamplers zero-pad the bottom row before their convolution inside a parent module, which the parallel VAE
+#: finds only for diffusers' ``Downsample2D``.
+COGVIDEOX_VAE_PLAN = VaePlan(
+    class_names=("AutoencoderKLCogVideoX",),
+    spatial_factor=lambda vae: 2 ** (len(vae.config.block_out_channels) - 1),
+    encode_method="",
 )
 
 
@@ -245,5 +259,6 @@ COGVIDEOX = register(
         pipelines=("CogVideoXPipeline",),
         synth_archs=COGVIDEOX_ARCHS,
         synth_components=cogvideox_components,
+        vae=COGVIDEOX_VAE_PLAN,
     )
 )
