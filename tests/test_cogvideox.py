@@ -109,3 +109,29 @@ def test_cogvideox_vae_encodes_whole_on_every_rank(pools):
 
     for r in pools(2).run(vae_case, "cogvideox", "encode", 5, 3, 5):
         assert r["err"] == 0 and r["counts"] == {} and r["restored"]
+
+
+def test_cogvideox_steps_are_counted_without_a_scheduler_step_index(cogvideox):
+    # CogVideoX's DDIM scheduler keeps no step_index: the context counts the steps by the pipeline's timestep
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+
+    pipe = DiffusionPipeline.from_pretrained(cogvideox("cogvideox-tiny"), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    assert not hasattr(pipe.scheduler, "step_index")
+    runtime = parallelize(pipe, ParallelConfig())
+    seen = []
+    pipe.transformer.register_forward_hook(lambda m, a, o: seen.append(runtime.context.step_index))
+    for steps in (3, 2):
+        pipe("a red circle", num_inference_steps=steps, height=32, width=32, num_frames=5, max_sequence_length=8,
+             output_type="latent")
+    assert seen == [0, 1, 2, 0, 1]
+
+
+def test_cogvideox_cache_decides_as_one_process_under_ulysses(pools, cogvideox):
+    from cases_cache import assert_cache_decides_as_one_process
+
+    assert_cache_decides_as_one_process(pools, cogvideox("cogvideox-tiny"), {"ulysses": 2},
+                                        "teacache:threshold=0.5,warmup=1", steps=5, prompts=PROMPTS, size=48,
+                                        num_frames=5, guidance_scale=5.0)
