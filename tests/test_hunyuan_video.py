@@ -49,8 +49,8 @@ def expected_counts(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("config, shape", [
-    ({"ulysses": 2}, "even"), ({"ring": 2}, "even"), ({"tp": 2}, "even"), ({"cfg": 2}, "even"), ({"ring": 4}, "even"),
-    ({"ulysses": 2}, "uneven"), ({"ulysses": 4}, "uneven"), ({"ring": 2}, "uneven"), ({"ring": 2, "ulysses": 2}, "uneven"),
+    ({"ulysses": 2}, "even"), ({"ring": 2}, "even"), ({"tp": 2}, "even"), ({"cfg": 2}, "even"),
+    ({"ulysses": 2}, "uneven"), ({"ulysses": 4}, "uneven"), ({"ring": 4}, "uneven"), ({"ring": 2, "ulysses": 2}, "uneven"),
     ({"tp": 2, "ulysses": 2}, "uneven"), ({"dp": 2}, "uneven"),
 ], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 def test_hunyuan_video_pipeline_matches_single_process(pools, hunyuan_video_tiny, config, shape):
@@ -131,3 +131,24 @@ def test_hunyuan_video_token_replace_is_refused_under_sequence_parallelism_and_r
     for out, counts in pools(2).run(transformer_call, arch, {"tp": 2}, inputs):
         assert rel_err(out, ref) <= 1e-5
         assert counts == {"all_reduce": 2 * 4 + 2 * 1}
+
+
+def test_hunyuan_video_pipefusion_is_refused_in_one_line():
+    # every attention takes the padded-text key mask, which PipeFusion's attention does not
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.config import ConfigError
+    from ditmesh.synth import build_transformer
+
+    class Pipe:
+        transformer = build_transformer("hunyuan-video-tiny")
+
+    with pytest.raises(ConfigError, match=r"PipeFusion \(pp=2\) does not take; use ulysses, ring, tp, cfg or dp$"):
+        parallelize(Pipe, ParallelConfig(pp=2))
+
+
+def test_hunyuan_video_cache_decides_as_one_process_under_ulysses(pools, hunyuan_video_tiny):
+    # teacache decides from the first dual block's modulated video stream (norm1, the adapter's modulated_input)
+    from cases_cache import assert_cache_decides_as_one_process
+
+    assert_cache_decides_as_one_process(pools, hunyuan_video_tiny, {"ulysses": 2}, "teacache:threshold=0.5,warmup=1",
+                                        steps=5, prompts=PROMPTS, size=48, num_frames=5, cfg=True)

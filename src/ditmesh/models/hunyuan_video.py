@@ -86,10 +86,13 @@ class HunyuanVideoSequenceParallelProcessor:
 
 
 def hunyuan_video_unsupported(model, config) -> str | None:
-    """Why ``config`` cannot run this checkpoint exactly, or None. Token-replace checkpoints
-    (``image_condition_type="token_replace"``, HunyuanVideo-I2V) modulate the first latent frame's tokens apart inside
-    every block, at a token count that is global, so a rank holding a slice of the video would modulate the wrong
-    tokens; tensor, cfg and data parallelism leave the tokens whole."""
+    """Why ``config`` cannot run this checkpoint exactly, or None. PipeFusion takes no attention mask. Token-replace
+    checkpoints (``image_condition_type="token_replace"``, HunyuanVideo-I2V) modulate the first latent frame's tokens
+    apart inside every block, at a token count that is global, so a rank holding a slice of the video would modulate
+    the wrong tokens; tensor, cfg and data parallelism leave the tokens whole."""
+    if config.pp > 1:
+        return (f"HunyuanVideo's attention always takes the padded-text key mask, which PipeFusion (pp={config.pp}) "
+                f"does not take; use ulysses, ring, tp, cfg or dp")
     if model.config.get("image_condition_type") == "token_replace" and config.sp > 1:
         return (f"HunyuanVideo's token-replace image conditioning (image_condition_type='token_replace') does not run "
                 f"under sequence parallelism (ulysses={config.ulysses}, ring={config.ring}); use tp, cfg or dp")
@@ -235,10 +238,12 @@ HUNYUAN_VIDEO_ADAPTER = register(
         attention=AttentionSelector(paths=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn")),
         sequence_processor=HunyuanVideoSequenceParallelProcessor,
         whole_attention=AttentionSelector(paths=("context_embedder.token_refiner.refiner_blocks.*.attn",)),
+        # no streams declared: PipeFusion's attention takes no key mask, and every HunyuanVideo attention has one
+        # (``unsupported`` says so for pp > 1); step caches need none
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
-                          ("hidden_states", "encoder_hidden_states"), ("video", "text")),
+                          ("hidden_states", "encoder_hidden_states")),
                 BlockList("single_transformer_blocks", ("hidden_states", "encoder_hidden_states"),
-                          ("hidden_states", "encoder_hidden_states"), ("video", "text"))),
+                          ("hidden_states", "encoder_hidden_states"))),
         token_wise=("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
         modulated_input=norm1_modulated_input,
         example_inputs=hunyuan_video_example_inputs,
