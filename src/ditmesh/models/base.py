@@ -207,6 +207,17 @@ def spatial_latent(height: int, width: int, multiple: int, what: str) -> tuple[i
     return height // 8, width // 8
 
 
+def temporal_latent(frames: int, step: int, what: str) -> int:
+    """Latent frames of a video of ``frames`` frames under a VAE that compresses time ``step``x, keeping the first
+    frame (``(frames - 1) // step + 1``), after checking ``frames`` is ``step * k + 1``.
+
+    Raises ValueError naming the value and the nearest count that works.
+    """
+    if frames < 1 or (frames - 1) % step:
+        raise ValueError(f"frames={frames} must be {step}k+1 for {what}; try {max(1, (frames - 1) // step * step + 1)}")
+    return (frames - 1) // step + 1
+
+
 # -- synthetic architectures ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SynthArch:

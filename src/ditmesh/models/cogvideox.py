@@ -30,7 +30,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, VaePlan, register, spatial_latent)
+                   TensorPlan, VaePlan, register, spatial_latent, temporal_latent)
 
 
 class CogVideoXSequenceParallelProcessor:
@@ -113,10 +113,7 @@ def cogvideox_layout(config: dict, height: int, width: int, frames: int, text_to
     video tokens. Text and video are both split (joint attention)."""
     p, pt = config.get("patch_size", 2), config.get("patch_size_t") or 1
     lh, lw = spatial_latent(height, width, 8 * p, f"CogVideoX (8x VAE, {p}x{p} patches)")
-    if frames < 1 or (frames - 1) % 4:
-        raise ValueError(f"frames={frames} must be 4k+1 for CogVideoX's 4x temporal VAE; "
-                         f"try {max(1, (frames - 1) // 4 * 4 + 1)}")
-    latent_frames = (frames - 1) // 4 + 1
+    latent_frames = temporal_latent(frames, 4, "CogVideoX's 4x temporal VAE")
     latent_frames += -latent_frames % pt
     video = (latent_frames // pt) * (lh // p) * (lw // p)
     text_tokens = cogvideox_text_tokens(config, text_tokens)

@@ -34,7 +34,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   norm1_modulated_input, register, spatial_latent)
+                   norm1_modulated_input, register, spatial_latent, temporal_latent)
 from .flux import FLUX_TENSOR_PLAN
 
 
@@ -122,10 +122,7 @@ def hunyuan_video_layout(config: dict, height: int, width: int, frames: int, tex
     (720x1280x129: 33 x 45 x 80 = 118,800 video tokens). Video and text tokens are both split (joint attention)."""
     p, pt = config.get("patch_size", 2), config.get("patch_size_t", 1)
     lh, lw = spatial_latent(height, width, 8 * p, f"HunyuanVideo (8x VAE, {p}x{p} patches)")
-    if frames < 1 or (frames - 1) % 4:
-        raise ValueError(f"frames={frames} must be 4k+1 for HunyuanVideo's 4x temporal VAE; "
-                         f"try {max(1, (frames - 1) // 4 * 4 + 1)}")
-    latent_frames = (frames - 1) // 4 + 1
+    latent_frames = temporal_latent(frames, 4, "HunyuanVideo's 4x temporal VAE")
     video = (latent_frames // pt) * (lh // p) * (lw // p)
     return Layout(video, text_tokens, video + text_tokens, (config.get("in_channels", 16), latent_frames, lh, lw))
 
