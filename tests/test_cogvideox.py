@@ -151,3 +151,12 @@ def test_cogvideox_pipefusion_warmup_is_exact_and_stale_steps_run_patch_by_patch
         for rank, (_, _, per_step, _, _) in enumerate(results):
             kind = "pp_send" if rank == 0 else "pp_recv"
             assert per_step == [{kind: 1 if step < warmup else patches, "broadcast": 1} for step in range(3)]
+
+
+@pytest.mark.parametrize("config", [{"tp": 2}, {"ring": 2}], ids=axis_id)
+def test_cogvideox_remove_gives_back_the_pipeline(pools, cogvideox, config):
+    from cases_hooks import remove_restores_case
+
+    for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, cogvideox("cogvideox-tiny"), config,
+                                                          extra={"num_frames": 5}):
+        assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0

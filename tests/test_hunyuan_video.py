@@ -152,3 +152,12 @@ def test_hunyuan_video_cache_decides_as_one_process_under_ulysses(pools, hunyuan
 
     assert_cache_decides_as_one_process(pools, hunyuan_video_tiny, {"ulysses": 2}, "teacache:threshold=0.5,warmup=1",
                                         steps=5, prompts=PROMPTS, size=48, num_frames=5, cfg=True)
+
+
+@pytest.mark.parametrize("config", [{"tp": 2}, {"ring": 2}], ids=axis_id)
+def test_hunyuan_video_remove_gives_back_the_pipeline(pools, hunyuan_video_tiny, config):
+    from cases_hooks import remove_restores_case
+
+    for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, hunyuan_video_tiny, config,
+                                                          extra={"num_frames": 5}):
+        assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0
