@@ -48,7 +48,7 @@ def expected_counts(config: dict) -> dict:
 
 
 @pytest.mark.parametrize("config, shape", [
-    ({"ulysses": 2}, "even"), ({"ring": 2}, "even"), ({"tp": 2}, "even"), ({"cfg": 2}, "even"),
+    ({"ulysses": 2}, "even"), ({"ring": 2}, "even"), ({"tp": 2}, "even"), ({"tp": 4}, "even"), ({"cfg": 2}, "even"),
     ({"ulysses": 2}, "uneven"), ({"ulysses": 4}, "uneven"), ({"ring": 4}, "uneven"), ({"ring": 2, "ulysses": 2}, "uneven"),
     ({"tp": 2, "ring": 2}, "uneven"), ({"dp": 2}, "uneven"),
 ], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
