@@ -78,6 +78,8 @@ T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 T_HIDREAM = "tests/test_hidream.py::test_hidream_pipeline_matches_single_process"
 T_HIDREAM_NS = "tests/test_hidream.py::test_hidream_non_square_latents_with_their_key_mask_match_single_process"
 T_HIDREAM_DP = "tests/test_batch_parallel_models.py::test_hidream_dp2_three_prompts_matches_single_in_order"
+T_HYV = "tests/test_hunyuan_video.py::test_hunyuan_video_pipeline_matches_single_process"
+T_COGVIDEOX = "tests/test_cogvideox.py::test_cogvideox_pipeline_matches_single_process"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -396,13 +398,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the count of calls within a step carries over into the next step"),
     Mutant("context-ignores-the-scheduler", "hooks.py",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), new_run)",
+           "self.ctx.begin_call(index, new_run)",
            "self.ctx.begin_call(None, new_run)",
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the context never learns the step index"),
     Mutant("context-never-starts-a-new-run", "hooks.py",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), new_run)",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), False)",
+           "self.ctx.begin_call(index, new_run)",
+           "self.ctx.begin_call(index, False)",
            (f"{T_HOME}test_every_pipeline_run_starts_its_steps_afresh",),
            "a pipeline run that starts at the step where the last one ended continues its call count"),
     Mutant("hook-order-sequence-outside-batch", "hooks.py",
@@ -553,6 +555,38 @@ MUTANTS: tuple[Mutant, ...] = (
            "slot = (self.name, layer, ctx.call_in_step)", "slot = (self.name, layer, 0)",
            (f"{T_DISP}test_displaced_composes_with_cfg_dp_and_tp",),
            "the cond and uncond calls of a step read each other's stale K/V"),
+    Mutant("hunyuan-video-stream-order", "models/hunyuan_video.py",
+           "out = self.sp.attention(torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1),",
+           "out = self.sp.attention(torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1),",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's processor joins [text, video], the reverse of the order its key mask and output cut assume"),
+    Mutant("hunyuan-video-mask-dropped", "models/hunyuan_video.py",
+           "backend=self._attention_backend, mask=attention_mask)",
+           "backend=self._attention_backend)",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's sequence-parallel attention drops the padded-text key mask"),
+    Mutant("hunyuan-video-text-not-split", "models/hunyuan_video.py",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3),
+                                             "encoder_hidden_states": Split(dim=1, stream="text", ndim=3)}""",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}""",
+           (f"{T_HYV}[ulysses2-even]",),
+           "HunyuanVideo's text tokens are left whole on every rank, so each joint attention sees them once per rank"),
+    Mutant("cogvideox-output-split-order", "models/cogvideox.py",
+           "text_out, video_out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)",
+           "video_out, text_out = out.split_with_sizes([out.shape[1] - text_len, text_len], dim=1)",
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's attention output is cut video first, though its tokens are text first"),
+    Mutant("cogvideox-rope-not-split", "models/cogvideox.py",
+           'inputs={"": {"image_rotary_emb": Split(dim=0, stream="video", ndim=2)},',
+           'inputs={"": {"image_rotary_emb": Split(dim=0, stream="video", ndim=3)},',
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's RoPE table (cos, sin [video, D]) stays whole while its video tokens are split"),
+    Mutant("cogvideox-text-not-split", "models/cogvideox.py",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3),
+                                             "encoder_hidden_states": Split(dim=1, stream="text", ndim=3)}""",
+           """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}""",
+           (f"{T_COGVIDEOX}[ulysses2-even]",),
+           "CogVideoX's text tokens are left whole on every rank, so each joint attention sees them once per rank"),
 )
 
 

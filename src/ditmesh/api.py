@@ -106,6 +106,9 @@ def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
     """Validate ``config`` against a transformer (head counts); raises :class:`ConfigError`."""
     adapter = adapter_for(transformer)
     config.check_heads(adapter.num_heads(transformer), type(transformer).__name__)
+    reason = adapter.unsupported(transformer, config) if adapter.unsupported is not None else None
+    if reason:
+        raise ConfigError(reason)
 
 
 def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list:

@@ -263,6 +263,8 @@ class ContextHook(Hook):
         self.ctx = ctx
         self.runtime = runtime
         self.pipe_ref = weakref.ref(pipe) if pipe is not None else (lambda: None)
+        #: :meth:`counted_step`'s state: the pipeline's timestep object of the step being counted, and its index
+        self.last_timestep, self.counted = None, 0
 
     def __call__(self, owner, call_next, args, kwargs):
         scheduler = getattr(self.pipe_ref(), "scheduler", None)
@@ -271,5 +273,22 @@ class ContextHook(Hook):
         new_run = timesteps is not None and timesteps is not self.ctx.timesteps
         if new_run:
             self.ctx.timesteps = timesteps
-        self.ctx.begin_call(scheduler_step_index(scheduler), new_run)
+        index = scheduler_step_index(scheduler)
+        if index is None and scheduler is not None:
+            index = self.counted_step(new_run)
+        self.ctx.begin_call(index, new_run)
         return call_next(args, kwargs)
+
+    def counted_step(self, new_run: bool) -> int | None:
+        """The step index of a pipeline whose scheduler keeps none (CogVideoX's DDIM and DPM schedulers): the steps
+        begun in this run, counted by the pipeline's ``_current_timestep``, which its loop sets to the next element
+        of ``timesteps`` (a new tensor object each step, the same for every call within a step). The last one is
+        held, so a new step's object cannot reuse its id. No host sync. None for a pipeline that sets none."""
+        current = getattr(self.pipe_ref(), "_current_timestep", None)
+        if current is None:
+            return None
+        if new_run or self.ctx.step_index is None:
+            self.last_timestep, self.counted = current, 0
+        elif current is not self.last_timestep:
+            self.last_timestep, self.counted = current, self.counted + 1
+        return self.counted

@@ -212,6 +212,17 @@ def spatial_latent(height: int, width: int, multiple: int, what: str) -> tuple[i
     return height // 8, width // 8
 
 
+def temporal_latent(frames: int, step: int, what: str) -> int:
+    """Latent frames of a video of ``frames`` frames under a VAE that compresses time ``step``x, keeping the first
+    frame (``(frames - 1) // step + 1``), after checking ``frames`` is ``step * k + 1``.
+
+    Raises ValueError naming the value and the nearest count that works.
+    """
+    if frames < 1 or (frames - 1) % step:
+        raise ValueError(f"frames={frames} must be {step}k+1 for {what}; try {max(1, (frames - 1) // step * step + 1)}")
+    return (frames - 1) // step + 1
+
+
 # -- synthetic architectures ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SynthArch:
@@ -382,6 +393,10 @@ class ModelAdapter:
     meta_trace: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
+    #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming
+    #: what would work), or None: ``parallelize`` refuses it with that line (HunyuanVideo's token-replace blocks under
+    #: sequence parallelism). None: every configuration the plans allow runs
+    unsupported: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

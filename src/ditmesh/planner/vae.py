@@ -113,7 +113,8 @@ def vae_decode(spec, height: int, width: int, frames: int = 1, batch: int = 1, c
     plan = vae_plan_for(vae)
     factor = plan.spatial_factor(vae) if plan is not None else 8
     channels = vae.config.get("latent_channels") or vae.config.get("z_dim")
-    is_video = getattr(plan, "tile_decoder", "") is None and "z_dim" in vae.config
+    # a video VAE: Wan's (z_dim, no tiled decode plan) or one that names its temporal compression (CogVideoX's)
+    is_video = (getattr(plan, "tile_decoder", "") is None and "z_dim" in vae.config) or "temporal_compression_ratio" in vae.config
     latent_frames = (frames - 1) // 4 + 1 if is_video else 1
     traced_frames = min(latent_frames, 2)
     lh, lw = height // factor, width // factor
