@@ -74,6 +74,8 @@ T_PP = "tests/test_pipefusion.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
+T_SKY = "tests/test_skyreels_v2.py::"
+T_SKY_DF = f"{T_SKY}test_skyreels_per_frame_timesteps_and_causal_mask_match_single_process"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -357,13 +359,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the count of calls within a step carries over into the next step"),
     Mutant("context-ignores-the-scheduler", "hooks.py",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), new_run)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)",
            "self.ctx.begin_call(None, new_run)",
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the context never learns the step index"),
     Mutant("context-never-starts-a-new-run", "hooks.py",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), new_run)",
-           "self.ctx.begin_call(scheduler_step_index(scheduler), False)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), False)",
            (f"{T_HOME}test_every_pipeline_run_starts_its_steps_afresh",),
            "a pipeline run that starts at the step where the last one ended continues its call count"),
     Mutant("hook-order-sequence-outside-batch", "hooks.py",
@@ -492,6 +494,22 @@ MUTANTS: tuple[Mutant, ...] = (
            "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
            (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
            "every rank steps on the first stage's output, which skipped the later blocks"),
+    Mutant("skyreels-causal-mask-dropped", "models/wan.py",
+           "backend=self._attention_backend, mask=attention_mask)", "backend=self._attention_backend, mask=None)",
+           (f"{T_SKY_DF}[ulysses2-even]",),
+           "the self-attention drops SkyReels-V2's block-causal mask: every frame sees the later ones"),
+    Mutant("skyreels-per-token-temb-left-whole", "models/skyreels_v2.py",
+           '"temb": Split(dim=2, stream="video", ndim=4)', '"temb": Split(dim=2, stream="video", ndim=5)',
+           (f"{T_SKY_DF}[ulysses2-even]",),
+           "diffusion forcing's per-token modulation [B, 6, N, D] is never cut with the tokens"),
+    Mutant("skyreels-gather-after-final-modulation", "models/skyreels_v2.py",
+           'gathers={"norm_out": Gather(dim=1, stream="video")}', 'gathers={"proj_out": Gather(dim=1, stream="video")}',
+           (f"{T_SKY_DF}[ring2-uneven]",),
+           "the tokens are gathered after proj_out, so the local tokens meet the whole per-token shift and scale"),
+    Mutant("loop-step-not-counted", "hooks.py",
+           "ctx.loop_step += 1", "ctx.loop_step += 0",
+           (f"{T_SKY}test_skyreels_diffusion_forcing_pipeline_matches_single_process[cfg2-even]",),
+           "a pipeline stepping copies of its scheduler stays at step 0: cfg 2 sees a third call in one step"),
 )
 
 

@@ -203,6 +203,10 @@ class ForwardContext:
     timesteps: object = field(default=None, repr=False)
     #: the step index of the run's first call: 0, or where an image-to-image run starts part-way (its strength)
     first_step: int = 0
+    #: a pipeline that steps copies of its scheduler (SkyReels-V2's diffusion forcing, one per latent frame): the
+    #: loop's ``_current_timestep`` of the last call and the iterations counted from it (:class:`ContextHook`)
+    loop_timestep: object = field(default=None, repr=False)
+    loop_step: int = 0
     #: PipeFusion: (index, count) of the patch the transformer computes now; (0, 1) in an exact (warm-up) call
     patch: tuple[int, int] | None = None
     #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
@@ -270,5 +274,23 @@ class ContextHook(Hook):
         new_run = timesteps is not None and timesteps is not self.ctx.timesteps
         if new_run:
             self.ctx.timesteps = timesteps
-        self.ctx.begin_call(scheduler_step_index(scheduler), new_run)
+        self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)
         return call_next(args, kwargs)
+
+    def step_index(self, scheduler, new_run: bool) -> int | None:
+        """The step of this call: the scheduler's position; for a pipeline that never steps its own scheduler (its
+        index stays None, no ``begin_index``) but steps copies of it (SkyReels-V2's diffusion forcing: one scheduler
+        per latent frame), the iterations of its loop, counted where the pipeline sets its ``_current_timestep``
+        anew (every diffusers denoising loop does, once per iteration, before its transformer calls)."""
+        index = scheduler_step_index(scheduler)
+        current = getattr(self.pipe_ref(), "_current_timestep", None)
+        if (scheduler is None or current is None or getattr(scheduler, "step_index", 0) is not None
+                or getattr(scheduler, "begin_index", None) is not None):
+            return index
+        ctx = self.ctx
+        if new_run or ctx.loop_timestep is None:
+            ctx.loop_step = 0
+        elif current is not ctx.loop_timestep:
+            ctx.loop_step += 1
+        ctx.loop_timestep = current
+        return ctx.loop_step
