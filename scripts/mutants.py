@@ -75,6 +75,8 @@ T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 T_SKY = "tests/test_skyreels_v2.py::"
+T_MOCHI = "tests/test_mochi.py::"
+T_MOCHI_T = f"{T_MOCHI}test_mochi_transformer_with_caption_masks_matches_single_process"
 T_SKY_DF = f"{T_SKY}test_skyreels_per_frame_timesteps_and_causal_mask_match_single_process"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -510,6 +512,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "ctx.loop_step += 1", "ctx.loop_step += 0",
            (f"{T_SKY}test_skyreels_diffusion_forcing_pipeline_matches_single_process[cfg2-even]",),
            "a pipeline stepping copies of its scheduler stays at step 0: cfg 2 sees a third call in one step"),
+    Mutant("mochi-streams-text-first", "models/mochi.py",
+           'streams=("video", "text"),', 'streams=("text", "video"),',
+           (f"{T_MOCHI}test_mochi_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the joint sequence in [text, video] order while the model's mask (and RoPE) are in [video, text]"),
+    Mutant("mochi-caption-mask-dropped", "models/mochi.py",
+           "torch.cat([v, tv], 1), mask=mask)", "torch.cat([v, tv], 1), mask=None)",
+           (f"{T_MOCHI_T}[ulysses4-uneven]",),
+           "every caption token, padding included, is a key of the joint attention"),
+    Mutant("mochi-rope-sin-not-split", "models/mochi.py",
+           '{0: Split(dim=0, stream="video", ndim=3), 1: Split(dim=0, stream="video", ndim=3)}',
+           '{0: Split(dim=0, stream="video", ndim=3)}',
+           (f"{T_MOCHI_T}[ring4-even]",),
+           "only the cos half of Mochi's RoPE table is cut with the video tokens"),
+    Mutant("tp-head-outputs-whole", "parallel/tensor.py",
+           "return out.narrow(dim, rank * heads, heads)", "return out.narrow(dim, 0, heads)",
+           (f"{T_MOCHI_T}[tp2-ulysses2-even]",),
+           "every tensor-parallel rank rotates its heads with the first rank's RoPE frequencies"),
 )
 
 

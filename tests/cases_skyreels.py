@@ -27,3 +27,11 @@ def skyreels_generate(path: str, config: dict, **kwargs):
     """:func:`cases_models.pipeline_generate` of a SkyReels-V2 pipeline folder."""
     without_ftfy()
     return pipeline_generate(path, config, **kwargs)
+
+
+def skyreels_pp_run(path: str, config: dict, **kwargs):
+    """:func:`cases_pipefusion.pipeline_run` of a SkyReels-V2 pipeline folder."""
+    from cases_pipefusion import pipeline_run
+
+    without_ftfy()
+    return pipeline_run(path, config, **kwargs)

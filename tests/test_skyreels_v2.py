@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cases_models import EVERY_AXIS, axis_id, check_ranks, sequence_counts, transformer_call
-from cases_skyreels import skyreels_generate
+from cases_skyreels import skyreels_generate, skyreels_pp_run
 from ditmesh.testing import rel_err
 
 PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
@@ -142,6 +142,27 @@ def test_skyreels_fps_conditioning_matches_single_process(pools):
     assert inputs["fps"] == [1]
     ref = check_call(pools, {"ulysses": 2}, inputs, 3, arch="skyreels-v2-tiny-fps")
     assert rel_err(skyreels_call("skyreels-v2-tiny-fps", {}, dict(inputs, fps=[0]), 3)[0], ref) > 1e-3
+
+
+#: PipeFusion: no causal blocks (no mask, which its attention over the K/V buffers does not take), each latent frame a
+#: step behind the one before it (``ar_step``), so the frames of a call still have different timesteps
+PP_CALL = dict(frames=9, height=48, width=48, guidance_scale=5.0, max_sequence_length=16,
+               call=dict(causal_block_size=1, ar_step=1, base_num_frames=9))
+PP_ITERATIONS = STEPS + 2 * AR_STEP  # 3 latent frames
+
+
+@pytest.mark.parametrize("warmup", [PP_ITERATIONS, 1], ids=["exact", "stale"])
+def test_skyreels_pipefusion_counts_the_loop_iterations(pools, skyreels_tiny, warmup):
+    # the pipeline steps one scheduler copy per frame, so PipeFusion's warm-up and patches go by the loop's iterations
+    ref = skyreels_pp_run(skyreels_tiny, {}, steps=STEPS, **PP_CALL)[0]
+    results = pools(2).run(skyreels_pp_run, skyreels_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=warmup,
+                           pp_patches=3, **PP_CALL)
+    assert torch.equal(results[0][0], results[1][0])  # every rank steps on the same broadcast prediction
+    for rank, (latents, _, per_step, _, _) in enumerate(results):
+        kind = "pp_send" if rank == 0 else "pp_recv"
+        patches = [1 if i < warmup else 3 for i in range(PP_ITERATIONS)]  # cond and uncond call each iteration
+        assert per_step == [{kind: 2 * p, "broadcast": 2} for p in patches]
+        assert rel_err(latents, ref) <= 1e-5 if warmup == PP_ITERATIONS else 1e-6 < rel_err(latents, ref) < 0.2
 
 
 def test_skyreels_frame_rule_and_real_sizes():

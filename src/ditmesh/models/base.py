@@ -109,6 +109,10 @@ class TensorPlan:
       before the head split (Wan's QK-norms): their weight is split like that output and their mean square
       is summed over the tensor-parallel ranks (one all-reduce of ``[..., 1]`` per norm).
 
+    - ``head_outputs``: modules (patterns) whose outputs, a tensor or a tuple of them, hold one slice per attention
+      head along the given dim (Mochi's RoPE table, cos and sin ``[N, H, D / 2]``): each rank keeps the slice of its
+      heads, as ``per_rank_attrs`` divides the head counts.
+
     A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
 
@@ -118,6 +122,7 @@ class TensorPlan:
     packed_colwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
+    head_outputs: dict[str, int] = field(default_factory=dict)
 
 
 def name_pattern(pattern: str) -> re.Pattern:
@@ -128,8 +133,20 @@ def name_pattern(pattern: str) -> re.Pattern:
 
 # -- attention layers and blocks ------------------------------------------------------------------------------
 def is_attention(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a diffusers attention layer (it runs through a swappable processor)."""
-    return hasattr(module, "set_processor") and hasattr(module, "processor")
+    """Whether ``module`` is a diffusers attention layer (it runs through a swappable processor: one it sets with
+    ``set_processor``, or a callable ``processor`` attribute that is not a module, as Mochi's ``MochiAttention``)."""
+    processor = getattr(module, "processor", None)
+    return processor is not None and (hasattr(module, "set_processor")
+                                      or (callable(processor) and not isinstance(processor, torch.nn.Module)))
+
+
+def set_processor(attn: torch.nn.Module, processor) -> None:
+    """Give the attention layer ``attn`` ``processor``: through its ``set_processor``, or as its attribute where it has
+    none (Mochi's ``MochiAttention``)."""
+    if hasattr(attn, "set_processor"):
+        attn.set_processor(processor)
+    else:
+        attn.processor = processor
 
 
 @dataclass(frozen=True)
@@ -389,11 +406,11 @@ class ModelAdapter:
         previous = {}
         for name, attn in self.attention_modules(model):
             previous[name] = attn.processor
-            attn.set_processor(self.sequence_processor(runtime, attn.processor))
+            set_processor(attn, self.sequence_processor(runtime, attn.processor))
 
         def restore() -> None:
             for name, attn in self.attention_modules(model):
-                attn.set_processor(previous[name])
+                set_processor(attn, previous[name])
 
         return restore
 

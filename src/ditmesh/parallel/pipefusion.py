@@ -60,7 +60,7 @@ from .. import comm
 from ..config import PP_CHUNK_BYTES, ConfigError, check_pipefusion
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, find_hook, output_sample, with_output_sample
 from ..mesh import ParallelMesh
-from ..models.base import ModelAdapter, Split, adapter_for
+from ..models.base import ModelAdapter, Split, adapter_for, set_processor
 from .sequence import split_points, split_value
 from .tensor import MetaLoad, _load_dtype, _set_param
 
@@ -431,11 +431,11 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     previous = {}
     for layer, attn in adapter.attention_modules(model):
         previous[layer] = attn.processor
-        attn.set_processor(adapter.sequence_processor(LayerAttention(pf, layer), attn.processor))
+        set_processor(attn, adapter.sequence_processor(LayerAttention(pf, layer), attn.processor))
 
     def restore_processors():
         for layer, attn in adapter.attention_modules(model):
-            attn.set_processor(previous[layer])
+            set_processor(attn, previous[layer])
 
     def drop_buffers():
         for key in [k for k in ctx.kv_buffers if k[0] == name]:
