@@ -122,3 +122,21 @@ def test_mochi_pipefusion_is_refused_in_one_line(pools, mochi_tiny):
     with pytest.raises(RankError, match=r"PipeFusion \(pp > 1\) does not take an attention mask yet; run this pipeline "
                                         r"without pp"):
         pools(2).run(pipeline_generate, mochi_tiny, {"pp": 2}, steps=STEPS, prompt=PROMPTS, **SHAPES["even"])
+
+
+def test_mochi_generate_cli_keeps_the_6k_plus_1_frame_rule(tmp_path, mochi_tiny):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", mochi_tiny, "--frames", "7", "--steps", "2",
+           "--height", "48", "--width", "48", "--nproc", "2", "--ulysses", "2", "--out", str(tmp_path / "clip.mp4"),
+           "--save-latents", str(tmp_path / "lat.safetensors")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_file(str(tmp_path / "lat.safetensors"))["latents"].shape == (1, 12, 2, 6, 6)  # 7 frames: 2 latent
+    bad = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", mochi_tiny, "--frames", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--frames 8 must be 6k+1 for mochi (e.g. 7 or 13)" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -177,3 +177,13 @@ def test_skyreels_frame_rule_and_real_sizes():
     big, small = get_arch("skyreels-v2-df-14b").transformer, get_arch("skyreels-v2-df-1.3b").transformer
     assert (big["num_layers"], big["num_attention_heads"], big["ffn_dim"], big["inject_sample_info"]) == (40, 40, 13824, False)
     assert (small["num_layers"], small["num_attention_heads"], small["ffn_dim"], small["inject_sample_info"]) == (30, 12, 8960, True)
+
+
+def test_skyreels_generate_cli_refuses_a_frame_count_off_its_rule(tiny_checkpoints):
+    import subprocess
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", tiny_checkpoints("skyreels-v2-tiny"),
+                          "--frames", "10"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--frames 10 must be 4k+1 for skyreels-v2 (e.g. 9 or 13)" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
