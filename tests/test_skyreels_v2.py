@@ -135,6 +135,28 @@ def test_skyreels_one_timestep_per_sample_matches_single_process(pools, config):
     check_call(pools, config, inputs, 1)
 
 
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"tp": 2}], ids=axis_id)
+def test_skyreels_image_to_video_transformer_matches_single_process(pools, config):
+    # the I2V checkpoints' cross-attention also reads 257 image tokens (add_k_proj, add_v_proj: column-parallel under
+    # tp, with the sharded norm_added_k: 8 all-reduces a block); their processor takes the last 512 context tokens as
+    # the text, so the text is 512 tokens
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer("skyreels-v2-i2v-tiny", dtype=torch.float32)
+    inputs = adapter_for_class("SkyReelsV2Transformer3DModel").example_inputs(
+        model, height=48, width=48, batch=2, text_len=512, generator=torch.Generator().manual_seed(3), device="cpu",
+        dtype=torch.float32, frames=9)
+    ref, _ = transformer_call("skyreels-v2-i2v-tiny", {}, inputs)
+    expected = {"all_reduce": 8 * LAYERS} if "tp" in config else sequence_counts(config, LAYERS, 1)
+    for out, counts in pools(2).run(transformer_call, "skyreels-v2-i2v-tiny", config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == expected
+    image = inputs["encoder_hidden_states_image"]
+    assert rel_err(transformer_call("skyreels-v2-i2v-tiny", {}, dict(inputs, encoder_hidden_states_image=-image))[0],
+                   ref) > 1e-3  # the image tokens matter
+
+
 def test_skyreels_fps_conditioning_matches_single_process(pools):
     # the 1.3B DF checkpoint adds an fps embedding to every token's modulation (one sample: diffusers broadcasts it
     # over the frames of one sample only)

@@ -52,6 +52,9 @@ def skyreels_example_inputs(model, height, width, batch, text_len, generator, de
     )
     if cfg.inject_sample_info:
         inputs["fps"] = [1] * batch  # the pipeline's flag: 0 for 16 fps, 1 otherwise
+    if cfg.image_dim:  # image-to-video: the condition image's 257 CLIP tokens, one timestep per sample
+        inputs.update(encoder_hidden_states_image=rand(batch, 257, cfg.image_dim), enable_diffusion_forcing=False,
+                      timestep=torch.full((batch,), 700.0).to(device, dtype))
     return inputs
 
 
@@ -105,6 +108,20 @@ SKYREELS_ARCHS = (
                          inject_sample_info=True),
     ),
     _SKYREELS_TINY,
+    # SkyReels-V2-I2V: Wan 2.1 I2V's layout (36 channels in: noise, first-frame mask, encoded image; attn2 also
+    # cross-attends to the image's CLIP tokens through add_k_proj / add_v_proj); its processor takes the text as the
+    # last 512 context tokens
+    dataclasses.replace(
+        _SKYREELS_TINY,
+        name="skyreels-v2-i2v-tiny",
+        description="SkyReels-V2 I2V layout shrunk for CPU tests: skyreels-v2-tiny reading 36 channels and "
+                    "cross-attending to 257 image tokens of 32 (a tiny CLIP vision encoder), SkyReelsV2ImageToVideoPipeline",
+        pipeline="SkyReelsV2ImageToVideoPipeline",
+        transformer=dict(_SKYREELS_TINY.transformer, in_channels=36, image_dim=32, added_kv_proj_dim=96),
+        clip=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                  patch_size=16),
+        max_sequence_length=512,
+    ),
     dataclasses.replace(
         _SKYREELS_TINY,
         name="skyreels-v2-tiny-fps",
