@@ -274,6 +274,9 @@ class VaePlan:
     - ``conv_padding``: (conv) -> (top, bottom) zero rows a convolution adds along height, for a convolution that
       keeps its padding outside ``conv.padding`` (Wan's causal 3-D convolution); None for the default
       (``conv.padding`` along height, both sides).
+    - ``pre_padding``: (module) -> ``(conv, (top, bottom))`` for a module that pads the input of its convolution
+      ``conv`` along height in its ``forward`` (Mochi's causal convolution, replicating the edge rows), else None:
+      those rows belong to the image's edges, kept on the edge ranks and replaced by halo rows elsewhere.
     - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
       (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
       distribution is built from them).
@@ -286,6 +289,7 @@ class VaePlan:
     spatial_factor: Callable
     gathered: tuple[str, ...] = ()
     conv_padding: Callable | None = None
+    pre_padding: Callable | None = None
     decode_method: str = "decode"
     encode_method: str = "_encode"
     tile_decoder: str | None = None

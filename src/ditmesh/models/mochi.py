@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, norm1_modulated_input, register, spatial_latent)
+                   TensorPlan, VaePlan, norm1_modulated_input, register, spatial_latent)
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,6 +122,26 @@ MOCHI_TENSOR_PLAN = TensorPlan(
 )
 
 
+def _replicate_padded(module):
+    """``VaePlan.pre_padding`` of the Mochi VAE: its causal convolutions (CogVideoX's class) in ``replicate`` mode pad
+    their input in ``forward`` (time in front, height and width replicating the edge rows) and run their inner
+    ``conv`` unpadded: (that conv, its height padding on both sides)."""
+    if type(module).__name__ == "CogVideoXCausalConv3d" and module.pad_mode == "replicate":
+        return module.conv, (module.height_pad, module.height_pad)
+    return None
+
+
+#: The Mochi VAE split along height. Its causal convolutions replicate the edge rows (``pre_padding``): the image's
+#: edges on the edge ranks, halo rows elsewhere; its group norms (per frame, in chunks of frames) are exact group
+#: norms; its attentions run over the frames of one position (no rows mixed); its up-sampling is a per-position
+#: linear followed by a depth-to-space reshape, which keeps each rank's rows together.
+MOCHI_VAE_PLAN = VaePlan(
+    class_names=("AutoencoderKLMochi",),
+    spatial_factor=lambda vae: vae.spatial_compression_ratio,
+    pre_padding=_replicate_padded,
+)
+
+
 # -- synthetic architectures ---------------------------------------------------------------------------------
 MOCHI_1 = SynthArch(
     name="mochi-1",
@@ -202,5 +222,6 @@ MOCHI = register(
         pipelines=("MochiPipeline",),
         synth_archs=(MOCHI_1, MOCHI_TINY),
         synth_components=mochi_components,
+        vae=MOCHI_VAE_PLAN,
     )
 )

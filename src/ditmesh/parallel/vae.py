@@ -545,6 +545,8 @@ def layer_hooks(vae: nn.Module, plan, state: VaeParallel) -> list[tuple[nn.Modul
     gathered = [m for m in vae.modules() if type(m).__name__ in plan.gathered]
     inside = {id(sub) for g in gathered for sub in g.modules()}
     pre = _pre_padded(vae)
+    if plan.pre_padding is not None:  # modules that pad their convolution's input themselves (the family knows them)
+        pre.update((id(conv), rows) for conv, rows in filter(None, map(plan.pre_padding, vae.modules())))
     hooks = [(g, GatherHook(state)) for g in gathered]
     for name, module in vae.named_modules():
         if id(module) in inside:
