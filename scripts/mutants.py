@@ -80,6 +80,10 @@ T_HIDREAM_NS = "tests/test_hidream.py::test_hidream_non_square_latents_with_thei
 T_HIDREAM_DP = "tests/test_batch_parallel_models.py::test_hidream_dp2_three_prompts_matches_single_in_order"
 T_HYV = "tests/test_hunyuan_video.py::test_hunyuan_video_pipeline_matches_single_process"
 T_COGVIDEOX = "tests/test_cogvideox.py::test_cogvideox_pipeline_matches_single_process"
+T_SKY = "tests/test_skyreels_v2.py::"
+T_MOCHI = "tests/test_mochi.py::"
+T_MOCHI_T = f"{T_MOCHI}test_mochi_transformer_with_caption_masks_matches_single_process"
+T_SKY_DF = f"{T_SKY}test_skyreels_per_frame_timesteps_and_causal_mask_match_single_process"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -398,13 +402,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the count of calls within a step carries over into the next step"),
     Mutant("context-ignores-the-scheduler", "hooks.py",
-           "self.ctx.begin_call(index, new_run)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)",
            "self.ctx.begin_call(None, new_run)",
            (f"{T_HOME}test_step_index_comes_from_the_scheduler_not_from_counting_calls",),
            "the context never learns the step index"),
     Mutant("context-never-starts-a-new-run", "hooks.py",
-           "self.ctx.begin_call(index, new_run)",
-           "self.ctx.begin_call(index, False)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)",
+           "self.ctx.begin_call(self.step_index(scheduler, new_run), False)",
            (f"{T_HOME}test_every_pipeline_run_starts_its_steps_afresh",),
            "a pipeline run that starts at the step where the last one ended continues its call count"),
     Mutant("hook-order-sequence-outside-batch", "hooks.py",
@@ -587,6 +591,43 @@ MUTANTS: tuple[Mutant, ...] = (
            """"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)}""",
            (f"{T_COGVIDEOX}[ulysses2-even]",),
            "CogVideoX's text tokens are left whole on every rank, so each joint attention sees them once per rank"),
+    Mutant("skyreels-causal-mask-dropped", "models/wan.py",
+           "backend=self._attention_backend, mask=attention_mask)", "backend=self._attention_backend, mask=None)",
+           (f"{T_SKY_DF}[ulysses2-even]",),
+           "the self-attention drops SkyReels-V2's block-causal mask: every frame sees the later ones"),
+    Mutant("skyreels-per-token-temb-left-whole", "models/skyreels_v2.py",
+           '"temb": Split(dim=2, stream="video", ndim=4)', '"temb": Split(dim=2, stream="video", ndim=5)',
+           (f"{T_SKY_DF}[ulysses2-even]",),
+           "diffusion forcing's per-token modulation [B, 6, N, D] is never cut with the tokens"),
+    Mutant("skyreels-gather-after-final-modulation", "models/skyreels_v2.py",
+           'gathers={"norm_out": Gather(dim=1, stream="video")}', 'gathers={"proj_out": Gather(dim=1, stream="video")}',
+           (f"{T_SKY_DF}[ring2-uneven]",),
+           "the tokens are gathered after proj_out, so the local tokens meet the whole per-token shift and scale"),
+    Mutant("loop-step-not-counted", "hooks.py",
+           "ctx.loop_step += 1", "ctx.loop_step += 0",
+           (f"{T_SKY}test_skyreels_diffusion_forcing_pipeline_matches_single_process[cfg2-even]",),
+           "a pipeline stepping copies of its scheduler stays at step 0: cfg 2 sees a third call in one step"),
+    Mutant("mochi-streams-text-first", "models/mochi.py",
+           'streams=("video", "text"),', 'streams=("text", "video"),',
+           (f"{T_MOCHI}test_mochi_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the joint sequence in [text, video] order while the model's mask (and RoPE) are in [video, text]"),
+    Mutant("mochi-caption-mask-dropped", "models/mochi.py",
+           "torch.cat([v, tv], 1), mask=mask)", "torch.cat([v, tv], 1), mask=None)",
+           (f"{T_MOCHI_T}[ulysses4-uneven]",),
+           "every caption token, padding included, is a key of the joint attention"),
+    Mutant("mochi-rope-sin-not-split", "models/mochi.py",
+           '{0: Split(dim=0, stream="video", ndim=3), 1: Split(dim=0, stream="video", ndim=3)}',
+           '{0: Split(dim=0, stream="video", ndim=3)}',
+           (f"{T_MOCHI_T}[ring4-even]",),
+           "only the cos half of Mochi's RoPE table is cut with the video tokens"),
+    Mutant("vae-pre-padding-ignored", "parallel/vae.py",
+           "    if plan.pre_padding is not None:", "    if False:",
+           ("tests/test_parallel_vae.py::test_mochi_vae_split_along_height_matches_single_process[decode-5-3-2-2]",),
+           "the rows Mochi's causal convolutions replicate in forward are taken for the neighbours' rows on inner ranks"),
+    Mutant("tp-head-outputs-whole", "parallel/tensor.py",
+           "return out.narrow(dim, rank * heads, heads)", "return out.narrow(dim, 0, heads)",
+           (f"{T_MOCHI_T}[tp2-ulysses2-even]",),
+           "every tensor-parallel rank rotates its heads with the first rank's RoPE frequencies"),
 )
 
 

@@ -20,6 +20,10 @@ TINY_VAES = {
                                        patch_size=2, scale_factor_spatial=16, in_channels=12, out_channels=12,
                                        dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True])),
 }
+#: Mochi's: causal 3-D convolutions replicating their edge rows, per-frame group norms, 8x spatial and 6x temporal
+TINY_VAES["mochi"] = ("AutoencoderKLMochi", dict(encoder_block_out_channels=(32, 32, 32, 32),
+                                                 decoder_block_out_channels=(32, 32, 32, 32),
+                                                 layers_per_block=(1, 1, 1, 1, 1)))
 TINY_VAES["flux2"] = ("AutoencoderKLFlux2", TINY_VAES["kl"][1])  # FLUX.2's VAE class, FLUX.1's layout
 #: diffusers' test configuration (tests/pipelines/cogvideo): 8x spatial, 4x temporal, frame batches with a cache
 TINY_VAES["cogvideox"] = ("AutoencoderKLCogVideoX", dict(

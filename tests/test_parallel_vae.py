@@ -58,6 +58,29 @@ def test_wan_causal_vae_split_along_height_matches_single_process(pools, kind, w
         assert r["counts"]["all_gather"] == chunks + 1
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("what,rows,cols,frames", [("decode", 5, 3, 2), ("encode", 5, 3, 7)])
+def test_mochi_vae_split_along_height_matches_single_process(pools, world, what, rows, cols, frames):
+    # causal convolutions that replicate their edge rows (kept at the image's edges, halo rows elsewhere), group norms
+    # per frame in chunks of frames, attentions over the frames of one position; 5 latent rows over 2 and 3 ranks
+    from cases_vae import _inputs, _run, tiny_vae
+
+    vae, calls = tiny_vae("mochi"), {"norm": 0, "conv": 0}
+    for m in vae.modules():  # what one whole call runs: group norms (one statistics gather each), convolutions whose
+        # windows overlap (a halo each; the strided 2 x 2 down-samplings keep to their rows)
+        if isinstance(m, torch.nn.GroupNorm):
+            m.register_forward_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1))
+        elif isinstance(m, torch.nn.Conv3d) and m.kernel_size[-2] > m.stride[-2]:
+            m.register_forward_hook(lambda *a: calls.__setitem__("conv", calls["conv"] + 1))
+    _run(vae, what, _inputs(vae, "mochi", what, rows, cols, frames, 1))
+    assert calls["norm"] and calls["conv"]
+    for r in pools(world).run(vae_case, "mochi", what, rows, cols, frames):
+        assert r["err"] <= 1e-5, r["err"]
+        assert r["restored"]
+        # one halo exchange per such convolution, one gather per group norm and one at the exit
+        assert r["counts"] == {"halo": calls["conv"], "all_gather": calls["norm"] + 1}
+
+
 def test_wan_causal_vae_on_three_ranks(pools):
     for r in pools(3).run(vae_case, "wan", "decode", 4, 3, 2):
         assert r["err"] <= 1e-5 and r["restored"]

@@ -203,6 +203,10 @@ class ForwardContext:
     timesteps: object = field(default=None, repr=False)
     #: the step index of the run's first call: 0, or where an image-to-image run starts part-way (its strength)
     first_step: int = 0
+    #: a pipeline that steps copies of its scheduler (SkyReels-V2's diffusion forcing, one per latent frame): the
+    #: loop's ``_current_timestep`` of the last call and the iterations counted from it (:class:`ContextHook`)
+    loop_timestep: object = field(default=None, repr=False)
+    loop_step: int = 0
     #: PipeFusion: (index, count) of the patch the transformer computes now; (0, 1) in an exact (warm-up) call
     patch: tuple[int, int] | None = None
     #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
@@ -263,8 +267,6 @@ class ContextHook(Hook):
         self.ctx = ctx
         self.runtime = runtime
         self.pipe_ref = weakref.ref(pipe) if pipe is not None else (lambda: None)
-        #: :meth:`counted_step`'s state: the pipeline's timestep object of the step being counted, and its index
-        self.last_timestep, self.counted = None, 0
 
     def __call__(self, owner, call_next, args, kwargs):
         scheduler = getattr(self.pipe_ref(), "scheduler", None)
@@ -273,22 +275,27 @@ class ContextHook(Hook):
         new_run = timesteps is not None and timesteps is not self.ctx.timesteps
         if new_run:
             self.ctx.timesteps = timesteps
-        index = scheduler_step_index(scheduler)
-        if index is None and scheduler is not None:
-            index = self.counted_step(new_run)
-        self.ctx.begin_call(index, new_run)
+        self.ctx.begin_call(self.step_index(scheduler, new_run), new_run)
         return call_next(args, kwargs)
 
-    def counted_step(self, new_run: bool) -> int | None:
-        """The step index of a pipeline whose scheduler keeps none (CogVideoX's DDIM and DPM schedulers): the steps
-        begun in this run, counted by the pipeline's ``_current_timestep``, which its loop sets to the next element
-        of ``timesteps`` (a new tensor object each step, the same for every call within a step). The last one is
-        held, so a new step's object cannot reuse its id. No host sync. None for a pipeline that sets none."""
+    def step_index(self, scheduler, new_run: bool) -> int | None:
+        """The step of this call: the scheduler's position; for a pipeline whose scheduler keeps none (CogVideoX's
+        DDIM and DPM schedulers have no ``step_index``) or that never steps its own scheduler (its index stays None,
+        no ``begin_index``) but steps copies of it (SkyReels-V2's diffusion forcing: one scheduler per latent
+        frame), the iterations of its loop, counted where the pipeline sets its ``_current_timestep`` anew (every
+        diffusers denoising loop does, once per iteration, before its transformer calls: a new tensor object each
+        step, the same for every call within a step; the last one is held, so a new step's object cannot reuse
+        its id). No host sync."""
+        index = scheduler_step_index(scheduler)
         current = getattr(self.pipe_ref(), "_current_timestep", None)
-        if current is None:
-            return None
-        if new_run or self.ctx.step_index is None:
-            self.last_timestep, self.counted = current, 0
-        elif current is not self.last_timestep:
-            self.last_timestep, self.counted = current, self.counted + 1
-        return self.counted
+        stepped = (getattr(scheduler, "step_index", None) is not None
+                   or getattr(scheduler, "begin_index", None) is not None)
+        if scheduler is None or current is None or stepped:
+            return index
+        ctx = self.ctx
+        if new_run or ctx.loop_timestep is None:
+            ctx.loop_step = 0
+        elif current is not ctx.loop_timestep:
+            ctx.loop_step += 1
+        ctx.loop_timestep = current
+        return ctx.loop_step

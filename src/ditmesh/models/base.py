@@ -114,6 +114,10 @@ class TensorPlan:
       before the head split (Wan's QK-norms): their weight is split like that output and their mean square
       is summed over the tensor-parallel ranks (one all-reduce of ``[..., 1]`` per norm).
 
+    - ``head_outputs``: modules (patterns) whose outputs, a tensor or a tuple of them, hold one slice per attention
+      head along the given dim (Mochi's RoPE table, cos and sin ``[N, H, D / 2]``): each rank keeps the slice of its
+      heads, as ``per_rank_attrs`` divides the head counts.
+
     A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
 
@@ -123,6 +127,7 @@ class TensorPlan:
     packed_colwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
+    head_outputs: dict[str, int] = field(default_factory=dict)
 
 
 def name_pattern(pattern: str) -> re.Pattern:
@@ -133,8 +138,20 @@ def name_pattern(pattern: str) -> re.Pattern:
 
 # -- attention layers and blocks ------------------------------------------------------------------------------
 def is_attention(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a diffusers attention layer (it runs through a swappable processor)."""
-    return hasattr(module, "set_processor") and hasattr(module, "processor")
+    """Whether ``module`` is a diffusers attention layer (it runs through a swappable processor: one it sets with
+    ``set_processor``, or a callable ``processor`` attribute that is not a module, as Mochi's ``MochiAttention``)."""
+    processor = getattr(module, "processor", None)
+    return processor is not None and (hasattr(module, "set_processor")
+                                      or (callable(processor) and not isinstance(processor, torch.nn.Module)))
+
+
+def set_processor(attn: torch.nn.Module, processor) -> None:
+    """Give the attention layer ``attn`` ``processor``: through its ``set_processor``, or as its attribute where it has
+    none (Mochi's ``MochiAttention``)."""
+    if hasattr(attn, "set_processor"):
+        attn.set_processor(processor)
+    else:
+        attn.processor = processor
 
 
 @dataclass(frozen=True)
@@ -273,6 +290,9 @@ class VaePlan:
     - ``conv_padding``: (conv) -> (top, bottom) zero rows a convolution adds along height, for a convolution that
       keeps its padding outside ``conv.padding`` (Wan's causal 3-D convolution); None for the default
       (``conv.padding`` along height, both sides).
+    - ``pre_padding``: (module) -> ``(conv, (top, bottom))`` for a module that pads the input of its convolution
+      ``conv`` along height in its ``forward`` (Mochi's causal convolution, replicating the edge rows), else None:
+      those rows belong to the image's edges, kept on the edge ranks and replaced by halo rows elsewhere.
     - ``decode_method`` / ``encode_method``: the VAE methods whose input is split and whose output is gathered
       (once per call): ``decode`` (its output's ``sample``) and ``_encode`` (the latent moments, before the
       distribution is built from them).
@@ -285,6 +305,7 @@ class VaePlan:
     spatial_factor: Callable
     gathered: tuple[str, ...] = ()
     conv_padding: Callable | None = None
+    pre_padding: Callable | None = None
     decode_method: str = "decode"
     encode_method: str = "_encode"
     tile_decoder: str | None = None
@@ -421,11 +442,11 @@ class ModelAdapter:
         previous = {}
         for name, attn in self.attention_modules(model):
             previous[name] = attn.processor
-            attn.set_processor(self.sequence_processor(runtime_of(name), attn.processor))
+            set_processor(attn, self.sequence_processor(runtime_of(name), attn.processor))
 
         def restore() -> None:
             for name, attn in self.attention_modules(model):
-                attn.set_processor(previous[name])
+                set_processor(attn, previous[name])
 
         return restore
 

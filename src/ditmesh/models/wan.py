@@ -50,8 +50,10 @@ class WanSequenceParallelProcessor:
 
     Self-attention computes projections, QK-norms (RMS over all heads of one token) and RoPE on local
     tokens as diffusers' ``WanAttnProcessor`` does; only the softmax attention goes through
-    ``sp.attention``. Cross-attention is handed to the previous processor unchanged: local queries against
-    the full, replicated context give exactly the local rows of the single-GPU result.
+    ``sp.attention``, with the layer's ``attention_mask`` over the whole video (None in Wan; SkyReels-V2's
+    block-causal mask, ``models/skyreels_v2.py``). Cross-attention is handed to the previous processor
+    unchanged: local queries against the full, replicated context give exactly the local rows of the
+    single-GPU result.
     """
 
     _parallel_config = None
@@ -64,15 +66,14 @@ class WanSequenceParallelProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
         if encoder_hidden_states is not None:
             return self.previous(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
-        if attention_mask is not None:
-            raise NotImplementedError("ditmesh sequence parallelism does not support an attention_mask for Wan")
         q, k, v = transformer_wan._get_qkv_projections(attn, hidden_states, None)
         q, k = attn.norm_q(q), attn.norm_k(k)
         head_dim = attn.inner_dim // attn.heads  # unchanged by tensor parallelism, which divides both
         q, k, v = (t.unflatten(2, (-1, head_dim)) for t in (q, k, v))
         if rotary_emb is not None:
             q, k = rotate_pairs(q, *rotary_emb), rotate_pairs(k, *rotary_emb)
-        out = self.sp.attention(q, k, v, backend=self._attention_backend)
+        # a mask over the video tokens (SkyReels-V2's block-causal [1, 1, N, N]) in the model's order; sp reorders it
+        out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=attention_mask)
         out = out.flatten(2, 3).type_as(q)
         return attn.to_out[1](attn.to_out[0](out))
 

@@ -19,6 +19,7 @@ Cross-rank rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import weakref
@@ -114,8 +115,7 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
                                ("packed_rowwise", plan.packed_rowwise, "in_features")):
         for pattern, hits in _matching(model, packed).items():
             for name, linear in hits:
-                parent = model.get_submodule(name.rpartition(".")[0])
-                parts = tuple(_part_size(parent, p) for p in packed[pattern])
+                parts = tuple(_part_size(model, name.rpartition(".")[0], p) for p in packed[pattern])
                 if sum(parts) != getattr(base_layer(linear), side):
                     raise ValueError(f"{name}: packed parts {packed[pattern]} have {sum(parts)} features, "
                                      f"the linear's {side} are {getattr(base_layer(linear), side)}")
@@ -131,10 +131,13 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
     return shards
 
 
-def _part_size(parent: torch.nn.Module, path: str) -> int:
-    """The features of one packed part named ``path`` from the linear's parent: a linear (its output features) or an
-    integer attribute (``inner_dim``, ``linear_out.in_features``)."""
-    value = parent
+def _part_size(model: torch.nn.Module, parent: str, path: str) -> int:
+    """The features of one packed part named ``path`` from the linear's parent (the module at ``parent``): a linear
+    (its output features) or an integer attribute (``inner_dim``, ``linear_out.in_features``); each leading ``../``
+    starts one module higher (Mochi's SwiGLU ``ff.net.0.proj`` reads ``../2.in_features``: ``ff.net.2``'s input)."""
+    while path.startswith("../"):
+        parent, path = parent.rpartition(".")[0], path[3:]
+    value = model.get_submodule(parent)
     for attr in path.split("."):
         value = getattr(value, attr)
     return value if isinstance(value, int) else base_layer(value).out_features
@@ -402,11 +405,16 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         raise ConfigError(f"ulysses={mesh.size('ulysses')} exceeds the {local_heads} heads a tp={size} rank holds; "
                           f"use ulysses <= {local_heads} or a smaller tp")
     remove_all_reduces = install_all_reduces(model, shards, group)
+    head_hooks = [module.register_forward_hook(functools.partial(_local_heads, dim=dim, rank=rank, size=size))
+                  for pattern, hits in _matching(model, plan.head_outputs).items() for _, module in hits
+                  for dim in (plan.head_outputs[pattern],)]
     _LAYERS[model] = shards
 
     def undo():
         _LAYERS.pop(model, None)
         remove_all_reduces()
+        for hook in head_hooks:
+            hook.remove()
         if loaded_sharded(model):
             raise RuntimeError(f"{type(model).__name__} was loaded as tensor-parallel shard {rank} of {size} "
                                "(load_sharded_transformer), so its whole weights never existed on this rank and "
@@ -414,6 +422,14 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         unshard_model(model, plan, shards, rank, size, group)
 
     return [undo]
+
+
+def _local_heads(module, args, out, dim: int, rank: int, size: int):
+    """A ``head_outputs`` module's output (a tensor, or a tuple of them) cut to this rank's heads along ``dim``."""
+    if isinstance(out, tuple):
+        return tuple(_local_heads(module, args, t, dim, rank, size) for t in out)
+    heads = out.shape[dim] // size
+    return out.narrow(dim, rank * heads, heads)
 
 
 def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], group):

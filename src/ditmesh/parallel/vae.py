@@ -610,6 +610,8 @@ def layer_hooks(vae: nn.Module, plan, state: VaeParallel) -> list[tuple[nn.Modul
     rows_attention = [g for g in gathered if RowsAttentionHook.covers(g)]
     inside = {id(sub) for g in gathered for sub in g.modules()} - {id(g.group_norm) for g in rows_attention}
     pre = _pre_padded(vae)
+    if plan.pre_padding is not None:  # modules that pad their convolution's input themselves (the family knows them)
+        pre.update((id(conv), rows) for conv, rows in filter(None, map(plan.pre_padding, vae.modules())))
     hooks = [(g, RowsAttentionHook(state) if g in rows_attention else GatherHook(state)) for g in gathered]
     for name, module in vae.named_modules():
         if id(module) in inside:
