@@ -171,3 +171,23 @@ def refused_call(arch, config: dict, inputs: dict) -> str | None:
     except (NotImplementedError, ValueError) as error:
         return str(error)
     return None
+
+
+def cross_attention_counts(config: dict, self_attentions: int, calls: int, all_reduces: int) -> dict:
+    """Collectives of ``calls`` transformer calls of a family whose split tokens attend to themselves in
+    ``self_attentions`` layers and to a whole, replicated text otherwise (PixArt-like video and image families):
+    ``all_reduces`` per call under tp; per self-attention 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds
+    under ring, the cross-attentions moving nothing; one all-gather per call of the split tokens, and one of the batch
+    chunks under cfg or dp."""
+    counts = {}
+    if config.get("tp", 1) > 1:
+        counts["all_reduce"] = all_reduces * calls
+    if config.get("ulysses", 1) > 1:
+        counts["all_to_all"] = 2 * self_attentions * calls
+    if config.get("ring", 1) > 1:
+        counts["ring_p2p"] = (config["ring"] - 1) * self_attentions * calls
+    gathers = calls if config.get("ulysses", 1) * config.get("ring", 1) > 1 else 0
+    gathers += calls if config.get("cfg", 1) * config.get("dp", 1) > 1 else 0
+    if gathers:
+        counts["all_gather"] = gathers
+    return counts

@@ -24,12 +24,18 @@ class Split:
 
     ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
     timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
-    list or tuple of tensors (SD3's ControlNet residuals) is split element by element.
+    list or tuple of tensors (SD3's ControlNet residuals) is split element by element. ``broadcast``: a tensor of
+    size 1 along ``dim`` holds one value for every token of the stream and stays whole (LTXConditionPipeline's
+    timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the call). ``item``: of a tuple or list, only
+    this element is split (each tensor in it) and the others stay whole (Allegro's ``image_rotary_emb``: the
+    frequency tables whole, the token positions split).
     """
 
     dim: int
     stream: str
     ndim: int | None = None
+    broadcast: bool = False
+    item: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,10 @@ class TensorPlan:
       before the head split (Wan's QK-norms): their weight is split like that output and their mean square
       is summed over the tensor-parallel ranks (one all-reduce of ``[..., 1]`` per norm).
 
+    - ``sharded_tables``: modules whose output (a tensor, or each tensor of a returned tuple) holds one entry per
+      channel of the attention's whole inner dim in its last dim, applied to the column-parallel Q and K before the
+      head split (LTX's RoPE cos and sin tables): each rank keeps its contiguous share, as the projections' outputs.
+
     A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
 
@@ -118,6 +128,7 @@ class TensorPlan:
     packed_colwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
+    sharded_tables: tuple[str, ...] = ()
 
 
 def name_pattern(pattern: str) -> re.Pattern:

@@ -402,10 +402,14 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         raise ConfigError(f"ulysses={mesh.size('ulysses')} exceeds the {local_heads} heads a tp={size} rank holds; "
                           f"use ulysses <= {local_heads} or a smaller tp")
     remove_all_reduces = install_all_reduces(model, shards, group)
+    table_hooks = [table.register_forward_hook(lambda mod, args, out: _table_share(out, rank, size))
+                   for hits in _matching(model, plan.sharded_tables).values() for _, table in hits]
     _LAYERS[model] = shards
 
     def undo():
         _LAYERS.pop(model, None)
+        for hook in table_hooks:
+            hook.remove()
         remove_all_reduces()
         if loaded_sharded(model):
             raise RuntimeError(f"{type(model).__name__} was loaded as tensor-parallel shard {rank} of {size} "
@@ -414,6 +418,18 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
         unshard_model(model, plan, shards, rank, size, group)
 
     return [undo]
+
+
+def _table_share(out, rank: int, size: int):
+    """This tp rank's contiguous share of the last dim of ``out`` (a tensor or a tuple of them): a ``sharded_tables``
+    module's output, one entry per channel of the whole inner dim, cut as the column-parallel projections are."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_table_share(t, rank, size) for t in out)
+    width = out.shape[-1]
+    if width % size:
+        raise ConfigError(f"tp={size} does not divide the {width} channels of a per-channel table; use a tp that "
+                          f"divides {width}")
+    return out.narrow(-1, rank * (width // size), width // size)
 
 
 def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], group):
