@@ -74,6 +74,8 @@ T_PP = "tests/test_pipefusion.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
+T_LTX = "tests/test_ltx.py::"
+T_ALLEGRO = "tests/test_allegro.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -492,6 +494,48 @@ MUTANTS: tuple[Mutant, ...] = (
            "comm.broadcast_pieces(sample.view(-1), 0, pf.group, pf.chunk_bytes)",
            (f"{T_PP}test_warmup_over_every_step_matches_single_process",),
            "every rank steps on the first stage's output, which skipped the later blocks"),
+    # -- LTX-Video and Allegro: the RoPE tables and positions, per-token timesteps, masks, the tp share of the tables --
+    Mutant("ltx-rope-tables-whole", "models/ltx.py",
+           'outputs={"rope": {0: Split(dim=1, stream="video", ndim=3), 1: Split(dim=1, stream="video", ndim=3)}},',
+           "outputs={},",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[ulysses2-uneven]",),
+           "every rank rotates its LTX tokens with the whole RoPE table"),
+    Mutant("ltx-per-token-timestep-whole", "models/ltx.py",
+           '"timestep": Split(dim=1, stream="video", ndim=2, broadcast=True)}},', "}},",
+           (f"{T_LTX}test_ltx_per_token_and_broadcast_timesteps_match_single_process[ulysses2]",),
+           "LTX's per-token timesteps (image-to-video) stay whole while their tokens are split"),
+    Mutant("split-broadcast-ignored", "parallel/sequence.py",
+           "if spec.broadcast and value.shape[spec.dim] == 1:", "if False:",
+           (f"{T_LTX}test_ltx_per_token_and_broadcast_timesteps_match_single_process[ulysses2]",),
+           "a [B, 1] timestep (LTXConditionPipeline) is cut as if it had a token dim"),
+    Mutant("ltx-keys-not-rotated", "models/ltx.py",
+           "            k = transformer_ltx.apply_rotary_emb(k, image_rotary_emb)\n", "",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the sequence-parallel self-attention rotates LTX's queries but not its keys"),
+    Mutant("ltx-rope-tables-whole-under-tp", "models/ltx.py", '    sharded_tables=("rope",),\n', "",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[tp2-even]",),
+           "a tp rank rotates its share of the heads with the whole inner dim's RoPE table"),
+    Mutant("tp-table-share-of-rank-0", "parallel/tensor.py",
+           "return out.narrow(-1, rank * (width // size), width // size)", "return out.narrow(-1, 0, width // size)",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[tp2-even]",),
+           "every tp rank rotates its heads with rank 0's channels of the RoPE table"),
+    Mutant("allegro-positions-whole", "models/allegro.py",
+           'inputs={"": {"image_rotary_emb": Split(dim=1, stream="video", ndim=2, item=1)},', "inputs={",
+           (f"{T_ALLEGRO}test_allegro_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Allegro's RoPE positions stay whole while their tokens are split"),
+    Mutant("split-item-ignored", "parallel/sequence.py", "if spec.item is not None:", "if False:",
+           (f"{T_ALLEGRO}test_allegro_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Allegro's RoPE frequency tables are cut like the positions they are indexed by"),
+    Mutant("allegro-self-attention-mask-dropped", "models/allegro.py",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=mask)",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend)",
+           (f"{T_ALLEGRO}test_allegro_self_attention_mask_and_rope_match_single_process[ulysses2]",),
+           "Allegro's sequence-parallel self-attention drops the model's attention_mask over video keys"),
+    Mutant("allegro-modulated-input-shift-and-scale-swapped", "models/allegro.py",
+           "return block.norm1(hidden) * (1 + modulation[:, 1:2]) + modulation[:, 0:1]",
+           "return block.norm1(hidden) * (1 + modulation[:, 0:1]) + modulation[:, 1:2]",
+           (f"{T_ALLEGRO}test_allegro_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
+           "Allegro's modulated input (what teacache measures) takes the shift for the scale"),
 )
 
 

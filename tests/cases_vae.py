@@ -21,6 +21,9 @@ TINY_VAES = {
                                        dim_mult=[1, 2, 2, 2], temperal_downsample=[False, True, True])),
 }
 TINY_VAES["flux2"] = ("AutoencoderKLFlux2", TINY_VAES["kl"][1])  # FLUX.2's VAE class, FLUX.1's layout
+TINY_VAES["ltx"] = ("AutoencoderKLLTXVideo", dict(  # the real 32x / 8x-time compression, 8 wide, latent_channels 4
+    latent_channels=4, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+    layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1)))
 #: the 2-D VAEs (no frames)
 IMAGE_VAES = ("kl", "flux2")
 
@@ -43,8 +46,7 @@ def _inputs(vae, kind: str, what: str, rows: int, cols: int, frames: int, batch:
 
     g = torch.Generator().manual_seed(7)
     factor = 1 if what == "decode" else vae_plan_for(vae).spatial_factor(vae)
-    channels = vae.config.latent_channels if kind in IMAGE_VAES and what == "decode" else (
-        vae.config.z_dim if what == "decode" else 3)
+    channels = 3 if what == "encode" else vae.config.get("z_dim") or vae.config.latent_channels
     time = () if kind in IMAGE_VAES else (frames,)
     return torch.randn(batch, channels, *time, rows * factor, cols * factor, generator=g)
 

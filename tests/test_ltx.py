@@ -5,13 +5,15 @@ broadcast timesteps of the image-conditioned pipelines; the 8k+1 frame rule."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from cases_models import PROMPTS, axis_id, check_ranks, cross_attention_counts, generate_on, transformer_call
+from cases_models import (PROMPTS, FamilyRuns, axis_id, cross_attention_counts, generate_refusal,
+                          transformer_call)
 from ditmesh.testing import rel_err
 
 #: video tokens ((frames - 1) / 8 + 1 latent frames x H/32 x W/32): 4 x 2 x 2 = 16 divide 2 and 4, 3 x 3 x 3 = 27 do not
@@ -27,18 +29,7 @@ def ltx_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("ltx-video-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
-    key = (path, shape, prompt)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = generate(path, {}, shape, list(prompt))[0][0]
-    return _REFERENCES[key]
-
-
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
-    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, guidance_scale=3.0, **SHAPES[shape])
+RUNS = FamilyRuns(SHAPES, STEPS, guidance_scale=3.0)
 
 
 def expected_counts(config: dict, calls: int = CALLS) -> dict:
@@ -51,23 +42,16 @@ def expected_counts(config: dict, calls: int = CALLS) -> dict:
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"ulysses": 4}, {"tp": 2},
                                     {"tp": 2, "ulysses": 2}, {"cfg": 2}], ids=axis_id)
 def test_ltx_pipeline_matches_single_process(pools, ltx_tiny, config, shape):
-    ref = reference(ltx_tiny, shape)
-    check_ranks(generate(ltx_tiny, config, shape, pools=pools), ref, CALLS, expected_counts(config))
+    RUNS.check(pools, ltx_tiny, config, shape, CALLS, expected_counts(config))
 
 
 def test_ltx_dp2_three_prompts_matches_single_process(pools, ltx_tiny):
-    prompts = PROMPTS + ["a green triangle"]  # 3 prompts x [uncond, cond] = 6 samples over 2 ranks
-    ref = reference(ltx_tiny, "uneven", tuple(prompts))
-    for latents, counts, calls in generate(ltx_tiny, {"dp": 2}, "uneven", prompts, pools=pools):
-        assert latents.shape[0] == 3 and rel_err(latents, ref) <= 1e-5
-        assert counts == expected_counts({"dp": 2})
+    # 3 prompts x [uncond, cond] = 6 samples over 2 ranks
+    RUNS.check(pools, ltx_tiny, {"dp": 2}, "uneven", CALLS, expected_counts({"dp": 2}), PROMPTS + ["a green triangle"])
 
 
 def test_ltx_tp4_matches_single_process(pools, tiny_checkpoints):
-    path = tiny_checkpoints("ltx-video-tiny-tp")
-    ref = reference(path, "uneven")
-    for latents, counts, calls in generate(path, {"tp": 4}, "uneven", pools=pools):
-        assert rel_err(latents, ref) <= 1e-5 and counts == expected_counts({"tp": 4})
+    RUNS.check(pools, tiny_checkpoints("ltx-video-tiny-tp"), {"tp": 4}, "uneven", CALLS, expected_counts({"tp": 4}))
 
 
 def _inputs(height: int, width: int, frames: int) -> dict:
@@ -119,7 +103,7 @@ def test_ltx_text_mask_changes_the_output(ltx_tiny):
                               extra=dict(num_frames=25))
     mask = seen[0]
     assert mask.shape == (4, 32) and not torch.equal(mask[2], mask[3])  # [uncond x 2, cond x 2], per-sample padding
-    assert rel_err(out, reference(ltx_tiny, "even")) > 1e-3
+    assert rel_err(out, RUNS.reference(ltx_tiny, "even")) > 1e-3
 
 
 def test_ltx_frame_rule_and_layout():
@@ -138,10 +122,7 @@ def test_ltx_frame_rule_and_layout():
 
 
 def test_generate_cli_refuses_ltx_frames_off_the_rule(ltx_tiny):
-    bad = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", ltx_tiny, "--frames", "12"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--frames 12 must be 8k+1" in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1
+    assert "--frames 12 must be 8k+1" in generate_refusal(ltx_tiny, "--frames", "12")
 
 
 def test_ltx_real_size_matches_the_published_config():
@@ -155,31 +136,37 @@ def test_ltx_real_size_matches_the_published_config():
 
 def test_ltx_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process(pools, ltx_tiny):
     # the block list and the modulated input make step caching apply; under ulysses and cfg they decide as one process
-    from diffusers import LTXPipeline
+    from cases_cache import check_caches_decide_as_one_process
+    from cases_models import first_modulated_inputs
 
-    from cases_cache import cached_run
-    from ditmesh.hooks import bind_kwargs
-    from ditmesh.models import adapter_for
-    from test_cache import assert_same_run
+    ours, attention = first_modulated_inputs(ltx_tiny, prompt="a cat", num_inference_steps=2, output_type="latent",
+                                             height=64, width=64, num_frames=9, max_sequence_length=16)
+    assert torch.equal(ours, attention)
+    settings = ("teacache:threshold=0.3", "dbcache:threshold=0.3,warmup=1")  # changes of 0.25-0.45 (probed)
+    check_caches_decide_as_one_process(pools, ltx_tiny, settings, steps=6, size=64, guidance_scale=3.0, num_frames=9)
 
-    pipe = LTXPipeline.from_pretrained(ltx_tiny, dtype=torch.float32)
-    block, seen = pipe.transformer.transformer_blocks[0], {}
 
-    def ours(module, args, kwargs):
-        seen.setdefault("ours", adapter_for(pipe.transformer).modulated_input(module, bind_kwargs(module.forward, args, kwargs)))
+def test_ltx_pipefusion_matches_single_process_in_warmup_and_runs_patch_by_patch(pools, ltx_tiny):
+    # 3 patches of the 27 video tokens: the RoPE tables are cut with each patch
+    from cases_pipefusion import check_pipefusion
 
-    def attention_input(module, args, kwargs):
-        seen.setdefault("attention", kwargs["hidden_states"])
+    check_pipefusion(pools, ltx_tiny, height=96, width=96, frames=17, guidance_scale=3.0)
 
-    block.register_forward_pre_hook(ours, with_kwargs=True)
-    block.attn1.register_forward_pre_hook(attention_input, with_kwargs=True)
-    pipe.set_progress_bar_config(disable=True)
-    pipe("a cat", num_inference_steps=2, output_type="latent", height=64, width=64, num_frames=9, max_sequence_length=16)
-    assert torch.equal(seen["ours"], seen["attention"])
-    kwargs = dict(steps=6, size=64, guidance_scale=3.0, num_frames=9)
-    for setting in ("teacache:threshold=0.3", "dbcache:threshold=0.3,warmup=1"):
-        ref = cached_run(ltx_tiny, {}, setting, **kwargs)
-        assert any(h["skip"] for h in ref[1]["transformer"]), setting
-        for config in ({"ulysses": 2}, {"cfg": 2}):
-            for got in pools(2).run(cached_run, ltx_tiny, config, setting, **kwargs):
-                assert_same_run(got, ref)
+
+def test_generate_cli_writes_an_ltx_video_with_the_vae_split(tmp_path, ltx_tiny):
+    # generate --frames 9 (8k+1) under ulysses 2: 2 latent frames denoised, the VAE decoding split along height into
+    # 9 frames (the pipeline tests above compare the latents with one process)
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    out = tmp_path / "clip.gif"
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", ltx_tiny, "--frames", "9", "--steps", "2",
+           "--height", "96", "--width", "64", "--nproc", "2", "--ulysses", "2", "--out", str(out),
+           "--save-latents", str(tmp_path / "lat.safetensors")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    assert report["vae_parallel"]["split"] and report["config"]["ulysses"] == 2
+    assert load_file(str(tmp_path / "lat.safetensors"))["latents"].shape == (1, 2 * 3 * 2, 8)  # packed tokens
+    video = Image.open(out)
+    assert video.n_frames == 9 and video.size == (64, 96)

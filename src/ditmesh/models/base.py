@@ -353,8 +353,11 @@ class ModelAdapter:
     out_channels: Callable | None = None
     #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
     fuse_qkv: bool = False
-    #: video families: valid frame counts are ``frame_step * k + 1`` (the VAE's temporal compression); None: images
+    #: video families: valid frame counts are ``frame_step * k + first_frames`` (the VAE's temporal compression);
+    #: None: images
     frame_step: int | None = None
+    #: the fewest frames of a video family (1: a causal VAE's lone first frame; Allegro's tiled decode: 24)
+    first_frames: int = 1
     #: frames per second of written videos
     fps: int = 16
     #: the diffusers pipeline classes of the family (for messages and checks before loading)
@@ -442,9 +445,10 @@ class ModelAdapter:
         """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""
         if self.frame_step is None:
             return None
-        if (frames - 1) % self.frame_step:
-            lower = (frames - 1) // self.frame_step * self.frame_step + 1
-            return f"--frames {frames} must be {self.frame_step}k+1 for {self.name} (e.g. {lower} or {lower + self.frame_step})"
+        step, first = self.frame_step, self.first_frames
+        if frames < first or (frames - first) % step:
+            lower = max(first, (frames - first) // step * step + first)
+            return f"--frames {frames} must be {step}k+{first} for {self.name} (e.g. {lower} or {lower + step})"
         return None
 
 

@@ -35,7 +35,7 @@ import torch
 from diffusers.models.transformers import transformer_ltx
 
 from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
-                   SynthArch, TensorPlan, register)
+                   SynthArch, TensorPlan, VaePlan, register)
 
 
 class LTXSequenceParallelProcessor:
@@ -162,7 +162,8 @@ _LTX_TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=8, block_out
                      decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
                      decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
                      decoder_spatio_temporal_scaling=(True, True, True, False),
-                     decoder_inject_noise=(False, False, False, False, False), upsample_residual=(False, False, False, False),
+                     decoder_inject_noise=(False, False, False, False, False),
+                     upsample_residual=(False, False, False, False),
                      upsample_factor=(1, 1, 1, 1), timestep_conditioning=False, patch_size=4, patch_size_t=1)
 
 _LTX_TINY = dataclasses.replace(
@@ -208,6 +209,13 @@ def vae_and_t5(vae_class: str):
     return components
 
 
+#: The LTX video VAE split along height. Frames stay whole. Its convolutions pad height with zeros through
+#: ``conv.padding`` (only time is padded in ``forward``, by repeating frames); its norms are per-position RMS and layer
+#: norms over channels (no statistics across rows); the patchify around it and the depth-to-space upsamplers map each
+#: latent row to its own image rows; no attention.
+LTX_VAE_PLAN = VaePlan(class_names=("AutoencoderKLLTXVideo",), spatial_factor=lambda vae: vae.spatial_compression_ratio)
+
+
 #: Image-to-video: the condition image is VAE-encoded into the first latent frame and the timestep becomes one per
 #: token (0 where the frame is given), which the plan splits with the tokens. No strength: every run starts from noise.
 LTX_IMAGE_PIPELINES = (ImagePipeline("i2v", "LTXImageToVideoPipeline", strength=False),)
@@ -224,9 +232,9 @@ LTX = register(
                          "timestep": Split(dim=1, stream="video", ndim=2, broadcast=True)}},
             outputs={"rope": {0: Split(dim=1, stream="video", ndim=3), 1: Split(dim=1, stream="video", ndim=3)}},
             gathers={"proj_out": Gather(dim=1, stream="video")},
-            differs_from_cp_plan="the text and its mask stay whole on every rank (diffusers splits them for a ring over "
-                                 "the cross-attention; whole, it needs no communication); a per-token timestep is split "
-                                 "with its tokens; chunks may be uneven",
+            differs_from_cp_plan="the text and its mask stay whole on every rank (diffusers splits them for a ring "
+                                 "over the cross-attention; whole, it needs no communication); a per-token timestep "
+                                 "is split with its tokens; chunks may be uneven",
             whole=("encoder_hidden_states", "encoder_attention_mask"),
         ),
         attention=AttentionSelector(class_names=("LTXAttention",)),
@@ -248,5 +256,6 @@ LTX = register(
         image_pipelines=LTX_IMAGE_PIPELINES,
         synth_archs=LTX_ARCHS,
         synth_components=vae_and_t5("AutoencoderKLLTXVideo"),
+        vae=LTX_VAE_PLAN,
     )
 )
