@@ -170,3 +170,21 @@ def test_generate_cli_writes_an_ltx_video_with_the_vae_split(tmp_path, ltx_tiny)
     assert load_file(str(tmp_path / "lat.safetensors"))["latents"].shape == (1, 2 * 3 * 2, 8)  # packed tokens
     video = Image.open(out)
     assert video.n_frames == 9 and video.size == (64, 96)
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"tp": 2}, {"cfg": 2}], ids=axis_id)
+def test_ltx_image_to_video_matches_single_process(pools, ltx_tiny, config):
+    # LTXImageToVideoPipeline: the image is VAE-encoded (split over the ranks) into the first latent frame and the
+    # timestep becomes one per token, 0 on that frame's tokens; 3 latent frames x 3 x 2 = 18 tokens
+    from cases_image import image_case
+
+    runs = [("LTXImageToVideoPipeline", {"image": (96, 64), "guidance_scale": 3.0})]
+    kwargs = dict(steps=2, size=(96, 64), frames=17)
+    ref = image_case(ltx_tiny, {}, runs, **kwargs)[0]
+    assert ref["tokens"] == 18 and ref["encoder_rows"] == [24]  # the encoder's first convolution reads 4x4 patches
+    results = [got for got, in pools(2).run(image_case, ltx_tiny, config, runs, **kwargs)]
+    for got in results:
+        assert rel_err(got["latents"], ref["latents"]) <= 1e-5
+    assert [got["encoder_rows"] for got in results] == [[16], [8]]  # the encode split in latent rows: 2 + 1
+    other = image_case(ltx_tiny, {}, [(runs[0][0], {**runs[0][1], "image": (96, 64, 1)})], **kwargs)[0]
+    assert rel_err(other["latents"], ref["latents"]) > 1e-3  # the image conditions the video

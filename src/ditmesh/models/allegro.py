@@ -215,5 +215,6 @@ ALLEGRO_ADAPTER = register(
         pipelines=("AllegroPipeline",),
         synth_archs=ALLEGRO_ARCHS,
         synth_components=vae_and_t5("AutoencoderKLAllegro"),
+        vae_tiled_only=True,
     )
 )

@@ -382,6 +382,8 @@ class ModelAdapter:
     whole_attention: AttentionSelector | None = None
     #: how the family's VAE runs split along height (None: the VAE runs whole on every rank)
     vae: VaePlan | None = None
+    #: its VAE decodes only with diffusers' tiling on (Allegro's raises otherwise): ``generate`` turns it on
+    vae_tiled_only: bool = False
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     notes: dict = field(default_factory=dict)
