@@ -84,6 +84,8 @@ T_SKY = "tests/test_skyreels_v2.py::"
 T_MOCHI = "tests/test_mochi.py::"
 T_MOCHI_T = f"{T_MOCHI}test_mochi_transformer_with_caption_masks_matches_single_process"
 T_SKY_DF = f"{T_SKY}test_skyreels_per_frame_timesteps_and_causal_mask_match_single_process"
+T_LTX = "tests/test_ltx.py::"
+T_ALLEGRO = "tests/test_allegro.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- ring attention: the LSE merge, round order, sizes ---------------------------------------------------------
@@ -626,8 +628,47 @@ MUTANTS: tuple[Mutant, ...] = (
            "the rows Mochi's causal convolutions replicate in forward are taken for the neighbours' rows on inner ranks"),
     Mutant("tp-head-outputs-whole", "parallel/tensor.py",
            "return out.narrow(dim, rank * heads, heads)", "return out.narrow(dim, 0, heads)",
-           (f"{T_MOCHI_T}[tp2-ulysses2-even]",),
-           "every tensor-parallel rank rotates its heads with the first rank's RoPE frequencies"),
+           (f"{T_MOCHI_T}[tp2-ulysses2-even]", "tests/test_ltx.py::test_ltx_pipeline_matches_single_process[tp2-even]"),
+           "every tensor-parallel rank rotates its heads with the first rank's RoPE frequencies (Mochi's head slices, "
+           "LTX's per-channel tables)"),
+    # -- LTX-Video and Allegro: the RoPE tables and positions, per-token timesteps, masks, the tp share of the tables --
+    Mutant("ltx-rope-tables-whole", "models/ltx.py",
+           'outputs={"rope": {0: Split(dim=1, stream="video", ndim=3), 1: Split(dim=1, stream="video", ndim=3)}},',
+           "outputs={},",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[ulysses2-uneven]",),
+           "every rank rotates its LTX tokens with the whole RoPE table"),
+    Mutant("ltx-per-token-timestep-whole", "models/ltx.py",
+           '"timestep": Split(dim=1, stream="video", ndim=2, broadcast=True)}},', "}},",
+           (f"{T_LTX}test_ltx_per_token_and_broadcast_timesteps_match_single_process[ulysses2]",),
+           "LTX's per-token timesteps (image-to-video) stay whole while their tokens are split"),
+    Mutant("split-broadcast-ignored", "parallel/sequence.py",
+           "if spec.broadcast and value.shape[spec.dim] == 1:", "if False:",
+           (f"{T_LTX}test_ltx_per_token_and_broadcast_timesteps_match_single_process[ulysses2]",),
+           "a [B, 1] timestep (LTXConditionPipeline) is cut as if it had a token dim"),
+    Mutant("ltx-keys-not-rotated", "models/ltx.py",
+           "            k = transformer_ltx.apply_rotary_emb(k, image_rotary_emb)\n", "",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[ulysses2-uneven]",),
+           "the sequence-parallel self-attention rotates LTX's queries but not its keys"),
+    Mutant("ltx-rope-tables-whole-under-tp", "models/ltx.py", '    head_outputs={"rope": -1},\n', "",
+           (f"{T_LTX}test_ltx_pipeline_matches_single_process[tp2-even]",),
+           "a tp rank rotates its share of the heads with the whole inner dim's RoPE table"),
+    Mutant("allegro-positions-whole", "models/allegro.py",
+           'inputs={"": {"image_rotary_emb": Split(dim=1, stream="video", ndim=2, item=1)},', "inputs={",
+           (f"{T_ALLEGRO}test_allegro_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Allegro's RoPE positions stay whole while their tokens are split"),
+    Mutant("split-item-ignored", "parallel/sequence.py", "if spec.item is not None:", "if False:",
+           (f"{T_ALLEGRO}test_allegro_pipeline_matches_single_process[ulysses2-uneven]",),
+           "Allegro's RoPE frequency tables are cut like the positions they are indexed by"),
+    Mutant("allegro-self-attention-mask-dropped", "models/allegro.py",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend, mask=mask)",
+           "out = self.sp.attention(q, k, v, backend=self._attention_backend)",
+           (f"{T_ALLEGRO}test_allegro_self_attention_mask_and_rope_match_single_process[ulysses2]",),
+           "Allegro's sequence-parallel self-attention drops the model's attention_mask over video keys"),
+    Mutant("allegro-modulated-input-shift-and-scale-swapped", "models/allegro.py",
+           "return block.norm1(hidden) * (1 + modulation[:, 1:2]) + modulation[:, 0:1]",
+           "return block.norm1(hidden) * (1 + modulation[:, 0:1]) + modulation[:, 1:2]",
+           (f"{T_ALLEGRO}test_allegro_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
+           "Allegro's modulated input (what teacache measures) takes the shift for the scale"),
 )
 
 

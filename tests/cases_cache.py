@@ -104,3 +104,16 @@ def assert_cache_decides_as_one_process(pools, model: str, config: dict, setting
     for latents, history, _ in pools(world).run(cached_run, model, config, setting, **kwargs):
         assert [h["skip"] for h in history["transformer"]] == skips
         assert rel_err(latents, ref_latents) <= 1e-5
+
+
+def check_caches_decide_as_one_process(pools, path: str, settings, **kwargs) -> None:
+    """For each cache ``setting``: the one-process run of the pipeline in folder ``path`` skips some steps, and under
+    ulysses 2 and cfg 2 every rank takes the same decisions and ends with the same latents (``test_cache``)."""
+    from test_cache import assert_same_run
+
+    for setting in settings:
+        ref = cached_run(path, {}, setting, **kwargs)
+        assert any(h["skip"] for h in ref[1]["transformer"]), setting
+        for config in ({"ulysses": 2}, {"cfg": 2}):
+            for got in pools(2).run(cached_run, path, config, setting, **kwargs):
+                assert_same_run(got, ref)

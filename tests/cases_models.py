@@ -177,3 +177,85 @@ def refused_call(arch, config: dict, inputs: dict) -> str | None:
     except (NotImplementedError, ValueError) as error:
         return str(error)
     return None
+
+
+def cross_attention_counts(config: dict, self_attentions: int, calls: int, all_reduces: int) -> dict:
+    """Collectives of ``calls`` transformer calls of a family whose split tokens attend to themselves in
+    ``self_attentions`` layers and to a whole, replicated text otherwise (PixArt-like video and image families):
+    ``all_reduces`` per call under tp; per self-attention 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds
+    under ring, the cross-attentions moving nothing; one all-gather per call of the split tokens, and one of the batch
+    chunks under cfg or dp."""
+    counts = {}
+    if config.get("tp", 1) > 1:
+        counts["all_reduce"] = all_reduces * calls
+    if config.get("ulysses", 1) > 1:
+        counts["all_to_all"] = 2 * self_attentions * calls
+    if config.get("ring", 1) > 1:
+        counts["ring_p2p"] = (config["ring"] - 1) * self_attentions * calls
+    gathers = calls if config.get("ulysses", 1) * config.get("ring", 1) > 1 else 0
+    gathers += calls if config.get("cfg", 1) * config.get("dp", 1) > 1 else 0
+    if gathers:
+        counts["all_gather"] = gathers
+    return counts
+
+
+def first_modulated_inputs(path: str, **call) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process: the pipeline in folder ``path`` called with ``call``; returns the adapter's ``modulated_input`` of
+    the first block at its first call and what that block's ``attn1`` read then (they must be equal)."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh.hooks import bind_kwargs
+    from ditmesh.models import adapter_for
+
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    block, seen = pipe.transformer.transformer_blocks[0], {}
+    modulated_input = adapter_for(pipe.transformer).modulated_input
+
+    def ours(module, args, kwargs):
+        seen.setdefault("ours", modulated_input(module, bind_kwargs(module.forward, args, kwargs)))
+
+    def attention_input(module, args, kwargs):
+        seen.setdefault("attention", bind_kwargs(module.forward, args, kwargs)["hidden_states"])
+
+    block.register_forward_pre_hook(ours, with_kwargs=True)
+    block.attn1.register_forward_pre_hook(attention_input, with_kwargs=True)
+    pipe(**call)
+    return seen["ours"], seen["attention"]
+
+
+class FamilyRuns:
+    """A family test file's pipeline runs at its ``shapes`` (name -> pipeline sizes): one-process references, computed
+    once per folder, shape and prompts, and the same call under a parallel configuration on every rank of a pool."""
+
+    def __init__(self, shapes: dict, steps: int = 2, guidance_scale: float = 3.0, extra: dict | None = None):
+        self.shapes, self.steps, self.guidance_scale, self.extra = shapes, steps, guidance_scale, extra
+        self._references: dict = {}
+
+    def generate(self, path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
+        """:func:`generate_on` of the folder ``path`` at ``shape`` with ``prompt``."""
+        return generate_on(pools, path, config, steps=self.steps, prompt=prompt, guidance_scale=self.guidance_scale,
+                           extra=self.extra, **self.shapes[shape])
+
+    def reference(self, path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
+        """The one-process final latents of ``path`` at ``shape``."""
+        key = (path, shape, tuple(prompt))
+        if key not in self._references:
+            self._references[key] = self.generate(path, {}, shape, list(prompt))[0][0]
+        return self._references[key]
+
+    def check(self, pools, path: str, config: dict, shape: str, calls: int, counts: dict, prompt=PROMPTS) -> None:
+        """Every rank's run under ``config`` against the reference (:func:`check_ranks`); ``prompt`` as a list."""
+        ref = self.reference(path, shape, tuple(prompt))
+        check_ranks(self.generate(path, config, shape, list(prompt), pools=pools), ref, calls, counts)
+
+
+def generate_refusal(path: str, *args: str) -> str:
+    """``ditmesh generate --model path *args``, which must exit with code 2 and one line on stderr; returns that line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", path, *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    return proc.stderr.strip()

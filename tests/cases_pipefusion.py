@@ -211,3 +211,21 @@ def stage_loaded_elsewhere(model: str) -> None:
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32, transformer=None)
     pipe.register_modules(transformer=load_stage_transformer(model, 0, 2, "cpu", torch.float32))
     parallelize(pipe, ParallelConfig(pp=2))
+
+
+def check_pipefusion(pools, path: str, steps: int = 3, **call) -> None:
+    """PipeFusion (pp 2, 3 patches) on the batched-CFG pipeline in folder ``path`` (one transformer call a step), from
+    the test process: warm-up over every step equals one process (rel. err <= 1e-5); the stale schedule (warm-up 1)
+    runs 3 patches a call after it, every rank on the same prediction, near the exact run but not on it. Each step's
+    sends and broadcasts are counted."""
+    from ditmesh.testing import rel_err
+
+    ref = pipeline_run(path, {}, steps=steps, **call)[0]
+    for warmup in (steps, 1):
+        results = pools(2).run(pipeline_run, path, {"pp": 2}, steps=steps, per_step=True, pp_warmup=warmup,
+                               pp_patches=3, **call)
+        assert torch.equal(results[0][0], results[1][0])
+        for rank, (latents, _, per_step, _, _) in enumerate(results):
+            assert rel_err(latents, ref) <= 1e-5 if warmup == steps else 1e-6 < rel_err(latents, ref) < 0.2
+            kind = "pp_send" if rank == 0 else "pp_recv"
+            assert per_step == [{kind: 1 if step < warmup else 3, "broadcast": 1} for step in range(steps)]

@@ -29,6 +29,9 @@ TINY_VAES["flux2"] = ("AutoencoderKLFlux2", TINY_VAES["kl"][1])  # FLUX.2's VAE 
 TINY_VAES["cogvideox"] = ("AutoencoderKLCogVideoX", dict(
     down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
     block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1, norm_num_groups=2))
+TINY_VAES["ltx"] = ("AutoencoderKLLTXVideo", dict(  # the real 32x / 8x-time compression, 8 wide, latent_channels 4
+    latent_channels=4, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+    layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1)))
 #: the 2-D VAEs (no frames)
 IMAGE_VAES = ("kl", "flux2")
 

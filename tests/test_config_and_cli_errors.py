@@ -48,7 +48,7 @@ def test_config_checks_world_size_and_heads():
     (["generate", "--model", "flux-tiny", "--nproc", "4", "--tp", "4"], "tp=4 does not divide the 6 attention heads"),
     (["generate", "--height", "50"], "--height 50 must be a positive multiple of 16"),
     (["generate", "--nproc", "two"], "argument --nproc"),
-    (["synth", "--arch", "flux-huge", "--out", "x"], "unknown architecture 'flux-huge'; known: chroma-tiny, chroma1-hd, cogview4, cogview4-tiny, flux-dev"),
+    (["synth", "--arch", "flux-huge", "--out", "x"], "unknown architecture 'flux-huge'; known: "),
 ])
 def test_cli_bad_input_gives_one_line_error_and_nonzero_exit(argv, needle, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

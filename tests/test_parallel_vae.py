@@ -188,3 +188,19 @@ def test_wide_head_attention_in_pieces_matches_sdpa(monkeypatch, queries, keys):
     q, k, v = (torch.randn(2, 1, n, 320, generator=g) for n in (queries, keys, keys))
     out = parallel_vae.attend(q, k, v)
     assert rel_err(out, torch.nn.functional.scaled_dot_product_attention(q, k, v)) <= 1e-5
+
+
+@pytest.mark.parametrize("world,what,rows,cols,frames", [
+    (2, "decode", 3, 2, 2), (2, "encode", 3, 2, 9), (3, "decode", 5, 3, 3), (3, "encode", 5, 2, 9)])
+def test_ltx_video_vae_split_along_height_matches_single_process(pools, world, what, rows, cols, frames):
+    # patchified 4x4 around the VAE, causal time padding in forward, per-position norms, no attention: one halo
+    # exchange per convolution taller than one row and one all-gather at the exit
+    from torch import nn
+
+    from cases_vae import tiny_vae
+
+    coder = getattr(tiny_vae("ltx"), "decoder" if what == "decode" else "encoder")
+    tall = sum(1 for m in coder.modules() if isinstance(m, nn.Conv3d) and m.kernel_size[-2] > 1)
+    for r in pools(world).run(vae_case, "ltx", what, rows, cols, frames):
+        assert r["err"] <= 1e-5, r["err"]
+        assert r["restored"] and r["counts"] == {"halo": tall, "all_gather": 1}

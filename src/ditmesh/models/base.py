@@ -24,7 +24,11 @@ class Split:
 
     ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
     timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
-    list or tuple of tensors (SD3's ControlNet residuals) is split element by element.
+    list or tuple of tensors (SD3's ControlNet residuals) is split element by element. ``broadcast``: a tensor of
+    size 1 along ``dim`` holds one value for every token of the stream and stays whole (LTXConditionPipeline's
+    timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the call). ``item``: of a tuple or list, only
+    this element is split (each tensor in it) and the others stay whole (Allegro's ``image_rotary_emb``: the
+    frequency tables whole, the token positions split).
 
     ``leading``: the stream fills only the first ``stream_length`` entries along ``dim`` (the stream must have been
     split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's
@@ -35,6 +39,8 @@ class Split:
     stream: str
     ndim: int | None = None
     leading: bool = False
+    broadcast: bool = False
+    item: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,9 @@ class TensorPlan:
       is summed over the tensor-parallel ranks (one all-reduce of ``[..., 1]`` per norm).
 
     - ``head_outputs``: modules (patterns) whose outputs, a tensor or a tuple of them, hold one slice per attention
-      head along the given dim (Mochi's RoPE table, cos and sin ``[N, H, D / 2]``): each rank keeps the slice of its
-      heads, as ``per_rank_attrs`` divides the head counts.
+      head along the given dim (Mochi's RoPE table, cos and sin ``[N, H, D / 2]``; LTX's, one entry per channel of
+      the whole inner dim in the last dim, applied to the column-parallel Q and K before the head split): each rank
+      keeps the slice of its heads, as ``per_rank_attrs`` divides the head counts.
 
     A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
@@ -381,8 +388,11 @@ class ModelAdapter:
     out_channels: Callable | None = None
     #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
     fuse_qkv: bool = False
-    #: video families: valid frame counts are ``frame_step * k + 1`` (the VAE's temporal compression); None: images
+    #: video families: valid frame counts are ``frame_step * k + first_frames`` (the VAE's temporal compression);
+    #: None: images
     frame_step: int | None = None
+    #: the fewest frames of a video family (1: a causal VAE's lone first frame; Allegro's tiled decode: 24)
+    first_frames: int = 1
     #: frames per second of written videos
     fps: int = 16
     #: the diffusers pipeline classes of the family (for messages and checks before loading)
@@ -412,6 +422,8 @@ class ModelAdapter:
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None
+    #: its VAE decodes only with diffusers' tiling on (Allegro's raises otherwise): ``generate`` turns it on
+    vae_tiled_only: bool = False
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming
@@ -484,9 +496,10 @@ class ModelAdapter:
         """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""
         if self.frame_step is None:
             return None
-        if (frames - 1) % self.frame_step:
-            lower = (frames - 1) // self.frame_step * self.frame_step + 1
-            return f"--frames {frames} must be {self.frame_step}k+1 for {self.name} (e.g. {lower} or {lower + self.frame_step})"
+        step, first = self.frame_step, self.first_frames
+        if frames < first or (frames - first) % step:
+            lower = max(first, (frames - first) // step * step + first)
+            return f"--frames {frames} must be {step}k+{first} for {self.name} (e.g. {lower} or {lower + step})"
         return None
 
 

@@ -27,6 +27,8 @@ exchanged); every rank runs every attention layer in the same order.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from ..attention.local import QueryChunks, score_mask
 from ..attention.ring import ring_attention
@@ -234,10 +236,15 @@ class SequenceParallel:
 
 def split_value(splitter, value, spec: Split):
     """``value`` cut by ``spec`` through ``splitter.split(tensor, dim, stream)``: a tensor of the expected ndim, or each
-    tensor of a list or tuple; anything else as is."""
+    tensor of a list or tuple (of its element ``spec.item`` only, when given); anything else as is."""
     if isinstance(value, (list, tuple)):
+        if spec.item is not None:
+            whole = dataclasses.replace(spec, item=None)
+            return type(value)(split_value(splitter, v, whole) if i == spec.item else v for i, v in enumerate(value))
         return type(value)(split_value(splitter, v, spec) for v in value)
     if not isinstance(value, torch.Tensor) or (spec.ndim is not None and value.ndim != spec.ndim):
+        return value
+    if spec.broadcast and value.shape[spec.dim] == 1:
         return value
     if spec.leading:  # the stream's tokens first, then tokens already local: only the former are cut
         n = splitter.stream_length(spec.stream)

@@ -113,9 +113,13 @@ def vae_decode(spec, height: int, width: int, frames: int = 1, batch: int = 1, c
     plan = vae_plan_for(vae)
     factor = plan.spatial_factor(vae) if plan is not None else 8
     channels = vae.config.get("latent_channels") or vae.config.get("z_dim")
-    # a video VAE: Wan's (z_dim, no tiled decode plan) or one that names its temporal compression (CogVideoX's)
-    is_video = (getattr(plan, "tile_decoder", "") is None and "z_dim" in vae.config) or "temporal_compression_ratio" in vae.config
-    latent_frames = (frames - 1) // 4 + 1 if is_video else 1
+    # a video VAE: Wan's (4x in time, ``z_dim``) or one that names its time compression (CogVideoX's in its config,
+    # LTX-Video's as an attribute, 8x)
+    time_factor = (getattr(vae, "temporal_compression_ratio", None) or vae.config.get("temporal_compression_ratio")
+                   or (4 if "z_dim" in vae.config else None))
+    is_video = time_factor is not None and (getattr(plan, "tile_decoder", "") is None
+                                            or "temporal_compression_ratio" in vae.config)
+    latent_frames = (frames - 1) // time_factor + 1 if is_video else 1
     traced_frames = min(latent_frames, 2)
     lh, lw = height // factor, width // factor
     shrink = max(1.0, (height * width / REFERENCE_PIXELS) ** 0.5)
@@ -128,7 +132,7 @@ def vae_decode(spec, height: int, width: int, frames: int = 1, batch: int = 1, c
     bpe = torch.empty(0, dtype=dtype).element_size()
     frame_bytes = batch * vae.config.get("out_channels", 3) * height * width * bpe
     picture = frame_bytes * (frames if is_video else 1)
-    rest = frame_bytes * max(0, frames - (traced_frames - 1) * 4 - 1) if is_video else 0  # frames not traced
+    rest = frame_bytes * max(0, frames - (traced_frames - 1) * time_factor - 1) if is_video else 0  # frames not traced
     traced = _traced_peak(vae, latent(th, tw))
     whole = traced * scale + rest
     chunked = whole  # not asked, or a VAE without layers to cut: the pieces change nothing

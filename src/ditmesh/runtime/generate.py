@@ -402,6 +402,7 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
 
     from ..api import parallelize
     from ..comm import all_gather_object
+    from ..models import adapter_for
     from ..shared import DTYPES
 
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -432,6 +433,8 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
                                  for name in names})
     else:
         pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
+    if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
+        pipe.vae.enable_tiling()
     runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
                           compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
                           transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
