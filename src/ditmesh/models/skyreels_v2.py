@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from .base import (AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, Split, SynthArch, register)
+from .base import (AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, Split, register)
 from .wan import (_WAN_TINY, WAN21_14B, WAN_TENSOR_PLAN, WAN_VAE_PLAN, WanSequenceParallelProcessor, wan_components,
                   wan_layout)
 

@@ -412,8 +412,6 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
 
     def undo():
         _LAYERS.pop(model, None)
-        for hook in table_hooks:
-            hook.remove()
         remove_all_reduces()
         for hook in head_hooks:
             hook.remove()

@@ -52,7 +52,7 @@ class PlanResult:
         head = (f"{best.describe()} is predicted fastest at {best.effective_ms:.1f} ms/step "
                 f"({best.speedup:.2f}x one GPU{', which must offload' if self.baseline.fits != 'yes' else ''}) in {best.memory['total']:.1f} of {gib:.1f} GiB per GPU")
         if best.fits == "offload":
-            return head + f", streaming the weights that do not fit from host memory every step"
+            return head + ", streaming the weights that do not fit from host memory every step"
         if faster:
             f = min(faster, key=lambda p: p.step_ms)
             return (head + f"; {f.describe()} would compute faster ({f.step_ms:.1f} ms) but needs "
