@@ -310,10 +310,6 @@ class LayerAttention:
     def __init__(self, owner, layer: str):
         self.owner, self.layer = owner, layer
 
-    # Outside compiled graphs (a graph break in each attention of a compiled block): traced, every layer's name
-    # would be a guard of its own, and the compiler recompiled per layer until its limit (measured: FLUX.1-dev's
-    # 57 layers hit torch._dynamo's recompile_limit of 8).
-    @torch.compiler.disable
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
         return self.owner.attend(self.layer, query, key, value, backend=backend, streams=streams, mask=mask)
 
