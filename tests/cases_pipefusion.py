@@ -133,14 +133,58 @@ def _sizes(n: int, parts: int) -> list[int]:
     return [base + (1 if j < extra else 0) for j in range(parts)]
 
 
+class _SkippedMiddleBlocks:
+    """A step cache with ``first=1`` on FLUX's blocks, written on its own (not ditmesh's code path): at a ``skipped``
+    step every block after the first returns its inputs and the last adds the residual that they produced for the
+    current piece's tokens at the last step they ran; at other steps the residual of the piece's tokens is kept, in
+    buffers over the whole text and image (``state``'s piece: ``text_offset`` and ``offset``). FLUX's double and
+    single blocks take and return the same pair, ``(encoder_hidden_states, hidden_states)``."""
+
+    def __init__(self, blocks, skipped: tuple, state: dict):
+        self.blocks, self.skipped, self.state = list(blocks), set(skipped), state
+        self.kept, self.entering = {}, None
+        for i, block in enumerate(self.blocks):
+            block.forward = self.wrap(i, block.forward)
+
+    def pieces(self, name: str, tensor: torch.Tensor):
+        """The current piece's run of ``tensor``'s stream in the kept whole buffer (made on first use)."""
+        st = self.state
+        whole = st["text"] if name == "encoder_hidden_states" else st["image"]
+        start = st["text_offset"] if name == "encoder_hidden_states" else st["offset"]
+        if name not in self.kept or st["step"] == 0:
+            self.kept[name] = tensor.new_zeros(tensor.shape[0], whole, *tensor.shape[2:])
+        return self.kept[name].narrow(1, start, tensor.shape[1])
+
+    def wrap(self, index: int, forward):
+        last = index == len(self.blocks) - 1
+
+        def run(hidden_states, encoder_hidden_states, *args, **kwargs):
+            named = {"encoder_hidden_states": encoder_hidden_states, "hidden_states": hidden_states}
+            if self.state["step"] in self.skipped:
+                if last:
+                    named = {n: t + self.pieces(n, t) for n, t in named.items()}
+                return named["encoder_hidden_states"], named["hidden_states"]
+            if index == 0:
+                self.entering = named
+            out = forward(hidden_states, encoder_hidden_states, *args, **kwargs)
+            if last:
+                for name, value in zip(("encoder_hidden_states", "hidden_states"), out):
+                    self.pieces(name, value).copy_(value - self.entering[name])
+            return out
+
+        return run
+
+
 def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, height: int = 64, width: int = 64,
-                         max_sequence_length: int = 16, displaced: bool = False) -> torch.Tensor:
+                         max_sequence_length: int = 16, displaced: bool = False,
+                         skipped: tuple = ()) -> torch.Tensor:
     """Final latents of the FLUX pipeline in ``model`` on one process, under a stale schedule emulated without
     ditmesh: the first ``warmup`` steps whole; later steps as ``patches`` pieces in order, the whole transformer per
     piece, each attention over its layer's K/V buffer (:class:`_StaleAttention`). PipeFusion: the pieces are patches
     of the image tokens, the text with patch 0, one buffer read and written. ``displaced``: the pieces are the
     ranks' contiguous chunks of the text and of the image tokens (uneven by at most one, the larger first), each
-    reading the buffer the last step wrote (its own tokens fresh) and writing the next step's."""
+    reading the buffer the last step wrote (its own tokens fresh) and writing the next step's. ``skipped``: steps at
+    which a step cache with ``first=1`` skips every block after the first (:class:`_SkippedMiddleBlocks`)."""
     from diffusers import DiffusionPipeline
 
     from cases_models import call_kwargs
@@ -154,6 +198,9 @@ def flux_stale_emulation(model: str, patches: int, warmup: int, steps: int = 3, 
     for name, module in transformer.named_modules():
         if type(module).__name__ == "FluxAttention":
             module.set_processor(_StaleAttention(read, written, name, state))
+    if skipped:
+        _SkippedMiddleBlocks([*transformer.transformer_blocks][1:] + [*transformer.single_transformer_blocks], skipped,
+                             state)
     forward = transformer.forward
 
     def patched(hidden_states, encoder_hidden_states, txt_ids, img_ids, **kwargs):
