@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import check_ranks, generate_on, transformer_call
+from cases_models import PROMPTS, FamilyRuns, transformer_call
 from ditmesh.testing import rel_err
 
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: image tokens (H/16 * W/16): 16 divide 2 and 4, 9 do not; the text lengths are the model's (77 + 256)
 SHAPES = {"even": dict(height=64, width=64), "uneven": dict(height=48, width=48)}
 EXTRA = dict(use_resolution_binning=False)
@@ -24,17 +23,13 @@ def hunyuan_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("hunyuan-dit-tiny")
 
 
-_REFERENCES: dict = {}
+#: the pipeline runs of this file and their one-process references (pipeline_generate's guidance 5.0)
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0, extra=EXTRA)
+generate, reference = RUNS.generate, RUNS.reference
 
 
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
-    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
 
 
-def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
-    if (path, shape, prompt) not in _REFERENCES:
-        _REFERENCES[path, shape, prompt] = generate(path, {}, shape, list(prompt))[0][0]
-    return _REFERENCES[path, shape, prompt]
 
 
 def expected_counts(config: dict, calls: int = CALLS) -> dict:
@@ -57,9 +52,7 @@ def expected_counts(config: dict, calls: int = CALLS) -> dict:
                                     {"tp": 2, "ulysses": 2}, {"cfg": 2}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_hunyuan_pipeline_matches_single_process(pools, hunyuan_tiny, config, shape):
-    ref = reference(hunyuan_tiny, shape)
-    outs = generate(hunyuan_tiny, config, shape, pools=pools)
-    check_ranks(outs, ref, CALLS, expected_counts(config))
+    RUNS.check(pools, hunyuan_tiny, config, shape, CALLS, expected_counts(config))
 
 
 def test_hunyuan_dp2_three_prompts_matches_single_process(pools, hunyuan_tiny):

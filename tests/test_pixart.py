@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import check_ranks, generate_on, transformer_call
+from cases_models import PROMPTS, FamilyRuns, transformer_call
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the cross-attention mask differs
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: image tokens (H/16 * W/16): 16 divide 2 and 4, 9 do not; text is not split
 SHAPES = {"even": dict(height=64, width=64, max_sequence_length=32),
           "uneven": dict(height=48, width=48, max_sequence_length=15)}
@@ -27,18 +26,13 @@ def pixart_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("pixart-sigma-tiny")
 
 
-_REFERENCES: dict = {}
+#: the pipeline runs of this file and their one-process references (pipeline_generate's guidance 5.0)
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0, extra=EXTRA)
+generate, reference = RUNS.generate, RUNS.reference
 
 
-def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
-    key = (shape, prompt)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = generate(path, {}, shape, list(prompt))[0][0]
-    return _REFERENCES[key]
 
 
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
-    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
 
 
 def expected_counts(config: dict) -> dict:
@@ -62,9 +56,7 @@ def expected_counts(config: dict) -> dict:
                                     {"tp": 2, "ulysses": 2}, {"cfg": 2}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_pixart_pipeline_matches_single_process(pools, pixart_tiny, config, shape):
-    ref = reference(pixart_tiny, shape)
-    outs = generate(pixart_tiny, config, shape, pools=pools)
-    check_ranks(outs, ref, CALLS, expected_counts(config))
+    RUNS.check(pools, pixart_tiny, config, shape, CALLS, expected_counts(config))
 
 
 def test_pixart_dp2_three_prompts_matches_single_process(pools, pixart_tiny):

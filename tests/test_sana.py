@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import check_ranks, generate_on, transformer_call
+from cases_models import PROMPTS, FamilyRuns, transformer_call
 from cases_sana import compiled_sequence_parallel_case, sana_without_case, transformer_call_error
 from ditmesh.testing import rel_err
 
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: latent grids (the DC-AE divides by 32): 8 x 8 = 64 tokens (8 rows: 4 + 4, 2 x 4); 7 x 5 = 35 tokens (7 rows:
 #: 4 + 3 on 2 ranks, 2 + 2 + 2 + 1 on 4)
 SHAPES = {"even": dict(height=256, width=256, max_sequence_length=32),
@@ -28,17 +27,13 @@ def sana_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("sana-tiny")
 
 
-_REFERENCES: dict = {}
+#: the pipeline runs of this file and their one-process references (pipeline_generate's guidance 5.0)
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0, extra=EXTRA)
+generate, reference = RUNS.generate, RUNS.reference
 
 
-def generate(path: str, config: dict, shape: str, prompt=PROMPTS, pools=None) -> list:
-    return generate_on(pools, path, config, steps=STEPS, prompt=prompt, extra=EXTRA, **SHAPES[shape])
 
 
-def reference(path: str, shape: str, prompt=tuple(PROMPTS)) -> torch.Tensor:
-    if (path, shape, prompt) not in _REFERENCES:
-        _REFERENCES[path, shape, prompt] = generate(path, {}, shape, list(prompt))[0][0]
-    return _REFERENCES[path, shape, prompt]
 
 
 def expected_counts(config: dict, calls: int = CALLS) -> dict:
@@ -61,9 +56,7 @@ def expected_counts(config: dict, calls: int = CALLS) -> dict:
                                     {"tp": 2, "ring": 2}, {"cfg": 2}],
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_sana_pipeline_matches_single_process(pools, sana_tiny, config, shape):
-    ref = reference(sana_tiny, shape)
-    outs = generate(sana_tiny, config, shape, pools=pools)
-    check_ranks(outs, ref, CALLS, expected_counts(config))
+    RUNS.check(pools, sana_tiny, config, shape, CALLS, expected_counts(config))
 
 
 def test_sana_dp2_three_prompts_matches_single_process(pools, sana_tiny):
