@@ -4,15 +4,13 @@ mask reordered like the keys, tensor parallelism over its shared feed-forward, a
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from cases_models import EVERY_AXIS, axis_id, check_ranks, pipeline_generate, sequence_counts, transformer_call
+from cases_models import EVERY_AXIS, PROMPTS, FamilyRuns, axis_id, sequence_counts, transformer_call
 from ditmesh.testing import rel_err
 
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: image tokens (H/16 * W/16) and text tokens (the prompt padded to a multiple of 16): 16 + 16 divide 2; 9 does not
 SHAPES = {"even": dict(height=64, width=64), "uneven": dict(height=48, width=48)}
 LAYERS = 2
@@ -24,14 +22,8 @@ def cogview4_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("cogview4-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def reference(path: str, shape: str, prompt) -> torch.Tensor:
-    key = (shape, tuple(prompt) if isinstance(prompt, list) else prompt)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = pipeline_generate(path, {}, steps=STEPS, prompt=prompt, **SHAPES[shape])[0]
-    return _REFERENCES[key]
+#: the pipeline runs of this file and their one-process references (pipeline_generate's guidance 5.0)
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0)
 
 
 def expected_counts(config: dict) -> dict:
@@ -49,11 +41,8 @@ def expected_counts(config: dict) -> dict:
 @pytest.mark.parametrize("shape", ["even", "uneven"])
 @pytest.mark.parametrize("config", EVERY_AXIS, ids=axis_id)
 def test_cogview4_pipeline_matches_single_process(pools, cogview4_tiny, config, shape):
-    prompt = PROMPTS if "dp" in config else PROMPTS[0]
-    ref = reference(cogview4_tiny, shape, prompt)
-    outs = pools(math.prod(config.values())).run(pipeline_generate, cogview4_tiny, config, steps=STEPS,
-                                                 prompt=prompt, **SHAPES[shape])
-    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
+    prompt = PROMPTS if "dp" in config else PROMPTS[:1]
+    RUNS.check(pools, cogview4_tiny, config, shape, 2 * STEPS, expected_counts(config), prompt)
 
 
 def _masked_inputs() -> dict:

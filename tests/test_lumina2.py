@@ -4,15 +4,13 @@ the refiners whole, tensor parallelism over refiners and layers, and its two CFG
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from cases_models import EVERY_AXIS, axis_id, check_ranks, pipeline_generate, sequence_counts
+from cases_models import EVERY_AXIS, PROMPTS, FamilyRuns, axis_id, sequence_counts
 
 #: two prompts of different lengths: the joint sequences differ, so the main layers get a key-padding mask
-PROMPTS = ["a red circle", "a big blue square on a green field under a yellow sun at noon"]
 #: image tokens (H/16 * W/16): 16 divides 2, 9 does not; the joint length adds the longer caption
 SHAPES = {"even": dict(height=64, width=64, max_sequence_length=256),
           "uneven": dict(height=48, width=48, max_sequence_length=256)}
@@ -25,14 +23,8 @@ def lumina2_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("lumina2-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = pipeline_generate(path, {}, steps=STEPS, prompt=PROMPTS, guidance_scale=4.0,
-                                               **SHAPES[shape])[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=4.0)
 
 
 def expected_counts(config: dict) -> dict:
@@ -50,10 +42,7 @@ def expected_counts(config: dict) -> dict:
 @pytest.mark.parametrize("shape", ["even", "uneven"])
 @pytest.mark.parametrize("config", EVERY_AXIS, ids=axis_id)
 def test_lumina2_pipeline_matches_single_process(pools, lumina2_tiny, config, shape):
-    ref = reference(lumina2_tiny, shape)
-    outs = pools(math.prod(config.values())).run(pipeline_generate, lumina2_tiny, config, steps=STEPS,
-                                                 prompt=PROMPTS, guidance_scale=4.0, **SHAPES[shape])
-    check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
+    RUNS.check(pools, lumina2_tiny, config, shape, 2 * STEPS, expected_counts(config))
 
 
 def test_lumina2_joint_sequence_is_padded_and_masked_per_sample(lumina2_tiny):

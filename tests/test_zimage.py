@@ -5,13 +5,11 @@ the sample lists sliced over the dp/cfg ranks."""
 
 from __future__ import annotations
 
-import functools
-import math
 
 import pytest
 import torch
 
-from cases_models import EVERY_AXIS, axis_id, check_ranks, pipeline_generate, sequence_counts
+from cases_models import EVERY_AXIS, FamilyRuns, axis_id, check_ranks, pipeline_generate, sequence_counts
 
 #: captions of 17 and 61 tokens (chat template included), 14 for the empty negative prompt: padded to 32 and 64, so
 #: the joint sequences differ and the main layers get a key-padding mask
@@ -30,10 +28,8 @@ def zimage_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("z-image-tiny")
 
 
-@functools.cache
-def reference(path: str, shape: str) -> torch.Tensor:
-    """The one-process latents of the two prompts with CFG at ``shape``, computed once per session."""
-    return pipeline_generate(path, {}, steps=STEPS, prompt=PROMPTS, guidance_scale=4.0, **SHAPES[shape])[0]
+#: the pipeline runs of this file (the two prompts with CFG) and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=4.0)
 
 
 def expected_counts(config: dict) -> dict:
@@ -49,10 +45,7 @@ def expected_counts(config: dict) -> dict:
 @pytest.mark.parametrize("shape", ["even", "uneven"])
 @pytest.mark.parametrize("config", EVERY_AXIS, ids=axis_id)
 def test_zimage_pipeline_matches_single_process(pools, zimage_tiny, config, shape):
-    ref = reference(zimage_tiny, shape)
-    outs = pools(math.prod(config.values())).run(pipeline_generate, zimage_tiny, config, steps=STEPS,
-                                                 prompt=PROMPTS, guidance_scale=4.0, **SHAPES[shape])
-    check_ranks(outs, ref, STEPS, expected_counts(config))
+    RUNS.check(pools, zimage_tiny, config, shape, STEPS, expected_counts(config), PROMPTS)
 
 
 def test_zimage_dp_rank_without_a_sample_skips_the_call(pools, zimage_tiny):
