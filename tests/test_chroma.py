@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cases_cache import assert_cache_decides_as_one_process
-from cases_models import JOINT_SHAPES, PROMPTS, check_ranks, masks_dropped, pipeline_counts, pipeline_generate
+from cases_models import FamilyRuns, JOINT_SHAPES, PROMPTS, check_ranks, masks_dropped, pipeline_counts, pipeline_generate
 from ditmesh.testing import rel_err
 
 #: two prompts of different lengths: each sample pads its text differently, so the mask differs per sample
@@ -23,13 +23,9 @@ def chroma_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("chroma-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = pipeline_generate(path, {}, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0)
+reference = RUNS.reference
 
 
 def expected_counts(config: dict) -> dict:
@@ -43,7 +39,7 @@ def expected_counts(config: dict) -> dict:
                          ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_chroma_pipeline_matches_single_process(pools, chroma_tiny, config, shape):
     ref = reference(chroma_tiny, shape)
-    outs = pools(math.prod(config.values())).run(pipeline_generate, chroma_tiny, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
+    outs = RUNS.generate(chroma_tiny, config, shape, pools=pools)
     check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 

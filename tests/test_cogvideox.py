@@ -5,12 +5,11 @@ the batched CFG call's halves and the prompts on their own ranks (cfg, dp); odd 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
-from cases_models import PROMPTS, axis_id, check_ranks, pipeline_counts, pipeline_generate
+from cases_models import FamilyRuns, PROMPTS, axis_id, check_ranks, pipeline_counts
 from ditmesh.testing import rel_err
 
 #: video tokens ((frames - 1) / 4 + 1 latent frames x H/16 x W/16) and text tokens (max_sequence_length, every prompt
@@ -28,17 +27,9 @@ def cogvideox(tiny_checkpoints):
     return tiny_checkpoints
 
 
-_REFERENCES: dict = {}
-
-
-def run(path: str, config: dict, shape: str):
-    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, guidance_scale=5.0, **SHAPES[shape])
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if (path, shape) not in _REFERENCES:
-        _REFERENCES[path, shape] = run(path, {}, shape)[0]
-    return _REFERENCES[path, shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0)
+reference = RUNS.reference
 
 
 def expected_counts(config: dict) -> dict:
@@ -55,7 +46,7 @@ def expected_counts(config: dict) -> dict:
 def test_cogvideox_pipeline_matches_single_process(pools, cogvideox, config, shape):
     path = cogvideox("cogvideox-tiny")
     ref = reference(path, shape)
-    check_ranks(pools(math.prod(config.values())).run(run, path, config, shape), ref, STEPS, expected_counts(config))
+    check_ranks(RUNS.generate(path, config, shape, pools=pools), ref, STEPS, expected_counts(config))
 
 
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}], ids=axis_id)
@@ -63,7 +54,7 @@ def test_cogvideox_pipeline_matches_single_process(pools, cogvideox, config, sha
 def test_cogvideox_1_0_without_rope_and_1_5_match_single_process(pools, cogvideox, arch, config):
     path = cogvideox(arch)
     ref = reference(path, "odd-video")
-    check_ranks(pools(2).run(run, path, config, "odd-video"), ref, STEPS, expected_counts(config))
+    check_ranks(RUNS.generate(path, config, "odd-video", pools=pools), ref, STEPS, expected_counts(config))
 
 
 def test_cogvideox_rope_and_positions_matter(cogvideox):

@@ -11,7 +11,7 @@ import torch
 
 from cases_cache import assert_cache_decides_as_one_process
 from cases_tp_models import tp_model_case
-from cases_models import JOINT_SHAPES, PROMPTS, pipeline_counts, pipeline_generate, refused_call, transformer_call
+from cases_models import FamilyRuns, JOINT_SHAPES, PROMPTS, pipeline_counts, pipeline_generate, refused_call, transformer_call
 from ditmesh.testing import rel_err
 
 SHAPES = JOINT_SHAPES  # the pipeline pads the text to max_sequence_length
@@ -24,17 +24,9 @@ def flux2_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("flux2-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def run(path: str, config: dict, shape: str):
-    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, guidance_scale=4.0, **SHAPES[shape])
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = run(path, {}, shape)[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=4.0)
+reference = RUNS.reference
 
 
 @pytest.mark.parametrize("config, shape", [
@@ -44,7 +36,7 @@ def reference(path: str, shape: str) -> torch.Tensor:
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else c)
 def test_flux2_pipeline_matches_single_process(pools, flux2_tiny, config, shape):
     ref = reference(flux2_tiny, shape)
-    outs = pools(math.prod(config.values())).run(run, flux2_tiny, config, shape)
+    outs = RUNS.generate(flux2_tiny, config, shape, pools=pools)
     for latents, counts, calls in outs:
         assert rel_err(latents, ref) <= 1e-5
         assert calls == 2 * STEPS  # Klein's true CFG: the prompts' call, then the negative prompts'

@@ -9,13 +9,12 @@ aspect ratio), so the tests set it on the loaded pipeline: 8 gives 64x64 images 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from cases_cache import assert_cache_decides_as_one_process
-from cases_models import PROMPTS, axis_id, check_ranks, pipeline_counts, pipeline_generate, transformer_call
+from cases_models import FamilyRuns, PROMPTS, axis_id, check_ranks, pipeline_counts, transformer_call
 from ditmesh.testing import rel_err
 
 #: image tokens (H/16 * W/16) and text tokens (T5 and Llama, each max_sequence_length): 16 + 32 + 2 x 32 divide 2 and
@@ -36,17 +35,9 @@ def hidream_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("hidream-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def run(path: str, config: dict, shape: str):
-    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, **SHAPES[shape])
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = run(path, {}, shape)[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0)
+reference = RUNS.reference
 
 
 # ulysses 4, ring 2 and 4 and ring 2 x ulysses 2, even and uneven: tests/test_models_sp.py; tp 2 (alone, x ulysses 2,
@@ -58,7 +49,7 @@ def reference(path: str, shape: str) -> torch.Tensor:
 ], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 def test_hidream_pipeline_matches_single_process(pools, hidream_tiny, config, shape):
     ref = reference(hidream_tiny, shape)
-    outs = pools(math.prod(config.values())).run(run, hidream_tiny, config, shape)
+    outs = RUNS.generate(hidream_tiny, config, shape, pools=pools)
     # batched CFG: one transformer call per step
     check_ranks(outs, ref, STEPS, pipeline_counts(config, STEPS, LAYERS, TP_ALL_REDUCES, calls_per_step=1))
 

@@ -4,14 +4,13 @@ shard (TP), each CFG branch and each prompt run on their own ranks (cfg, dp); od
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from cases_models import PROMPTS, axis_id, check_ranks, pipeline_counts, pipeline_generate
+from cases_models import FamilyRuns, PROMPTS, axis_id, check_ranks, pipeline_counts
 from ditmesh.testing import rel_err
 
 #: true CFG: the prompts' call, then the negative prompts' (guidance_scale is the distilled guidance of each call)
@@ -29,17 +28,9 @@ def hunyuan_video_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("hunyuan-video-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def run(path: str, config: dict, shape: str):
-    return pipeline_generate(path, config, steps=STEPS, prompt=PROMPTS, guidance_scale=6.0, extra=CFG, **SHAPES[shape])
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = run(path, {}, shape)[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=6.0, extra=CFG)
+reference = RUNS.reference
 
 
 def expected_counts(config: dict) -> dict:
@@ -55,7 +46,7 @@ def expected_counts(config: dict) -> dict:
 ], ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 def test_hunyuan_video_pipeline_matches_single_process(pools, hunyuan_video_tiny, config, shape):
     ref = reference(hunyuan_video_tiny, shape)
-    outs = pools(math.prod(config.values())).run(run, hunyuan_video_tiny, config, shape)
+    outs = RUNS.generate(hunyuan_video_tiny, config, shape, pools=pools)
     check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 

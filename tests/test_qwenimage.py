@@ -4,13 +4,12 @@ prompt run on its own ranks (cfg, dp); odd token counts split unevenly (QwenImag
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
 from cases_cache import assert_cache_decides_as_one_process
-from cases_models import PROMPTS, check_ranks, masks_dropped, pipeline_counts, pipeline_generate, transformer_call
+from cases_models import FamilyRuns, PROMPTS, check_ranks, masks_dropped, pipeline_counts, transformer_call
 from ditmesh.testing import rel_err
 
 #: true CFG: the prompts' call, then the negative prompts' (the pipeline passes no mask there: nothing is padded)
@@ -28,17 +27,9 @@ def qwenimage_tiny(tiny_checkpoints) -> str:
     return tiny_checkpoints("qwenimage-tiny")
 
 
-_REFERENCES: dict = {}
-
-
-def run(path: str, config: dict, shape: str, prompt=PROMPTS):
-    return pipeline_generate(path, config, steps=STEPS, prompt=prompt, extra=CFG, **SHAPES[shape])
-
-
-def reference(path: str, shape: str) -> torch.Tensor:
-    if shape not in _REFERENCES:
-        _REFERENCES[shape] = run(path, {}, shape)[0]
-    return _REFERENCES[shape]
+#: the pipeline runs of this file and their one-process references
+RUNS = FamilyRuns(SHAPES, steps=STEPS, guidance_scale=5.0, extra=CFG)
+reference = RUNS.reference
 
 
 def expected_counts(config: dict) -> dict:
@@ -54,7 +45,7 @@ def expected_counts(config: dict) -> dict:
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) if isinstance(c, dict) else c)
 def test_qwenimage_pipeline_matches_single_process(pools, qwenimage_tiny, config, shape):
     ref = reference(qwenimage_tiny, shape)
-    outs = pools(math.prod(config.values())).run(run, qwenimage_tiny, config, shape)
+    outs = RUNS.generate(qwenimage_tiny, config, shape, pools=pools)
     check_ranks(outs, ref, 2 * STEPS, expected_counts(config))
 
 
