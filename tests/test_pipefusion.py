@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cases_pipefusion import flux_stale_emulation, pipeline_run, stage_loaded_elsewhere, stage_weights
-from ditmesh.config import ConfigError, ParallelConfig, check_pipefusion, check_supported
+from ditmesh.config import ConfigError, ParallelConfig, check_pipefusion
 from ditmesh.parallel.pipefusion import split_stages
 from ditmesh.testing import RankError, rel_err
 
@@ -68,10 +68,6 @@ def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message) as err:
         check_pipefusion(*args)
     assert "\n" not in str(err.value)
-
-
-def test_pp_runs_beside_every_other_axis():
-    check_supported(ParallelConfig(pp=2, cfg=2, dp=2, ulysses=2, ring=2, tp=2))
 
 
 @pytest.mark.parametrize("option, message", [({"fuse_qkv": True}, "fuse_qkv does not run with PipeFusion"),

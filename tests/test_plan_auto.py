@@ -54,12 +54,3 @@ def test_plan_auto_offers_pipefusion_and_displaced_to_the_planner_only_with_allo
     planned_config(_args(allow_stale=True), 2)
     assert "pp" not in offered[0][0] and "ulysses" in offered[0][0] and not offered[0][1]  # nor displaced
     assert "pp" in offered[1][0] and offered[1][1]
-
-
-def test_every_pairing_the_planner_predicts_runs_in_this_build():
-    from ditmesh.config import not_supported
-    from ditmesh.planner import plan
-
-    predictions = plan("flux-dev", 1024, 1024, 8).predictions
-    assert any(p.config.pp > 1 and p.config.tp > 1 and p.config.ring > 1 for p in predictions)
-    assert all(not_supported(p.config) is None for p in predictions)

@@ -68,10 +68,6 @@ def test_flux_tp_matches_single_process(pools, request, model, config):
 
 
 def test_flux_tp2_ring2_matches_single_process(pools, flux_tiny):
-    from ditmesh.api import SUPPORTED_AXES
-
-    if "ring" not in SUPPORTED_AXES:
-        pytest.skip("ring attention has not landed in this build")
     ref, _ = flux_generate(flux_tiny, {}, 2)
     for r in pools(4).run(tp_pipeline_case, flux_tiny, {"tp": 2, "ring": 2}, 2):
         assert rel_err(r["latents"], ref) <= 1e-5

@@ -22,8 +22,8 @@ from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
-from .config import (AXIS_ORDER, PP_CHUNK_BYTES, SUPPORTED_AXES, ConfigError, ParallelConfig,  # noqa: F401
-                     check_chunk, check_displaced, check_pipefusion, check_supported, check_vae_chunk, check_vae_parallel)
+from .config import (AXIS_ORDER, PP_CHUNK_BYTES, ConfigError, ParallelConfig,  # noqa: F401
+                     check_chunk, check_displaced, check_pipefusion, check_vae_chunk, check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
@@ -323,7 +323,6 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     if done:
         raise ConfigError(f"this pipeline is already parallelized ({done[0].config.describe()}); call "
                           "ditmesh.remove(pipe) first to parallelize it again with another configuration")
-    check_supported(config)
     for model in models.values():
         check_model(config, model)
     first = next(iter(models.values()))

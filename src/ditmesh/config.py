@@ -25,13 +25,6 @@ AXIS_HELP = {
 }
 
 
-#: degree name -> what is missing while that dimension has not landed
-_NOT_YET: dict[str, str] = {}
-
-#: dimensions this build runs
-SUPPORTED_AXES = tuple(axis for axis in AXIS_ORDER if axis not in _NOT_YET)
-
-
 class ConfigError(ValueError):
     """A parallel configuration that cannot run; the message says what would work."""
 
@@ -153,21 +146,6 @@ def check_chunk(chunk, flag: str = "chunk=", what: str = "token count", example:
 def check_vae_chunk(rows, flag: str = "vae_chunk=") -> None:
     """Raise :class:`ConfigError` unless ``rows`` is None, ``"auto"`` or a positive number of rows."""
     check_chunk(rows, flag, "row count", 256)
-
-
-def not_supported(config: ParallelConfig) -> str | None:
-    """What this build cannot run of ``config`` (one line naming a dimension), or None."""
-    for axis, message in _NOT_YET.items():
-        if getattr(config, axis) > 1:
-            return f"{message}; this build supports: {', '.join(SUPPORTED_AXES)}"
-    return None
-
-
-def check_supported(config: ParallelConfig) -> None:
-    """Raise NotImplementedError naming the first requested dimension this build cannot run yet."""
-    reason = not_supported(config)
-    if reason:
-        raise NotImplementedError(reason)
 
 
 #: the largest single point-to-point message PipeFusion sends by default; bigger tensors travel in pieces

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import AXIS_ORDER, ParallelConfig, not_supported
+from ..config import AXIS_ORDER, ParallelConfig
 from .closed_forms import ring_attention_cost, tensor_parallel_cost, ulysses_attention_cost
 from .cost import Calibration, Hardware, Prediction, Workload, enumerate_configs, predict, rank, spearman
 from .hardware import DEVICES, LINKS, get_device, get_link
@@ -146,8 +146,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          vae_parallel: str = "auto", vae_chunk: int | None = None, displaced: bool = False) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
-    ``supported`` restricts the search to configurations whose active axes are all in the set (e.g.
-    the axes the runtime implements, ``ditmesh.api.SUPPORTED_AXES``). ``cuda_graph``: every transformer call
+    ``supported`` restricts the search to configurations whose active axes are all in the set (``generate --plan
+    auto`` leaves pp out unless stale modes are allowed). ``cuda_graph``: every transformer call
     replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``). ``chunk``,
     ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
     (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`). ``displaced``: also predict
@@ -210,13 +210,11 @@ def recommend(model: str, height: int, width: int, gpus: int, **kwargs) -> Paral
 def recommend_prediction(model: str, height: int, width: int, gpus: int, *, supported: set[str] | None = None,
                          require_fit: bool = False, **kwargs) -> Prediction:
     """The prediction of the configuration ``ditmesh generate --plan auto`` should run (see :func:`plan` for the
-    arguments; its ``displaced`` says whether to run it with displaced attention): the best ranked one whose axes
-    this build runs (``config.not_supported``).
+    arguments; its ``displaced`` says whether to run it with displaced attention): the best ranked one.
     ``require_fit``: only one predicted to fit in memory, step and VAE decode alike (the runtime does not offload
     weights); PlannerError naming the closest one and the largest size it holds otherwise."""
     result = plan(model, height, width, gpus, supported=supported, **kwargs)
-    runnable = [p for p in result.predictions if not_supported(p.config) is None] or result.predictions
-    best = runnable[0]
+    best = result.predictions[0]
     if require_fit and best.fits != "yes":
         big = result.largest(best)
         size = (f"{big['height']}x{big['width']}" + (f"x{big['frames']}f" if big["frames"] > 1 else "")

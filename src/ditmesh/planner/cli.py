@@ -53,16 +53,6 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def runs_here(config) -> str:
-    """``yes`` when this build runs ``config``; else which axes are not implemented yet (predicted only)."""
-    from ..config import SUPPORTED_AXES, not_supported
-
-    if not_supported(config) is None:
-        return "yes"
-    missing = [axis for axis, degree in config.as_dict().items() if degree > 1 and axis not in SUPPORTED_AXES]
-    return f"not yet ({', '.join(missing)})"
-
-
 def format_table(result, top: int = 20) -> str:
     """The ranked table and the recommendation as text."""
     s, hw = result.stats, result.hardware
@@ -74,13 +64,13 @@ def format_table(result, top: int = 20) -> str:
         + (f", {hw.nodes} nodes over {hw.inter.name}" if hw.nodes > 1 and hw.inter else "")
         + f", {result.workload.mode}" + (" + CUDA graph" if result.workload.cuda_graph else ""),
         "",
-        f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits  runs",
+        f"{'#':>3}  {'config':<28} {'step ms':>9} {'speedup':>8} {'GiB/GPU':>8} {'comm MB':>9}  fits",
     ]
     rows = result.predictions if top <= 0 else result.predictions[:top]
     for i, p in enumerate(rows, 1):
         ms = f"{p.effective_ms:9.1f}"
         lines.append(f"{i:>3}  {p.describe():<28} {ms} {p.speedup:7.2f}x {p.memory['total']:8.1f} "
-                     f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits:<4}  {runs_here(p.config)}")
+                     f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits}")
     if len(rows) < len(result.predictions):
         lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
     lines += ["", f"recommended: {result.best.describe()}  "

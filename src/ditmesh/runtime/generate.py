@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import (ConfigError, ParallelConfig, check_chunk, check_displaced, check_pipefusion, check_supported,
+from ..config import (ConfigError, ParallelConfig, check_chunk, check_displaced, check_pipefusion,
                       check_vae_chunk, check_vae_parallel)
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
@@ -36,7 +36,6 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     """
     config = parallel_config_from_args(args)
     config.check_world_size(world_size)
-    check_supported(config)
     for name in ("height", "width"):
         value = getattr(args, name)
         if value is not None and (value <= 0 or value % 16):
@@ -288,7 +287,7 @@ def planned_setting(args, world_size: int):
     attention), restricted to what this build implements and to configurations predicted to fit in memory with the
     run's ``--chunk``, ``--vae-parallel`` and ``--vae-chunk`` (a ConfigError naming the largest size that fits
     otherwise). Approximate modes (PipeFusion, displaced attention) only with ``--allow-stale``."""
-    from ..config import SUPPORTED_AXES
+    from ..config import AXIS_ORDER
     from ..planner import PlannerError, recommend_prediction
 
     if any(getattr(args, a) != 1 for a in ("dp", "cfg", "pp", "ring", "ulysses", "tp")):
@@ -299,7 +298,7 @@ def planned_setting(args, world_size: int):
                           f"{model}; download it first or give the degrees yourself")
     # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
     stale = getattr(args, "allow_stale", False)
-    supported = set(SUPPORTED_AXES) - (set() if stale else {"pp"})
+    supported = set(AXIS_ORDER) - (set() if stale else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(read_adapter(model), args)
