@@ -35,8 +35,6 @@ def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, wid
     Returns ``(final latents, collectives of the call, collectives per step if per_step, state dict after remove if
     remove, the transformer (component name) each step ran)``.
     """
-    from diffusers import DiffusionPipeline
-
     from cases_models import call_kwargs
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.api import remove as ditmesh_remove

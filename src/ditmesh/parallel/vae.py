@@ -291,9 +291,10 @@ class ConvHook(Hook):
         return [torch.cat([p for _, p in sorted(ps, key=lambda item: item[0])], dim=-2) for ps in parts]
 
 
-#: values per piece of the float32 work of a group norm on half-precision rows: the statistics and the normalization
-#: run a few groups at a time, so their float32 temporaries stay this small whatever the activation's size (a
-#: 128-channel 4096 x 2048 half of a FLUX decode would otherwise make several 4 GiB float32 copies)
+#: values per piece of the float32 work of a group norm's statistics on half-precision rows: a few groups at a time,
+#: so their float32 temporaries stay this small whatever the activation's size (a 128-channel 4096 x 2048 half of a
+#: FLUX decode would otherwise make several 4 GiB float32 copies); the normalization itself needs none
+#: (:func:`group_normalize`)
 GROUP_PIECE = 1 << 24
 
 
