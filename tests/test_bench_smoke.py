@@ -56,6 +56,17 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
     assert leftovers(tmp_path) == []  # the workers' temporary folder is gone
 
 
+def test_no_single_runs_only_the_multi_gpu_rows(tmp_path):
+    out = tmp_path / "b.json"
+    proc = bench(["--gpus", "1,2", "--methods", "ulysses", "--no-single", "--steps", "1", "--warmup", "0",
+                  "--out", str(out)], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["gpus"]) for r in rows] == [("ulysses", 2)]
+    assert rows[0]["step_ms"] > 0 and "speedup_vs_1gpu" not in rows[0]
+
+
 def test_runs_go_to_a_user_folder_not_the_checkout(tmp_path, monkeypatch):
     for name in ("DITMESH_BENCH_DIR", "DITMESH_CACHE"):
         monkeypatch.delenv(name, raising=False)
@@ -88,7 +99,8 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path):
              (["--out", str(tmp_path / "r.txt")], "give a .json file path"),
              (["--dtype", "int3"], "--dtype 'int3' is not one of"),
              (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
-             (["--steps", "0"], "give at least 1 timed step")]
+             (["--steps", "0"], "give at least 1 timed step"),
+             (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left")]
     for args, needle in cases:
         proc = bench(args, tmp_path)
         _, err = proc.communicate(timeout=120)

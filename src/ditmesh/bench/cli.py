@@ -78,6 +78,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cache", default=None, metavar="POLICY",
                    help="ditmesh rows run with this step cache (--cache of generate); the timed calls are steps "
                         "0, 1, ... of one run, on the same inputs (rows note the cached steps)")
+    b.add_argument("--no-single", action="store_true",
+                   help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
+                        "comparing multi-GPU rows only; rows then have no speedup or error columns")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -167,6 +170,8 @@ def _settings(args) -> dict:
     for m in methods:
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method {m!r}; known: {', '.join(METHODS)}")
+    if args.no_single and max(gpus) == 1:
+        raise ConfigError(f"--no-single with --gpus {args.gpus}: no row is left; give a count above 1, e.g. --gpus 4")
     cuda_graph = on_gpu if args.cuda_graph is None else args.cuda_graph
     if (cuda_graph or args.profile) and not on_gpu:
         raise ConfigError(f"{'--cuda-graph' if cuda_graph else '--profile'} needs CUDA GPUs; none are visible here")
@@ -192,7 +197,7 @@ def _settings(args) -> dict:
                 frames=args.frames, batch=args.batch, gpus=gpus, methods=methods, steps=args.steps,
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
-                profile=args.profile, dtype=dtype, available=available, cache=args.cache,
+                profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
 
 
@@ -208,6 +213,8 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
     plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
     plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]  # ditmesh on one GPU
+    if not s.get("single", True):
+        plan = []
     plan += [(m, g, c, s["cuda_graph"] and not peer(m) and m not in UNGRAPHED) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
     for method, g, comp, graph in plan:
