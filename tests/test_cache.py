@@ -184,12 +184,13 @@ def test_step_scheduled_policies_replay_one_whole_call_graph_per_path(pools, set
     one = path_graphed_cached_run({}, setting)
     for latents, history, entries in [one] + pools(2).run(path_graphed_cached_run, {"ulysses": 2}, setting):
         assert_same_run((latents, history, None), ref)
-        # one graph per path: computed, or skipped with each extrapolation factor; each path that came back after
-        # its capture was replayed
+        # one graph per path: computed or skipped (taylor's factor is a tensor the replay reads, so every factor
+        # shares the skip path); each path that came back after its capture was replayed
         skips = [h["skip"] for h in ref[1]["transformer"]]
         assert {path[0] for _, path in entries} == {False, True}
-        assert len(entries) == (2 if setting.startswith("static") else 5), entries
-        assert entries[(0, (False, 0.0))] == (True, skips.count(False) - 2)
+        assert len(entries) == 2, entries
+        assert entries[(0, (False, False))] == (True, skips.count(False) - 2)
+        assert entries[(0, (True, not setting.startswith("static")))] == (True, skips.count(True) - 2)
 
 
 def test_path_graphs_are_kept_per_cfg_branch():
@@ -201,7 +202,7 @@ def test_path_graphs_are_kept_per_cfg_branch():
     ref = reference(setting, cfg=True)
     latents, history, entries = path_graphed_cached_run({}, setting, cfg=True)
     assert_same_run((latents, history, None), ref)
-    assert sorted(entries) == [(branch, (skip, 0.0)) for branch in (0, 1) for skip in (False, True)]
+    assert sorted(entries) == [(branch, (skip, False)) for branch in (0, 1) for skip in (False, True)]
 
 
 def test_taylor_extrapolation_beats_replaying_the_last_residual():

@@ -214,8 +214,11 @@ class StepCache:
         self.skip = False
         #: the decision taken before this call (``plan_call``), or None: the hooks decide
         self.planned: bool | None = None
-        #: taylor: how far ahead of the last computed step a skipped call extrapolates, in units of the last span
+        #: taylor: how far ahead of the last computed step a skipped call extrapolates, in units of the last span;
+        #: also written into ``factor_t`` (a 0-dim float32 tensor on the residuals' device) before the call, which the
+        #: replay reads, so that one captured skip path serves every factor
         self.factor = 0.0
+        self.factor_t: torch.Tensor | None = None
         self.last_run: int | None = None
         #: one entry per decision: step, branch, relative change (None at warm-up), skipped
         self.history: list[dict] = []
@@ -242,9 +245,9 @@ class StepCache:
 
     def plan_call(self):
         """Take this call's decision before the call (static and taylor only) and return the path it takes, for a
-        graph key: ``(skip, extrapolation factor)``. The call's hooks then use this decision."""
+        graph key: ``(skip, extrapolates)``. The call's hooks then use this decision."""
         self.planned = self.decide(None)
-        return (self.planned, self.factor)
+        return (self.planned, bool(self.factor))
 
     def end_call(self) -> None:
         self.planned = None
@@ -263,6 +266,10 @@ class StepCache:
                         and state.computed >= 2)
                 if skip:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
                     self.factor = (step - state.middle_step) / max(1, state.middle_step - state.earlier_step)
+                    device = next(iter(state.middle.values())).device
+                    if self.factor_t is None or self.factor_t.device != device:
+                        self.factor_t = torch.zeros((), dtype=torch.float32, device=device)
+                    self.factor_t.fill_(self.factor)  # outside any capture: plan_call runs before the call
             self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
             return self._decided(state, skip, step)
         return self._decide_rel(state, step, self._rel(state, self._change(state, statistic)))
@@ -435,13 +442,13 @@ class _BlockHook(Hook):
     def _replay(self, named: dict, last: bool):
         """A skipped block returns its inputs; the last skipped one adds the middle blocks' cached residual."""
         state = self.cache.branch()
-        factor = self.cache.factor  # taylor: set with the decision
+        factor = self.cache.factor_t if self.cache.factor else None  # taylor: set with the decision
         outputs = []
         for name in self.spec.returns:
             value = named.get(name)
             if last and value is not None and name in state.middle:
                 residual = self.cache.patch_slice(self.spec, name, state.middle[name])
-                if factor:
+                if factor is not None:
                     earlier = self.cache.patch_slice(self.spec, name, state.earlier[name])
                     residual = residual + (residual - earlier) * factor
                 value = value + residual
