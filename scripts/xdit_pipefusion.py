@@ -3,8 +3,8 @@
 The peer row of docs/benchmarks.md ("PipeFusion and QwenImage"): the pipeline is driven as xDiT's FLUX example
 drives it (``examples/flux_example.py`` of the xDiT repository up to its removal, #641): ``xFuserArgs`` ->
 ``create_config()``, ``engine_config.runtime_config.dtype = bfloat16`` (the dtype of PipeFusion's receive
-buffers), the T5 encoder loaded in bf16 and handed over, ``xFuserFluxPipeline.from_pretrained(...,
-torch_dtype=bfloat16)``, ``pipe.prepare_run(input_config, steps=N)`` (xDiT's own warm-up: one whole image of the
+buffers; ``--dtype fp16`` for the dtype xDiT's runner uses), the T5 encoder loaded in that dtype and handed over,
+``xFuserFluxPipeline.from_pretrained(..., torch_dtype=...)``, ``pipe.prepare_run(input_config, steps=N)`` (xDiT's own warm-up: one whole image of the
 same shape), then one timed image.
 
 One configuration per launch: xfuser keeps its process groups and runtime state in process-wide globals.
@@ -85,8 +85,8 @@ def base_record(args) -> dict:
 
 
 def emit(record: dict, path: str | None, first_only: bool) -> None:
-    """Print ``XDIT <json>`` and write it to ``path``. ``first_only``: a failure record, written only if no
-    other rank wrote one first (O_EXCL), so the first failure is the one kept."""
+    """Write ``record`` to ``path`` and print it as ``XDIT <json>``. ``first_only``: a failure record, written
+    and printed only if no other rank wrote one first (O_EXCL), so the first failure is the one kept."""
     line = json.dumps(record)
     if path:
         try:
@@ -95,7 +95,7 @@ def emit(record: dict, path: str | None, first_only: bool) -> None:
             with os.fdopen(os.open(path, flags, 0o644), "w") as f:
                 f.write(line + "\n")
         except FileExistsError:
-            pass
+            return
     print("XDIT " + line, flush=True)
 
 
@@ -108,15 +108,17 @@ def fail(args, rank: int, error: str, tail: str, code: int) -> None:
 
 
 def start_watchdog(args, rank: int) -> None:
-    def expire():
-        fail(args, rank, f"timed out after {args.deadline:.0f} s", "", 124)
+    def expire():  # the record's tail is where the main thread waits
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else ""
+        fail(args, rank, f"timed out after {args.deadline:.0f} s", where, 124)
 
     timer = threading.Timer(args.deadline, expire)
     timer.daemon = True
     timer.start()
 
 
-def run(args, rank: int) -> dict:
+def run(args) -> dict:
     """Load xDiT's FLUX pipeline as its example does, run its warm-up image and one timed image."""
     global stage
     import torch
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
         os.remove(args.json)  # a failure record is written only where none exists (the first failure wins)
     start_watchdog(args, rank)
     try:
-        record = run(args, rank)
+        record = run(args)
     except BaseException as error:  # noqa: BLE001 - every failure becomes the record, then every rank leaves
         lines = traceback.format_exception(error)
         fail(args, rank, traceback.format_exception_only(error)[-1].strip(), "".join(lines)[-3000:], 1)
