@@ -111,7 +111,7 @@ def start_watchdog(args, rank: int) -> None:
     def expire():  # the record's tail is where the main thread waits
         frame = sys._current_frames().get(threading.main_thread().ident)
         where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else ""
-        fail(args, rank, f"timed out after {args.deadline:.0f} s", where, 124)
+        fail(args, rank, f"timed out after {args.deadline:g} s", where, 124)
 
     timer = threading.Timer(args.deadline, expire)
     timer.daemon = True
