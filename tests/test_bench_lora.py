@@ -28,6 +28,7 @@ def test_bench_lora_rows_fused_equal_unfused_and_match_one_process(tmp_path):
     for key, r in rows.items():
         assert "error" not in r and "lora_error" not in r, (key, r)
         assert r["lora_rank"] == 4
+        assert r["lora_layers"] == r["lora_merged_layers"] == 2 * 8 + 2 * 3, key  # 2 double and 2 single blocks
         assert r["lora_fused_rel_err"] <= 1e-5, key  # fusing changes the arithmetic, not the result
         assert r["lora_change"] > 1e-2, key  # the adapter changes the output
         assert r["rel_err_lora_vs_1gpu"] <= 1e-5, key  # cut per tp rank / under ulysses, it is one process's

@@ -13,9 +13,10 @@ The schema (``SCHEMA``), one JSON object per run:
   median of the timed steps, ``step_ms_all``, ``peak_gib_per_gpu``, ``rel_err_vs_1gpu``, speedups, ``card``;
   ``breakdown`` with ``--profile``; with ``--lora RANK``: ``lora_rank``, ``step_ms_lora_unfused``,
   ``step_ms_lora_fused``, ``lora_unfused_overhead`` / ``lora_fused_overhead`` (fractions of ``step_ms``),
-  ``lora_change`` (the adapted output against the plain one), ``lora_fused_rel_err`` (fused against unfused),
-  ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with ``--baseline-src``
-  each row also has ``tree`` (``baseline`` or ``current``)
+  ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``), ``lora_change`` (the
+  adapted output against the plain one), ``lora_fused_rel_err`` (fused against unfused),
+  ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with
+  ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
 
 Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
 folder, ``$DITMESH_CACHE`` or ``~/.cache/ditmesh``): never into a checkout unless asked. The project's

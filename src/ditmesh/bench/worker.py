@@ -64,7 +64,8 @@ def _lora_rows(model, inputs, spec: dict, steps, device, row: dict, lora: dict, 
     """``--lora``: time the row again with ``lora`` loaded (after ``parallelize``, through the transformer's
     ``load_lora_adapter``, which ditmesh's ``lora`` hooks cut per tensor-parallel rank), then fused into the base
     weights (``fuse_lora``). Each phase repeats the warm-up calls (they absorb the recompiles the new layers
-    cause). Adds ``step_ms_lora_unfused``, ``step_ms_lora_fused``, ``lora_rank``, ``lora_change`` (the unfused
+    cause). Adds ``step_ms_lora_unfused``, ``step_ms_lora_fused``, ``lora_rank``, ``lora_layers`` (adapted
+    linears), ``lora_merged_layers`` (of those, merged by ``fuse_lora``), ``lora_change`` (the unfused
     output against the row's own, plain one) and ``lora_fused_rel_err`` (fused against unfused); rank 0 saves
     the unfused output for the error against the 1-process LoRA output. A failure is the row's ``lora_error``."""
     from ..testing import rel_err
@@ -73,9 +74,12 @@ def _lora_rows(model, inputs, spec: dict, steps, device, row: dict, lora: dict, 
     outs = {}
     try:
         model.load_lora_adapter(lora, prefix=None, adapter_name="bench")
+        layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]  # peft's LoRA layers
+        row["lora_layers"] = len(layers)
         for phase in ("unfused", "fused"):
             if phase == "fused":
                 model.fuse_lora(lora_scale=1.0)
+                row["lora_merged_layers"] = sum(bool(m.merged_adapters) for m in layers)
             times, outs[phase] = _timed(model, inputs, spec, steps, device, row)
             if "error" in row:
                 row["lora_error"] = row.pop("error")
