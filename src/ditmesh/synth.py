@@ -26,6 +26,7 @@ import torch
 
 from .models import adapter_for_class, synth_archs
 from .models.base import SynthArch as Arch
+from .models.base import adapter_for
 from .shared import DTYPES, current_umask
 
 #: Words the synthetic tokenizers know as whole tokens (anything else falls back to characters).
@@ -190,6 +191,32 @@ def build_transformer(arch: Arch | str, seed: int = 0, device: str | torch.devic
     dtype = dtype or getattr(torch, arch.default_dtype)
     return _make_model(getattr(diffusers, arch.transformer_class), arch.transformer, seed, torch.device(device), dtype,
                        affine)
+
+
+def attention_lora(model: torch.nn.Module, rank: int, seed: int = 0, scale: float = 0.1,
+                   device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """A synthetic rank-``rank`` LoRA for ``model`` as a state dict in peft's format (``<module>.lora_A.weight``,
+    ``<module>.lora_B.weight``, no prefix), for the transformer's ``load_lora_adapter(sd, prefix=None)``.
+
+    It adapts every ``nn.Linear`` inside the attention layers the model's adapter parallelizes
+    (``attention_modules``; FLUX: ``to_q``, ``to_k``, ``to_v``, ``to_out.0``, ``add_q_proj``, ``add_k_proj``,
+    ``add_v_proj``, ``to_add_out``). A is normal with std ``1/sqrt(in)``, B normal with std ``scale/sqrt(rank)``
+    (non-zero, unlike peft's start), so each adapted output moves by about ``scale`` times its input's RMS; both are
+    drawn on the CPU from ``seed``, the same on every rank. Call it on the whole model (before ``parallelize``):
+    the shapes are the layers' full ones, which ditmesh's ``lora`` hooks cut per tensor-parallel rank on loading.
+    The tensors have the model's dtype and sit on ``device`` (default: the model's).
+    """
+    weight = next(model.parameters())
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for attn_name, attn in adapter_for(model).attention_modules(model):
+        for name, linear in attn.named_modules():
+            if isinstance(linear, torch.nn.Linear):
+                a = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features ** 0.5
+                b = torch.randn(linear.out_features, rank, generator=generator) * (scale / rank ** 0.5)
+                for factor, value in (("A", a), ("B", b)):
+                    state[f"{attn_name}.{name}.lora_{factor}.weight"] = value.to(device or weight.device, weight.dtype)
+    return state
 
 
 @dataclass

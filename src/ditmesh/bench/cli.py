@@ -81,6 +81,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
+    b.add_argument("--lora", default=None, metavar="RANK",
+                   help="ditmesh rows (and the 1-process row, their reference) are timed twice more in the same "
+                        "process: with a synthetic rank-RANK LoRA on every attention projection, loaded after "
+                        "parallelize, then with it fused (needs peft: pip install 'ditmesh[lora]'; no CUDA graph)")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -180,6 +184,9 @@ def _settings(args) -> dict:
                           "warm-ups")
     check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
     check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    lora = _lora_rank(args)
+    if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
+        cuda_graph = False
     if args.cache:
         from ..cache import CacheConfig
 
@@ -198,7 +205,29 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
+                lora=lora,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
+
+
+def _lora_rank(args) -> int | None:
+    """``--lora``'s rank, checked against the options it cannot run with (``None`` without ``--lora``)."""
+    import importlib.util
+
+    from ..config import ConfigError
+
+    if args.lora is None:
+        return None
+    if not args.lora.isdigit() or int(args.lora) < 1:
+        raise ConfigError(f"--lora {args.lora}: give the adapter's rank, a whole number >= 1 (e.g. 64)")
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("--lora needs peft (diffusers loads adapters through it): pip install 'ditmesh[lora]'")
+    if args.cuda_graph:  # a graph captured before the adapter would replay the kernels of the plain model
+        raise ConfigError("--lora cannot run with --cuda-graph (the graph holds the model without the adapter); "
+                          "use --no-cuda-graph")
+    for given, name in ((args.cache, "--cache"), (args.fuse_qkv, "--fuse-qkv")):
+        if given:  # a step cache's decisions span the phases; fused Q/K/V would bypass an adapter on to_q/to_k/to_v
+            raise ConfigError(f"--lora cannot run with {name}; leave {name} out")
+    return int(args.lora)
 
 
 def _measure(s: dict, tmp: Path) -> list[dict]:
@@ -230,7 +259,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     method=method, gpus=g, degrees=degrees, steps=s["steps"],
                     warmup=max(s["warmup"], 2 if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
-                    cache=s.get("cache"), tmp=str(tmp))
+                    cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         print(f"ditmesh bench: {label} ...", flush=True)
         try:
@@ -248,10 +277,11 @@ def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
     from ..testing import rel_err
     from .worker import row_key
 
-    ref_path = tmp / "single-1-e.pt"
-    if not ref_path.exists():
-        ref_path = tmp / "single-1-c.pt"  # the eager row failed or was cut short
-    ref = torch.load(ref_path) if ref_path.exists() else None
+    def reference(suffix: str):  # the eager 1-process output, else the compiled one (the eager row failed)
+        paths = [tmp / f"single-1-{mode}{suffix}.pt" for mode in "ec"]
+        return next((torch.load(p) for p in paths if p.exists()), None)
+
+    ref, ref_lora = reference(""), reference("-lora")
     singles = [r for r in rows if r.get("method") == "single" and "step_ms" in r]
     base = {r.get("compiled"): r["step_ms"] for r in singles if not r.get("graph")}  # diffusers on one GPU
     ours = {r.get("compiled"): r["step_ms"] for r in singles if r.get("graph")}  # ditmesh (CUDA graph) on one GPU
@@ -259,6 +289,12 @@ def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
         out = tmp / f"{row_key(r)}.pt"
         if ref is not None and out.exists():
             r["rel_err_vs_1gpu"] = rel_err(torch.load(out), ref)
+        out_lora = tmp / f"{row_key(r)}-lora.pt"
+        if ref_lora is not None and out_lora.exists():
+            r["rel_err_lora_vs_1gpu"] = rel_err(torch.load(out_lora), ref_lora)
+        for phase in ("unfused", "fused"):  # the adapter's cost, a fraction of the plain step
+            if f"step_ms_lora_{phase}" in r:
+                r[f"lora_{phase}_overhead"] = round(r[f"step_ms_lora_{phase}"] / r["step_ms"] - 1, 4)
         b = base.get(r.get("compiled"))
         if b and "step_ms" in r:
             r["speedup_vs_1gpu"] = round(b / r["step_ms"], 3)

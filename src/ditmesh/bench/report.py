@@ -11,8 +11,12 @@ The schema (``SCHEMA``), one JSON object per run:
 - ``model``, ``height``, ``width``, ``frames``, ``batch``, ``dtype``: the workload
 - ``rows``: one per configuration (``method``, ``gpus``, ``degrees``, ``compiled``, ``graph``, ``step_ms`` =
   median of the timed steps, ``step_ms_all``, ``peak_gib_per_gpu``, ``rel_err_vs_1gpu``, speedups, ``card``;
-  ``breakdown`` with ``--profile``; ``error`` when the configuration could not run); with ``--baseline-src``
-  each row also has ``tree`` (``baseline`` or ``current``)
+  ``breakdown`` with ``--profile``; with ``--lora RANK``: ``lora_rank``, ``step_ms_lora_unfused``,
+  ``step_ms_lora_fused``, ``lora_unfused_overhead`` / ``lora_fused_overhead`` (fractions of ``step_ms``),
+  ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``), ``lora_change`` (the
+  adapted output against the plain one), ``lora_fused_rel_err`` (fused against unfused),
+  ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with
+  ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
 
 Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
 folder, ``$DITMESH_CACHE`` or ``~/.cache/ditmesh``): never into a checkout unless asked. The project's
@@ -78,20 +82,33 @@ def markdown(doc: dict) -> str:
 
 
 def rows_table(rows: list[dict]) -> str:
-    """Rows as a Markdown table (with the profiler's breakdown where rows have one)."""
+    """Rows as a Markdown table (with the profiler's breakdown where rows have one, and the LoRA step times with
+    their cost over the plain step where rows have them: ``--lora``)."""
+    lora = any("lora_rank" in r for r in rows)
     head = ("| method | gpus | compiled | graph | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 "
-            "| compute / comm exposed / idle ms | note |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| compute / comm exposed / idle ms |" + (" LoRA unfused ms | LoRA fused ms |" if lora else "")
+            + " note |")
+    lines = [head, "|---" * head.count(" |") + "|"]
     for r in rows:
         err = r.get("rel_err_vs_1gpu")
         b = r.get("breakdown")
         split = f"{b['compute_ms']} / {b['comm_exposed_ms']} / {b['idle_ms']}" if b else ""
+        extra = "".join(f" {_lora_cell(r, phase)} |" for phase in ("unfused", "fused")) if lora else ""
         lines.append(
             f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
             f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
-            f"| {'' if err is None else f'{err:.2e}'} | {split} | {r.get('error', '') or _cache_note(r)} |"
+            f"| {'' if err is None else f'{err:.2e}'} | {split} |{extra} "
+            f"{r.get('error', '') or r.get('lora_error', '') or _cache_note(r)} |"
         )
     return "\n".join(lines)
+
+
+def _lora_cell(row: dict, phase: str) -> str:
+    """A row's step time with the adapter (``phase``: unfused or fused) and its cost over the plain step."""
+    if f"step_ms_lora_{phase}" not in row:
+        return ""
+    overhead = row.get(f"lora_{phase}_overhead")
+    return f"{row[f'step_ms_lora_{phase}']}" + ("" if overhead is None else f" ({overhead:+.1%})")
 
 
 def _cache_note(row: dict) -> str:

@@ -33,6 +33,67 @@ def append_row(tmp: str | Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _timed(model, inputs, spec: dict, steps, device, row: dict) -> tuple[list[float], torch.Tensor | None]:
+    """``warmup + steps`` calls of ``model(**inputs)``, each after a device sync and a barrier; the timed calls'
+    seconds and the last output (an exception is the row's ``error``)."""
+    import torch.distributed as dist
+
+    times, out = [], None
+    with torch.no_grad():
+        for i in range(spec["warmup"] + spec["steps"]):
+            steps.step_index = i
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            try:
+                out = model(**inputs)[0]
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = error_text(exc)
+                break
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= spec["warmup"]:
+                times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def _lora_rows(model, inputs, spec: dict, steps, device, row: dict, lora: dict, plain: torch.Tensor,
+               rank: int) -> None:
+    """``--lora``: time the row again with ``lora`` loaded (after ``parallelize``, through the transformer's
+    ``load_lora_adapter``, which ditmesh's ``lora`` hooks cut per tensor-parallel rank), then fused into the base
+    weights (``fuse_lora``). Each phase repeats the warm-up calls (they absorb the recompiles the new layers
+    cause). Adds ``step_ms_lora_unfused``, ``step_ms_lora_fused``, ``lora_rank``, ``lora_layers`` (adapted
+    linears), ``lora_merged_layers`` (of those, merged by ``fuse_lora``), ``lora_change`` (the unfused
+    output against the row's own, plain one) and ``lora_fused_rel_err`` (fused against unfused); rank 0 saves
+    the unfused output for the error against the 1-process LoRA output. A failure is the row's ``lora_error``."""
+    from ..testing import rel_err
+
+    row["lora_rank"] = spec["lora"]
+    outs = {}
+    try:
+        model.load_lora_adapter(lora, prefix=None, adapter_name="bench")
+        layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]  # peft's LoRA layers
+        row["lora_layers"] = len(layers)
+        for phase in ("unfused", "fused"):
+            if phase == "fused":
+                model.fuse_lora(lora_scale=1.0)
+                row["lora_merged_layers"] = sum(bool(m.merged_adapters) for m in layers)
+            times, outs[phase] = _timed(model, inputs, spec, steps, device, row)
+            if "error" in row:
+                row["lora_error"] = row.pop("error")
+                return
+            row[f"step_ms_lora_{phase}"] = round(statistics.median(times) * 1e3, 3)
+    except Exception as exc:  # noqa: BLE001  (the row keeps its plain timing)
+        row["lora_error"] = error_text(exc)
+        return
+    row["lora_change"] = rel_err(outs["unfused"].float(), plain.float())
+    row["lora_fused_rel_err"] = rel_err(outs["fused"].float(), outs["unfused"].float())
+    if rank == 0:
+        torch.save(outs["unfused"].float().cpu(), Path(spec["tmp"]) / f"{row_key(row)}-lora.pt")
+
+
 def run_worker(spec: dict) -> None:
     """Measure one configuration on this rank (see the module docstring)."""
     import torch.distributed as dist
@@ -69,6 +130,11 @@ def run_worker(spec: dict) -> None:
         transformer = model
         scheduler = _Steps
 
+    lora = None
+    if spec.get("lora"):  # the whole layers' shapes: built before parallelize cuts them, loaded after; kept on the
+        from ..synth import attention_lora  # CPU until then, out of the plain row's peak memory
+
+        lora = attention_lora(model, spec["lora"], seed=2, device="cpu")
     row = {"method": spec["method"], "gpus": spec["gpus"], "degrees": spec["degrees"], "height": spec["height"],
            "width": spec["width"], "compiled": spec["compile"], "graph": spec.get("graph", False),
            "model": spec["model"], "dtype": spec["dtype"]}
@@ -107,24 +173,7 @@ def run_worker(spec: dict) -> None:
             from ..api import compile_blocks
 
             compile_blocks(model, adapter)
-        times = []
-        with torch.no_grad():
-            for i in range(spec["warmup"] + spec["steps"]):
-                _Steps.step_index = i
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if dist.is_initialized():
-                    dist.barrier()
-                t0 = time.perf_counter()
-                try:
-                    out = model(**inputs)[0]
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = error_text(exc)
-                    break
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i >= spec["warmup"]:
-                    times.append(time.perf_counter() - t0)
+        times, out = _timed(model, inputs, spec, _Steps, device, row)
     if "error" not in row and spec.get("profile") and device.type == "cuda":
         from ..profiling import profile_step
 
@@ -146,6 +195,8 @@ def run_worker(spec: dict) -> None:
                    peak_gib_per_gpu=round(max(peaks) / 2**30, 3), card=device_name(device))
         if rank == 0:
             torch.save(out.float().cpu(), Path(spec["tmp"]) / f"{row_key(row)}.pt")
+    if "error" not in row and lora is not None:
+        _lora_rows(model, inputs, spec, _Steps, device, row, lora, out, rank)
     if rank == 0:
         append_row(spec["tmp"], row)
         print(f"ditmesh bench row: {json.dumps({k: v for k, v in row.items() if k != 'step_ms_all'})}", flush=True)
