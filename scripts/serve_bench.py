@@ -153,8 +153,12 @@ class Server:
             conn.close()
 
     def died(self) -> str:
-        tail = "\n".join(list(self.tail)[-25:])
-        return f"the server exited with code {self.proc.returncode}; its last lines:\n{tail}"
+        """What to say of a server that exited: its last line first (a one-line error), then its output's tail."""
+        self.reader.join(timeout=5)  # the lines it wrote before exiting
+        lines = [line for line in self.tail if line.strip()]
+        last = lines[-1] if lines else "no output"
+        tail = "\n".join(lines[-25:])
+        return f"the server exited with code {self.proc.returncode}: {last}\nits last lines:\n{tail}"
 
     def wait_ready(self, timeout: float, deadline: float) -> float:
         """Seconds from launch until /health answers 200; RuntimeError if the server exits or takes too long."""

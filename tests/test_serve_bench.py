@@ -1,5 +1,6 @@
 """scripts/serve_bench.py: a real run on CPU (the tiny pipeline, one layout of two one-rank replicas) whose JSON rows
-must account for every request, and its accounting against a stand-in server that answers one id twice."""
+must account for every request, its accounting against a stand-in server that answers one id twice, a layout the
+server refuses, and its own option errors."""
 
 from __future__ import annotations
 
@@ -96,3 +97,15 @@ def test_bad_options_are_one_line_and_exit_code_2(capsys, argv, needle):
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args(["--model", "m", "--layout", "--nproc 1", *argv])
     assert exit_.value.code == 2 and needle in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_server_that_refuses_its_layout_is_a_failed_layout_with_its_error_line(tmp_path):
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "flux-tiny", "--layout", "--nproc 2 --ulysses 3",
+                           "--clients", "1", "--json", str(out)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (layout,) = json.loads(out.read_text())["layouts"]
+    assert layout["rows"] == [] and layout["exit_code"] == 2
+    assert layout["error"].splitlines()[0].startswith("the server exited with code 2: ditmesh: error: the degrees "
+                                                      "ulysses3 multiply to 3, but there are 2 processes")
