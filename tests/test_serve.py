@@ -22,7 +22,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from ditmesh.testing import free_port
+from ditmesh.testing import free_port, process_alive
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -58,15 +58,7 @@ def running_server(*argv, ready_s: float = 180):
             proc.kill()
             proc.wait()
         time.sleep(0.5)
-        assert not [p for p in pids if _alive(p)], "rank processes outlived the server"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" not in f.read()
-    except OSError:
-        return False
+        assert not [p for p in pids if process_alive(p)], "rank processes outlived the server"
 
 
 def _rss_bytes(pid: int) -> int:

@@ -33,6 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, does not count); Linux /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),

@@ -1,0 +1,484 @@
+"""`ditmesh serve` under load: time to the first image after start, warm latency and throughput, per layout.
+
+    # 4 GPUs, FLUX.1-dev's architecture (random weights), 1024x1024, 28 steps, compiled
+    python -m ditmesh synth --arch flux-dev --out /tmp/flux-dev
+    bash scripts/gpu.sh python3 scripts/serve_bench.py --model /tmp/flux-dev \\
+        --layout "--nproc 4 --ulysses 4" --layout "--nproc 1 --replicas 4" \\
+        --layout "--nproc 2 --ulysses 2 --replicas 2" --clients 1,4,16 --json $OUT/serve.json \\
+        --compile --cuda-graph --steps 28 --height 1024 --width 1024
+
+    # CPU check (gloo, the tiny pipeline)
+    python -m ditmesh synth --arch flux-tiny --out /tmp/flux-tiny
+    python scripts/serve_bench.py --model /tmp/flux-tiny --layout "--nproc 2 --ulysses 2" \\
+        --layout "--nproc 1 --replicas 2" --clients 1,2 --steps 2 --height 64 --width 64
+
+A layout is the options of ``ditmesh serve`` that place the ranks, as serve reads them: ``--nproc`` counts the ranks
+of ONE replica and ``--replicas`` the groups (``--dp N`` is read as ``--replicas N`` with ``--nproc`` counting all
+ranks; the table shows what the server reports in ``/health``: replicas x ranks). Every option this script does
+not know (``--compile``, ``--steps`` ...) goes to every server unchanged: they are the defaults of every request.
+
+Per layout, the server starts as a subprocess in a process group of its own (``--port 0``: it says the port it
+bound). Measured from its launch: ``ready`` (``/health`` answers 200: loaded, compiled, warmed up) and ``first
+image`` (a first ``POST /generate`` sent at ready has come back). Then, for each ``--clients C``: C threads each
+send ``--requests-per-client`` requests (a distinct prompt and seed each, one after the other) and every answer is
+checked (status 200, a picture, an id no other answer has). A row gives the requests answered ok and failed,
+latency (client side, send to answer) p50 / p99 (nearest rank) / mean, throughput (pictures answered ok over the
+wall of the phase, from the first send to the last answer), and the peak memory per rank seen during the phase
+(GPU MiB from ``nvidia-smi`` when it shows the ranks' pids, host RSS MiB from /proc). The server is stopped with
+SIGINT, then SIGTERM, then SIGKILL to its process group, each after a bounded wait, also on an error or Ctrl-C;
+the rank pids ``/health`` named are checked gone.
+
+The Markdown table goes to stdout, progress lines to stderr, everything (the exact command lines, versions, the
+card, every latency) to ``--json``. Exit code 0 when every request of every layout was answered ok exactly once,
+1 otherwise, 2 for bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import http.client
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from ditmesh.testing import process_alive  # the servers run this checkout's ditmesh too (PYTHONPATH=src)
+
+
+class Deadline(Exception):
+    """The whole run's ``--deadline`` passed."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                epilog="Options not listed here go to every `ditmesh serve` unchanged.")
+    p.add_argument("--model", required=True, help="pipeline folder or synthetic architecture name (serve's --model)")
+    p.add_argument("--layout", action="append", required=True, metavar="OPTIONS",
+                   help="serve's rank options of one layout, quoted, e.g. \"--nproc 4 --ulysses 4\" or "
+                        "\"--nproc 1 --replicas 4\"; repeat for several")
+    p.add_argument("--clients", default="1,4,16", help="concurrent clients of each phase, comma-separated")
+    p.add_argument("--requests-per-client", type=int, default=0, metavar="N",
+                   help="requests each client sends one after the other (default: max(2, ceil(4 / clients)): "
+                        "4 at one client, 2 from 2 clients on)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds one request may take")
+    p.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a server may take to answer /health 200 (load, compile, warm-up)")
+    p.add_argument("--deadline", type=float, default=570.0, metavar="S",
+                   help="seconds the whole run may take; past it no request is sent, the server is stopped and "
+                        "the layouts left are reported skipped (default 570)")
+    p.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting",
+                   help="the requests' prompt (each gets ' #<client>.<request>' appended and its own seed)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write everything measured here")
+    p.add_argument("--logs", default=None, metavar="DIR", help="write each server's output to DIR/layout-<i>.log")
+    args, serve_args = p.parse_known_args(argv)
+    try:
+        args.clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--clients {args.clients!r}: give comma-separated counts, e.g. 1,4,16")
+    if not args.clients or min(args.clients) < 1:
+        p.error(f"--clients {args.clients}: every count must be >= 1, e.g. 1,4,16")
+    if args.requests_per_client < 0:
+        p.error(f"--requests-per-client {args.requests_per_client} must be >= 1 (or 0: the default rule)")
+    for name in ("timeout", "ready_timeout", "deadline"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0 seconds")
+    reserved = [a for a in serve_args if a.split("=")[0] in ("--port", "--host", "--token")]
+    if reserved:
+        p.error(f"{reserved[0]}: the benchmark sets serve's address itself (127.0.0.1, a free port, no token)")
+    args.layouts = [shlex.split(text) for text in args.layout]
+    args.serve_args = serve_args
+    return args
+
+
+def requests_per_client(args, clients: int) -> int:
+    return args.requests_per_client or max(2, math.ceil(4 / clients))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+# -- the server process -------------------------------------------------------------------------------------------
+class Server:
+    """One ``ditmesh serve`` subprocess in its own process group; its output is kept (tail) and parsed for the port."""
+
+    def __init__(self, command: list[str], log_path: str | None):
+        self.command = command
+        self.tail: deque[str] = deque(maxlen=60)
+        self.port: int | None = None
+        self.bound = threading.Event()
+        self.log = open(log_path, "w") if log_path else None  # noqa: SIM115  (closed in stop)
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, bufsize=1)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.rank_pids: list[int] = []
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            if self.log:
+                self.log.write(line)
+            found = re.search(r"ditmesh: bound http://\S+:(\d+)", line)
+            if found and self.port is None:
+                self.port = int(found.group(1))
+                self.bound.set()
+        self.bound.set()  # exited: nobody waits for a port that will not come
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0):
+        """(status, parsed JSON or text) of one HTTP call to the server."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            response = conn.getresponse()
+            text = response.read().decode()
+            kind = response.getheader("Content-Type", "")
+            return response.status, json.loads(text) if kind.startswith("application/json") else text
+        finally:
+            conn.close()
+
+    def died(self) -> str:
+        """What to say of a server that exited: its last line first (a one-line error), then its output's tail."""
+        self.reader.join(timeout=5)  # the lines it wrote before exiting
+        lines = [line for line in self.tail if line.strip()]
+        last = lines[-1] if lines else "no output"
+        tail = "\n".join(lines[-25:])
+        return f"the server exited with code {self.proc.returncode}: {last}\nits last lines:\n{tail}"
+
+    def wait_ready(self, timeout: float, deadline: float) -> float:
+        """Seconds from launch until /health answers 200; RuntimeError if the server exits or takes too long."""
+        limit = min(time.perf_counter() + timeout, deadline)
+        self.bound.wait(max(0.0, limit - time.perf_counter()))
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(self.died())
+            if self.port is not None:
+                with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+                    status, health = self.request("GET", "/health", timeout=2)
+                    if status == 200:
+                        self.rank_pids = [p for r in health["replicas"] for p in r["pids"]]
+                        return time.perf_counter() - self.t0
+            if time.perf_counter() > limit:
+                if limit == deadline:
+                    raise Deadline()
+                raise RuntimeError(f"the server did not answer /health 200 within {timeout:.0f} s")
+            time.sleep(0.25)
+
+    def stop(self) -> list[int]:
+        """SIGINT (serve stops its replicas), then SIGTERM, then SIGKILL to the group; the rank pids left alive."""
+        with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+            if self.port is not None and self.proc.poll() is None:
+                _, health = self.request("GET", "/health", timeout=2)
+                self.rank_pids = [p for r in health["replicas"] for p in r["pids"]]
+        for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                if sig == signal.SIGINT:  # the front end alone: it stops its replicas' ranks itself
+                    self.proc.send_signal(sig)
+                else:
+                    os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait_s)
+        deadline = time.time() + 10
+        while [p for p in self.rank_pids if process_alive(p)] and time.time() < deadline:
+            time.sleep(0.2)
+        left = [p for p in self.rank_pids if process_alive(p)]
+        for pid in left:  # ranks that outlived the front end: by their own id, as a last resort
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # anything else left in the server's own group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.reader.join(timeout=5)
+        if self.log:
+            self.log.close()
+        return left
+
+
+class MemorySampler:
+    """Peak memory per rank pid, sampled every ``period`` seconds: GPU MiB from nvidia-smi (when it shows the pids)
+    and host RSS MiB from /proc."""
+
+    def __init__(self, pids: list[int], period: float = 1.0):
+        self.pids, self.period = pids, period
+        self.gpu: dict[int, float] = {}
+        self.rss: dict[int, float] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        self.sample()
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.period):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(OSError, StopIteration, ValueError):
+                with open(f"/proc/{pid}/status") as f:
+                    kib = int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+                self.rss[pid] = max(self.rss.get(pid, 0.0), kib / 1024)
+        for pid, mib in gpu_memory_by_pid().items():
+            if pid in self.pids:
+                self.gpu[pid] = max(self.gpu.get(pid, 0.0), mib)
+
+    def peaks(self) -> dict:
+        return {"peak_gpu_mib_per_rank": max(self.gpu.values()) if self.gpu else None,
+                "peak_rss_mib_per_rank": round(max(self.rss.values()), 1) if self.rss else None}
+
+
+def gpu_memory_by_pid() -> dict[int, float]:
+    """{pid: MiB} of the compute processes nvidia-smi lists; {} without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found: dict[int, float] = {}
+    for line in out.splitlines():
+        with contextlib.suppress(ValueError):
+            pid, mib = (x.strip() for x in line.split(","))
+            found[int(pid)] = found.get(int(pid), 0.0) + float(mib)
+    return found
+
+
+# -- the clients ---------------------------------------------------------------------------------------------------
+def generate(server: Server, prompt: str, seed: int, timeout: float) -> dict:
+    """One POST /generate: its outcome, latency (client side) and the id the server gave it."""
+    t0 = time.perf_counter()
+    try:
+        status, body = server.request("POST", "/generate", {"prompt": prompt, "seed": seed}, timeout=timeout)
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return {"ok": False, "seconds": time.perf_counter() - t0, "id": None, "error": f"{type(exc).__name__}: {exc}"}
+    seconds = time.perf_counter() - t0
+    if status != 200:
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else str(body)[:200]
+        return {"ok": False, "seconds": seconds, "id": None, "error": f"HTTP {status}: {message}"}
+    if not body.get("images"):
+        return {"ok": False, "seconds": seconds, "id": body.get("id"), "error": "answered 200 without a picture"}
+    return {"ok": True, "seconds": seconds, "id": body["id"], "images": len(body["images"]),
+            "server_seconds": body.get("seconds"), "batch": body.get("batch", 1), "error": None}
+
+
+def run_phase(server: Server, args, clients: int, seed0: int, deadline: float) -> dict:
+    """``clients`` threads, each sending its requests one after the other; the row of this phase."""
+    per_client = requests_per_client(args, clients)
+    start = threading.Barrier(clients)
+    interrupted = threading.Event()  # Ctrl-C or SIGTERM: each client sends nothing more
+
+    def client(c: int) -> list[dict]:
+        start.wait()
+        answers = []
+        for i in range(per_client):
+            left = deadline - time.perf_counter()
+            if left <= 0 or interrupted.is_set():
+                answers.append({"ok": False, "seconds": 0.0, "id": None, "error": "not sent: the run's deadline passed"
+                                if left <= 0 else "not sent: interrupted"})
+                continue
+            answers.append(generate(server, f"{args.prompt} #{c}.{i}", seed0 + c * per_client + i,
+                                    min(args.timeout, left)))
+        return answers
+
+    with MemorySampler(server.rank_pids) as memory:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            try:
+                answers = [a for chunk in pool.map(client, range(clients)) for a in chunk]
+            except BaseException:
+                interrupted.set()  # the pool's exit waits for the requests in flight only (each bounded)
+                raise
+        wall = time.perf_counter() - t0
+    ok = [a for a in answers if a["ok"]]
+    ids = [a["id"] for a in ok]
+    duplicates = len(ids) - len(set(ids))
+    latencies = [a["seconds"] for a in ok]
+    errors = sorted({a["error"] for a in answers if a["error"]})
+    row = {"clients": clients, "requests_per_client": per_client, "sent": len(answers), "ok": len(ok),
+           "failed": len(answers) - len(ok), "duplicate_ids": duplicates,
+           "answered_once": duplicates == 0 and len(ok) == len(answers),
+           "images": sum(a["images"] for a in ok), "wall_s": round(wall, 6),
+           "images_per_s": round(sum(a["images"] for a in ok) / wall, 4),
+           "latency_s": ({"p50": round(percentile(latencies, 50), 4), "p99": round(percentile(latencies, 99), 4),
+                          "mean": round(sum(latencies) / len(latencies), 4), "min": round(min(latencies), 4),
+                          "max": round(max(latencies), 4)} if latencies else None),
+           "latencies_s": [round(s, 4) for s in latencies],
+           "server_seconds": [a["server_seconds"] for a in ok],
+           "batched": sum(a["batch"] > 1 for a in ok), "errors": errors[:5], **memory.peaks()}
+    return row
+
+
+# -- one layout ----------------------------------------------------------------------------------------------------
+def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
+    command = [sys.executable, "-m", "ditmesh", "serve", "--model", args.model, "--port", "0", *layout,
+               *args.serve_args]
+    result = {"layout": shlex.join(layout), "command": shlex.join(command), "rows": [], "error": None}
+    log = os.path.join(args.logs, f"layout-{index}.log") if args.logs else None
+    progress(f"layout {index + 1}/{len(args.layouts)} [{result['layout']}]: starting {result['command']}")
+    server = Server(command, log)
+    try:
+        result["ready_s"] = round(server.wait_ready(args.ready_timeout, deadline), 3)
+        _, health = server.request("GET", "/health")
+        replicas = health["replicas"]
+        result.update(replicas=len(replicas), ranks_per_replica=replicas[0]["ranks"],
+                      gpus=sum(r["ranks"] for r in replicas), load_s=[r["load_s"] for r in replicas],
+                      warm_s=[r["warm_s"] for r in replicas])
+        progress(f"  ready after {result['ready_s']:.1f} s: {len(replicas)} replica(s) x {replicas[0]['ranks']} "
+                 f"rank(s)")
+        left = max(1.0, deadline - time.perf_counter())
+        first = generate(server, f"{args.prompt} #first", 0, min(args.timeout, left))
+        if not first["ok"]:
+            raise RuntimeError(f"the first request failed: {first['error']}")
+        result["first_image_s"] = round(time.perf_counter() - server.t0, 3)
+        result["first_request_s"] = round(first["seconds"], 3)
+        progress(f"  first image {result['first_image_s']:.1f} s after launch (the request itself "
+                 f"{first['seconds']:.2f} s)")
+        for phase, clients in enumerate(args.clients):
+            if time.perf_counter() >= deadline:
+                raise Deadline()
+            progress(f"  {clients} client(s) x {requests_per_client(args, clients)} request(s) ...")
+            row = run_phase(server, args, clients, 1000 * (phase + 1), deadline)
+            result["rows"].append(row)
+            lat = row["latency_s"] or {}
+            progress(f"  {clients} client(s): {row['ok']}/{row['sent']} ok in {row['wall_s']:.1f} s, "
+                     f"{row['images_per_s']:.3f} img/s, p50 {lat.get('p50', float('nan')):.2f} s, "
+                     f"p99 {lat.get('p99', float('nan')):.2f} s"
+                     + (f"; errors: {row['errors']}" if row["errors"] else ""))
+            if server.proc.poll() is not None:
+                raise RuntimeError(server.died())
+        with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
+            _, health = server.request("GET", "/health")
+            result["restarts"] = sum(r["restarts"] for r in health["replicas"])
+    except Deadline:
+        result["error"] = f"the run's --deadline {args.deadline:.0f} s passed"
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    except KeyboardInterrupt:
+        result["error"] = result["interrupted"] = "interrupted (Ctrl-C or SIGTERM)"
+    finally:
+        left = server.stop()
+        result["exit_code"] = server.proc.returncode
+        if left:
+            result["error"] = (result["error"] or "") + f"; rank pids {left} outlived the server (killed)"
+        progress(f"  stopped (exit code {server.proc.returncode})" + (f"; ERROR: {result['error']}"
+                                                                        if result["error"] else ""))
+    return result
+
+
+def progress(line: str) -> None:
+    print(f"[serve_bench {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def environment() -> dict:
+    """Versions, the card and the host, without starting CUDA in this process."""
+    from importlib import metadata
+
+    versions = {}
+    for name in ("ditmesh", "torch", "diffusers", "fastapi", "uvicorn"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            versions["ditmesh_commit"] = commit.stdout.strip()
+    cards = []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        cards = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    return {"versions": versions, "python": platform.python_version(), "host": platform.node(),
+            "card": cards[0].split(",")[0] if cards else f"cpu ({platform.processor() or platform.machine()})",
+            "cards": cards, "cpus": os.cpu_count()}
+
+
+def table(results: list[dict]) -> str:
+    def num(value, digits=2):
+        return "" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| layout | replicas x ranks | clients | ok / sent | wall s | img/s | p50 s | p99 s | mean s | ready s | "
+             "first image s | peak GPU MiB/rank | peak RSS MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        shape = f"{r['replicas']} x {r['ranks_per_replica']}" if "replicas" in r else ""
+        if not r["rows"] and not r["error"]:
+            lines.append(f"| `{r['layout']}` | {shape} | | | | | | | | {num(r.get('ready_s'), 1)} | "
+                         f"{num(r.get('first_image_s'), 1)} | | |")
+        for row in r["rows"]:
+            lat = row["latency_s"] or {}
+            lines.append(f"| `{r['layout']}` | {shape} | {row['clients']} | {row['ok']} / {row['sent']} | "
+                         f"{row['wall_s']:.1f} | {row['images_per_s']:.3f} | {num(lat.get('p50'))} | "
+                         f"{num(lat.get('p99'))} | {num(lat.get('mean'))} | {num(r.get('ready_s'), 1)} | "
+                         f"{num(r.get('first_image_s'), 1)} | {num(row['peak_gpu_mib_per_rank'], 0)} | "
+                         f"{num(row['peak_rss_mib_per_rank'], 0)} |")
+        if r["error"]:
+            lines.append(f"| `{r['layout']}` | error: {r['error'].splitlines()[0]} |||||||||||")
+    return "\n".join(lines)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+    # a SIGTERM to this script stops the servers as Ctrl-C does. SIGINT gets Python's handler even where it came
+    # ignored (a shell's background job): a handled signal is reset to the default in a child at exec, so each
+    # server sees SIGINT and stops its ranks; an ignored one would stay ignored in the servers too.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    t0 = time.perf_counter()
+    deadline = t0 + args.deadline
+    report = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv),
+              "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              **environment(), "serve_args": args.serve_args, "clients": args.clients, "layouts": []}
+    try:
+        for index, layout in enumerate(args.layouts):
+            if time.perf_counter() >= deadline:
+                report["layouts"].append({"layout": shlex.join(layout), "rows": [], "command": None,
+                                          "error": f"skipped: the run's --deadline {args.deadline:.0f} s passed"})
+                continue
+            report["layouts"].append(run_layout(index, layout, args, deadline))
+            if report["layouts"][-1].get("interrupted"):
+                report["interrupted"] = True
+                break
+    except KeyboardInterrupt:  # between layouts: no server runs
+        report["interrupted"] = True
+    if report.get("interrupted"):
+        progress("interrupted; no server is left running")
+    report["wall_s"] = round(time.perf_counter() - t0, 3)
+    print(table(report["layouts"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        progress(f"wrote {args.json}")
+    complete = not report.get("interrupted") and all(
+        not r["error"] and all(row["answered_once"] for row in r["rows"]) for r in report["layouts"])
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

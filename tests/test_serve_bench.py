@@ -1,0 +1,111 @@
+"""scripts/serve_bench.py: a real run on CPU (the tiny pipeline, one layout of two one-rank replicas) whose JSON rows
+must account for every request, its accounting against a stand-in server that answers one id twice, a layout the
+server refuses, and its own option errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "serve_bench.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(flux_tiny, tmp_path):
+    out = tmp_path / "serve.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", flux_tiny, "--layout", "--nproc 1 --replicas 2",
+                           "--clients", "1,3", "--json", str(out), "--deadline", "150",
+                           "--steps", "2", "--height", "64", "--width", "64"],
+                          capture_output=True, text=True, env=env, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["serve_args"] == ["--steps", "2", "--height", "64", "--width", "64"]
+    assert report["versions"]["torch"] and report["card"]
+    (layout,) = report["layouts"]
+    assert layout["error"] is None and (layout["replicas"], layout["ranks_per_replica"], layout["gpus"]) == (2, 1, 2)
+    assert "serve --model" in layout["command"] and "--nproc 1 --replicas 2 --steps 2" in layout["command"]
+    assert 0 < layout["ready_s"] < layout["first_image_s"]
+    assert [(r["clients"], r["requests_per_client"]) for r in layout["rows"]] == [(1, 4), (3, 2)]
+    for row in layout["rows"]:
+        sent = row["clients"] * row["requests_per_client"]
+        assert (row["sent"], row["ok"], row["failed"], row["images"]) == (sent, sent, 0, sent), row
+        assert row["answered_once"] and row["duplicate_ids"] == 0 and row["errors"] == []
+        assert len(row["latencies_s"]) == sent and min(row["latencies_s"]) > 0
+        assert row["images_per_s"] == pytest.approx(row["images"] / row["wall_s"], rel=1e-3)
+        # no request can take longer than its phase; the server's own clock is inside the client's
+        lat = row["latency_s"]
+        assert lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] <= row["wall_s"]
+        assert all(0 < s <= c + 0.05 for s, c in zip(sorted(row["server_seconds"]), sorted(row["latencies_s"])))
+        assert row["peak_rss_mib_per_rank"] > 0
+    # one table line per layout x clients (a rank that outlived its server would have set the layout's error)
+    assert [line.split("|")[3].strip() for line in proc.stdout.splitlines()[2:]] == ["1", "3"]
+
+
+class _StandInServer:
+    """Answers every POST /generate 200 with a picture; ``repeat_id`` gives two requests the same id."""
+
+    rank_pids: list[int] = []
+
+    def __init__(self, repeat_id: bool):
+        self.calls = 0
+        self.repeat_id = repeat_id
+        self.lock = threading.Lock()
+
+    def request(self, method, path, body=None, timeout=10.0):
+        with self.lock:
+            self.calls += 1
+            job = "same" if self.repeat_id and self.calls <= 2 else f"id{self.calls}"
+        time.sleep(0.01)
+        return 200, {"id": job, "seconds": 0.005, "images": [{"media_type": "image/png", "b64": ""}]}
+
+
+@pytest.mark.parametrize("repeat_id", [False, True])
+def test_a_phase_counts_a_repeated_answer_id_as_not_answered_once(repeat_id):
+    bench = _script()
+    args = bench.parse_args(["--model", "m", "--layout", "--nproc 1", "--requests-per-client", "3", "--steps", "2"])
+    assert args.serve_args == ["--steps", "2"] and args.layouts == [["--nproc", "1"]]
+    server = _StandInServer(repeat_id)
+    row = bench.run_phase(server, args, 2, 0, time.perf_counter() + 30)
+    assert server.calls == row["sent"] == row["ok"] == 6
+    assert row["duplicate_ids"] == (1 if repeat_id else 0) and row["answered_once"] is (not repeat_id)
+    assert row["images_per_s"] == pytest.approx(6 / row["wall_s"], rel=1e-3)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--clients", "0"], "--clients [0]: every count must be >= 1"),
+    (["--clients", "a,b"], "--clients 'a,b': give comma-separated counts"),
+    (["--port", "8000"], "--port: the benchmark sets serve's address itself"),
+])
+def test_bad_options_are_one_line_and_exit_code_2(capsys, argv, needle):
+    bench = _script()
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--model", "m", "--layout", "--nproc 1", *argv])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_server_that_refuses_its_layout_is_a_failed_layout_with_its_error_line(tmp_path):
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "flux-tiny", "--layout", "--nproc 2 --ulysses 3",
+                           "--clients", "1", "--json", str(out)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (layout,) = json.loads(out.read_text())["layouts"]
+    assert layout["rows"] == [] and layout["exit_code"] == 2
+    assert layout["error"].splitlines()[0].startswith("the server exited with code 2: ditmesh: error: the degrees "
+                                                      "ulysses3 multiply to 3, but there are 2 processes")
