@@ -31,9 +31,9 @@ def buffer_bytes_after_first_step(model: str, config: dict, steps: int = 3, heig
 
 def compiled_run_graphs(model: str, config: dict, steps: int = 3, **options) -> tuple:
     """A compiled run (``compile=True``) of ``model`` under ``config`` from an empty compiler cache: (final latents,
-    collectives per step, {block class: compiled entries of its ``forward``}, {function's qualified name: the guard failures
-    that recompiled it} over every function dynamo compiled, graph breaks). A block class compiled once for all of
-    its layers has one entry."""
+    collectives per step, {block class: compiled entries of its ``forward``}, {function's qualified name: the guard
+    failures that recompiled it} over every function dynamo compiled, graph breaks). A block class compiled once
+    for all of its layers has one entry."""
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters, guard_failures
