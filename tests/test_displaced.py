@@ -141,11 +141,13 @@ def test_displaced_composes_with_cfg_dp_and_tp(pools, flux_tiny, config, prompt,
 
 
 # -- compile ----------------------------------------------------------------------------------------------------
-def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools, flux_tiny):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools, flux_tiny, ranks):
     from cases_displaced import compiled_run_graphs
 
-    eager = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, displaced=True)
-    compiled = pools(2).run(compiled_run_graphs, flux_tiny, {"ulysses": 2}, steps=STEPS, displaced=True)
+    # 2 ranks: even chunks, the gather is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
+    eager = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
+    compiled = pools(ranks).run(compiled_run_graphs, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
     for (latents, per_step, entries, failures, breaks), (ref, _, _, _, _) in zip(compiled, eager):
         assert rel_err(latents, ref) <= 1e-5
         assert per_step == per_step_counts("flux", 1)  # the exchange runs eagerly inside its operator: counted
