@@ -27,10 +27,12 @@ def load(model: str, config: dict, stage_load: bool = False):
 
 def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, width: int = 64, frames: int | None = None,
                  guidance_scale: float = 5.0, max_sequence_length: int = 16, per_step: bool = False, remove: bool = False,
-                 prompt="a red circle", call: dict | None = None, stage_load: bool = False, **options):
+                 prompt="a red circle", call: dict | None = None, stage_load: bool = False, keep: dict | None = None,
+                 **options):
     """Run the pipeline in folder ``model`` under ``config`` (``{}``: one process, not parallelized) with the
     PipeFusion ``options`` (``pp_patches``, ``pp_warmup``, ``pp_chunk_bytes``); ``call``: more pipeline arguments
-    (a negative prompt for FLUX's true CFG); ``stage_load``: load only this rank's stage of the transformer(s).
+    (a negative prompt for FLUX's true CFG); ``stage_load``: load only this rank's stage of the transformer(s);
+    ``keep``: a dict that receives the pipeline (``keep["pipe"]``), for a caller that inspects it after the run.
 
     Returns ``(final latents, collectives of the call, collectives per step if per_step, state dict after remove if
     remove, the transformer (component name) each step ran)``.
@@ -43,6 +45,8 @@ def pipeline_run(model: str, config: dict, steps: int = 3, height: int = 64, wid
     torch.manual_seed(0)
     pipe = load(model, config, stage_load)
     pipe.set_progress_bar_config(disable=True)
+    if keep is not None:
+        keep["pipe"] = pipe
     if config:
         parallelize(pipe, ParallelConfig(**config), **options)
     steps_counts, experts, marks = [], [], [dict(COUNTS)]

@@ -141,14 +141,25 @@ def test_displaced_composes_with_cfg_dp_and_tp(pools, flux_tiny, config, prompt,
 
 
 # -- compile ----------------------------------------------------------------------------------------------------
-def test_compiled_blocks_give_the_eager_displaced_run(pools, flux_tiny):
-    # the buffer exchange runs outside the graphs (a graph break per attention); the rest of each block is compiled
-    eager = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, displaced=True)
-    compiled = pools(2).run(pipeline_run, flux_tiny, {"ulysses": 2}, steps=STEPS, per_step=True, displaced=True,
-                            compile=True)
-    for (latents, _, per_step, _, _), (ref, _, _, _, _) in zip(compiled, eager):
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools, flux_tiny, ranks):
+    from cases_displaced import compiled_run_graphs
+
+    # 2 ranks: even chunks, the gather is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
+    eager = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
+    compiled = pools(ranks).run(compiled_run_graphs, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
+    for (latents, per_step, entries, failures, breaks), (ref, _, _, _, _) in zip(compiled, eager):
         assert rel_err(latents, ref) <= 1e-5
-        assert per_step == per_step_counts("flux", 1)  # the exchange is eager: its gathers are counted
+        assert per_step == per_step_counts("flux", 1)  # the exchange runs eagerly inside its operator: counted
+        # the exchange is one opaque operator and the layer is counted at run time: no graph break, no guard on a
+        # layer. Each block type's forward is compiled once for both of its layers, but the single blocks' once more
+        # for a batch stride of their input that differs after the first layer: the run's only recompile (a compiled
+        # ulysses run, without displaced attention, makes the same three graphs)
+        assert breaks == 0, failures
+        assert entries == {"FluxTransformerBlock": 1, "FluxSingleTransformerBlock": 2}
+        assert list(failures) == ["FluxSingleTransformerBlock.forward"], failures
+        [reason] = failures["FluxSingleTransformerBlock.forward"]
+        assert "'hidden_states' stride mismatch" in reason
 
 
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------

@@ -16,22 +16,26 @@ its attention reads the other patches' K/V from the previous step, gathered whil
   text stream on every rank would add its tokens to every rank's work: 512 text tokens beside 1024 image tokens per
   rank for FLUX 1024^2 at 4 ranks.) Wan's cross-attention reads the text embeddings, which every rank holds whole.
 - **K/V buffers.** Per transformer, attention layer and call of the step (a CFG branch), ``ForwardContext.
-  kv_buffers`` holds the all-gather of the layer's K/V (K and V stacked, each rank's chunk padded to the longest)
-  issued in the previous step, not yet waited for. A stale call waits for it (at the layer's next use, a whole step
-  after the start), puts its fresh K/V in its own place, attends, and starts the gather the next step reads. The
-  gather writes a fresh output tensor, so the step reading the old one never races the transfer filling the new one:
-  one persistent buffer per layer and branch, and at one layer at a time two transient whole-sequence K/V (the waited
-  gather and the assembled K/V the attention reads). The run's last step starts no gather.
+  kv_buffers`` holds the all-gather of the layer's K/V issued in the previous step, not yet waited for: tokens first,
+  ``[N x S_max, B, 2, H, D]`` (K and V side by side, each rank's chunk padded to the longest). A stale call waits for
+  it (at the layer's next use, a whole step after the start), writes its fresh K/V into its own place, attends, and
+  starts the gather the next step reads. The gather writes a fresh output tensor, so the step reading the old one
+  never races the transfer filling the new one: one persistent buffer per layer and branch. With even chunks the
+  waited gather is the attention's K/V as it is (K and V are strided views of it, no concatenation); uneven chunks
+  are trimmed into one transient whole-sequence K/V. The run's last step starts no gather.
+- **One runtime for all layers.** Every attention processor of the transformer calls the same :class:`Displaced`;
+  the layer is counted at run time (the n-th exchange of a transformer call, ``ctx.calls``), never held by the
+  processor, so nothing in a compiled block differs between layers and the compiler traces it once.
 - **Exact calls.** The first ``warmup`` steps of a run, and a transformer's first call of a run for each call of the
   step (Wan 2.2's second expert), gather the K/V synchronously and attend to this step's K/V of every rank: the
   result of one process. Their gather is the buffer of the next step. Without a scheduler every call is exact.
 - **Keys in rank order.** The attention's keys are the ranks' chunks one after another (``[text_0, image_0, text_1,
   image_1, ...]``), not the model's order: attention without a mask does not depend on the order of its keys. A
   mask is refused.
-- **Compile.** The buffer exchange (:meth:`Displaced.exchange`: a dict lookup, the wait, the start) runs outside the
-  compiled graphs (``torch.compiler.disable``; a graph break in each attention): its collective is started in one
-  step and waited in the next, across graph calls, and its buffers are host state between steps. CUDA graphs are
-  refused with displaced attention.
+- **Compile.** The buffer exchange is one custom operator (``ditmesh::displaced_exchange``): a compiled block calls
+  it as an opaque kernel, without a graph break, and its host state (the pending gathers, the layer count, exact or
+  stale) is not traced, so it adds no guard: its collective is started in one step and waited in the next, across
+  graph calls. CUDA graphs are refused with displaced attention: a replay would not run the operator's host logic.
 
 Collectives per transformer call, per attention layer: one all-gather (``all_gather``, waited at once) in an exact
 call, one started all-gather (``kv_async``, waited a step later) in a stale one, none in a stale call of the run's last
@@ -43,6 +47,9 @@ which buffers exist (the same on every rank); every rank starts and waits the sa
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
@@ -50,34 +57,55 @@ from .. import comm
 from ..config import ConfigError
 from ..hooks import ForwardContext
 from ..models.base import ModelAdapter
-from .pipefusion import LayerAttention, drop_buffers
+from .pipefusion import drop_buffers
 from .sequence import SequenceParallel
+
+#: the displaced runtimes by id: the exchange op takes its runtime as an integer (an op's arguments are tensors and
+#: plain values); weak, so a runtime lives only as long as the processors that hold it
+_RUNTIMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_IDS = itertools.count()
 
 
 class Displaced:
-    """Displaced attention's state for one transformer: its sequence-parallel runtime, the warm-up, its buffers
-    (in the shared ``ForwardContext.kv_buffers``, keyed ``(name, layer, call in step)``)."""
+    """Displaced attention's state for one transformer, and the ``sp`` runtime of all of its attention layers'
+    processors: its sequence-parallel runtime, the warm-up, the layer count of the current call, its buffers (in the
+    shared ``ForwardContext.kv_buffers``, keyed ``(name, layer index, call in step)``)."""
 
     def __init__(self, sp: SequenceParallel, ctx: ForwardContext, name: str, warmup: int):
         self.sp, self.ctx, self.name, self.warmup = sp, ctx, name, warmup
+        #: the transformer call (``ctx.calls``) the layer count belongs to, and the attention layers run in it
+        self.call, self.layers = -1, 0
+        self.id = next(_IDS)
+        _RUNTIMES[self.id] = self
 
-    def attend(self, layer: str, query, key, value, backend=None, streams=None, mask=None):
+    def attention(self, query, key, value, backend=None, streams=None, mask=None):
         """This rank's queries ``[B, S_local, H, D]`` against every rank's K/V: this step's (exact call) or, for the
-        other ranks, the previous step's (stale call)."""
+        other ranks, the previous step's (stale call). The same for every layer: which layer calls it is counted
+        by the exchange at run time, so a compiled block traces it once."""
         if mask is not None:
             raise NotImplementedError("displaced attention does not take an attention mask; run this pipeline without "
                                       "displaced (plain ulysses)")
         sizes = self.sp.seq_sizes if streams is None else self.sp.local_lengths(streams)
-        keys, values = self.exchange(layer, torch.stack([key, value]), sizes)
-        return dispatch_attention_fn(query, keys, values, backend=backend)
+        whole = torch.ops.ditmesh.displaced_exchange(key, value, self.id, sizes)
+        return dispatch_attention_fn(query, whole[:, :, 0].transpose(0, 1), whole[:, :, 1].transpose(0, 1),
+                                     backend=backend)
 
-    @torch.compiler.disable
-    def exchange(self, layer: str, kv: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) over every rank's tokens, in rank order, from this rank's ``kv`` (``[2, B, S_local, H, D]``): the
-        gather of this step (exact) or the previous step's with ``kv`` in this rank's place (stale); starts the
-        gather the next step reads unless this is the run's last step."""
+    def exchange(self, key: torch.Tensor, value: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """K/V ``[S, B, 2, H, D]`` over every rank's tokens, in rank order, from this rank's ``key`` and ``value``
+        (``[B, S_local, H, D]``): the gather of this step (exact) or the previous step's with this rank's fresh K/V in
+        its place (stale); starts the gather the next step reads unless this is the run's last step. The layer is the
+        number of exchanges before this one in the transformer call.
+
+        What a compiled caller may reuse is never kept: the gather reads a copy made here (``key`` and ``value`` are
+        read at once), and the returned tensor is not held by the buffers (the compiler may write over its memory
+        once the attention has read it)."""
+        # tokens first, [S_local, B, 2, H, D]: the gather along dim 0 gives every rank's tokens in rank order
+        kv = torch.stack([key, value], dim=2).transpose(0, 1).contiguous()
         ctx = self.ctx
-        slot = (self.name, layer, ctx.call_in_step)
+        if self.call != ctx.calls:
+            self.call, self.layers = ctx.calls, 0
+        slot = (self.name, self.layers, ctx.call_in_step)
+        self.layers += 1
         held = ctx.kv_buffers.pop(slot, None)
         exact = ctx.run_step < self.warmup or held is None or held[0] != ctx.run or held[1] != sizes
         if exact and held is not None:
@@ -86,30 +114,46 @@ class Displaced:
             raw = gathered = comm.wait(comm.all_gather_start(self.padded(kv, sizes), self.sp.group))
         else:  # the previous step's (waited a step after its start), with this rank's fresh K/V in its place
             gathered = comm.wait(held[2])
-        chunks = [gathered[j].narrow(2, 0, n) for j, n in enumerate(sizes)]
-        chunks[self.sp.rank] = kv
         last = ctx.run_steps is None or ctx.run_step + 1 >= ctx.run_steps
         if not last:
             if not exact:
                 raw = comm.all_gather_start(self.padded(kv, sizes), self.sp.group, "kv_async")
             ctx.kv_buffers[slot] = (ctx.run, sizes, raw)
-        whole = torch.cat(chunks, dim=2)
-        return whole[0], whole[1]
+        longest = max(sizes)
+        if min(sizes) == longest:  # no padding: the gather is the whole sequence as it is
+            if exact:  # kept as the next step's buffer (a warm-up step's copy)
+                return gathered if last else gathered.clone()
+            gathered.narrow(0, self.sp.rank * longest, longest).copy_(kv)
+            return gathered
+        chunks = [gathered.narrow(0, j * longest, n) for j, n in enumerate(sizes)]
+        chunks[self.sp.rank] = kv
+        return torch.cat(chunks)
 
     @staticmethod
     def padded(kv: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """``kv`` padded along its tokens to the longest chunk, with a leading dim of 1 (the gather's dim 0)."""
+        """``kv`` padded along its tokens (dim 0) to the longest chunk."""
         longest = max(sizes)
-        if kv.shape[2] < longest:
-            shape = list(kv.shape)
-            shape[2] = longest - kv.shape[2]
-            kv = torch.cat([kv, kv.new_zeros(shape)], dim=2)
-        return kv.unsqueeze(0)
+        if kv.shape[0] < longest:
+            kv = torch.cat([kv, kv.new_zeros((longest - kv.shape[0],) + tuple(kv.shape[1:]))])
+        return kv
 
     def buffer_bytes(self) -> int:
         """Bytes held between steps by this transformer's buffers (what ``plan`` predicts)."""
         return sum(raw.numel() * raw.element_size() for key, (_, _, raw) in self.ctx.kv_buffers.items()
                    if key[0] == self.name)
+
+
+@torch.library.custom_op("ditmesh::displaced_exchange", mutates_args=())
+def displaced_exchange(key: torch.Tensor, value: torch.Tensor, runtime: int, sizes: list[int]) -> torch.Tensor:
+    """:meth:`Displaced.exchange` of runtime ``runtime`` as one operator: a compiled block calls it as it is (no graph
+    break, nothing of it traced), so its host state (the buffers, the pending gathers, the layer count) is no guard
+    of the graph."""
+    return _RUNTIMES[runtime].exchange(key, value, sizes)
+
+
+@displaced_exchange.register_fake
+def _(key, value, runtime, sizes):
+    return key.new_empty((sum(sizes), key.shape[0], 2) + tuple(key.shape[2:]))
 
 
 def check_family(adapter: ModelAdapter) -> None:
@@ -128,6 +172,5 @@ def apply(model: torch.nn.Module, sp: SequenceParallel | None, adapter: ModelAda
         raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token chunks; "
                           "e.g. ulysses=4 with displaced")
     check_family(adapter)
-    owner = Displaced(sp, ctx, name, warmup)
-    restore = adapter.set_layer_processors(model, lambda layer: LayerAttention(owner, layer))
+    restore = adapter.set_processors(model, Displaced(sp, ctx, name, warmup))
     return [restore, lambda: drop_buffers(ctx, name)]

@@ -302,10 +302,9 @@ class PipeFusion:
 
 
 class LayerAttention:
-    """What one attention layer's processor calls as ``sp.attention``: the attention over that layer's K/V buffer
-    of PipeFusion (or of displaced attention, ``parallel.displaced``), through ``owner.attend(layer, ...)`` (the
-    adapters' sequence-parallel processors compute projections, norms and RoPE on local tokens and hand the core
-    attention to this object)."""
+    """What one attention layer's processor calls as ``sp.attention``: the attention over that layer's PipeFusion K/V
+    buffer, through ``owner.attend(layer, ...)`` (the adapters' sequence-parallel processors compute projections,
+    norms and RoPE on local tokens and hand the core attention to this object)."""
 
     def __init__(self, owner, layer: str):
         self.owner, self.layer = owner, layer

@@ -331,7 +331,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         if config.ring > 1:  # double-buffered K/V chunks + fp32 output accumulator + lse
             attn_buf = 2 * 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe
             attn_buf += local_tokens * config.ulysses * (width / config.ulysses) * 4 + local_tokens * largest.heads * 4
-        if displaced:  # one layer at a time: the waited gather and the K/V the attention reads, whole sequence
+        if displaced:  # one layer at a time, whole sequence: the waited gather and (uneven chunks) its trimmed copy
             attn_buf = 2 * 2 * displaced_tokens(largest.q_len, stats.layout, sp) * sp * samples * width * bpe
         elif config.ulysses > 1:  # send and receive buffers of the fused QKV all-to-all
             comm_buf = 2 * 3 * local_tokens * width * bpe
