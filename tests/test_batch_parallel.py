@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
 
 from cases_batch import flux_call
 from ditmesh.testing import rel_err
