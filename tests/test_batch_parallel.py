@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from cases_batch import flux_call
 from ditmesh.testing import rel_err
 
