@@ -30,7 +30,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @contextlib.contextmanager
 def running_server(*argv, ready_s: float = 180):
-    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process)."""
+    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process). At the end
+    SIGINT must stop it and its ranks."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(port), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -52,13 +53,54 @@ def running_server(*argv, ready_s: float = 180):
         with contextlib.suppress(Exception):
             pids = [p for r in httpx.get(f"{base}/health", timeout=2).json()["replicas"] for p in r["pids"]]
         proc.send_signal(signal.SIGINT)
+        stopped = True
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            stopped = False
             proc.kill()
             proc.wait()
         time.sleep(0.5)
         assert not [p for p in pids if process_alive(p)], "rank processes outlived the server"
+        assert stopped, "SIGINT did not stop the server"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc: parent links)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        pid = todo.pop()
+        children = [p for p, parent in parents.items() if parent == pid]
+        found += children
+        todo += children
+    return found
+
+
+def test_sigint_while_starting_stops_the_server_and_its_ranks_also_as_a_background_job():
+    # a shell starts a background job with SIGINT ignored, and children inherit that; serve must still stop on it
+    # (and on SIGTERM) while its ranks load, before the HTTP server takes the signals over
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(free_port()), "--nproc", "2", "--ulysses", "2",
+                                 "--steps", "2", "--height", "64", "--width", "64"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        try:
+            deadline = time.time() + 120
+            while len(ranks := _descendants(proc.pid)) < 2:  # the launcher's ranks are up
+                assert proc.poll() is None and time.time() < deadline, "the ranks did not start"
+                time.sleep(0.2)
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        time.sleep(0.5)
+        assert not [p for p in ranks if process_alive(p)], f"rank processes outlived the server ({sig.name})"
 
 
 def _rss_bytes(pid: int) -> int:

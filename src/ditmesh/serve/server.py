@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
@@ -18,6 +19,11 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
 
     import os
 
+    # a service stops on Ctrl-C and on SIGTERM, also when a shell started it in the background (SIGINT then arrives
+    # ignored, and children inherit that): until uvicorn takes both over for its graceful shutdown, each raises
+    # KeyboardInterrupt here, which stops the replicas' ranks
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
