@@ -66,11 +66,15 @@ def _run(vae, what: str, x: torch.Tensor) -> torch.Tensor:
         return vae.encode(x).latent_dist.parameters
 
 
-def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto"):
+def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto",
+             piece_bytes: int | None = None):
     """``what`` (decode or encode) of a tiny ``kind`` VAE on ``rows`` x ``cols`` latent rows and columns, whole and
-    split over the world. Returns the rel err against the whole run, the collectives of the split call, and whether
-    removing the hooks gave back the VAE (same state dict, no instance attributes left, same output)."""
+    split over the world (large layers in pieces of ``piece_bytes``, default ``parallel.vae.PIECE_BYTES``). Returns
+    the rel err against the whole run, the collectives of the split call, the layer calls that ran in more than one
+    piece, and whether removing the hooks gave back the VAE (same state dict, no instance attributes left, same
+    output)."""
     from ditmesh.comm import count_collectives
+    from ditmesh.hooks import find_hook
     from ditmesh.models.base import vae_plan_for
     from ditmesh.parallel import vae as parallel_vae
 
@@ -78,7 +82,9 @@ def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch:
     state = {k: v.clone() for k, v in vae.state_dict().items()}
     x = _inputs(vae, kind, what, rows, cols, frames, batch)
     ref = _run(vae, what, x)
-    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on")
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on",
+                              piece_bytes=piece_bytes or parallel_vae.PIECE_BYTES)
+    split = find_hook(vae, "vae", "decode")
     with count_collectives() as counts:
         out = _run(vae, what, x)
     for fn in reversed(undo):
@@ -88,7 +94,7 @@ def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch:
                 and not any(k in vars(m) for m in vae.modules() for k in ("forward", "decode", "_encode"))
                 and torch.equal(_run(vae, what, x), ref))
     return dict(err=rel_err(out, ref), shape=tuple(out.shape), counts=dict(counts), restored=restored,
-                hooked=len(undo))
+                hooked=len(undo), pieced=split.state.split_calls if split else 0)
 
 
 def local_norms_case(kind: str, rows: int, cols: int):
