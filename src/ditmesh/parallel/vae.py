@@ -24,6 +24,12 @@ row) follows from the local height, so no layer needs to be told where it sits.
   (:class:`RowsAttentionHook`), so each rank does its share of the attention. Other such modules (Wan's attention
   block) run on the all-gathered rows, and each rank keeps its own rows of the result. Memory: either way a rank
   holds the whole frame's key and value input.
+- **Large layers in pieces**: a layer whose rows on the busiest rank would need more than ``piece_bytes``
+  (:data:`PIECE_BYTES`) of temporaries runs on pieces of whole latent rows, each piece's own output rows written
+  into one output: a diffusers ``ResnetBlock2D`` (:class:`ResnetPieces`: its norm statistics and halo rows first,
+  then norm, activation and convolution a piece at a time), an ``Upsample2D`` (:class:`UpsamplePieces`: nearest x2
+  and its convolution a piece at a time), a plain convolution (:class:`ConvHook`: no halo-extended copy of the
+  input). The collectives stay those of the layer run whole, once each, before the pieces.
 
 A call that cannot be split runs whole on every rank (``auto``) or raises (``on``), decided from global shapes,
 so every rank takes the same path: tiling on, fewer latent rows than ranks, or an image height that is not a
@@ -31,7 +37,8 @@ multiple of the VAE's spatial factor.
 
 Cross-rank rule: every rank calls the VAE with the same shapes; the split sizes, the halo sizes and the output
 sizes are derived from the global height only, and each rank exchanges rows with exactly the ranks that need
-them (usually its neighbours).
+them (usually its neighbours); whether a layer runs in pieces is decided from the busiest rank's rows, the same on
+every rank (the number of pieces is each rank's own).
 """
 
 from __future__ import annotations
@@ -123,8 +130,6 @@ class VaeParallel:
         self.world = dist.get_world_size(group) if group is not None else 1
         self.strict = strict
         self.piece_bytes, self.piece_rows = piece_bytes, piece_rows
-        #: values of the float32 scores of one piece of the mid-block attention (:func:`attend`); None: ATTEND_PIECE
-        self.attend_values: int | None = None
         #: latent rows of each rank during a split call; None between calls
         self.units: list[int] | None = None
         #: how deep inside gathered modules the call is (their contents run on whole rows)
@@ -511,13 +516,13 @@ FUSED_HEAD_DIM = 256
 ATTEND_PIECE = 1 << 28
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, piece: int | None = None) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Softmax attention ``[B, H, N, D]``: SDPA, or for heads wider than :data:`FUSED_HEAD_DIM` two matrix products with a float32 softmax between them, a piece of query rows at a time (the scores of one piece
-    stay under ``piece`` values, default :data:`ATTEND_PIECE`)."""
+    stay under :data:`ATTEND_PIECE` values)."""
     if query.shape[-1] <= FUSED_HEAD_DIM:
         return F.scaled_dot_product_attention(query, key, value)
     out = torch.empty_like(query)
-    rows = max(1, (piece or ATTEND_PIECE) // max(1, key.shape[-2] * query.shape[0] * query.shape[1]))
+    rows = max(1, ATTEND_PIECE // max(1, key.shape[-2] * query.shape[0] * query.shape[1]))
     scale = query.shape[-1] ** -0.5
     for a in range(0, query.shape[-2], rows):
         scores = torch.matmul(query[..., a:a + rows, :], key.transpose(-1, -2)).mul_(scale)
@@ -551,7 +556,7 @@ class RowsAttentionHook(GatherHook):
         query = attn.to_q(own.transpose(1, 2))
         key, value = attn.to_k(every.transpose(1, 2)), attn.to_v(every.transpose(1, 2))
         heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # noqa: E731
-        out = attend(heads(query), heads(key), heads(value), state.attend_values)
+        out = attend(heads(query), heads(key), heads(value))
         out = attn.to_out[1](attn.to_out[0](out.transpose(1, 2).flatten(2).to(query.dtype)))
         out = out.transpose(1, 2).reshape(batch, channels, rows, width)
         if attn.residual_connection:
