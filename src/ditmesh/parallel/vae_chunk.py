@@ -8,7 +8,7 @@ output. ``apply(vae, rows)`` puts a ``vae_chunk`` hook on
 - every ``ResnetBlock2D`` (no time embedding, no up/down sampling inside, group norms): it runs as
   ``h = conv1(act(norm1(x)))``, ``out = conv2(act(norm2(h)))``, ``out = (shortcut(x) + out) / scale`` where each
   norm-activation-convolution runs on pieces of at most ``rows`` rows, the norm's statistics computed first over all
-  rows (combined exactly with Chan's formula: ``parallel.vae.group_stats``) and each piece extended by
+  rows (per piece, merged exactly with Chan's formula: ``parallel.vae.merge_stats``) and each piece extended by
   the convolution's halo rows (``parallel.vae.conv_windows`` with one row per unit); the second one writes over
   ``h``, keeping a copy of the halo rows the next piece reads. Alive at once: the input, ``h`` and one piece's
   temporaries, instead of the input and two full-size temporaries;
