@@ -52,6 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--chunk-rows", type=int, default=128, help="rows per piece of the chunked mode")
+    p.add_argument("--piece-mib", type=int, default=None,
+                   help="split mode: MiB of one piece's temporaries in a large layer (default parallel.vae.PIECE_BYTES; "
+                        "a number above any layer's size, e.g. 1000000, runs every layer whole)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--flux-arch", default="flux-dev", help="synth architecture whose VAE config FLUX rows use")
@@ -134,7 +137,7 @@ def latent_of(vae, height: int, width: int, frames: int, dtype, device) -> torch
     return torch.randn(1, channels, *time_dims, height // factor, width // factor, generator=g).to(device, dtype)
 
 
-def installed(vae, mode: str, group, device, chunk_rows: int) -> list:
+def installed(vae, mode: str, group, device, chunk_rows: int, piece_mib: int | None = None) -> list:
     """Install ``mode`` on ``vae``; returns the undo callables (None: the mode does not apply here)."""
     from ditmesh.config import ConfigError
     from ditmesh.models.base import vae_plan_for
@@ -150,7 +153,8 @@ def installed(vae, mode: str, group, device, chunk_rows: int) -> list:
         vae.enable_tiling()
         return [vae.disable_tiling]
     if mode == "split":
-        return None if world(group) == 1 else parallel_vae.apply(vae, plan, group, strict=True)
+        pieces = parallel_vae.PIECE_BYTES if piece_mib is None else piece_mib << 20
+        return None if world(group) == 1 else parallel_vae.apply(vae, plan, group, strict=True, piece_bytes=pieces)
     if mode == "tiled-ranks":
         if world(group) == 1 or plan.tile_decoder is None:
             return None
@@ -181,7 +185,7 @@ def reduce_max(values: list[float], device, group) -> list[float]:
 def run_mode(vae, z, mode, args, device, group):
     """(seconds, peak allocated GiB, peak reserved GiB, picture on the CPU, profile or None) of ``mode``, or None
     (does not apply) or "OOM"; the same answer on every rank."""
-    undo = installed(vae, mode, group, device, args.chunk_rows)
+    undo = installed(vae, mode, group, device, args.chunk_rows, args.piece_mib)
     if undo is None:
         return None
     times, out, failed = [], None, 0.0

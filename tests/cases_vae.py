@@ -32,8 +32,12 @@ TINY_VAES["cogvideox"] = ("AutoencoderKLCogVideoX", dict(
 TINY_VAES["ltx"] = ("AutoencoderKLLTXVideo", dict(  # the real 32x / 8x-time compression, 8 wide, latent_channels 4
     latent_channels=4, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
     layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1)))
+#: FLUX's VAE layout (4 levels, 2 residual blocks a level, 16 latent channels) at an eighth of its widths
+TINY_VAES["flux-shaped"] = ("AutoencoderKL", dict(
+    block_out_channels=(16, 32, 64, 64), down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, norm_num_groups=4, latent_channels=16))
 #: the 2-D VAEs (no frames)
-IMAGE_VAES = ("kl", "flux2")
+IMAGE_VAES = ("kl", "flux2", "flux-shaped")
 
 
 def tiny_vae(kind: str):
@@ -66,11 +70,15 @@ def _run(vae, what: str, x: torch.Tensor) -> torch.Tensor:
         return vae.encode(x).latent_dist.parameters
 
 
-def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto"):
+def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch: int = 1, mode: str = "auto",
+             piece_bytes: int | None = None):
     """``what`` (decode or encode) of a tiny ``kind`` VAE on ``rows`` x ``cols`` latent rows and columns, whole and
-    split over the world. Returns the rel err against the whole run, the collectives of the split call, and whether
-    removing the hooks gave back the VAE (same state dict, no instance attributes left, same output)."""
+    split over the world (large layers in pieces of ``piece_bytes``, default ``parallel.vae.PIECE_BYTES``). Returns
+    the rel err against the whole run, the collectives of the split call, the layer calls that ran in more than one
+    piece, and whether removing the hooks gave back the VAE (same state dict, no instance attributes left, same
+    output)."""
     from ditmesh.comm import count_collectives
+    from ditmesh.hooks import find_hook
     from ditmesh.models.base import vae_plan_for
     from ditmesh.parallel import vae as parallel_vae
 
@@ -78,7 +86,9 @@ def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch:
     state = {k: v.clone() for k, v in vae.state_dict().items()}
     x = _inputs(vae, kind, what, rows, cols, frames, batch)
     ref = _run(vae, what, x)
-    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on")
+    undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, strict=mode == "on",
+                              piece_bytes=piece_bytes or parallel_vae.PIECE_BYTES)
+    split = find_hook(vae, "vae", "decode")
     with count_collectives() as counts:
         out = _run(vae, what, x)
     for fn in reversed(undo):
@@ -88,7 +98,40 @@ def vae_case(kind: str, what: str, rows: int, cols: int, frames: int = 1, batch:
                 and not any(k in vars(m) for m in vae.modules() for k in ("forward", "decode", "_encode"))
                 and torch.equal(_run(vae, what, x), ref))
     return dict(err=rel_err(out, ref), shape=tuple(out.shape), counts=dict(counts), restored=restored,
-                hooked=len(undo))
+                hooked=len(undo), pieced=split.state.split_calls if split else 0)
+
+
+def band_peak_case(rows: int, cols: int, budgets=(1 << 60, 1)):
+    """The FLUX-shaped VAE's decode of ``rows`` x ``cols`` latents split over the world, once per piece budget
+    (default: every layer whole, then pieces of one latent row): this rank's peak of live tensor bytes during the
+    decode (the planner's dispatch-mode counter on the real tensors) and the rel err against the whole decode; and
+    the planner's meta-device trace of this rank's share (``planner.vae.TracedRank``) for each budget."""
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel import vae as parallel_vae
+    from ditmesh.planner.stats import _TrafficCounter
+    from ditmesh.planner.vae import TracedRank, _traced_peak
+
+    import diffusers
+
+    vae = tiny_vae("flux-shaped")
+    z = _inputs(vae, "flux-shaped", "decode", rows, cols, 1, 1)
+    ref = _run(vae, "decode", z)
+    cls_name, config = TINY_VAES["flux-shaped"]
+    with torch.device("meta"):
+        meta = getattr(diffusers, cls_name)(**config).eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for budget in budgets:
+        undo = parallel_vae.apply(vae, vae_plan_for(vae), dist.group.WORLD, piece_bytes=budget)
+        counter = _TrafficCounter(lambda t: "fixed")
+        with counter:
+            picture = _run(vae, "decode", z)
+        undo += parallel_vae.install(meta, vae_plan_for(meta), TracedRank(rank, world, budget))
+        traced = _traced_peak(meta, torch.empty_like(z, device="meta"))
+        for fn in reversed(undo):
+            fn()
+        out.append(dict(peak=counter.peak, traced=traced, err=rel_err(picture, ref)))
+    return out
 
 
 def local_norms_case(kind: str, rows: int, cols: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_vae import chunked_vae_case, local_norms_case, pipeline_vae_case, tiled_case, vae_case
+from cases_vae import band_peak_case, chunked_vae_case, local_norms_case, pipeline_vae_case, tiled_case, vae_case
 from ditmesh.comm import split_sizes
 from ditmesh.testing import RankError, rel_err
 
@@ -29,8 +29,38 @@ def test_kl_vae_split_along_height_matches_single_process(pools, kind, world, wh
     for r in results:
         assert r["err"] <= 1e-5, r["err"]
         assert r["counts"] == (KL_DECODE if what == "decode" else KL_ENCODE)
-        assert r["restored"]
+        assert r["restored"] and r["pieced"] == 0  # tiny layers: one piece each
     assert results[0]["shape"][-2:] == ((rows * 4, cols * 4) if what == "decode" else (rows, cols))
+
+
+@pytest.mark.parametrize("world,what,rows,cols,batch,piece_bytes", [
+    (2, "decode", 7, 5, 1, 1),      # every large layer in pieces of one latent row (4, 3 latent rows a rank)
+    (2, "decode", 7, 5, 2, 6000),   # pieces of a few rows, uneven
+    (3, "decode", 7, 5, 1, 1),      # 3, 2, 2 latent rows
+    (2, "encode", 7, 5, 1, 1),      # the encoder's residual blocks and its strided convolutions
+    (3, "encode", 13, 3, 1, 3000),
+])
+def test_kl_vae_split_in_pieces_of_rows_matches_single_process(pools, world, what, rows, cols, batch, piece_bytes):
+    # large layers on pieces of each rank's rows: residual blocks (norm, activation and convolution a piece at a
+    # time), up-samplers, convolutions into one output; the same collectives as the split without pieces
+    for r in pools(world).run(vae_case, "kl", what, rows, cols, 1, batch, piece_bytes=piece_bytes):
+        assert r["err"] <= 1e-5, r["err"]
+        assert r["counts"] == (KL_DECODE if what == "decode" else KL_ENCODE)
+        assert r["pieced"] > 0 and r["restored"]
+
+
+def test_split_decode_in_pieces_holds_less_per_rank_and_the_planner_traces_it(pools):
+    # one rank's peak of live tensor bytes, measured on the real tensors of a FLUX-shaped VAE split over 4 ranks (8
+    # latent rows each), with every layer whole and with pieces of one latent row; the planner's meta trace of the
+    # same rank's share predicts both. Whole, the peak is the last up-sampler: its input, the up-sampled rows, their
+    # halo-extended copy and the convolution's output; in pieces it is a top residual block of the last level: the
+    # level's input (held by the decoder), the block's input and h, and one piece's temporaries
+    results = pools(4).run(band_peak_case, 32, 12)
+    for whole, pieces in results:
+        assert whole["err"] <= 1e-5 and pieces["err"] <= 1e-5, (whole["err"], pieces["err"])
+        assert whole["peak"] == pytest.approx(whole["traced"], rel=0.05)
+        assert pieces["peak"] == pytest.approx(pieces["traced"], rel=0.05)
+        assert whole["peak"] / pieces["peak"] >= 1.5, (whole["peak"], pieces["peak"])
 
 
 def test_group_norm_over_local_rows_alone_is_wrong(pools):

@@ -24,6 +24,12 @@ row) follows from the local height, so no layer needs to be told where it sits.
   (:class:`RowsAttentionHook`), so each rank does its share of the attention. Other such modules (Wan's attention
   block) run on the all-gathered rows, and each rank keeps its own rows of the result. Memory: either way a rank
   holds the whole frame's key and value input.
+- **Large layers in pieces**: a layer whose rows on the busiest rank would need more than ``piece_bytes``
+  (:data:`PIECE_BYTES`) of temporaries runs on pieces of whole latent rows, each piece's own output rows written
+  into one output: a diffusers ``ResnetBlock2D`` (:class:`ResnetPieces`: its norm statistics and halo rows first,
+  then norm, activation and convolution a piece at a time), an ``Upsample2D`` (:class:`UpsamplePieces`: nearest x2
+  and its convolution a piece at a time), a plain convolution (:class:`ConvHook`: no halo-extended copy of the
+  input). The collectives stay those of the layer run whole, once each, before the pieces.
 
 A call that cannot be split runs whole on every rank (``auto``) or raises (``on``), decided from global shapes,
 so every rank takes the same path: tiling on, fewer latent rows than ranks, or an image height that is not a
@@ -31,11 +37,13 @@ multiple of the VAE's spatial factor.
 
 Cross-rank rule: every rank calls the VAE with the same shapes; the split sizes, the halo sizes and the output
 sizes are derived from the global height only, and each rank exchanges rows with exactly the ranks that need
-them (usually its neighbours).
+them (usually its neighbours); whether a layer runs in pieces is decided from the busiest rank's rows, the same on
+every rank (the number of pieces is each rank's own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -104,18 +112,30 @@ def conv_windows(units: list[int], m: int, conv: ConvRows) -> tuple[list[Window]
 
 
 # -- the state of one parallel VAE ---------------------------------------------------------------------------
-class VaeParallel:
-    """One VAE's group, this rank's place in it, and the split of the call in progress (None between calls)."""
+#: bytes that the temporaries of one piece of a large layer may take (:meth:`VaeParallel.pieces`): a layer whose
+#: rows on the busiest rank need more runs on pieces of whole latent rows, so that no temporary of the layer's size
+#: (a halo-extended copy, a group norm's or an activation's output, an up-sampled input) exists whole
+PIECE_BYTES = 1 << 29
 
-    def __init__(self, group, strict: bool):
+
+class VaeParallel:
+    """One VAE's group, this rank's place in it, and the split of the call in progress (None between calls).
+
+    ``group`` None: one process that holds every row (``parallel.vae_chunk``'s whole calls run its pieces through
+    the same code). ``piece_bytes``: :meth:`pieces`' budget; ``piece_rows``: rows per piece instead."""
+
+    def __init__(self, group, strict: bool = False, piece_bytes: int = PIECE_BYTES, piece_rows: int | None = None):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
         self.strict = strict
+        self.piece_bytes, self.piece_rows = piece_bytes, piece_rows
         #: latent rows of each rank during a split call; None between calls
         self.units: list[int] | None = None
         #: how deep inside gathered modules the call is (their contents run on whole rows)
         self.whole_depth = 0
+        #: calls of a layer that ran in pieces (:meth:`pieces`)
+        self.split_calls = 0
         self._reported: set[str] = set()
 
     @property
@@ -133,9 +153,25 @@ class VaeParallel:
                                f"{unit} latent rows; this layer does not keep the row layout")
         return m
 
+    def layout(self, rows: int) -> tuple[list[int], int]:
+        """(latent rows of each rank, rows per latent row) of a tensor with ``rows`` own rows; a call that is not
+        split holds every row, one row a unit."""
+        if self.units is None:
+            return [rows], 1
+        return self.units, self.scale(rows)
+
     def sizes(self, m: int) -> list[int]:
         """Every rank's rows at ``m`` rows per latent row."""
         return [u * m for u in self.units]
+
+    @contextlib.contextmanager
+    def inside(self):
+        """The layers' own hooks step aside (a module that runs on whole rows, or whose pieces the caller runs)."""
+        self.whole_depth += 1
+        try:
+            yield
+        finally:
+            self.whole_depth -= 1
 
     def whole(self, reason: str) -> None:
         """A call that runs whole on every rank: an error under ``on``, a log line (once per reason) otherwise."""
@@ -145,6 +181,113 @@ class VaeParallel:
         if reason not in self._reported:
             self._reported.add(reason)
             log.info("ditmesh: the VAE runs whole on every rank: %s", reason)
+
+    # -- the collectives (the planner's trace replaces them with tensors of the same shapes) --
+    def all_gather(self, t: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every rank's ``t`` joined along ``dim`` (rank ``r``'s has ``sizes[r]`` there): one all-gather."""
+        return all_gather_uneven(t, dim, sizes, self.group)
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        """One halo round: ``sends[q]`` to rank ``q``, ``recvs[q]`` filled from it (``comm.exchange_rows``)."""
+        exchange_rows(sends, recvs, self.group)
+
+    def statistics(self, x: torch.Tensor, groups: int, rows: list[tuple[int, int]] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance per (sample, group) over every rank's rows of ``x`` (one all-gather, none alone);
+        ``rows``: ``(first, count)`` ranges of ``x``'s rows taken one at a time, so that the float32 work stays a
+        piece's size."""
+        own = group_stats(x, groups) if rows is None else merge_stats(
+            torch.stack([group_stats(x.narrow(-2, a, n), groups) for a, n in rows]))
+        if self.world == 1:
+            return combine_stats(own[None])
+        stats = self.all_gather(own, 0, [3] * self.world)
+        return combine_stats(stats.view(self.world, *own.shape))
+
+    def extend(self, tensors: list[torch.Tensor], windows: list[Window]) -> list[Band]:
+        """``tensors`` (this rank's rows, global rows ``[start, end)`` of its window) as :class:`Band` s that also
+        hold the rows ``[lo, hi)`` it needs from the ranks that hold them (one exchange for all tensors)."""
+        rank, mine = self.rank, windows[self.rank]
+
+        def overlap(holder: Window, needer: Window):
+            return max(holder.start, needer.lo), min(holder.end, needer.hi)
+
+        sends, recvs, pieces = {}, {}, {}
+        for q, other in enumerate(windows):
+            if q == rank:
+                continue
+            a, b = overlap(mine, other)
+            if b > a:
+                sends[q] = torch.cat([t.narrow(-2, a - mine.start, b - a).reshape(-1) for t in tensors])
+            a, b = overlap(other, mine)
+            if b > a:
+                shapes = [(*t.shape[:-2], b - a, t.shape[-1]) for t in tensors]
+                recvs[q] = tensors[0].new_empty(sum(torch.Size(s).numel() for s in shapes))
+                pieces[q] = (a, shapes)
+        self.exchange(sends, recvs)
+        bands = [Band([(mine.start, t)]) for t in tensors]
+        for q, (start, shapes) in pieces.items():
+            for band, chunk, shape in zip(bands, recvs[q].split([torch.Size(s).numel() for s in shapes]), shapes):
+                band.parts.append((start, chunk.view(shape)))
+        return bands
+
+    # -- pieces of large layers --
+    def pieces(self, units: list[int], m: int, row_bytes: int) -> list[int] | None:
+        """This rank's latent rows cut into pieces (whole latent rows each) so that one piece's temporaries, at
+        ``row_bytes`` a row and ``m`` rows per latent row, take about ``piece_bytes`` (or hold ``piece_rows`` rows);
+        None (the layer runs as it is) when the busiest rank's rows fit. Every rank takes the same path (pieces or
+        not, even a rank with one piece), decided from the global split, so the collectives of a layer pair up."""
+        own, busiest = units[self.rank] * m, max(units) * m
+        per_piece = self.piece_rows or max(1, self.piece_bytes // max(1, row_bytes))
+        if busiest <= per_piece:
+            return None
+        return split_sizes(units[self.rank], max(1, min(units[self.rank], -(-own // per_piece))))
+
+    def piece_windows(self, conv: ConvRows, units: list[int], m: int, pieces: list[int]) -> list[Window]:
+        """The :class:`Window` of each of this rank's ``pieces`` of ``conv`` (the other ranks' rows unchanged)."""
+        split = units[:self.rank] + pieces + units[self.rank + 1:]
+        return conv_windows(split, m, conv)[0][self.rank:self.rank + len(pieces)]
+
+
+class Band:
+    """Global rows of a tensor held in parts ``(first row, tensor)``: this rank's own rows and rows received from
+    the ranks around it; where parts overlap, the one listed first holds the rows (a saved copy of rows that are
+    being overwritten)."""
+
+    def __init__(self, parts: list[tuple[int, torch.Tensor]]):
+        self.parts = parts
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """Global rows ``[a, b)``: a view when one part holds them, else the parts' rows joined."""
+        chunks, cursor = [], a
+        while cursor < b:
+            for i, (start, t) in enumerate(self.parts):
+                if start <= cursor < start + t.shape[-2]:
+                    break
+            else:
+                raise RuntimeError(f"ditmesh parallel VAE: row {cursor} is in no part of this band")
+            end = min([b, start + t.shape[-2]] + [s for s, _ in self.parts[:i] if s > cursor])
+            chunks.append(t.narrow(-2, cursor - start, end - cursor))
+            cursor = end
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, -2)
+
+
+def piecewise(band: Band, windows: list[Window], run, scale: int = 1, over: torch.Tensor | None = None) -> torch.Tensor:
+    """``run(rows [lo, hi) of band)`` for each piece's :class:`Window`; each piece's own outputs (``first``,
+    ``count``, times ``scale`` output rows per input row) written one after the other into one output. ``over``
+    (the band's first part, with the output's shape; ``scale`` 1): the output is written over it, top to bottom,
+    and the rows a later piece still reads are copied before they are overwritten (a halo's few rows)."""
+    out, done, base = over, 0, list(band.parts)
+    own_start = band.parts[0][0]
+    for p, w in enumerate(windows):
+        piece = run(band.rows(w.lo, w.hi)).narrow(-2, w.first * scale, w.count * scale)
+        if out is None:
+            out = piece.new_empty(*piece.shape[:-2], sum(v.count for v in windows) * scale, piece.shape[-1])
+        if over is not None and p + 1 < len(windows):
+            a, b = windows[p + 1].lo, own_start + done + w.count
+            band.parts = base if b <= a else [(a, band.rows(a, b).clone())] + base
+        out.narrow(-2, done * scale, w.count * scale).copy_(piece)
+        done += w.count
+    return out
 
 
 # -- hooks -----------------------------------------------------------------------------------------------------
@@ -208,7 +351,7 @@ class SplitHook(Hook):
         def whole(t):
             dim = t.ndim - 2
             m = self.state.scale(t.shape[dim], units)
-            return all_gather_uneven(t, dim, [u * m for u in units], self.state.group)
+            return self.state.all_gather(t, dim, [u * m for u in units])
 
         if isinstance(out, torch.Tensor):
             return whole(out)
@@ -219,13 +362,16 @@ class SplitHook(Hook):
 
 
 class ConvHook(Hook):
-    """Around one convolution: exchange the halo rows, convolve the extended rows, keep this rank's outputs."""
+    """Around one convolution: exchange the halo rows, convolve the extended rows, keep this rank's outputs; a
+    plain ``nn.Conv2d`` / ``nn.Conv3d`` whose rows exceed :meth:`VaeParallel.pieces`' budget convolves a piece of
+    output rows at a time into one output (no halo-extended copy of its input)."""
 
     name = "vae"
 
-    def __init__(self, state: VaeParallel, rows: ConvRows):
+    def __init__(self, state: VaeParallel, rows: ConvRows, plain: bool = False):
         self.state = state
         self.rows = rows
+        self.plain = plain  # torch's own module: its forward is the convolution alone, so it runs on any rows
         self._windows: dict[tuple, tuple[list[Window], int]] = {}
 
     def __call__(self, conv, call_next, args, kwargs):
@@ -242,92 +388,73 @@ class ConvHook(Hook):
         cut_bottom = rows.pre_bottom if rank != last else 0
         tensors = [t.narrow(-2, cut_top, t.shape[-2] - cut_top - cut_bottom) for t in tensors]
         own = tensors[0].shape[-2] - (0 if rank else rows.pre_top) - (rows.pre_bottom if rank == last else 0)
-        key = (tuple(state.units), state.scale(own))
+        m = state.scale(own)
+        key = (tuple(state.units), m)
         if key not in self._windows:
-            self._windows[key] = conv_windows(state.units, key[1], rows)
+            self._windows[key] = conv_windows(state.units, m, rows)
         windows, _ = self._windows[key]
-        tensors = self.extend(tensors, windows)
-        for i, t in zip(arg_pos + kw_names, tensors):
-            if isinstance(i, int):
-                args[i] = t
-            else:
-                kwargs[i] = t
-        out = call_next(tuple(args), kwargs)
+        bands = state.extend(tensors, windows)
         mine = windows[rank]
-        return out.narrow(-2, mine.first, mine.count)
+        pieces = None
+        if self.plain:  # a piece's input rows (joined at the edges) and its output rows, per input row
+            row_bytes = tensors[0][..., :1, :].numel() * x.element_size() * (1 + conv.out_channels / conv.in_channels)
+            pieces = state.pieces(state.units, m, int(row_bytes))
 
-    def extend(self, tensors: list[torch.Tensor], windows: list[Window]) -> list[torch.Tensor]:
-        """``tensors`` (this rank's rows) cut or extended to the rows ``[lo, hi)`` its window needs, the missing
-        rows received from the ranks that hold them (one exchange for all tensors)."""
-        rank, mine = self.state.rank, windows[self.state.rank]
+        def run(extended):
+            for i, t in zip(arg_pos + kw_names, extended):
+                if isinstance(i, int):
+                    args[i] = t
+                else:
+                    kwargs[i] = t
+            return call_next(tuple(args), kwargs)
 
-        def overlap(holder: Window, needer: Window):
-            return max(holder.start, needer.lo), min(holder.end, needer.hi)
+        if pieces is None:
+            return run([band.rows(mine.lo, mine.hi) for band in bands]).narrow(-2, mine.first, mine.count)
+        state.split_calls += 1
+        windows = state.piece_windows(rows, state.units, m, pieces)
+        return piecewise(bands[0], windows, lambda extended: run([extended]))  # plain: the input is its one tensor
 
-        def rows_of(t, a, b):  # global rows [a, b) of a tensor holding mine.start..mine.end
-            return t.narrow(-2, a - mine.start, b - a)
-
-        sends, recvs, pieces = {}, {}, {}
-        for q, other in enumerate(windows):
-            if q == rank:
-                continue
-            a, b = overlap(mine, other)
-            if b > a:
-                sends[q] = torch.cat([rows_of(t, a, b).reshape(-1) for t in tensors])
-            a, b = overlap(other, mine)
-            if b > a:
-                shapes = [(*t.shape[:-2], b - a, t.shape[-1]) for t in tensors]
-                recvs[q] = tensors[0].new_empty(sum(torch.Size(s).numel() for s in shapes))
-                pieces[q] = (a, shapes)
-        exchange_rows(sends, recvs, self.state.group)
-        a, b = overlap(mine, mine)
-        parts = [[] for _ in tensors]  # per tensor: (first row, rows) pieces
-        for i, t in enumerate(tensors):
-            if b > a:
-                parts[i].append((a, rows_of(t, a, b)))
-        for q, (start, shapes) in pieces.items():
-            for i, chunk in enumerate(recvs[q].split([torch.Size(s).numel() for s in shapes])):
-                parts[i].append((start, chunk.view(shapes[i])))
-        return [torch.cat([p for _, p in sorted(ps, key=lambda item: item[0])], dim=-2) for ps in parts]
-
-
-#: values per piece of the float32 work of a group norm's statistics on half-precision rows: a few groups at a time,
-#: so their float32 temporaries stay this small whatever the activation's size (a 128-channel 4096 x 2048 half of a
-#: FLUX decode would otherwise make several 4 GiB float32 copies); the normalization itself needs none
+#: values per piece of the float32 work of a group norm's statistics: a few groups, or part of one group, at a time, so
+#: their float32 temporaries stay this small whatever the activation's size (a 128-channel 4096 x 2048 half of a FLUX
+#: decode would otherwise make several 4 GiB float32 copies); the normalization itself needs none
 #: (:func:`group_normalize`)
 GROUP_PIECE = 1 << 24
 
 
-def group_pieces(v: torch.Tensor):
-    """``(first, last)`` group ranges of ``v`` (``[N, G, ...]``) whose values number about :data:`GROUP_PIECE`."""
-    per_group = v[:, :1].numel()
-    step = max(1, GROUP_PIECE // max(1, per_group))
-    return [(g, min(g + step, v.shape[1])) for g in range(0, v.shape[1], step)]
-
-
 def group_stats(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``[3, N, groups]`` float64: per sample and group, the count, mean and centred sum of squares (M2) of ``x``'s
-    values (computed in float32 for half-precision inputs, a few groups at a time: :func:`group_pieces`)."""
+    values (computed in float32 for half-precision inputs, at most about :data:`GROUP_PIECE` values at a time: a few
+    groups, or a part of one group, the parts merged with :func:`merge_stats`)."""
     v = x.reshape(x.shape[0], groups, -1)
-    count = torch.full((x.shape[0], groups), float(v.shape[-1]), dtype=torch.float64, device=x.device)
-    mean = torch.empty_like(count)
-    m2 = torch.empty_like(count)
-    for a, b in group_pieces(v):
-        piece = v[:, a:b]
-        compute = piece if piece.dtype in (torch.float32, torch.float64) else piece.float()
-        mean[:, a:b] = compute.sum(-1, dtype=torch.float64) / count[:, a:b]
-        m2[:, a:b] = (compute - mean[:, a:b].to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
-    return torch.stack([count, mean, m2])
+    per_group = v.shape[-1]
+    group_step, value_step = max(1, GROUP_PIECE // max(1, per_group)), min(per_group, GROUP_PIECE)
+    out = torch.empty(3, x.shape[0], groups, dtype=torch.float64, device=x.device)
+    for a in range(0, groups, group_step):
+        parts = []
+        for c in range(0, per_group, value_step):
+            piece = v[:, a:a + group_step, c:c + value_step]
+            compute = piece if piece.dtype in (torch.float32, torch.float64) else piece.float()
+            count = torch.full(piece.shape[:2], float(piece.shape[-1]), dtype=torch.float64, device=x.device)
+            mean = compute.sum(-1, dtype=torch.float64) / count
+            m2 = (compute - mean.to(compute.dtype)[..., None]).square().sum(-1, dtype=torch.float64)
+            parts.append(torch.stack([count, mean, m2]))
+        out[:, :, a:a + group_step] = parts[0] if len(parts) == 1 else merge_stats(torch.stack(parts))
+    return out
 
 
-def combine_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and (biased) variance of the union of parts, from their :func:`group_stats` stacked ``[P, 3, N, G]``:
-    Chan's combination, which adds the spread of the parts' means ``sum n_p (mean_p - mean)^2`` to their M2s."""
+def merge_stats(stats: torch.Tensor) -> torch.Tensor:
+    """The :func:`group_stats` ``[3, N, G]`` of the union of parts, from theirs stacked ``[P, 3, N, G]``: Chan's
+    combination, which adds the spread of the parts' means ``sum n_p (mean_p - mean)^2`` to their M2s."""
     counts, means, m2s = stats.unbind(1)
     total = counts.sum(0)
     mean_all = (counts * means).sum(0) / total
-    var = (m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)) / total
-    return mean_all, var
+    return torch.stack([total, mean_all, m2s.sum(0) + (counts * (means - mean_all).square()).sum(0)])
+
+
+def combine_stats(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (biased) variance of the union of parts, from their :func:`group_stats` stacked ``[P, 3, N, G]``."""
+    count, mean, m2 = merge_stats(stats)
+    return mean, m2 / count
 
 
 def group_normalize(x: torch.Tensor, norm: nn.GroupNorm, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
@@ -357,14 +484,8 @@ class GroupNormHook(Hook):
         if not self.state.active:
             return call_next(args, kwargs)
         x = args[0]
-        mean, var = self.statistics(x, norm.num_groups)
+        mean, var = self.state.statistics(x, norm.num_groups)
         return group_normalize(x, norm, mean, var)
-
-    def statistics(self, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean and variance per (sample, group) over every rank's rows of ``x`` (one all-gather)."""
-        own = group_stats(x, groups)
-        stats = all_gather_uneven(own, 0, [3] * self.state.world, self.state.group)
-        return combine_stats(stats.view(self.state.world, *own.shape))
 
 
 class GatherHook(Hook):
@@ -382,12 +503,9 @@ class GatherHook(Hook):
         x = args[0]
         dim = x.ndim - 2
         m = state.scale(x.shape[dim])
-        full = all_gather_uneven(x, dim, state.sizes(m), state.group)
-        state.whole_depth += 1
-        try:
+        full = state.all_gather(x, dim, state.sizes(m))
+        with state.inside():
             out = call_next((full, *args[1:]), kwargs)
-        finally:
-            state.whole_depth -= 1
         return out.narrow(dim, offsets(state.units)[state.rank] * m, state.units[state.rank] * m)
 
 
@@ -434,7 +552,7 @@ class RowsAttentionHook(GatherHook):
         batch, channels, rows, width = x.shape
         m = state.scale(rows)
         own = attn.group_norm(x.reshape(batch, channels, rows * width))  # [B, C, own positions]
-        every = all_gather_uneven(own, 2, [r * width for r in state.sizes(m)], state.group)
+        every = state.all_gather(own, 2, [r * width for r in state.sizes(m)])
         query = attn.to_q(own.transpose(1, 2))
         key, value = attn.to_k(every.transpose(1, 2)), attn.to_v(every.transpose(1, 2))
         heads = lambda t: t.unflatten(-1, (attn.heads, -1)).transpose(1, 2)  # noqa: E731
@@ -454,6 +572,140 @@ class RowsAttentionHook(GatherHook):
         return (isinstance(module, Attention) and type(module.processor) in (AttnProcessor, AttnProcessor2_0)
                 and isinstance(module.group_norm, nn.GroupNorm) and module.spatial_norm is None
                 and not module.norm_cross and module.norm_q is None and module.norm_k is None)
+
+
+# -- large layers in pieces of rows ------------------------------------------------------------------------------
+def conv_rows(conv: nn.Conv2d) -> ConvRows:
+    """The :class:`ConvRows` of a 2-D convolution with numeric padding."""
+    kernel = conv.dilation[-2] * (conv.kernel_size[-2] - 1) + 1
+    return ConvRows(kernel, conv.stride[-2], conv.padding[-2], conv.padding[-2])
+
+
+def same_rows(conv: nn.Module) -> bool:
+    """Whether ``conv`` is a zero-padded, unstrided 2-D convolution that keeps the number of rows."""
+    if not isinstance(conv, nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return False
+    rows = conv_rows(conv)
+    return rows.stride == 1 and rows.pad_top + rows.pad_bottom == rows.kernel - 1
+
+
+class PiecesHook(Hook):
+    """Around a layer that runs on pieces of whole latent rows when its rows exceed the budget
+    (:meth:`VaeParallel.pieces`): the call's input (first argument, or ``input_name``), and a second argument
+    (``extra_name``) that must be None for the pieces to apply. Subclasses say the bytes of one input row's
+    temporaries (:meth:`row_bytes`) and run the pieces (:meth:`run`), with the layer's own hooks stepped aside
+    (:meth:`VaeParallel.inside`): the run exchanges the halo rows and gathers the norms' statistics itself, once
+    each where the layer's hooks would (the same collectives, in the same order)."""
+
+    name = "vae"
+    input_name = extra_name = ""
+
+    def __init__(self, state: VaeParallel, name: str = "vae"):
+        self.state = state
+        self.name = name
+
+    def __call__(self, module, call_next, args, kwargs):
+        state = self.state
+        x = args[0] if args else kwargs.get(self.input_name)
+        extra = args[1] if len(args) > 1 else kwargs.get(self.extra_name)
+        if extra is not None or not state.active or not isinstance(x, torch.Tensor) or x.ndim != 4:
+            return call_next(args, kwargs)
+        units, m = state.layout(x.shape[-2])
+        pieces = state.pieces(units, m, self.row_bytes(module, x))
+        if pieces is None:
+            return call_next(args, kwargs)
+        state.split_calls += 1
+        with state.inside():
+            return self.run(module, call_next, x, units, m, pieces)
+
+    def row_bytes(self, module, x: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def run(self, module, call_next, x: torch.Tensor, units: list[int], m: int, pieces: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ResnetPieces(PiecesHook):
+    """Around a ``ResnetBlock2D`` called without a time embedding: ``h = conv1(act(norm1(x)))``,
+    ``out = conv2(act(norm2(h)))``, ``out = (shortcut(x) + out) / scale``, each norm-activation-convolution on pieces
+    of rows (the norm's statistics over every row first, the piece extended by the convolution's halo rows), the
+    second one written over ``h``. Alive at once: the input, ``h`` and one piece's temporaries, instead of the
+    input and two full-size temporaries (the norm's and the activation's outputs) besides a halo-extended copy."""
+
+    input_name, extra_name = "input_tensor", "temb"
+
+    def row_bytes(self, block, x):
+        # the norm's and the activation's output, and the convolution's, at the wider channel count
+        return 3 * x.shape[0] * max(x.shape[1], block.conv1.out_channels) * x.shape[-1] * x.element_size()
+
+    def run(self, block, call_next, x, units, m, pieces):
+        h = self.norm_act_conv(x, block.norm1, block.nonlinearity, block.conv1, units, m, pieces)
+        # conv2 keeps the channels: its output takes h's place, so x, h and one piece are all that is alive
+        out = self.norm_act_conv(h, block.norm2, lambda t: block.dropout(block.nonlinearity(t)), block.conv2, units, m,
+                                 pieces, over=True)
+        for start, size in zip(offsets(pieces), pieces):  # the shortcut, piece by piece, into the output
+            own = x.narrow(-2, start * m, size * m)
+            shortcut = own if block.conv_shortcut is None else block.conv_shortcut(own)
+            rows = out.narrow(-2, start * m, size * m)
+            rows.copy_((shortcut + rows) / block.output_scale_factor)
+        return out
+
+    def norm_act_conv(self, x, norm, act, conv, units, m, pieces, over: bool = False) -> torch.Tensor:
+        """``conv(act(norm(x)))`` on ``pieces``, the norm's statistics over every rank's rows (one all-gather) and the
+        halo rows of ``x`` from the other ranks (one exchange) first; ``over``: written over ``x``."""
+        state, rows = self.state, conv_rows(conv)
+        mean, var = state.statistics(x, norm.num_groups, [(a * m, n * m) for a, n in zip(offsets(pieces), pieces)])
+        band = state.extend([x], conv_windows(units, m, rows)[0])[0]
+        return piecewise(band, state.piece_windows(rows, units, m, pieces),
+                         lambda t: conv(act(group_normalize(t, norm, mean, var))), over=x if over else None)
+
+    @staticmethod
+    def covers(block: nn.Module) -> bool:
+        """Whether a ``ResnetBlock2D`` has the shape :meth:`run` computes: group norms, no up/down sampling, a
+        row-local (1x1) or absent shortcut, convolutions that keep the rows, and (without a time embedding, which
+        the hook leaves to the block) the plain norm after ``conv1``: not ``scale_shift``."""
+        from diffusers.models.resnet import ResnetBlock2D
+
+        shortcut = getattr(block, "conv_shortcut", None)
+        return (isinstance(block, ResnetBlock2D) and isinstance(block.norm1, nn.GroupNorm)
+                and isinstance(block.norm2, nn.GroupNorm) and block.upsample is None and block.downsample is None
+                and block.time_embedding_norm != "scale_shift" and same_rows(block.conv1) and same_rows(block.conv2)
+                and (shortcut is None or (isinstance(shortcut, nn.Conv2d) and shortcut.kernel_size == (1, 1)
+                                          and shortcut.stride == (1, 1))))
+
+
+class UpsamplePieces(PiecesHook):
+    """Around an ``Upsample2D`` (nearest x2, then a 3x3 convolution) called without ``output_size``: its forward on
+    pieces of input rows with one halo row each side (exchanged with the other ranks once, before the pieces); the
+    up-sampled tensor exists one piece at a time."""
+
+    input_name, extra_name = "hidden_states", "output_size"
+
+    def row_bytes(self, up, x):
+        # two upsampled rows, and the convolution's two output rows
+        return 2 * x.shape[0] * (x.shape[1] + up.conv.out_channels) * 2 * x.shape[-1] * x.element_size()
+
+    def run(self, up, call_next, x, units, m, pieces):
+        # in input rows, nearest x2 then a 3-row window is a 3-row window with 2 output rows per input row
+        state, rows = self.state, ConvRows(3, 1, 1, 1)
+        band = state.extend([x], conv_windows(units, m, rows)[0])[0]
+        return piecewise(band, state.piece_windows(rows, units, m, pieces), lambda t: call_next((t,), {}), scale=2)
+
+    @staticmethod
+    def covers(up: nn.Module) -> bool:
+        """Whether ``up`` is an ``Upsample2D`` of nearest x2 then a 3x3, padding-1 convolution, with no norm."""
+        from diffusers.models.upsampling import Upsample2D
+
+        conv = getattr(up, "conv", None)
+        return (isinstance(up, Upsample2D) and up.interpolate and up.use_conv and not up.use_conv_transpose
+                and up.norm is None and getattr(up, "name", "conv") == "conv" and same_rows(conv)
+                and conv_rows(conv).kernel == 3)
+
+
+def pieces_hooks(vae: nn.Module, state: VaeParallel, name: str = "vae") -> list[tuple[nn.Module, Hook]]:
+    """(module, hook) for every residual block and up-sampler of ``vae`` that runs in pieces (:class:`PiecesHook`)."""
+    kinds = (ResnetPieces, UpsamplePieces)
+    return [(m, kind(state, name)) for m in vae.modules() for kind in kinds if kind.covers(m)]
 
 
 # -- rank-parallel tiled decode ----------------------------------------------------------------------------------
@@ -624,25 +876,32 @@ def layer_hooks(vae: nn.Module, plan, state: VaeParallel) -> list[tuple[nn.Modul
             kernel = module.dilation[-2] * (module.kernel_size[-2] - 1) + 1
             rows = ConvRows(kernel, module.stride[-2], top, bottom, *pre.get(id(module), (0, 0)))
             if rows != ConvRows(1, 1, 0, 0):  # a 1-row, unpadded, unstrided convolution works on any rows
-                hooks.append((module, ConvHook(state, rows)))
+                hooks.append((module, ConvHook(state, rows, plain=type(module) in (nn.Conv2d, nn.Conv3d))))
         elif isinstance(module, nn.GroupNorm):
             hooks.append((module, GroupNormHook(state)))
         elif isinstance(module, nn.modules.batchnorm._NormBase) and (module.training or module.running_mean is None):
             # batch and instance norms that take statistics of their input; in eval mode with running statistics
             # (FLUX.2's latent batch norm) a norm is a per-channel affine map, exact on any rows
             raise NotImplementedError(f"{name}: {type(module).__name__} (statistics across rows)")
-    return hooks
+    return hooks + [(m, hook) for m, hook in pieces_hooks(vae, state) if id(m) not in inside]
 
 
-def apply(vae: nn.Module, plan, group, strict: bool = False) -> list:
+def apply(vae: nn.Module, plan, group, strict: bool = False, piece_bytes: int = PIECE_BYTES) -> list:
     """Split ``vae``'s decode and encode along height over ``group`` (see the module docstring); returns the undo
     callables (``remove`` gives back the VAE as it was: hooks only, no module or parameter is replaced).
 
     ``plan`` is the family's :class:`~ditmesh.models.base.VaePlan`. ``strict`` (``vae_parallel="on"``): a VAE with a
     layer that cannot be split, or a call that cannot be split, raises :class:`ConfigError`; otherwise the VAE (or
-    the call) runs whole on every rank and a log line says why.
+    the call) runs whole on every rank and a log line says why. ``piece_bytes``: the temporaries of one piece of a
+    large layer (:data:`PIECE_BYTES`).
     """
-    state = VaeParallel(group, strict)
+    return install(vae, plan, VaeParallel(group, strict, piece_bytes))
+
+
+def install(vae: nn.Module, plan, state: VaeParallel) -> list:
+    """:func:`apply` with a given :class:`VaeParallel` (the planner traces one rank's share with collectives that
+    only make tensors of the right shapes)."""
+    strict = state.strict
     try:
         hooks = layer_hooks(vae, plan, state)
     except NotImplementedError as exc:

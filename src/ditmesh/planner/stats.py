@@ -213,13 +213,16 @@ class _AttentionCatcher(TorchFunctionMode):
 
 
 class _TrafficCounter(TorchDispatchMode):
-    """Bytes moved by memory-bound ops and the peak of live activation bytes."""
+    """Bytes moved by memory-bound ops and the peak of live activation bytes; ``conv_workspace``: each convolution
+    also holds, while it runs, a workspace of its input's and output's size (cuDNN's layout copies: what the
+    measured split VAE decodes on H100s held beyond their live tensors, docs/planner.md)."""
 
     GEMMS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "linear"}
 
-    def __init__(self, classify):
+    def __init__(self, classify, conv_workspace: bool = False):
         super().__init__()
         self.classify = classify  # tensor -> "sharded" | "replicated" | "fixed"
+        self.conv_workspace = conv_workspace
         self.bytes = {"sharded": 0, "replicated": 0, "fixed": 0}
         self.ops = 0
         self.live = {"sharded": 0, "replicated": 0, "fixed": 0}
@@ -249,9 +252,16 @@ class _TrafficCounter(TorchDispatchMode):
                 moved = sum(t.numel() * t.element_size() for t in ins + outs)
                 kind = self.classify(outs[0]) if outs else "fixed"
                 self.bytes[kind] += moved
-        if not is_view:
+        if not is_view and outs:
+            # an output that shares an input's storage (a collective's wait, an ``out=`` op) allocates nothing
+            held = {a.untyped_storage()._cdata for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)}
             for o in outs:
-                self._alloc(o, self.classify(o))
+                if o.untyped_storage()._cdata not in held:
+                    self._alloc(o, self.classify(o))
+        if self.conv_workspace and name == "convolution":
+            workspace = sum(t.numel() * t.element_size() for t in (args[0], out))
+            self.peak = max(self.peak, sum(self.live.values()) + workspace)
         return out
 
 
