@@ -152,10 +152,11 @@ def test_generate_lora_option_tp2_matches_single_process(tmp_path, flux_tiny, fl
     assert (one["lora_fused"], tp2["lora_fused"], fused["lora_fused"]) == (False, False, True)
 
 
-def test_generate_fuse_lora_without_lora_is_one_line_error(capsys):
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_fuse_lora_without_lora_is_one_line_error(command, capsys):
     from ditmesh.cli import main
 
-    assert main(["generate", "--fuse-lora"]) == 2
+    assert main([command, "--fuse-lora"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--fuse-lora is given without --lora" in err and len(err.splitlines()) == 1
 
