@@ -423,7 +423,8 @@ class LoadedPipeline:
 
 
 def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, world: int) -> LoadedPipeline:
-    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters.
+    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters (with ``--fuse-lora``,
+    fused into the weights and unloaded: :func:`fuse_loras`).
 
     Every rank calls it alike: rank 0 synthesizes a named architecture once and the others learn its folder
     through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order).
