@@ -81,11 +81,14 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
     Q/K/V projections.
 
     ``load``: more arguments of ``load_lora_weights`` (Wan 2.2's ``load_into_transformer_2``). ``plan`` entries: ``("run",)``, ``("adapters", names, weights)`` (set_adapters), ``("fuse", scale)``
-    (fuse_lora), ``("unfuse",)``, ``("disable",)``, ``("enable",)``, ``("unload",)``, ``("remove",)``
-    (ditmesh.remove).
+    (fuse_lora), ``("unfuse",)``, ``("disable",)``, ``("enable",)``, ``("unload",)``, ``("fuse_unload",)`` (generate's
+    ``--fuse-lora``: fused, then peft's layers taken out), ``("remove",)`` (ditmesh.remove). ``lora_layers``: peft's
+    LoRA layers left in the transformer after the last entry.
     """
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
+    from ditmesh.parallel.tensor import lora_layer
+    from ditmesh.runtime.generate import fuse_loras
 
     torch.manual_seed(0)
     pipe = _pipeline_class(model).from_pretrained(model, dtype=torch.float32)
@@ -105,7 +108,7 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
     actions = {"adapters": lambda names, weights: pipe.set_adapters(names, weights),
                "fuse": lambda scale: pipe.fuse_lora(lora_scale=scale), "unfuse": pipe.unfuse_lora,
                "disable": pipe.disable_lora, "enable": pipe.enable_lora, "unload": pipe.unload_lora_weights,
-               "remove": runtime.remove, "run": lambda: None}
+               "fuse_unload": lambda: fuse_loras(pipe), "remove": runtime.remove, "run": lambda: None}
     latents, counts = [], []
     for kind, *args in plan:
         actions[kind](*args)
@@ -114,7 +117,8 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
         counts.append(dict(counted))
     return dict(latents=latents, counts=counts if count else None,
                 state={k: v.clone() for k, v in pipe.transformer.state_dict().items()},
-                fused=sum(getattr(m, "fused_projections", False) is True for m in pipe.transformer.modules()))
+                fused=sum(getattr(m, "fused_projections", False) is True for m in pipe.transformer.modules()),
+                lora_layers=sum(lora_layer(m) for m in pipe.transformer.modules()))
 
 
 def hook_on_row_parallel_case(model: str) -> dict:

@@ -15,7 +15,7 @@ from test_bench_smoke import bench, leftovers
 FLUX_PROJECTIONS = {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}
 
 
-def test_bench_lora_rows_fused_equal_unfused_and_match_one_process(tmp_path):
+def test_bench_lora_rows_fused_and_unloaded_equal_unfused_and_match_one_process(tmp_path):
     out = tmp_path / "lora.json"
     proc = bench(["--lora", "4", "--gpus", "1,2", "--methods", "ulysses,tp", "--steps", "1", "--warmup", "1",
                   "--out", str(out)], tmp_path)
@@ -30,13 +30,16 @@ def test_bench_lora_rows_fused_equal_unfused_and_match_one_process(tmp_path):
         assert r["lora_rank"] == 4
         assert r["lora_layers"] == r["lora_merged_layers"] == 2 * 8 + 2 * 3, key  # 2 double and 2 single blocks
         assert r["lora_fused_rel_err"] <= 1e-5, key  # fusing changes the arithmetic, not the result
+        assert r["lora_layers_unloaded"] == 0, key  # unloading took every peft layer out
+        assert r["lora_unloaded_rel_err"] <= 1e-5, key  # ... and kept the fused weights (the tp shards)
         assert r["lora_change"] > 1e-2, key  # the adapter changes the output
         assert r["rel_err_lora_vs_1gpu"] <= 1e-5, key  # cut per tp rank / under ulysses, it is one process's
-        for phase in ("unfused", "fused"):
+        for phase in ("unfused", "fused", "fused_unloaded"):
             assert r[f"lora_{phase}_overhead"] == round(r[f"step_ms_lora_{phase}"] / r["step_ms"] - 1, 4)
     table = out.with_suffix(".md").read_text()
-    assert "| LoRA unfused ms | LoRA fused ms |" in table
+    assert "| LoRA unfused ms | LoRA fused ms | LoRA fused+unloaded ms |" in table
     assert f"| {rows[('tp', 2)]['step_ms_lora_unfused']} (" in table
+    assert f"| {rows[('tp', 2)]['step_ms_lora_fused_unloaded']} (" in table
     assert leftovers(tmp_path) == []
 
 

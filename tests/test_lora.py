@@ -79,6 +79,24 @@ def test_flux_lora_sequence_and_batch_parallel_match_single_process(pools, flux_
     _assert_matches(pools(2).run(lora_case, flux_tiny, config, flux_loras, plan, call=call), ref)
 
 
+def test_fused_and_unloaded_lora_equals_unfused_and_leaves_no_lora_layer(pools, flux_tiny, flux_loras):
+    """generate's --fuse-lora (fuse_loras): two adapters with weights fused into the weights (the shards under tp 2)
+    and peft's layers taken out. The output is the unfused adapters' on one process; no LoRA layer is left, and under
+    tp 2 a call has the base model's all-reduces alone (the adapters' A all-reduces went with their layers)."""
+    plan = [("adapters", ["style", "detail"], [0.7, -0.5]), ("fuse_unload",)]
+    ref = _reference(flux_tiny, flux_loras, plan)
+    assert ref["lora_layers"] == 0
+    assert rel_err(ref["latents"][1], ref["latents"][0]) <= TOLERANCE
+    for config in ({"tp": 2}, {"ulysses": 2}):
+        for r in pools(2).run(lora_case, flux_tiny, config, flux_loras, plan, count=True):
+            assert r["lora_layers"] == 0, config
+            for out in r["latents"]:
+                assert rel_err(out, ref["latents"][0]) <= TOLERANCE, config
+            if config == {"tp": 2}:
+                assert [c.get("all_reduce", 0) for c in r["counts"]] == \
+                    [2 * (BASE_ALL_REDUCES + 2 * ADAPTED_ROW_PARALLEL), 2 * BASE_ALL_REDUCES]  # 2 steps
+
+
 def test_flux_lora_tp2_fused_qkv(pools, flux_tiny, tmp_path):
     """With fuse_qkv, attention layers with an adapted projection stay separate and the others are fused (exact);
     a LoRA loaded after the fusion would be bypassed, so that load is refused with what to do."""
@@ -117,17 +135,30 @@ def test_sd3_lora_tp2_before_and_after_match_single_process(pools, model_checkpo
 
 
 def test_generate_lora_option_tp2_matches_single_process(tmp_path, flux_tiny, flux_loras):
-    """`generate --lora PATH:SCALE` (repeated): the adapters are loaded after parallelizing, with their scales."""
+    """`generate --lora PATH:SCALE` (repeated): the adapters are loaded after parallelizing, with their scales; with
+    --fuse-lora they are fused into each tp rank's shards and unloaded, and the result is the same."""
     from test_generate_cli import generate
 
     (style, _), (detail, _) = flux_loras
     opts = ["--model", flux_tiny, "--lora", f"{style}:0.7", "--lora", f"{detail}:-0.5"]
     one, latents_one, _ = generate(tmp_path, "one", *opts, "--nproc", "1")
     tp2, latents_tp2, _ = generate(tmp_path, "tp2", *opts, "--nproc", "2", "--tp", "2")
+    fused, latents_fused, _ = generate(tmp_path, "fused", *opts, "--fuse-lora", "--nproc", "2", "--tp", "2")
     _, latents_none, _ = generate(tmp_path, "none", "--model", flux_tiny, "--nproc", "1")
     assert rel_err(latents_tp2, latents_one) <= TOLERANCE
+    assert rel_err(latents_fused, latents_one) <= TOLERANCE
     assert rel_err(latents_one, latents_none) > 0.05
-    assert tp2["loras"] == [{"path": style, "scale": 0.7}, {"path": detail, "scale": -0.5}]
+    assert tp2["loras"] == fused["loras"] == [{"path": style, "scale": 0.7}, {"path": detail, "scale": -0.5}]
+    assert (one["lora_fused"], tp2["lora_fused"], fused["lora_fused"]) == (False, False, True)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_fuse_lora_without_lora_is_one_line_error(command, capsys):
+    from ditmesh.cli import main
+
+    assert main([command, "--fuse-lora"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--fuse-lora is given without --lora" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("value,needle", [

@@ -102,6 +102,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="load a LoRA (a .safetensors file or folder in diffusers' or peft's format, or a hub id) with "
                              "weight SCALE (default 1.0); repeat for several. Loaded after parallelizing: under --tp each "
                              "rank keeps its shard of it")
+    parser.add_argument("--fuse-lora", action="store_true",
+                        help="with --lora: fuse the adapters (with their scales) into the weights and take peft's LoRA "
+                             "layers out, so a step costs what the base model's does (under --tp, into each rank's "
+                             "shard); the adapters cannot be switched afterwards")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile every transformer block (regional; the first steps pay the compile time)")
     parser.add_argument("--cache", default=None, metavar="POLICY",

@@ -82,9 +82,10 @@ def add_bench_parser(sub) -> None:
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
     b.add_argument("--lora", default=None, metavar="RANK",
-                   help="ditmesh rows (and the 1-process row, their reference) are timed twice more in the same "
-                        "process: with a synthetic rank-RANK LoRA on every attention projection, loaded after "
-                        "parallelize, then with it fused (needs peft: pip install 'ditmesh[lora]'; no CUDA graph)")
+                   help="ditmesh rows (and the 1-process row, their reference) are timed three times more in the "
+                        "same process: with a synthetic rank-RANK LoRA on every attention projection, loaded after "
+                        "parallelize, then with it fused, then fused with peft's layers taken out (needs peft: "
+                        "pip install 'ditmesh[lora]'; no CUDA graph)")
     b.add_argument("--profile", action="store_true",
                    help="add each row's per-step breakdown (compute / communication / idle) from the profiler (CUDA only)")
     b.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -275,6 +276,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
     """Add each row's error against the 1-process output and its speedups against the 1-GPU rows."""
     from ..testing import rel_err
+    from .report import LORA_PHASES
     from .worker import row_key
 
     def reference(suffix: str):  # the eager 1-process output, else the compiled one (the eager row failed)
@@ -292,7 +294,7 @@ def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
         out_lora = tmp / f"{row_key(r)}-lora.pt"
         if ref_lora is not None and out_lora.exists():
             r["rel_err_lora_vs_1gpu"] = rel_err(torch.load(out_lora), ref_lora)
-        for phase in ("unfused", "fused"):  # the adapter's cost, a fraction of the plain step
+        for phase in LORA_PHASES:  # the adapter's cost, a fraction of the plain step
             if f"step_ms_lora_{phase}" in r:
                 r[f"lora_{phase}_overhead"] = round(r[f"step_ms_lora_{phase}"] / r["step_ms"] - 1, 4)
         b = base.get(r.get("compiled"))

@@ -11,11 +11,12 @@ The schema (``SCHEMA``), one JSON object per run:
 - ``model``, ``height``, ``width``, ``frames``, ``batch``, ``dtype``: the workload
 - ``rows``: one per configuration (``method``, ``gpus``, ``degrees``, ``compiled``, ``graph``, ``step_ms`` =
   median of the timed steps, ``step_ms_all``, ``peak_gib_per_gpu``, ``rel_err_vs_1gpu``, speedups, ``card``;
-  ``breakdown`` with ``--profile``; with ``--lora RANK``: ``lora_rank``, ``step_ms_lora_unfused``,
-  ``step_ms_lora_fused``, ``lora_unfused_overhead`` / ``lora_fused_overhead`` (fractions of ``step_ms``),
-  ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``), ``lora_change`` (the
-  adapted output against the plain one), ``lora_fused_rel_err`` (fused against unfused),
-  ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with
+  ``breakdown`` with ``--profile``; with ``--lora RANK``: ``lora_rank``, ``step_ms_lora_<phase>`` and
+  ``lora_<phase>_overhead`` (a fraction of ``step_ms``) for each of ``LORA_PHASES`` (``unfused``, ``fused``,
+  ``fused_unloaded``), ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``),
+  ``lora_layers_unloaded`` (LoRA layers left after ``unload_lora``: 0), ``lora_change`` (the adapted output
+  against the plain one), ``lora_fused_rel_err`` (fused against unfused), ``lora_unloaded_rel_err`` (fused and
+  unloaded against fused), ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with
   ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
 
 Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
@@ -28,6 +29,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+
+#: the ``--lora`` phases, in the order a row runs them: the adapter's layers, fused, fused with the layers taken out
+LORA_PHASES = ("unfused", "fused", "fused_unloaded")
 
 SCHEMA = "ditmesh-bench/1"
 
@@ -86,14 +90,14 @@ def rows_table(rows: list[dict]) -> str:
     their cost over the plain step where rows have them: ``--lora``)."""
     lora = any("lora_rank" in r for r in rows)
     head = ("| method | gpus | compiled | graph | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 "
-            "| compute / comm exposed / idle ms |" + (" LoRA unfused ms | LoRA fused ms |" if lora else "")
+            "| compute / comm exposed / idle ms |" + (" LoRA unfused ms | LoRA fused ms | LoRA fused+unloaded ms |" if lora else "")
             + " note |")
     lines = [head, "|---" * head.count(" |") + "|"]
     for r in rows:
         err = r.get("rel_err_vs_1gpu")
         b = r.get("breakdown")
         split = f"{b['compute_ms']} / {b['comm_exposed_ms']} / {b['idle_ms']}" if b else ""
-        extra = "".join(f" {_lora_cell(r, phase)} |" for phase in ("unfused", "fused")) if lora else ""
+        extra = "".join(f" {_lora_cell(r, phase)} |" for phase in LORA_PHASES) if lora else ""
         lines.append(
             f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
             f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
@@ -104,7 +108,7 @@ def rows_table(rows: list[dict]) -> str:
 
 
 def _lora_cell(row: dict, phase: str) -> str:
-    """A row's step time with the adapter (``phase``: unfused or fused) and its cost over the plain step."""
+    """A row's step time with the adapter (``phase``: one of ``LORA_PHASES``) and its cost over the plain step."""
     if f"step_ms_lora_{phase}" not in row:
         return ""
     overhead = row.get(f"lora_{phase}_overhead")

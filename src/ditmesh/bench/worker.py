@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .report import LORA_PHASES
 
 def error_text(exc: BaseException) -> str:
     """A failed row's note: the exception's type and first line."""
@@ -59,27 +60,38 @@ def _timed(model, inputs, spec: dict, steps, device, row: dict) -> tuple[list[fl
     return times, out
 
 
+def _lora_layers(model) -> list:
+    """peft's LoRA layers in ``model`` (the modules that keep a ``merged_adapters`` list)."""
+    return [m for m in model.modules() if hasattr(m, "merged_adapters")]
+
+
 def _lora_rows(model, inputs, spec: dict, steps, device, row: dict, lora: dict, plain: torch.Tensor,
                rank: int) -> None:
     """``--lora``: time the row again with ``lora`` loaded (after ``parallelize``, through the transformer's
     ``load_lora_adapter``, which ditmesh's ``lora`` hooks cut per tensor-parallel rank), then fused into the base
-    weights (``fuse_lora``). Each phase repeats the warm-up calls (they absorb the recompiles the new layers
-    cause). Adds ``step_ms_lora_unfused``, ``step_ms_lora_fused``, ``lora_rank``, ``lora_layers`` (adapted
-    linears), ``lora_merged_layers`` (of those, merged by ``fuse_lora``), ``lora_change`` (the unfused
-    output against the row's own, plain one) and ``lora_fused_rel_err`` (fused against unfused); rank 0 saves
-    the unfused output for the error against the 1-process LoRA output. A failure is the row's ``lora_error``."""
+    weights (``fuse_lora``), then with peft's layers taken out and the fused weights kept (``unload_lora``: plain
+    modules again, the sharded ones under tp). Each phase repeats the warm-up calls (they absorb the recompiles the
+    changed layers cause). Adds ``step_ms_lora_unfused``, ``step_ms_lora_fused``, ``step_ms_lora_fused_unloaded``,
+    ``lora_rank``, ``lora_layers`` (adapted linears), ``lora_merged_layers`` (of those, merged by ``fuse_lora``),
+    ``lora_layers_unloaded`` (LoRA layers left after unloading: 0), ``lora_change`` (the unfused output against the
+    row's own, plain one), ``lora_fused_rel_err`` (fused against unfused) and ``lora_unloaded_rel_err`` (unloaded
+    against fused); rank 0 saves the unfused output for the error against the 1-process LoRA output. A failure is
+    the row's ``lora_error``."""
     from ..testing import rel_err
 
     row["lora_rank"] = spec["lora"]
     outs = {}
     try:
         model.load_lora_adapter(lora, prefix=None, adapter_name="bench")
-        layers = [m for m in model.modules() if hasattr(m, "merged_adapters")]  # peft's LoRA layers
+        layers = _lora_layers(model)
         row["lora_layers"] = len(layers)
-        for phase in ("unfused", "fused"):
+        for phase in LORA_PHASES:
             if phase == "fused":
                 model.fuse_lora(lora_scale=1.0)
                 row["lora_merged_layers"] = sum(bool(m.merged_adapters) for m in layers)
+            elif phase == "fused_unloaded":
+                model.unload_lora()
+                row["lora_layers_unloaded"] = len(_lora_layers(model))
             times, outs[phase] = _timed(model, inputs, spec, steps, device, row)
             if "error" in row:
                 row["lora_error"] = row.pop("error")
@@ -90,6 +102,7 @@ def _lora_rows(model, inputs, spec: dict, steps, device, row: dict, lora: dict, 
         return
     row["lora_change"] = rel_err(outs["unfused"].float(), plain.float())
     row["lora_fused_rel_err"] = rel_err(outs["fused"].float(), outs["unfused"].float())
+    row["lora_unloaded_rel_err"] = rel_err(outs["fused_unloaded"].float(), outs["fused"].float())
     if rank == 0:
         torch.save(outs["unfused"].float().cpu(), Path(spec["tmp"]) / f"{row_key(row)}-lora.pt")
 

@@ -62,6 +62,9 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
                           "--displaced or drop it")
     for text in getattr(args, "lora", None) or ():
         check_lora_path(parse_lora(text)[0], text)
+    if getattr(args, "fuse_lora", False) and not getattr(args, "lora", None):
+        raise ConfigError("--fuse-lora is given without --lora: add --lora PATH[:SCALE] (the adapters to fuse) or drop "
+                          "--fuse-lora")
     check_image_args(args)
     check_output_paths(args)
     model = resolve_model(args.model)  # from here on, checks read the model's family
@@ -176,6 +179,35 @@ def load_loras(pipe, loras: list[tuple[str, float]]) -> list[str]:
                                adapter_name=name)
     pipe.set_adapters(names, [scale for _, scale in loras])
     return names
+
+
+def fuse_loras(pipe) -> None:
+    """Fuse the active adapters, with the weights ``set_adapters`` gave them, into the weights of every component
+    that holds one, then take peft's LoRA layers out, so the model is plain modules again and runs as the base model
+    does (one GEMM per linear, no wrapper for a compiled block to guard on or trace through).
+
+    Under tensor parallelism peft's merge computes ``B @ A`` from the shards, which is this rank's shard of the whole
+    delta (``ditmesh.parallel.lora``), and taking the wrappers out puts back the sharded base layers with their
+    collectives. Each diffusers model is unloaded by its own ``unload_lora`` rather than the pipeline's
+    ``unload_lora_weights``, which for FLUX would also put back the normalization weights a LoRA replaced.
+    """
+    import torch
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    components = [name for name in pipe._lora_loadable_modules if isinstance(getattr(pipe, name, None), torch.nn.Module)
+                  and any(isinstance(m, BaseTunerLayer) for m in getattr(pipe, name).modules())]
+    pipe.fuse_lora(components=components)
+    for name in components:
+        model = getattr(pipe, name)
+        if isinstance(model, ModelMixin):
+            model.unload_lora()
+        else:  # a transformers text encoder: what diffusers' unload does for it
+            recurse_remove_peft_layers(model)
+            if getattr(model, "peft_config", None) is not None:
+                del model.peft_config
+                model._hf_peft_config_loaded = None
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -391,7 +423,8 @@ class LoadedPipeline:
 
 
 def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, world: int) -> LoadedPipeline:
-    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters.
+    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters (with ``--fuse-lora``,
+    fused into the weights and unloaded: :func:`fuse_loras`).
 
     Every rank calls it alike: rank 0 synthesizes a named architecture once and the others learn its folder
     through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order).
@@ -442,6 +475,8 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
                           vae_chunk=vae_chunk_setting(getattr(args, "vae_chunk", None)), **pipefusion_options(args))
     loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
     load_loras(pipe, loras)
+    if loras and getattr(args, "fuse_lora", False):
+        fuse_loras(pipe)
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
 
 
@@ -540,6 +575,8 @@ def run(args) -> int:
             "prompt": args.prompt,
             "seed": args.seed,
             "loras": [{"path": path, "scale": scale} for path, scale in loras],
+            # --fuse-lora: the adapters were fused into the weights and peft's layers taken out
+            "lora_fused": bool(loras) and getattr(args, "fuse_lora", False),
             # the pipeline class that ran, and for --image runs the condition files and the strength used
             **image_report(args, pipe, call),
             "versions": versions(),
