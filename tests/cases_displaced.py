@@ -6,9 +6,10 @@ import torch
 
 
 def buffer_bytes_after_first_step(model: str, config: dict, steps: int = 3, height: int = 64, width: int = 64,
-                                  max_sequence_length: int = 16) -> list[int]:
-    """Bytes of the displaced K/V buffers held after each step of a run (``ForwardContext.kv_buffers``) under
-    ``config`` with ``displaced=True``."""
+                                  max_sequence_length: int = 16, **options) -> list[int]:
+    """Bytes of the stale-K/V buffers held after each step of a run (``ForwardContext.kv_buffers``: displaced
+    attention's pending gathers, PipeFusion's per-layer K/V) under ``config``; ``options``: more ``parallelize``
+    arguments (default ``displaced=True``)."""
     from diffusers import DiffusionPipeline
 
     from cases_models import call_kwargs
@@ -16,12 +17,13 @@ def buffer_bytes_after_first_step(model: str, config: dict, steps: int = 3, heig
 
     pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    runtime = parallelize(pipe, ParallelConfig(**config), displaced=True)
+    runtime = parallelize(pipe, ParallelConfig(**config), **({"displaced": True} | options))
     held = []
     kwargs = call_kwargs({}, steps, height, width, None, max_sequence_length, 5.0)
 
     def count(p, i, t, kw):
-        held.append(sum(raw.numel() * raw.element_size() for _, _, raw in runtime.context.kv_buffers.values()))
+        held.append(sum(x.numel() * x.element_size() for entry in runtime.context.kv_buffers.values()
+                        for x in entry if isinstance(x, torch.Tensor)))
         return kw
 
     kwargs["callback_on_step_end"] = count

@@ -364,3 +364,24 @@ def test_cached_pp_beside_sequence_parallelism_refuses_a_stale_step(pools, flux_
     with pytest.raises(RankError, match="runs only while every step is exact"):
         pools(4).run(pipeline_run, flux_tiny, {"pp": 2, "ulysses": 2}, steps=CACHE_STEPS, pp_warmup=1,
                      cache="static:skip=2,first=1")
+
+
+# -- the planner ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [{"pp": 2}, {"pp": 2, "ulysses": 2}, {"pp": 2, "ring": 2}])
+def test_plan_predicts_the_kv_buffer_bytes_each_stage_holds(pools, flux_tiny, config):
+    from cases_displaced import buffer_bytes_after_first_step
+    from ditmesh.planner import model_stats, resolve_model
+    from ditmesh.planner.cost import pipefusion_kv_bytes, pipefusion_stages
+
+    stats = model_stats(resolve_model(flux_tiny), 64, 64)
+    parallel = ParallelConfig(**config)
+    stages = pipefusion_stages(stats, 2)
+    # float32 here; per stage: its layers' K and V over the whole sequence, with 1/ulysses of the heads
+    predicted = [pipefusion_kv_bytes(stats, parallel, 1, stage) / stats.bytes_per_element * 4 for stage in stages]
+    assert predicted[0] != predicted[1]  # the stages hold different layers: the test tells them apart
+    held = pools(parallel.world_size).run(buffer_bytes_after_first_step, flux_tiny, config, displaced=False,
+                                          max_sequence_length=stats.layout.text_tokens)
+    per_stage = parallel.world_size // 2  # pp is the outer axis: ranks [0, n/2) are stage 0
+    for rank, steps in enumerate(held):
+        # filled by the exact first step, kept (and rewritten in place) by the stale ones
+        assert steps == [predicted[rank // per_stage]] * STEPS

@@ -311,6 +311,75 @@ def test_plan_validate_prints_the_comparison_and_refuses_other_files(capsys, tmp
     assert "--model and --gpus required" in capsys.readouterr().err
 
 
+H100X2 = Path(__file__).resolve().parent.parent / "bench" / "results" / "2026-11-26_h100x2"
+
+
+def _bench_row(path: Path, method: str) -> dict:
+    from ditmesh.planner.validate import load_rows
+
+    return next(r for r in load_rows([path]) if r["method"] == method)
+
+
+def test_validation_predicts_a_displaced_row_with_displaced_attention():
+    from ditmesh.planner import build_hardware
+    from ditmesh.planner.cost import predict
+    from ditmesh.planner.validate import Validation
+
+    path = H100X2 / "displaced" / "displaced-1024.json"
+    row, plain = _bench_row(path, "displaced"), _bench_row(path, "ulysses")
+    assert row["config"] == plain["config"] == ParallelConfig(ulysses=2) and row["displaced"] and not plain["displaced"]
+    got = Validation().predict_row(row)
+    stats = model_stats(resolve_model("flux-dev"), 1024, 1024)
+    want = predict(ParallelConfig(ulysses=2), stats, build_hardware(2, device="h100"), Workload(mode="compiled"),
+                   displaced=True)
+    assert got.displaced and got.describe() == "ulysses2 displaced"
+    assert (got.step_ms, got.memory) == (want.step_ms, want.memory) and got.memory["kv_cache"] > 0
+    assert "all_to_all" not in got.comm_bytes["by_collective"]
+
+
+def test_validation_predicts_a_pp_row_with_its_patches(tmp_path):
+    from ditmesh.planner.validate import Validation
+
+    path = H100X2 / "families-pp-vae" / "pp-flux-1024.json"
+    row = _bench_row(path, "pp")
+    assert row["config"] == ParallelConfig(pp=2) and row["pp_patches"] is None  # the bench ran the default: pp
+    validation = Validation()
+    default = validation.predict_row(row)
+    assert default.step_ms == validation.predict_row(dict(row, pp_patches=2)).step_ms
+    assert default.step_ms != validation.predict_row(dict(row, pp_patches=4)).step_ms
+    data = json.loads(path.read_text())
+    for r in data["rows"]:
+        r["pp_patches"] = 4
+    (tmp_path / "pp4.json").write_text(json.dumps(data))
+    assert _bench_row(tmp_path / "pp4.json", "pp")["pp_patches"] == 4
+    assert validation.predict_row(_bench_row(tmp_path / "pp4.json", "pp")).step_ms == \
+        validation.predict_row(dict(row, pp_patches=4)).step_ms
+    # a bench row times stale calls: the pipelined step, not the exact warm-up call
+    assert default.exact_step_ms is not None and default.exact_step_ms != default.step_ms
+
+
+def test_pipefusion_patches_cost_host_work_and_shrink_the_bubble():
+    from ditmesh.planner import build_hardware
+    from ditmesh.planner.cost import pipefusion_patch_tokens, predict
+
+    stats = model_stats(resolve_model("flux-dev"), 1024, 1024)
+    hw = build_hardware(2, device="h100")
+    assert pipefusion_patch_tokens(stats.layout, 3) == [1366 + 512, 1365, 1365]  # the text travels with patch 0
+    eager = {m: predict(ParallelConfig(pp=2), stats, hw, Workload(mode="eager", pp_patches=m)) for m in (2, 4)}
+    # eager: each patch launches the stage's ops again
+    assert eager[4].host_ms == pytest.approx(2 * eager[2].host_ms, rel=0.05)
+    # without host time the pipelined (stale) call beats the exact one, stage after stage, by less than pp: it fills
+    # and drains the pipeline (the largest patch, patch 0 with the text, on the other stage)
+    graph = predict(ParallelConfig(pp=2), stats, hw, Workload(cuda_graph=True))
+    assert graph.exact_step_ms / 2 < graph.step_ms < graph.exact_step_ms
+    single = predict(ParallelConfig(), stats, build_hardware(1, device="h100"), Workload(mode="eager"))
+    assert single.exact_step_ms is None
+    with pytest.raises(PlannerError, match="pp_patches=1 must be an integer >= 2"):
+        plan("flux-dev", 1024, 1024, 4, pp_patches=1)
+    shown = {p.config for p in plan("flux-dev", 1024, 1024, 4, pp_patches=3).predictions}
+    assert ParallelConfig(pp=2, ulysses=2) in shown and ParallelConfig(pp=4) not in shown  # 3 patches, 4 stages
+
+
 # ---------------------------------------------------------------------------------------------------
 # VAE decode and chunked activations
 # ---------------------------------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          memory_gib: float | None = None, link_gbps: float | None = None, link_latency_us: float | None = None,
          tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
          calibration: Calibration | None = None, cuda_graph: bool = False, chunk: int | None = None,
-         vae_parallel: str = "auto", vae_chunk: int | None = None, displaced: bool = False) -> PlanResult:
+         vae_parallel: str = "auto", vae_chunk: int | None = None, displaced: bool = False,
+         pp_patches: int | None = None) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (``generate --plan
@@ -152,7 +153,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
     (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`). ``displaced``: also predict
     displaced attention (stale K/V, approximate) on every configuration it runs on (ulysses > 1 without ring or pp;
-    not with CUDA graphs).
+    not with CUDA graphs). ``pp_patches``: the patches PipeFusion cuts the image into (``parallelize(pp_patches=...)``;
+    None: the runtime's default, ``pp``); pp configurations with more stages than patches are left out.
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
@@ -165,6 +167,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
         unknown = set(supported) - set(AXIS_ORDER)
         if unknown:
             raise PlannerError(f"unknown axes {sorted(unknown)} in supported; known: {', '.join(AXIS_ORDER)}")
+    if pp_patches is not None and (not isinstance(pp_patches, int) or pp_patches < 2):
+        raise PlannerError(f"pp_patches={pp_patches!r} must be an integer >= 2 (at least the pp degree)")
     for name, value in (("chunk", chunk), ("vae_chunk", vae_chunk)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise PlannerError(f"{name}={value!r} must be a positive integer (tokens for chunk, rows for vae_chunk)")
@@ -179,7 +183,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
                                     act_peak_sharded_bytes=pieces.act_peak_sharded_bytes)
     vae = vae_decode(spec, height, width, frames, batch, vae_chunk)
     workload = Workload(batch=batch, cfg_on=cfg, steps=steps, mode=mode, cuda_graph=cuda_graph,
-                        vae_parallel=vae_parallel, vae_chunk=vae_chunk)
+                        vae_parallel=vae_parallel, vae_chunk=vae_chunk, pp_patches=pp_patches)
     cal = calibration or Calibration()
     configs = enumerate_configs(gpus, stats, workload)
     if supported is not None:

@@ -33,13 +33,15 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
     p.add_argument("--cuda-graph", action="store_true",
                    help="each transformer call replays from a CUDA graph (no host time; rules out dp and cfg)")
-    p.add_argument("--steps", type=int, default=28, help="denoising steps (PipeFusion amortizes its fill over them)")
+    p.add_argument("--steps", type=int, default=28, help="denoising steps of the run (latency is per step; a PipeFusion row is a stale step, its exact warm-up step is exact_step_ms in --json)")
     p.add_argument("--chunk", type=int, default=None, metavar="TOKENS",
                    help="count the transformer with feed-forwards and attention in pieces (generate --chunk)")
     p.add_argument("--vae-parallel", default="auto", choices=("auto", "on", "tiled", "off"),
                    help="count the VAE decode as generate --vae-parallel runs it (default auto: split over the GPUs)")
     p.add_argument("--vae-chunk", type=int, default=None, metavar="ROWS",
                    help="count a whole VAE decode in pieces of ROWS rows (generate --vae-chunk)")
+    p.add_argument("--pp-patches", type=int, default=None, metavar="M",
+                   help="count PipeFusion with M patches (generate --pp-patches; default: pp, the runtime's)")
     p.add_argument("--displaced", action="store_true",
                    help="also rank displaced attention (stale K/V, approximate) on every ulysses configuration it runs on")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
@@ -124,7 +126,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
                       tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported,
                       cuda_graph=args.cuda_graph, chunk=args.chunk, vae_parallel=args.vae_parallel,
-                      vae_chunk=args.vae_chunk, displaced=args.displaced)
+                      vae_chunk=args.vae_chunk, displaced=args.displaced, pp_patches=args.pp_patches)
     except PlannerError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

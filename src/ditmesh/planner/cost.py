@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..config import AXIS_ORDER, ParallelConfig
+from ..comm import split_sizes
+from ..config import AXIS_ORDER, PP_CHUNK_BYTES, ParallelConfig
+from ..parallel.pipefusion import split_stages
 from .hardware import Device, Link
 from .stats import ModelStats, adapter_of
 from .vae import VaeDecode
@@ -55,7 +57,6 @@ class Calibration:
     # LSE attention call with its transposes and LSE normalisation, the fp32 log-sum-exp merge, the wait)
     ring_round_ops: int = 22
     reserve_gib: float = 1.0  # CUDA context, NCCL buffers and allocator slack, outside torch's peak
-    pipefusion_patches_per_stage: int = 2  # PipeFusion splits the image into pp x this many patches
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class Workload:
     vae_parallel: str = "auto"
     #: ``parallelize(vae_chunk=...)`` rows, or None: a decode that runs whole runs in pieces
     vae_chunk: int | None = None
+    #: ``parallelize(pp_patches=...)``: the patches PipeFusion cuts the image into (None: the runtime's default, pp)
+    pp_patches: int | None = None
 
     def vae_mode(self, world: int) -> str:
         """The :meth:`VaeDecode.peak` mode of a decode on ``world`` ranks."""
@@ -117,6 +120,8 @@ class Prediction:
     gpu_ms: float = 0.0  # GPU-side time (compute + exposed comm + per-kernel cost)
     host_ms: float = 0.0  # host-side time (Python + kernel launches + collective calls)
     displaced: bool = False  # displaced attention over the ulysses axis (stale K/V; ``parallel.displaced``)
+    #: PipeFusion: an exact call (warm-up: one patch, stage after stage); ``step_ms`` is a stale (pipelined) call
+    exact_step_ms: float | None = None
 
     def describe(self) -> str:
         """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
@@ -134,6 +139,7 @@ class Prediction:
             "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
             "comm_bytes": self.comm_bytes, "fits": self.fits,
             "offload_step_ms": None if self.offload_step_ms is None else round(self.offload_step_ms, 2),
+            "exact_step_ms": None if self.exact_step_ms is None else round(self.exact_step_ms, 2),
         }
 
 
@@ -165,6 +171,11 @@ def invalid_reason(config: ParallelConfig, stats: ModelStats, workload: Workload
         return f"ring x ulysses = {config.sp} exceeds the {stats.layout.image_tokens} image tokens"
     if config.pp > 1 and config.pp > stats.num_blocks:  # a family without block lists (Z-Image) counts none
         return f"pp={config.pp} exceeds the {stats.num_blocks} transformer blocks"
+    if config.pp > 1 and workload.pp_patches is not None:
+        if workload.pp_patches < config.pp:
+            return f"pp={config.pp} needs at least {config.pp} patches, not pp_patches={workload.pp_patches}"
+        if workload.pp_patches > stats.layout.image_tokens:
+            return f"pp_patches={workload.pp_patches} exceeds the {stats.layout.image_tokens} image tokens"
     return None
 
 
@@ -213,9 +224,11 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     token_frac = math.ceil(split / sp) / split  # uneven splits pad to the longest shard
     bpe = stats.bytes_per_element
     links = _axis_links(config, hw)
-    # PipeFusion runs every local block once per patch: smaller GEMMs and more kernel launches
-    patches = pp * cal.pipefusion_patches_per_stage if pp > 1 else 1
-    kernels = stats.op_count / pp * patches
+    # PipeFusion runs its stage's blocks once per patch: smaller GEMMs, and every op launched once per patch
+    patches = (workload.pp_patches or pp) if pp > 1 else 1
+    stages = pipefusion_stages(stats, pp)  # module-path prefixes of each stage's blocks; [None] without pp
+    nonblock_ops = stats.op_count - sum(ops for _, _, ops in stats.blocks)
+    ringed_rounds = config.ring > 1 and pp == 1  # under pp the ring all-gathers K/V into the stage's buffer
 
     def gemm_eff(flops: float) -> float:
         return flops / (flops + cal.gemm_half_flops)
@@ -223,46 +236,62 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     def in_block(name: str) -> bool:
         return name.startswith(stats.block_prefixes)
 
+    def on_stage(name: str, stage) -> bool:  # stage None: every block (no pipeline)
+        return stage is None or not in_block(name) or name.startswith(stage)
+
+    def stage_ops(stage) -> float:  # traced ops of one pass of a stage (its blocks and the non-block modules)
+        return stats.op_count if stage is None else nonblock_ops + sum(o for n, _, o in stats.blocks
+                                                                      if (n + ".").startswith(stage))
+
     # ---- compute -----------------------------------------------------------------------------------
-    gemm_s = 0.0
-    for lin in stats.linears:
-        per_call = lin.flops * samples * (token_frac if lin.tokenwise else 1) / (tp if lin.tp_sharded else 1)
-        per_kernel = per_call / (patches if lin.tokenwise and in_block(lin.name) else 1)
-        gemm_s += per_call / (rate * gemm_eff(per_kernel)) / (pp if in_block(lin.name) else 1)
-    attn_s = 0.0
-    for att in stats.attentions:
-        chunk = att.flops * samples * token_frac / tp / pp
-        ringed = att.self_attention and config.ring > 1
-        per_kernel = chunk / (config.ring if ringed else 1) / patches
-        eff = cal.ring_attention_efficiency if ringed else cal.attention_efficiency
-        attn_s += chunk / (rate * eff * gemm_eff(per_kernel))
-    traffic = (stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples + stats.mem_bytes_fixed
-    traffic *= cal.fused_traffic[mode] / pp
-    mem_s = traffic / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+    def stage_compute(stage, patches: int = patches) -> float:
+        """GPU seconds of the GEMMs, attention and memory-bound traffic of one call over the whole sequence on one
+        GPU of ``stage`` (its blocks and every non-block module, which each pp rank runs), cut into ``patches``."""
+        gemm_s = 0.0
+        for lin in stats.linears:
+            if not on_stage(lin.name, stage):
+                continue
+            per_call = lin.flops * samples * (token_frac if lin.tokenwise else 1) / (tp if lin.tp_sharded else 1)
+            per_kernel = per_call / (patches if lin.tokenwise and in_block(lin.name) else 1)
+            gemm_s += per_call / (rate * gemm_eff(per_kernel))
+        attn_s = 0.0
+        for att in stats.attentions:
+            if not on_stage(att.name, stage):
+                continue
+            chunk = att.flops * samples * token_frac / tp
+            ringed = att.self_attention and ringed_rounds
+            per_kernel = chunk / (config.ring if ringed else 1) / patches
+            eff = cal.ring_attention_efficiency if ringed else cal.attention_efficiency
+            attn_s += chunk / (rate * eff * gemm_eff(per_kernel))
+        traffic = ((stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples
+                   + stats.mem_bytes_fixed)
+        # the traffic is not traced per module: a stage's share is its share of the traced ops
+        traffic *= cal.fused_traffic[mode] * stage_ops(stage) / stats.op_count
+        return gemm_s + attn_s + traffic / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+
+    compute_s = stage_compute(None) if pp == 1 else 0.0
+    kernels = stage_ops(None)
     # ring attention merges partial outputs with their log-sum-exp (merge_partial, in fp32): each round
     # after the first reads the running fp32 output and the bf16 block, upcasts it, weights both and adds:
     # ~10 fp32 reads/writes per output element; the first round upcasts (6 B) and the end casts back (6 B)
-    ring_merge = 0.0
-    ring_rounds = 0
-    if config.ring > 1:
+    if ringed_rounds:
+        ring_merge = 0.0
+        ring_rounds = 0
         for att in stats.attentions:
             if att.self_attention:
-                elems = att.q_len * att.batch * att.heads * att.head_dim * token_frac * samples / tp / pp
+                elems = att.q_len * att.batch * att.heads * att.head_dim * token_frac * samples / tp
                 ring_merge += ((config.ring - 1) * 40 + 12) * elems
                 ring_rounds += config.ring
-        mem_s += ring_merge / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
-    kernels += ring_rounds * cal.ring_round_ops / pp * patches
-    # PipeFusion: the pipeline fills and drains every step (the latents are synchronised between steps)
-    bubble = (patches + pp - 1) / patches
-    compute_s = (gemm_s + attn_s + mem_s) * bubble
+        compute_s += ring_merge / (dev.hbm_gbps * 1e9 * cal.hbm_efficiency)
+        kernels += ring_rounds * cal.ring_round_ops
 
     # ---- communication -----------------------------------------------------------------------------
     by_collective: dict[str, float] = {}
     by_level: dict[str, float] = {}
     comm_s = 0.0
-    calls = 0
+    calls = 0.0
 
-    def send(kind: str, axis: str, nbytes: float, count: int = 1, exposed: float | None = None):
+    def send(kind: str, axis: str, nbytes: float, count: float = 1, exposed: float | None = None):
         nonlocal comm_s, calls
         link = links[axis]
         by_collective[kind] = by_collective.get(kind, 0) + nbytes
@@ -272,6 +301,9 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         t = count * link.latency_us * 1e-6 + nbytes / (link.gbps * 1e9)
         comm_s += t if exposed is None else exposed
 
+    # per layer: bytes and calls of one call on one GPU; under pp a stage's share (1/pp of the layers, the average
+    # stage), each layer's collective once per patch
+    per_layer = patches / pp
     gathers_s = 0.0  # displaced: the step's K/V all-gathers, which run beside its compute
     for att in stats.attentions:
         if not att.self_attention or sp == 1:
@@ -285,38 +317,81 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             send("kv_async", "ulysses", nbytes, exposed=0.0)
         elif config.ulysses > 1:
             u = config.ulysses
-            send("all_to_all", "ulysses", 4 * local_tokens * width * bpe * (u - 1) / u / pp, count=2)
+            send("all_to_all", "ulysses", 4 * local_tokens * width * bpe * (u - 1) / u / pp, count=2 * per_layer)
         if config.ring > 1:
             r = config.ring
             chunk_bytes = 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe  # K+V after a2a
+            if pp > 1:  # PipeFusion: one all-gather of the ring ranks' K/V into the buffer, exposed
+                send("all_gather", "ring", (r - 1) * chunk_bytes / pp, count=per_layer)
+                continue
             step_comm = links["ring"].latency_us * 1e-6 + chunk_bytes / (links["ring"].gbps * 1e9)
             step_attn = att.flops * samples * token_frac / tp / config.ring / (rate * cal.attention_efficiency)
             exposed = (r - 1) * max(0.0, step_comm - step_attn) + links["ring"].latency_us * 1e-6
-            send("ring_p2p", "ring", (r - 1) * chunk_bytes / pp, count=r - 1, exposed=exposed / pp)
+            send("ring_p2p", "ring", (r - 1) * chunk_bytes, count=r - 1, exposed=exposed)
     traffic_of = adapter_of(stats.spec.transformer_class).sequence_traffic
     if sp > 1 and traffic_of is not None:  # e.g. linear attention's key sums, a convolution's halo rows
         for kind, nbytes, count in traffic_of(stats.spec.config, stats.layout, bpe, tp):
             moved = 2 * nbytes * (sp - 1) / sp if kind == "all_reduce" else nbytes  # a ring all-reduce sends twice
-            send(kind, "ring" if config.ring > 1 else "ulysses", moved * samples / pp, count=count)
+            send(kind, "ring" if config.ring > 1 else "ulysses", moved * samples / pp, count=count * per_layer)
     if tp > 1:
         for lin in stats.linears:
             if lin.row_parallel:
                 tensor = lin.rows * samples * (token_frac if lin.tokenwise else 1) * lin.out_features * bpe
-                send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp)
+                send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp, count=per_layer)
+    layer_comm_s, layer_calls = comm_s, calls  # what a pipeline spreads over its patches
     latent = math.prod(stats.layout.latent_shape)  # one sample
     if sp > 1:  # gather the model output once at the exit
         send("all_gather", "ring" if config.ring > 1 else "ulysses", latent * bpe * samples * (sp - 1) / sp)
     if config.cfg > 1:
         send("all_gather", "cfg", latent * bpe * samples)
-    if pp > 1:  # each stage passes its patches' hidden states to the next one; overlapped with compute
+    if pp > 1:
+        # each stage passes every patch's boundary activations to the next one (pieces of at most PP_CHUNK_BYTES),
+        # overlapped with the next patch's compute; the last stage broadcasts the output over the pp group
         hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
-        send("pp_p2p", "pp", hidden, count=patches, exposed=patches * links["pp"].latency_us * 1e-6)
+        sizes = pipefusion_patch_tokens(stats.layout, patches)
+        patch_bytes = [hidden * n / split for n in sizes]
+        pieces = sum(math.ceil(b / PP_CHUNK_BYTES) for b in patch_bytes)
+        send("pp_p2p", "pp", hidden, count=pieces * (2 if pp > 2 else 1), exposed=0.0)  # a middle stage: both ways
+        send("broadcast", "pp", latent * bpe * samples, count=math.ceil(latent * bpe * samples / PP_CHUNK_BYTES))
     comm_s += max(0.0, gathers_s - compute_s)  # displaced: what the step's compute does not cover
     kernel_us = cal.graph_kernel_us if workload.cuda_graph else cal.kernel_us[mode]
-    gpu_s = compute_s + comm_s + kernels * kernel_us * 1e-6
-    # a graph is one replay per call; otherwise the host launches every kernel and collective
-    host_s = 0.0 if workload.cuda_graph else (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
-    step_s = max(gpu_s, host_s)  # the host enqueues ahead of the GPU; whichever is slower sets the pace
+    exact_s = None
+    if pp == 1:
+        gpu_s = compute_s + comm_s + kernels * kernel_us * 1e-6
+        # a graph is one replay per call; otherwise the host launches every kernel and collective
+        host_s = 0.0 if workload.cuda_graph else (kernels * cal.host_us_per_op[mode] + calls * cal.collective_host_us[mode]) * 1e-6
+        step_s = max(gpu_s, host_s)  # the host enqueues ahead of the GPU; whichever is slower sets the pace
+    else:
+        # PipeFusion: each stage runs patch after patch; a patch starts on a stage when the previous stage has sent
+        # it and this stage is done with the previous patch (the pipeline fills and drains every call), and ends
+        # no earlier than the stage's host has launched it (eager: the stage's ops and collectives once per patch)
+        link = links["pp"]
+        stale_work = [stage_compute(stage) for stage in stages]
+        per_patch_ops = [stage_ops(stage) for stage in stages]
+        layer_comm = layer_comm_s  # the average stage's per-layer collectives over the call, spread over the patches
+        host_us, coll_us = (0.0, 0.0) if workload.cuda_graph else (cal.host_us_per_op[mode], cal.collective_host_us[mode])
+        p2p_calls = (calls - layer_calls) - math.ceil(latent * bpe * samples / PP_CHUNK_BYTES)
+        host_patch = [(ops * host_us + (layer_calls + p2p_calls) / patches * coll_us) * 1e-6 for ops in per_patch_ops]
+        once_s = comm_s - layer_comm_s  # the exit's gathers and the output's broadcast, after the last patch
+
+        def pipeline(fracs, with_comm=True, with_gaps=True, with_host=True, work=stale_work):
+            xfer = [link.latency_us * 1e-6 + hidden * f / (link.gbps * 1e9) for f in fracs] if with_comm else [0] * len(fracs)
+            finish = [[0.0] * len(fracs) for _ in stages]
+            for s_, w in enumerate(work):
+                for p, f in enumerate(fracs):
+                    ready = max(finish[s_ - 1][p] + xfer[p] if s_ else 0.0, finish[s_][p - 1] if p else 0.0)
+                    t = w * f + (layer_comm * f if with_comm else 0.0)
+                    t += per_patch_ops[s_] * kernel_us * 1e-6 if with_gaps else 0.0
+                    finish[s_][p] = max(ready + t, host_patch[s_] * (p + 1) if with_host else 0.0)
+            return finish[-1][-1]
+
+        fracs = [n / split for n in sizes]
+        compute_s = pipeline(fracs, with_comm=False, with_gaps=False, with_host=False)
+        comm_s = pipeline(fracs, with_gaps=False, with_host=False) - compute_s + once_s
+        gpu_s = pipeline(fracs, with_host=False) + once_s
+        step_s = pipeline(fracs) + once_s
+        host_s = sum(host_patch) / len(host_patch) * patches
+        exact_s = pipeline([1.0], work=[stage_compute(stage, 1) for stage in stages]) + once_s  # stage after stage
     overhead_s = step_s - compute_s - comm_s
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -328,7 +403,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     if largest is not None:
         local_tokens = math.ceil(largest.q_len / sp) * samples
         width = largest.heads * largest.head_dim / tp
-        if config.ring > 1:  # double-buffered K/V chunks + fp32 output accumulator + lse
+        if config.ring > 1 and pp == 1:  # double-buffered K/V chunks + fp32 output accumulator + lse
             attn_buf = 2 * 2 * local_tokens * config.ulysses * (width / config.ulysses) * bpe
             attn_buf += local_tokens * config.ulysses * (width / config.ulysses) * 4 + local_tokens * largest.heads * 4
         if displaced:  # one layer at a time, whole sequence: the waited gather and (uneven chunks) its trimmed copy
@@ -336,8 +411,20 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         elif config.ulysses > 1:  # send and receive buffers of the fused QKV all-to-all
             comm_buf = 2 * 3 * local_tokens * width * bpe
     kv_cache = 0.0
-    if pp > 1:  # PipeFusion keeps last step's K/V of the full sequence for its own blocks
-        kv_cache = pipefusion_kv_bytes(stats, config, samples)
+    if pp > 1:
+        # the rank that holds the most: its stage's block weights, the K/V buffers of its layers over the whole
+        # sequence (kept between calls), and the boundary activations it sends (held until the call's end) and
+        # receives; the activation peak is the exact warm-up call's (the whole sequence through its blocks)
+        block_bytes = (stats.params_tp_sharded / tp + replicated_block) / stats.params_in_blocks * bpe
+        nonblock = (stats.params_total - stats.params_in_blocks) * bpe
+        held = []
+        for i, stage in enumerate(stages):
+            stage_weights = nonblock + block_bytes * sum(n for name, n, _ in stats.blocks if (name + ".").startswith(stage))
+            stage_kv = pipefusion_kv_bytes(stats, config, samples, stage)
+            boundary = hidden * ((i < pp - 1) + (i > 0))
+            held.append((stage_weights + stage_kv + boundary, stage_weights, stage_kv, boundary))
+        _, weights, kv_cache, boundary = max(held)
+        comm_buf += boundary
     if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps
         kv_cache = displaced_kv_bytes(stats, config, samples)
     memory = {
@@ -368,15 +455,35 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
                     "by_level": {k: int(v) for k, v in by_level.items()},
                     "total": int(sum(by_collective.values()))},
         fits=fits, offload_step_ms=offload_ms, gpu_ms=gpu_s * 1e3, host_ms=host_s * 1e3, displaced=displaced,
+        exact_step_ms=None if exact_s is None else exact_s * 1e3,
     )
 
 
-def pipefusion_kv_bytes(stats: ModelStats, config: ParallelConfig, samples: float) -> float:
-    """Bytes of the stale K/V PipeFusion keeps for the attention layers of one stage."""
-    total = 0.0
-    for att in stats.attentions:
-        total += 2 * att.kv_len * att.heads * att.head_dim / config.tp * stats.bytes_per_element * samples
-    return total / config.pp / (config.sp if config.sp > 1 else 1)
+def pipefusion_stages(stats: ModelStats, pp: int) -> list:
+    """The module-path prefixes (``"transformer_blocks.3."``, ...) of each PipeFusion stage's blocks, cut as the
+    runtime cuts them (``parallel.pipefusion.split_stages`` over the blocks' parameter counts); ``[None]`` (every
+    block) at pp = 1."""
+    if pp == 1 or not stats.blocks:
+        return [None]
+    ranges = split_stages([n for _, n, _ in stats.blocks], pp)
+    return [tuple(stats.blocks[i][0] + "." for i in r) for r in ranges]
+
+
+def pipefusion_patch_tokens(layout, patches: int) -> list[int]:
+    """Tokens of each patch of a stale PipeFusion call: the image (video) tokens cut into ``patches`` contiguous
+    pieces (``comm.split_sizes``), the split text tokens of a joint-attention family with patch 0."""
+    text = layout.split_tokens - layout.image_tokens
+    return [n + (text if i == 0 else 0) for i, n in enumerate(split_sizes(layout.image_tokens, patches))]
+
+
+def pipefusion_kv_bytes(stats: ModelStats, config: ParallelConfig, samples: float, stage: tuple | None) -> float:
+    """Bytes of the K/V buffers PipeFusion keeps for the attention layers of ``stage`` (module-path prefixes, as
+    :func:`pipefusion_stages` gives them; None: every layer): per layer whose keys are its own tokens, K and V over
+    the whole sequence with this rank's heads (1/tp, and 1/ulysses: Ulysses inside a stage; under ring the buffer
+    holds every ring rank's tokens)."""
+    return sum(2 * att.kv_len * att.batch * att.heads * att.head_dim / config.tp / config.ulysses
+               * stats.bytes_per_element * samples for att in stats.attentions
+               if att.q_len == att.kv_len and (stage is None or att.name.startswith(stage)))
 
 
 def displaced_tokens(q_len: int, layout, sp: int) -> int:

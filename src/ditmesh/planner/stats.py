@@ -164,6 +164,9 @@ class ModelStats:
     act_peak_bytes: int
     act_peak_sharded_bytes: int
     tp_divisible: tuple[int, ...] = field(default=())  # sizes tensor parallelism must divide
+    #: every block of the adapter's block lists in forward order: (module path, parameters, traced ops); the
+    #: parameters are what PipeFusion's stage split weighs (``parallel.pipefusion.block_costs``)
+    blocks: tuple[tuple[str, int, int], ...] = field(default=())
     trace_seconds: float = 0.0
 
     @property
@@ -294,7 +297,7 @@ def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: in
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
-_STATS_VERSION = 2
+_STATS_VERSION = 3
 
 
 @functools.lru_cache(maxsize=16)
@@ -314,6 +317,7 @@ def model_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
             d["attentions"] = [AttentionStat(**x) for x in d["attentions"]]
             d["block_prefixes"] = tuple(d["block_prefixes"])
             d["tp_divisible"] = tuple(d["tp_divisible"])
+            d["blocks"] = tuple(tuple(b) for b in d["blocks"])
             return ModelStats(**d)
         except (ValueError, TypeError, KeyError):
             pass  # stale or damaged: trace again
@@ -383,6 +387,15 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
     stack: list[str] = []
     linear_shapes: dict[str, list] = {}
     handles = []
+    traffic = _TrafficCounter(classify)
+    block_ops: dict[str, int] = {}  # ops traced inside each block (its forward, every call)
+    for path, block_list in blocks:
+        for i, block in enumerate(block_list):
+            key = f"{path}.{i}"
+            handles.append(block.register_forward_pre_hook(
+                lambda m, a, k=key: block_ops.__setitem__(k, block_ops.get(k, 0) - traffic.ops)))
+            handles.append(block.register_forward_hook(
+                lambda m, a, o, k=key: block_ops.__setitem__(k, block_ops[k] + traffic.ops)))
     for module, name in names.items():
         handles.append(module.register_forward_pre_hook(lambda m, a, n=name: stack.append(n) and None))
         handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
@@ -391,7 +404,6 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
                 lambda m, a, o, n=name: linear_shapes.setdefault(n, []).append(tuple(a[0].shape)) and None))
     attention_calls: list = []
     flop_counter = FlopCounterMode(display=False)
-    traffic = _TrafficCounter(classify)
     try:
         with torch.no_grad(), flop_counter, _AttentionCatcher(stack, attention_calls), traffic:
             model(**inputs, return_dict=False)
@@ -441,5 +453,8 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
         mem_bytes_sharded=traffic.bytes["sharded"], mem_bytes_replicated=traffic.bytes["replicated"],
         mem_bytes_fixed=traffic.bytes["fixed"], op_count=traffic.ops,
         act_peak_bytes=traffic.peak, act_peak_sharded_bytes=traffic.peak_sharded,
-        tp_divisible=tuple(sorted(divisible)), trace_seconds=time.perf_counter() - start,
+        tp_divisible=tuple(sorted(divisible)),
+        blocks=tuple((f"{path}.{i}", sum(p.numel() for p in block.parameters()), block_ops.get(f"{path}.{i}", 0))
+                     for path, block_list in blocks for i, block in enumerate(block_list)),
+        trace_seconds=time.perf_counter() - start,
     )

@@ -7,8 +7,14 @@ each on the hardware named by ``--device`` / ``--link``, or by the file's card. 
 measured step latency and peak memory per row, and per group of rows the Spearman rank correlation of
 latency, the largest memory error and the mean latency error.
 
+Each row is predicted as it ran: a ``displaced`` row with displaced attention over its ulysses ranks, a ``pp`` row
+with its ``pp_patches`` (the runtime's default, ``pp``, when the row names none). Bench rows of both time stale calls
+(the bench's warm-up calls include the run's one exact step), so their latency is the planner's ``step_ms`` (a stale
+call), not ``exact_step_ms``.
+
 Measured memory (``peak_gib_per_gpu``) is torch's steady-state peak allocated after setup; the planner's
-``memory["total"]`` models exactly that (its ``reserve_gib`` enters only the "fits" decision).
+``memory["total"]`` models exactly that (its ``reserve_gib`` enters only the "fits" decision). The peak of a
+PipeFusion or displaced row includes the exact warm-up call.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def load_rows(paths: list[str | Path]) -> list[dict]:
                 frames=data.get("frames") or 1, method=r["method"], gpus=r["gpus"],
                 mode="compiled" if r["compiled"] else "eager", graph=r.get("graph", False),
                 config=ParallelConfig(**r["degrees"]), cfg_on=cfg_on, batch=batch // 2 if cfg_on else batch,
+                displaced=r["method"] == "displaced", pp_patches=r.get("pp_patches"),
                 step_ms=r["step_ms"], gib=r["peak_gib_per_gpu"]))
     return rows
 
@@ -72,15 +79,16 @@ class Validation:
         if key not in self._stats:
             self._stats[key] = model_stats(resolve_model(row["model"]), row["height"], row["width"], row["frames"])
         hw = build_hardware(row["config"].world_size, device=self.device or device_of(row["card"]), link=self.link)
-        wl = Workload(batch=row["batch"], cfg_on=row["cfg_on"], mode=row["mode"], cuda_graph=row["graph"])
-        return predict(row["config"], self._stats[key], hw, wl, cal or Calibration())
+        wl = Workload(batch=row["batch"], cfg_on=row["cfg_on"], mode=row["mode"], cuda_graph=row["graph"],
+                      pp_patches=row.get("pp_patches"))
+        return predict(row["config"], self._stats[key], hw, wl, cal or Calibration(), displaced=row.get("displaced", False))
 
     def evaluate(self, rows: list[dict], cal: Calibration | None = None) -> list[dict]:
         """``rows`` with the predicted latency and memory and their relative errors."""
         out = []
         for row in rows:
             p = self.predict_row(row, cal)
-            out.append(dict(row, pred_ms=p.step_ms, pred_gib=p.memory["total"],
+            out.append(dict(row, pred_ms=p.step_ms, pred_gib=p.memory["total"], described=p.describe(),
                             mem_err=(p.memory["total"] - row["gib"]) / row["gib"],
                             ms_err=(p.step_ms - row["step_ms"]) / row["step_ms"]))
         return out
@@ -113,7 +121,7 @@ def table(ev: list[dict]) -> str:
     lines = ["| model | res | config | mode | predicted ms | measured ms | latency error | predicted GiB | "
              "measured GiB | memory error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ev:
-        lines.append(f"| {r['model']} | {r['height']} | {r['config'].describe()} ({r['method']} {r['gpus']}) | "
+        lines.append(f"| {r['model']} | {r['height']} | {r['described']} ({r['method']} {r['gpus']}) | "
                      f"{r['mode']}{' + graph' if r['graph'] else ''} | {r['pred_ms']:.1f} | {r['step_ms']:.1f} | "
                      f"{r['ms_err']:+.1%} | {r['pred_gib']:.2f} | {r['gib']:.2f} | {r['mem_err']:+.1%} |")
     return "\n".join(lines)

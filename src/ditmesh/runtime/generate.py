@@ -344,7 +344,8 @@ def planned_setting(args, world_size: int):
                          batch=prompts * getattr(args, "images_per_prompt", 1),
                          mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
                          cuda_graph=getattr(args, "cuda_graph", False), require_fit=True,
-                         vae_parallel=getattr(args, "vae_parallel", "auto"), **counted)
+                         vae_parallel=getattr(args, "vae_parallel", "auto"),
+                         pp_patches=getattr(args, "pp_patches", None), **counted)
     except PlannerError as exc:
         raise ConfigError(f"--plan auto: {exc}") from None
 
