@@ -358,7 +358,7 @@ def test_validation_predicts_a_pp_row_with_its_patches(tmp_path):
     assert default.exact_step_ms is not None and default.exact_step_ms != default.step_ms
 
 
-def test_pipefusion_patches_cost_host_work_and_shrink_the_bubble():
+def test_pipefusion_patches_cost_host_work_and_the_pipelined_call_beats_the_exact_one():
     from ditmesh.planner import build_hardware
     from ditmesh.planner.cost import pipefusion_patch_tokens, predict
 
