@@ -149,7 +149,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (``generate --plan
     auto`` leaves pp out unless stale modes are allowed). ``cuda_graph``: every transformer call
-    replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``). ``chunk``,
+    replays from a CUDA graph (no host time), which rules out dp and cfg (``parallel.graph``) and pp (PipeFusion
+    refuses graphs). ``chunk``,
     ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
     (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`). ``displaced``: also predict
     displaced attention (stale K/V, approximate) on every configuration it runs on (ulysses > 1 without ring or pp;
@@ -188,8 +189,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     configs = enumerate_configs(gpus, stats, workload)
     if supported is not None:
         configs = [c for c in configs if set(c.active_axes()) <= set(supported)]
-    if cuda_graph:  # the batch hooks decide per call what runs, which a graph cannot replay
-        configs = [c for c in configs if c.dp == 1 and c.cfg == 1]
+    if cuda_graph:  # the batch hooks decide per call what runs, which a graph cannot replay; PipeFusion refuses graphs
+        configs = [c for c in configs if c.dp == 1 and c.cfg == 1 and c.pp == 1]
     if not configs:
         raise PlannerError(f"no valid configuration of {gpus} GPUs for {model}"
                            + (f" using only {sorted(supported)}" if supported is not None else "")

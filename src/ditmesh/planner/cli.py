@@ -32,7 +32,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tflops", type=float, default=None, help="measured bf16 matrix TFLOP/s per GPU (ditmesh bench)")
     p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="each transformer call replays from a CUDA graph (no host time; rules out dp and cfg)")
+                   help="each transformer call replays from a CUDA graph (no host time; rules out dp, cfg and pp)")
     p.add_argument("--steps", type=int, default=28, help="denoising steps of the run (latency is per step; a PipeFusion row is a stale step, its exact warm-up step is exact_step_ms in --json)")
     p.add_argument("--chunk", type=int, default=None, metavar="TOKENS",
                    help="count the transformer with feed-forwards and attention in pieces (generate --chunk)")

@@ -338,7 +338,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             if lin.row_parallel:
                 tensor = lin.rows * samples * (token_frac if lin.tokenwise else 1) * lin.out_features * bpe
                 send("all_reduce", "tp", 2 * tensor * (tp - 1) / tp / pp, count=per_layer)
-    layer_comm_s, layer_calls = comm_s, calls  # what a pipeline spreads over its patches
+    layer_comm_s, layer_calls = comm_s, calls  # the per-layer collectives: a pipeline spreads them over its patches
     latent = math.prod(stats.layout.latent_shape)  # one sample
     if sp > 1:  # gather the model output once at the exit
         send("all_gather", "ring" if config.ring > 1 else "ulysses", latent * bpe * samples * (sp - 1) / sp)
@@ -350,8 +350,8 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         hidden = math.ceil(split / sp) * stats.hidden_dim * bpe * samples
         sizes = pipefusion_patch_tokens(stats.layout, patches)
         patch_bytes = [hidden * n / split for n in sizes]
-        pieces = sum(math.ceil(b / PP_CHUNK_BYTES) for b in patch_bytes)
-        send("pp_p2p", "pp", hidden, count=pieces * (2 if pp > 2 else 1), exposed=0.0)  # a middle stage: both ways
+        p2p_calls = sum(math.ceil(b / PP_CHUNK_BYTES) for b in patch_bytes) * (2 if pp > 2 else 1)  # a middle stage: both ways
+        send("pp_p2p", "pp", hidden, count=p2p_calls, exposed=0.0)
         send("broadcast", "pp", latent * bpe * samples, count=math.ceil(latent * bpe * samples / PP_CHUNK_BYTES))
     comm_s += max(0.0, gathers_s - compute_s)  # displaced: what the step's compute does not cover
     kernel_us = cal.graph_kernel_us if workload.cuda_graph else cal.kernel_us[mode]
@@ -368,11 +368,10 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         link = links["pp"]
         stale_work = [stage_compute(stage) for stage in stages]
         per_patch_ops = [stage_ops(stage) for stage in stages]
-        layer_comm = layer_comm_s  # the average stage's per-layer collectives over the call, spread over the patches
         host_us, coll_us = (0.0, 0.0) if workload.cuda_graph else (cal.host_us_per_op[mode], cal.collective_host_us[mode])
-        p2p_calls = (calls - layer_calls) - math.ceil(latent * bpe * samples / PP_CHUNK_BYTES)
         host_patch = [(ops * host_us + (layer_calls + p2p_calls) / patches * coll_us) * 1e-6 for ops in per_patch_ops]
         once_s = comm_s - layer_comm_s  # the exit's gathers and the output's broadcast, after the last patch
+        host_once = (calls - layer_calls - p2p_calls) * coll_us * 1e-6
 
         def pipeline(fracs, with_comm=True, with_gaps=True, with_host=True, work=stale_work):
             xfer = [link.latency_us * 1e-6 + hidden * f / (link.gbps * 1e9) for f in fracs] if with_comm else [0] * len(fracs)
@@ -380,7 +379,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             for s_, w in enumerate(work):
                 for p, f in enumerate(fracs):
                     ready = max(finish[s_ - 1][p] + xfer[p] if s_ else 0.0, finish[s_][p - 1] if p else 0.0)
-                    t = w * f + (layer_comm * f if with_comm else 0.0)
+                    t = w * f + (layer_comm_s * f if with_comm else 0.0)  # the average stage's collectives
                     t += per_patch_ops[s_] * kernel_us * 1e-6 if with_gaps else 0.0
                     finish[s_][p] = max(ready + t, host_patch[s_] * (p + 1) if with_host else 0.0)
             return finish[-1][-1]
@@ -389,8 +388,8 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         compute_s = pipeline(fracs, with_comm=False, with_gaps=False, with_host=False)
         comm_s = pipeline(fracs, with_gaps=False, with_host=False) - compute_s + once_s
         gpu_s = pipeline(fracs, with_host=False) + once_s
-        step_s = pipeline(fracs) + once_s
-        host_s = sum(host_patch) / len(host_patch) * patches
+        step_s = pipeline(fracs) + once_s  # the host's few calls after the last patch overlap the GPU's
+        host_s = sum(host_patch) / len(host_patch) * patches + host_once
         exact_s = pipeline([1.0], work=[stage_compute(stage, 1) for stage in stages]) + once_s  # stage after stage
     overhead_s = step_s - compute_s - comm_s
 
