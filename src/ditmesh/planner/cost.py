@@ -3,9 +3,10 @@
 The prediction for one configuration on one GPU of the mesh:
 
 * compute: every GEMM the trace recorded, scaled to the GPU's share (1/sp of the tokens, 1/tp of a
-  sharded linear, 1/pp of the blocks, its share of the batch), timed at the device's matrix rate times an
+  sharded linear, its pp stage's blocks, its share of the batch), timed at the device's matrix rate times an
   efficiency that falls for small GEMMs; attention the same at a lower efficiency; memory-bound ops by
-  their traffic over HBM (compiled graphs fuse most of it away); plus a fixed cost per kernel;
+  their traffic over HBM (compiled graphs fuse most of it away); plus a fixed cost per kernel; PipeFusion as a
+  pipeline of its stages over its patches, filled and drained every call (docs/planner.md section 4);
 * communication: the closed forms of :mod:`.closed_forms` per attention call (Ulysses all-to-alls, ring
   K/V passes) and per row-parallel linear (TP all-reduces), over the link level the axis spans;
   ring passes hide behind the attention of the previous chunk, the others are exposed;
