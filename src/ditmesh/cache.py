@@ -266,10 +266,11 @@ class StepCache:
                         and state.computed >= 2)
                 if skip:  # first order: r + (t - t1) * (r1 - r0) / (t1 - t0)
                     self.factor = (step - state.middle_step) / max(1, state.middle_step - state.earlier_step)
-                    device = next(iter(state.middle.values())).device
-                    if self.factor_t is None or self.factor_t.device != device:
-                        self.factor_t = torch.zeros((), dtype=torch.float32, device=device)
-                    self.factor_t.fill_(self.factor)  # outside any capture: plan_call runs before the call
+                    kept = next(iter(state.middle.values()), None)  # none on a pp stage without middle blocks
+                    if kept is not None:
+                        if self.factor_t is None or self.factor_t.device != kept.device:
+                            self.factor_t = torch.zeros((), dtype=torch.float32, device=kept.device)
+                        self.factor_t.fill_(self.factor)  # outside any capture: plan_call runs before the call
             self.history.append({"step": step, "branch": self.ctx.call_in_step, "rel": None, "skip": skip})
             return self._decided(state, skip, step)
         return self._decide_rel(state, step, self._rel(state, self._change(state, statistic)))
