@@ -16,15 +16,15 @@ from ditmesh.testing import rel_err
 LAYERS = {"flux": 4, "sd3": 4, "wan": 2}
 
 
-def per_step_counts(family: str, exact_steps: int, calls: int = 1) -> list[dict]:
+def per_step_counts(family: str, exact_steps: int, calls: int = 1, steps: int = STEPS) -> list[dict]:
     """Collectives of each step: per call and attention layer one all-gather, synchronous in an exact step and
     started (``kv_async``) in a stale one but the last; and the exit's gather."""
     layers = LAYERS[family] * calls
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         if step < exact_steps:
             out.append({"all_gather": layers + calls})
-        elif step < STEPS - 1:
+        elif step < steps - 1:
             out.append({"all_gather": calls, "kv_async": layers})
         else:
             out.append({"all_gather": calls})
@@ -58,12 +58,13 @@ def test_parallelize_refuses_what_displaced_does_not_run_with(flux_tiny, option,
         parallelize(pipe, ParallelConfig(), displaced=True, **option)
 
 
-def test_cuda_graphs_are_refused_with_displaced():
+def test_cuda_graphs_run_with_displaced_but_not_with_pipefusion():
     from ditmesh.api import check_pipefusion_options
 
-    with pytest.raises(ConfigError, match="CUDA graphs does not run with displaced attention yet; drop it or drop "
-                                          "displaced"):
-        check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+    check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+    with pytest.raises(ConfigError, match=r"CUDA graphs does not run with PipeFusion \(pp=2\) yet; drop it or use "
+                                          "pp=1"):
+        check_pipefusion_options(ParallelConfig(pp=2), cuda_graph=True)
 
 
 def test_a_family_with_a_token_grid_is_refused():
@@ -160,6 +161,30 @@ def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools
         assert list(failures) == ["FluxSingleTransformerBlock.forward"], failures
         [reason] = failures["FluxSingleTransformerBlock.forward"]
         assert "'hidden_states' stride mismatch" in reason
+
+
+# -- CUDA graphs (emulated on CPU) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphed_run(pools, flux_tiny, ranks):
+    from cases_displaced import graphed_runs
+    from test_pipefusion import reference_steps
+
+    # 6 steps a run: 0 exact, 1-4 stale of parity 1, 0, 1, 0, 5 stale without a gather; 3 runs, all alike
+    steps, runs = 6, 3
+    # 2 ranks: even chunks, the buffer is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
+    ungraphed = pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, 1, graphed=False)
+    assert rel_err(ungraphed[0][0][0], reference_steps(flux_tiny, steps)) > 1e-3  # stale steps differ from exact
+    counts = per_step_counts("flux", 1, steps=steps)
+    for (latents, per_step, entries), (ref, ref_steps, _) in zip(
+            pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, runs), ungraphed):
+        assert ref_steps == counts
+        for run in latents:
+            assert rel_err(run, ref[0]) <= 1e-5
+        assert per_step == counts * runs  # a replay issues the collectives of its captured call
+        # a graph per planned call (call in step, exact, step parity, last step), captured at its second call (the
+        # first runs without a graph) and replayed from then on: the stale steps from run 2's, exact and last in run 3
+        assert entries == {(0, True, 0, False): (True, 1), (0, False, 1, False): (True, 4),
+                           (0, False, 0, False): (True, 4), (0, False, 1, True): (True, 1)}
 
 
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------

@@ -293,31 +293,39 @@ class GraphHook(Hook):
 
     name = "graph"
 
-    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None):
+    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None,
+                 displaced=None):
         self._next = None
         self.cache = cache
+        self.displaced = displaced
         if cache is not None and not cache.known_in_advance and capture is cuda_capture:
             capture = decision_capture(cache)
         self.graphed = GraphedCall(self._run_next, capture, devices=devices)
 
     def _run_next(self, *args, **kwargs):
-        return self._next(args, kwargs)
+        out = self._next(args, kwargs)
+        if self.displaced is not None:  # inside the graph: the call's gathers end before it does
+            self.displaced.join()
+        return out
 
     def __call__(self, owner, call_next, args, kwargs):
         self._next = call_next  # the inner chain is the same on every call; only a warm-up or capture runs it
         if self.cache is not None:
             planned = self.cache.plan_call() if self.cache.known_in_advance else None
             self.graphed.extra_key = (self.cache.ctx.call_in_step, planned)
+        if self.displaced is not None:
+            self.graphed.extra_key = self.displaced.plan_call()
         try:
             return self.graphed(*args, **kwargs)
         finally:
             self._next = None
-            if self.cache is not None:
-                self.cache.end_call()
+            for planner in (self.cache, self.displaced):
+                if planner is not None:
+                    planner.end_call()
 
 
 def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",),
-          cache=None) -> list:
-    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given);
-    returns the undo callable."""
-    return [add_hook(model, GraphHook(capture, devices, cache))]
+          cache=None, displaced=None) -> list:
+    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given, or
+    by ``displaced``'s planned call: ``parallel.displaced.Displaced``); returns the undo callable."""
+    return [add_hook(model, GraphHook(capture, devices, cache, displaced))]
