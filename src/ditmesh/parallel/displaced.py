@@ -35,14 +35,27 @@ its attention reads the other patches' K/V from the previous step, gathered whil
 - **Compile.** The buffer exchange is one custom operator (``ditmesh::displaced_exchange``): a compiled block calls
   it as an opaque kernel, without a graph break, and its host state (the pending gathers, the layer count, exact or
   stale) is not traced, so it adds no guard: its collective is started in one step and waited in the next, across
-  graph calls. CUDA graphs are refused with displaced attention: a replay would not run the operator's host logic.
+  graph calls.
+- **CUDA graphs** (``graphed``: ``parallelize(..., cuda_graph=True)``). A replay runs none of the operator's Python,
+  so every host decision is taken before the call, outside the graph: the ``graph`` hook calls :meth:`Displaced.
+  plan_call`, whose plan (call in step, exact, step parity, last step of the run) is the graph's key and is all the
+  call's exchanges read; the layer count is reset there and at the call's end, and the runs that wrote the buffers
+  are booked there. The buffers sit at fixed addresses, two per layer and call in step, one per step parity: step t
+  reads parity t % 2 (the gather of step t-1), writes its own fresh K/V into it, and gathers into parity (t+1) % 2
+  (``all_gather_into_tensor_out``), so the next step's graph reads what this step's wrote. A gather never crosses a
+  graph's end: each layer's gather starts at its exchange, runs beside the layers after it (NCCL's stream), and the
+  ``graph`` hook waits for all of them (:meth:`Displaced.join`) before the call ends. A buffer is made by a call
+  without a graph (every key's first call runs without one), never inside a capture. The returned buffer (stale call,
+  even chunks) may be reused by a compiled block once the attention has read it: nothing reads it before the gather
+  of the next step overwrites it whole.
 
 Collectives per transformer call, per attention layer: one all-gather (``all_gather``, waited at once) in an exact
-call, one started all-gather (``kv_async``, waited a step later) in a stale one, none in a stale call of the run's last
-step; and the exit's gather as under sequence parallelism.
+call, one started all-gather (``kv_async``, waited a step later; under CUDA graphs, at the call's end) in a stale one,
+none in a stale call of the run's last step; and the exit's gather as under sequence parallelism.
 
 Cross-rank rule: exact or stale is decided from the step, run and call in step (the same on every rank) and from
 which buffers exist (the same on every rank); every rank starts and waits the same gathers in the same layer order.
+Under CUDA graphs every rank replays the graph of the same plan, each holding the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -69,7 +82,8 @@ _IDS = itertools.count()
 class Displaced:
     """Displaced attention's state for one transformer, and the ``sp`` runtime of all of its attention layers'
     processors: its sequence-parallel runtime, the warm-up, the layer count of the current call, its buffers (in the
-    shared ``ForwardContext.kv_buffers``, keyed ``(name, layer index, call in step)``)."""
+    shared ``ForwardContext.kv_buffers``, keyed ``(name, layer index, call in step)``; under CUDA graphs by step
+    parity and chunk sizes too)."""
 
     def __init__(self, sp: SequenceParallel, ctx: ForwardContext, name: str, warmup: int, graphed: bool = False):
         self.sp, self.ctx, self.name, self.warmup = sp, ctx, name, warmup
@@ -105,9 +119,9 @@ class Displaced:
         its place (stale); starts the gather the next step reads unless this is the run's last step. The layer is the
         number of exchanges before this one in the transformer call.
 
-        What a compiled caller may reuse is never kept: the gather reads a copy made here (``key`` and ``value`` are
-        read at once), and the returned tensor is not held by the buffers (the compiler may write over its memory
-        once the attention has read it)."""
+        What a compiled caller may reuse is never kept for reading: the gather reads a copy made here (``key`` and
+        ``value`` are read at once), and the returned tensor is not a buffer a later step reads before writing it
+        whole (the compiler may write over its memory once the attention has read it)."""
         # tokens first, [S_local, B, 2, H, D]: the gather along dim 0 gives every rank's tokens in rank order
         kv = torch.stack([key, value], dim=2).transpose(0, 1).contiguous()
         gathered, exact, last = (self.fixed if self.graphed else self.pending)(kv, sizes)

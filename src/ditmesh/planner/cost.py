@@ -338,8 +338,9 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     kv_cache = 0.0
     if pp > 1:  # PipeFusion keeps last step's K/V of the full sequence for its own blocks
         kv_cache = pipefusion_kv_bytes(stats, config, samples)
-    if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps
-        kv_cache = displaced_kv_bytes(stats, config, samples)
+    if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps; two (one
+        # per step parity, at fixed addresses) under CUDA graphs
+        kv_cache = displaced_kv_bytes(stats, config, samples) * (2 if workload.cuda_graph else 1)
     memory = {
         "weights": weights / GIB, "activations": act_peak / GIB, "attention": attn_buf / GIB,
         "comm_buffers": comm_buf / GIB, "kv_cache": kv_cache / GIB,
