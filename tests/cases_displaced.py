@@ -61,11 +61,13 @@ def _host_state(displaced) -> tuple:
     return displaced.planned, dict(displaced.written), displaced.layers, list(displaced.started), buffers
 
 
-def graphed_runs(model: str, config: dict, steps: int, runs: int, graphed: bool = True) -> tuple:
-    """``runs`` pipeline runs of ``model`` under ``config`` with displaced attention, each transformer call replayed
-    from one graph per planned call (``graph.apply`` with the displaced runtime, as ``parallelize(cuda_graph=True)``
-    builds it) unless ``graphed`` is False. Returns (final latents of each run, collectives of each step of each run,
-    {graph key (call in step, exact, parity, last): (captured, replays)}).
+def graphed_runs(model: str, config: dict, steps: int, runs: int, graphed: bool = True, call: dict | None = None,
+                 **options) -> tuple:
+    """``runs`` pipeline runs of ``model`` under ``config`` with displaced attention (and ``options`` of
+    ``parallelize``; ``call``: more pipeline arguments), each transformer call replayed from one graph per planned call
+    (``graph.apply`` with the displaced runtime, as ``parallelize(cuda_graph=True)`` builds it) unless ``graphed`` is
+    False. Returns (final latents of each run, collectives of each step of each run, {graph key (call in step, exact,
+    parity, last): (captured, replays)}).
 
     The CPU stand-in for capture runs the call once for its output and then puts back the buffers and collective
     counts it changed (a CUDA capture records the kernels and runs none of them); each replay re-runs the call on the
@@ -82,7 +84,7 @@ def graphed_runs(model: str, config: dict, steps: int, runs: int, graphed: bool 
     torch.manual_seed(0)
     pipe = load(model, config)
     pipe.set_progress_bar_config(disable=True)
-    displaced = parallelize(pipe, ParallelConfig(**config), displaced=True).displaced["transformer"]
+    displaced = parallelize(pipe, ParallelConfig(**config), displaced=True, **options).displaced["transformer"]
 
     def emulated_capture(fn):
         buffers = {key: value.clone() for key, value in displaced.ctx.kv_buffers.items()}
@@ -115,7 +117,7 @@ def graphed_runs(model: str, config: dict, steps: int, runs: int, graphed: bool 
             marks.append(now)
             return grab(p, i, t, kw)
 
-        kwargs["callback_on_step_end"] = count_step
+        kwargs.update(call or {}, callback_on_step_end=count_step)
         pipe("a red circle", **kwargs)
         latents.append(final["latents"])
     hook = find_hook(pipe.transformer, "graph")

@@ -164,27 +164,31 @@ def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools
 
 
 # -- CUDA graphs (emulated on CPU) --------------------------------------------------------------------------------
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphed_run(pools, flux_tiny, ranks):
+@pytest.mark.parametrize("ranks, call", [(2, {}), (3, {}), (2, TRUE_CFG)], ids=["2", "3", "2-true-cfg"])
+def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphed_run(pools, flux_tiny, ranks, call):
     from cases_displaced import graphed_runs
     from test_pipefusion import reference_steps
 
     # 6 steps a run: 0 exact, 1-4 stale of parity 1, 0, 1, 0, 5 stale without a gather; 3 runs, all alike
     steps, runs = 6, 3
-    # 2 ranks: even chunks, the buffer is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
-    ungraphed = pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, 1, graphed=False)
-    assert rel_err(ungraphed[0][0][0], reference_steps(flux_tiny, steps)) > 1e-3  # stale steps differ from exact
-    counts = per_step_counts("flux", 1, steps=steps)
+    # 2 ranks: even chunks, the buffer is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy; true
+    # CFG: two calls a step, each with its own buffers and graphs
+    ungraphed = pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, 1, graphed=False, call=call)
+    if not call:
+        assert rel_err(ungraphed[0][0][0], reference_steps(flux_tiny, steps)) > 1e-3  # stale steps differ from exact
+    calls = 2 if call else 1
+    counts = per_step_counts("flux", 1, calls, steps)
     for (latents, per_step, entries), (ref, ref_steps, _) in zip(
-            pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, runs), ungraphed):
+            pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, runs, call=call), ungraphed):
         assert ref_steps == counts
         for run in latents:
             assert rel_err(run, ref[0]) <= 1e-5
         assert per_step == counts * runs  # a replay issues the collectives of its captured call
         # a graph per planned call (call in step, exact, step parity, last step), captured at its second call (the
         # first runs without a graph) and replayed from then on: the stale steps from run 2's, exact and last in run 3
-        assert entries == {(0, True, 0, False): (True, 1), (0, False, 1, False): (True, 4),
-                           (0, False, 0, False): (True, 4), (0, False, 1, True): (True, 1)}
+        assert entries == {key: value for c in range(calls) for key, value in (
+            ((c, True, 0, False), (True, 1)), ((c, False, 1, False), (True, 4)), ((c, False, 0, False), (True, 4)),
+            ((c, False, 1, True), (True, 1)))}
 
 
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
