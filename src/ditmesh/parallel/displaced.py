@@ -167,6 +167,7 @@ class Displaced:
         last = ctx.run_steps is None or ctx.run_step + 1 >= ctx.run_steps
         self.written[ctx.call_in_step] = ctx.run
         self.layers = 0
+        self.started.clear()  # left by a capture that failed part-way (its call then runs without a graph)
         self.planned = (ctx.call_in_step, exact, ctx.run_step % 2, last)
         return self.planned
 
