@@ -161,7 +161,8 @@ class Displaced:
     def plan_call(self) -> tuple:
         """Graphed: decide this call's path before it (the ``graph`` hook calls this outside the graph) and return
         it, for the graph's key: (call in step, exact, step parity, last step of the run). Every host state the call
-        reads is set here, so the call changes none (a replay runs no Python)."""
+        reads is set here, and the call leaves all of it as it found it (a replay runs no Python): its layer count
+        and started gathers are back to empty at its end (:meth:`join`)."""
         ctx = self.ctx
         exact = ctx.run_step < self.warmup or self.written.get(ctx.call_in_step) != ctx.run
         last = ctx.run_steps is None or ctx.run_step + 1 >= ctx.run_steps
