@@ -16,15 +16,15 @@ from ditmesh.testing import rel_err
 LAYERS = {"flux": 4, "sd3": 4, "wan": 2}
 
 
-def per_step_counts(family: str, exact_steps: int, calls: int = 1) -> list[dict]:
+def per_step_counts(family: str, exact_steps: int, calls: int = 1, steps: int = STEPS) -> list[dict]:
     """Collectives of each step: per call and attention layer one all-gather, synchronous in an exact step and
     started (``kv_async``) in a stale one but the last; and the exit's gather."""
     layers = LAYERS[family] * calls
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         if step < exact_steps:
             out.append({"all_gather": layers + calls})
-        elif step < STEPS - 1:
+        elif step < steps - 1:
             out.append({"all_gather": calls, "kv_async": layers})
         else:
             out.append({"all_gather": calls})
@@ -58,12 +58,13 @@ def test_parallelize_refuses_what_displaced_does_not_run_with(flux_tiny, option,
         parallelize(pipe, ParallelConfig(), displaced=True, **option)
 
 
-def test_cuda_graphs_are_refused_with_displaced():
+def test_cuda_graphs_run_with_displaced_but_not_with_pipefusion():
     from ditmesh.api import check_pipefusion_options
 
-    with pytest.raises(ConfigError, match="CUDA graphs does not run with displaced attention yet; drop it or drop "
-                                          "displaced"):
-        check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+    check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+    with pytest.raises(ConfigError, match=r"CUDA graphs does not run with PipeFusion \(pp=2\) yet; drop it or use "
+                                          "pp=1"):
+        check_pipefusion_options(ParallelConfig(pp=2), cuda_graph=True)
 
 
 def test_a_family_with_a_token_grid_is_refused():
@@ -162,6 +163,34 @@ def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools
         assert "'hidden_states' stride mismatch" in reason
 
 
+# -- CUDA graphs (emulated on CPU) --------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks, call", [(2, {}), (3, {}), (2, TRUE_CFG)], ids=["2", "3", "2-true-cfg"])
+def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphed_run(pools, flux_tiny, ranks, call):
+    from cases_displaced import graphed_runs
+    from test_pipefusion import reference_steps
+
+    # 6 steps a run: 0 exact, 1-4 stale of parity 1, 0, 1, 0, 5 stale without a gather; 3 runs, all alike
+    steps, runs = 6, 3
+    # 2 ranks: even chunks, the buffer is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy; true
+    # CFG: two calls a step, each with its own buffers and graphs
+    ungraphed = pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, 1, graphed=False, call=call)
+    if not call:
+        assert rel_err(ungraphed[0][0][0], reference_steps(flux_tiny, steps)) > 1e-3  # stale steps differ from exact
+    calls = 2 if call else 1
+    counts = per_step_counts("flux", 1, calls, steps)
+    for (latents, per_step, entries), (ref, ref_steps, _) in zip(
+            pools(ranks).run(graphed_runs, flux_tiny, {"ulysses": ranks}, steps, runs, call=call), ungraphed):
+        assert ref_steps == counts
+        for run in latents:
+            assert rel_err(run, ref[0]) <= 1e-5
+        assert per_step == counts * runs  # a replay issues the collectives of its captured call
+        # a graph per planned call (call in step, exact, step parity, last step), captured at its second call (the
+        # first runs without a graph) and replayed from then on: the stale steps from run 2's, exact and last in run 3
+        assert entries == {key: value for c in range(calls) for key, value in (
+            ((c, True, 0, False), (True, 1)), ((c, False, 1, False), (True, 4)), ((c, False, 0, False), (True, 4)),
+            ((c, False, 1, True), (True, 1)))}
+
+
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
 def test_pp_sweep_scores_displaced_settings_against_the_exact_images():
     import math
@@ -237,7 +266,7 @@ def test_plan_predicts_the_kv_buffer_bytes_a_run_holds(pools, flux_tiny, ranks):
         assert held == [predicted] * (STEPS - 1) + [0]
 
 
-def test_plan_ranks_displaced_only_when_asked_and_not_with_cuda_graphs():
+def test_plan_ranks_displaced_only_when_asked_with_two_buffer_sets_under_cuda_graphs():
     from ditmesh.planner import plan, recommend_prediction
 
     exact = plan("flux-dev", 1024, 1024, 4).predictions
@@ -247,7 +276,9 @@ def test_plan_ranks_displaced_only_when_asked_and_not_with_cuda_graphs():
     displaced, ulysses = shown["ulysses4 displaced"], shown["ulysses4"]
     assert displaced.comm_bytes["by_collective"]["kv_async"] > 0 and "all_to_all" not in displaced.comm_bytes["by_collective"]
     assert displaced.comm_ms < ulysses.comm_ms and displaced.memory["kv_cache"] > 0 == ulysses.memory["kv_cache"]
-    assert not any(p.displaced for p in plan("flux-dev", 1024, 1024, 4, displaced=True, cuda_graph=True).predictions)
+    graphed = {p.describe(): p for p in plan("flux-dev", 1024, 1024, 4, displaced=True, cuda_graph=True).predictions}
+    # one buffer set per step parity at fixed addresses: twice the K/V an ungraphed run keeps between steps
+    assert graphed["ulysses4 displaced"].memory["kv_cache"] == 2 * displaced.memory["kv_cache"]
     assert recommend_prediction("flux-dev", 1024, 1024, 4, displaced=True).displaced  # hidden gathers win here
 
 

@@ -45,6 +45,8 @@ class ParallelRuntime:
     transformers: dict[str, torch.nn.Module] = field(default_factory=dict)
     #: the step caches by transformer (``ditmesh.cache.StepCache``; empty when caching is off)
     caches: dict = field(default_factory=dict)
+    #: the displaced attention runtimes by transformer (``parallel.displaced.Displaced``; empty without displaced)
+    displaced: dict = field(default_factory=dict)
     applied: list[str] = field(default_factory=list)
     _undo: list = field(default_factory=list)
 
@@ -164,7 +166,7 @@ def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, 
     mode, off = ("displaced attention", "drop displaced") if displaced else (f"PipeFusion (pp={config.pp})", "use pp=1")
     policy = step_cache.CacheConfig.parse(cache).policy if isinstance(cache, (str, type(None))) else cache.policy
     for on, option in ((fuse_qkv, "fuse_qkv"), (displaced and policy != "off", "step caching"),
-                       (cuda_graph, "CUDA graphs"), (transport != "nccl", f"transport={transport}")):
+                       (cuda_graph and not displaced, "CUDA graphs"), (transport != "nccl", f"transport={transport}")):
         if on:
             raise ConfigError(f"{option} does not run with {mode} yet; drop it or {off}")
     if policy not in ("off", "static", "taylor"):
@@ -370,8 +372,14 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     def graph_step(model, adapter):
         """A whole-call graph per call signature; with a step cache, per branch and planned path (static, taylor), or
         cut in three graphs at the decision where the path is decided inside the call (dbcache, teacache)."""
-        cache = next((c for name, c in runtime.caches.items() if runtime.transformers[name] is model), None)
-        return graph.apply(model, cache=cache)
+        cache, shifted = (next((c for name, c in found.items() if runtime.transformers[name] is model), None)
+                          for found in (runtime.caches, runtime.displaced))
+        return graph.apply(model, cache=cache, displaced=shifted)
+
+    def displaced_step(name, model):
+        runtime.displaced[name], undo = displaced_attention.apply(model, runtime.sequence(name), adapter_for(model), ctx,
+                                                                  name, displaced_warmup, cuda_graph)
+        keep(undo)
 
     # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
@@ -388,8 +396,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
          lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
         (f"displaced(warmup={displaced_warmup})",
-         lambda: [keep(displaced_attention.apply(m, runtime.sequence(name), adapter_for(m), ctx, name, displaced_warmup))
-                  for name, m in models.items()] if displaced else None),
+         lambda: [displaced_step(name, m) for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,
                                                                        pp_warmup, pp_chunk_bytes))
                                                  for name, m in models.items()]),

@@ -88,7 +88,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--displaced", action="store_true",
                         help="displaced patch parallelism over the --ulysses ranks: each rank attends to the other "
                              "ranks' K/V of the previous step, gathered while the step computes (approximate after the "
-                             "warm-up; not with --ring, --pp, --cache, --cuda-graph)")
+                             "warm-up; not with --ring, --pp, --cache)")
     parser.add_argument("--displaced-warmup", type=int, default=1, metavar="W",
                         help="--displaced: compute the first W steps of a run exactly (default 1, at least 1)")
     parser.add_argument("--plan", choices=["auto"], default=None,

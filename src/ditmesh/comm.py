@@ -276,14 +276,17 @@ def broadcast_pieces(flat: torch.Tensor, root: int, group, chunk_bytes: int) -> 
         dist.broadcast(piece, src, group=group)
 
 
-def all_gather_start(x: torch.Tensor, group, kind: str = "all_gather") -> torch.Tensor:
+def all_gather_start(x: torch.Tensor, group, kind: str = "all_gather", out: torch.Tensor | None = None) -> torch.Tensor:
     """Issue an all-gather of ``x`` along dim 0 (every rank's ``x`` of the same shape, rank order) and return its result
     *without waiting*: pass it to :func:`wait` before any use, in this step or a later one (displaced attention waits
-    at the layer's next use, a step later). Counted once as ``kind``.
+    at the layer's next use, a step later). Counted once as ``kind``. ``out``: the tensor it writes (a buffer at a
+    fixed address, which a CUDA graph's replays write again), else a new one.
 
     Calls the functional op directly, as :func:`all_to_all_start` does, so the compute between the start and the wait
     overlaps the transfer."""
     _count(kind)
     group = dist.group.WORLD if group is None else group
-    return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), dist.get_world_size(group),
-                                                             group_name(group))
+    args = (x.contiguous(), dist.get_world_size(group), group_name(group))
+    if out is not None:
+        return torch.ops._c10d_functional.all_gather_into_tensor_out(*args, out=out)
+    return torch.ops._c10d_functional.all_gather_into_tensor(*args)

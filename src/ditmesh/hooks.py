@@ -211,7 +211,8 @@ class ForwardContext:
     patch: tuple[int, int] | None = None
     #: PipeFusion's K/V buffers, one per (transformer, attention layer, call in step): K and V over the whole
     #: sequence, written patch by patch; kept between steps (a patch reads the others' K/V from the last step).
-    #: Displaced attention keeps its pending K/V gathers here under the same keys (``parallel.displaced``)
+    #: Displaced attention keeps its pending K/V gathers here under the same keys (under CUDA graphs: its buffers at
+    #: fixed addresses, keyed by step parity and chunk sizes too; ``parallel.displaced``)
     kv_buffers: dict = field(default_factory=dict, repr=False)
 
     @property

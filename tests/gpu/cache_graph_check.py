@@ -10,18 +10,16 @@ mismatch.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
+from gpu_ranks import start_tiny_rank
 
 from ditmesh import ParallelConfig, parallelize, remove
 from ditmesh.hooks import find_hook
 from ditmesh.testing import rel_err
-from ditmesh.tiny import default_model_path
 
 SETTINGS = ("fbcache:0.2", "dbcache:threshold=0.2,first=2,last=1", "teacache:threshold=0.2",
             "taylor:interval=3,warmup=2", "static:skip=3-4+6-7")
@@ -45,16 +43,7 @@ def run(pipe, world: int, setting: str, graphs: bool, cfg: bool):
 
 
 def main() -> int:
-    from diffusers import DiffusionPipeline
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # a rank stuck in a collective prints where it is and exits, rather than holding the test until its timeout
-    faulthandler.dump_traceback_later(float(os.environ.get("DITMESH_CHECK_TIMEOUT_S", "600")), exit=True)
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    pipe = DiffusionPipeline.from_pretrained(default_model_path(), dtype=torch.float32).to(device)
-    pipe.set_progress_bar_config(disable=True)
+    rank, world, pipe = start_tiny_rank()
     failed, saved = False, {}
     for setting in SETTINGS:
         for cfg in (False, True):

@@ -3,13 +3,11 @@ graphs on one GPU and under Ulysses 2, and Ulysses 2 equal to one GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_ranks import torchrun
 
 from ditmesh.testing import rel_err
 
@@ -17,13 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _check(world: int, out: Path) -> str:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-                           str(Path(__file__).with_name("cache_graph_check.py")), str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return torchrun("cache_graph_check.py", world, str(out))
 
 
 def test_cached_calls_replayed_from_graphs_decide_and_compute_as_without_graphs(tmp_path):

@@ -35,12 +35,14 @@ METHODS = {
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
     "pp-ulysses": lambda g: {"pp": 2, "ulysses": g // 2} if g >= 4 else {"pp": 0},
-    # displaced attention over g ulysses ranks (1 exact warm-up step; the measured steps are stale): approximate; no
-    # CUDA graph (``parallel.displaced``)
+    # displaced attention over g ulysses ranks (1 exact warm-up step; the measured steps are stale): approximate
+    # (``parallel.displaced``)
     "displaced": lambda g: {"ulysses": g},
 }
-#: methods whose rows run without a CUDA graph whatever --cuda-graph says
-UNGRAPHED = ("displaced",)
+#: warm-up calls a graphed row needs before its timed calls replay: each graph's first call runs without it and its
+#: second is captured; displaced attention's first step is exact and its stale steps alternate between two graphs
+#: (one per step parity), so its fifth call is the second capture
+GRAPH_WARMUP = {"displaced": 5}
 #: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
 PEERS = ("diffusers", "xdit")
 METHODS.update({f"{peer}-{m}": METHODS[m] for peer in PEERS for m in ("ulysses", "ring", "usp")})
@@ -245,7 +247,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]  # ditmesh on one GPU
     if not s.get("single", True):
         plan = []
-    plan += [(m, g, c, s["cuda_graph"] and not peer(m) and m not in UNGRAPHED) for c in compiled for g in s["gpus"]
+    plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
     for method, g, comp, graph in plan:
         degrees = METHODS[method](g)
@@ -258,7 +260,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
             continue
         spec = dict(model=s["model"], height=s["height"], width=s["width"], frames=s["frames"], batch=s["batch"],
                     method=method, gpus=g, degrees=degrees, steps=s["steps"],
-                    warmup=max(s["warmup"], 2 if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
+                    warmup=max(s["warmup"], GRAPH_WARMUP.get(method, 2) if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"

@@ -137,7 +137,9 @@ def run_worker(spec: dict) -> None:
 
     class _Steps:  # a denoising loop's position, so that a step cache decides per step as in a pipeline run
         step_index = 0
-        timesteps = torch.arange(spec["warmup"] + spec["steps"] + 1)
+        # the profiled call comes after the timed ones; a displaced row's is not the run's last step either (that one
+        # starts no gather, and under CUDA graphs it has a graph of its own)
+        timesteps = torch.arange(spec["warmup"] + spec["steps"] + (2 if spec["method"] == "displaced" else 1))
 
     class _Pipe:  # parallelize() needs only `.transformer` (and the scheduler's position, for a step cache)
         transformer = model

@@ -35,14 +35,27 @@ its attention reads the other patches' K/V from the previous step, gathered whil
 - **Compile.** The buffer exchange is one custom operator (``ditmesh::displaced_exchange``): a compiled block calls
   it as an opaque kernel, without a graph break, and its host state (the pending gathers, the layer count, exact or
   stale) is not traced, so it adds no guard: its collective is started in one step and waited in the next, across
-  graph calls. CUDA graphs are refused with displaced attention: a replay would not run the operator's host logic.
+  graph calls.
+- **CUDA graphs** (``graphed``: ``parallelize(..., cuda_graph=True)``). A replay runs none of the operator's Python,
+  so every host decision is taken before the call, outside the graph: the ``graph`` hook calls :meth:`Displaced.
+  plan_call`, whose plan (call in step, exact, step parity, last step of the run) is the graph's key and is all the
+  call's exchanges read; the layer count is reset there and at the call's end, and the runs that wrote the buffers
+  are booked there. The buffers sit at fixed addresses, two per layer and call in step, one per step parity: step t
+  reads parity t % 2 (the gather of step t-1), writes its own fresh K/V into it, and gathers into parity (t+1) % 2
+  (``all_gather_into_tensor_out``), so the next step's graph reads what this step's wrote. A gather never crosses a
+  graph's end: each layer's gather starts at its exchange, runs beside the layers after it (NCCL's stream), and the
+  ``graph`` hook waits for all of them (:meth:`Displaced.join`) before the call ends. A buffer is made by a call
+  without a graph (every key's first call runs without one), never inside a capture. The returned buffer (stale call,
+  even chunks) may be reused by a compiled block once the attention has read it: nothing reads it before the gather
+  of the next step overwrites it whole.
 
 Collectives per transformer call, per attention layer: one all-gather (``all_gather``, waited at once) in an exact
-call, one started all-gather (``kv_async``, waited a step later) in a stale one, none in a stale call of the run's last
-step; and the exit's gather as under sequence parallelism.
+call, one started all-gather (``kv_async``, waited a step later; under CUDA graphs, at the call's end) in a stale one,
+none in a stale call of the run's last step; and the exit's gather as under sequence parallelism.
 
 Cross-rank rule: exact or stale is decided from the step, run and call in step (the same on every rank) and from
 which buffers exist (the same on every rank); every rank starts and waits the same gathers in the same layer order.
+Under CUDA graphs every rank replays the graph of the same plan, each holding the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -69,12 +82,22 @@ _IDS = itertools.count()
 class Displaced:
     """Displaced attention's state for one transformer, and the ``sp`` runtime of all of its attention layers'
     processors: its sequence-parallel runtime, the warm-up, the layer count of the current call, its buffers (in the
-    shared ``ForwardContext.kv_buffers``, keyed ``(name, layer index, call in step)``)."""
+    shared ``ForwardContext.kv_buffers``, keyed ``(name, layer index, call in step)``; under CUDA graphs by step
+    parity and chunk sizes too)."""
 
-    def __init__(self, sp: SequenceParallel, ctx: ForwardContext, name: str, warmup: int):
+    def __init__(self, sp: SequenceParallel, ctx: ForwardContext, name: str, warmup: int, graphed: bool = False):
         self.sp, self.ctx, self.name, self.warmup = sp, ctx, name, warmup
         #: the transformer call (``ctx.calls``) the layer count belongs to, and the attention layers run in it
         self.call, self.layers = -1, 0
+        #: replayed from CUDA graphs: buffers at fixed addresses by step parity, each call's gathers joined at its end
+        #: (:meth:`plan_call`, :meth:`join`); else the gathers cross the steps
+        self.graphed = graphed
+        #: graphed: this call's (call in step, exact, step parity, last step of the run), taken before the call
+        self.planned: tuple | None = None
+        #: graphed: the run whose calls wrote the buffers, by call in step (booked by :meth:`plan_call`)
+        self.written: dict[int, int] = {}
+        #: graphed: (sent chunk, gather) of each gather started in this call, waited by :meth:`join`
+        self.started: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.id = next(_IDS)
         _RUNTIMES[self.id] = self
 
@@ -96,11 +119,25 @@ class Displaced:
         its place (stale); starts the gather the next step reads unless this is the run's last step. The layer is the
         number of exchanges before this one in the transformer call.
 
-        What a compiled caller may reuse is never kept: the gather reads a copy made here (``key`` and ``value`` are
-        read at once), and the returned tensor is not held by the buffers (the compiler may write over its memory
-        once the attention has read it)."""
+        What a compiled caller may reuse is never kept for reading: the gather reads a copy made here (``key`` and
+        ``value`` are read at once), and the returned tensor is not a buffer a later step reads before writing it
+        whole (the compiler may write over its memory once the attention has read it)."""
         # tokens first, [S_local, B, 2, H, D]: the gather along dim 0 gives every rank's tokens in rank order
         kv = torch.stack([key, value], dim=2).transpose(0, 1).contiguous()
+        gathered, exact, last = (self.fixed if self.graphed else self.pending)(kv, sizes)
+        longest = max(sizes)
+        if min(sizes) == longest:  # no padding: the gather is the whole sequence as it is
+            if exact:  # kept as the next step's buffer (a warm-up step's copy)
+                return gathered if last else gathered.clone()
+            gathered.narrow(0, self.sp.rank * longest, longest).copy_(kv)
+            return gathered
+        chunks = [gathered.narrow(0, j * longest, n) for j, n in enumerate(sizes)]
+        chunks[self.sp.rank] = kv
+        return torch.cat(chunks)
+
+    def pending(self, kv: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, bool, bool]:
+        """Without graphs: (the gather every rank's K/V are read from, exact, last step of the run). The buffers are
+        the pending gathers of the previous step (a fresh tensor each), waited here; a stale call starts the next."""
         ctx = self.ctx
         if self.call != ctx.calls:
             self.call, self.layers = ctx.calls, 0
@@ -119,15 +156,62 @@ class Displaced:
             if not exact:
                 raw = comm.all_gather_start(self.padded(kv, sizes), self.sp.group, "kv_async")
             ctx.kv_buffers[slot] = (ctx.run, sizes, raw)
-        longest = max(sizes)
-        if min(sizes) == longest:  # no padding: the gather is the whole sequence as it is
-            if exact:  # kept as the next step's buffer (a warm-up step's copy)
-                return gathered if last else gathered.clone()
-            gathered.narrow(0, self.sp.rank * longest, longest).copy_(kv)
-            return gathered
-        chunks = [gathered.narrow(0, j * longest, n) for j, n in enumerate(sizes)]
-        chunks[self.sp.rank] = kv
-        return torch.cat(chunks)
+        return gathered, exact, last
+
+    def plan_call(self) -> tuple:
+        """Graphed: decide this call's path before it (the ``graph`` hook calls this outside the graph) and return
+        it, for the graph's key: (call in step, exact, step parity, last step of the run). Every host state the call
+        reads is set here, and the call leaves all of it as it found it (a replay runs no Python): its layer count
+        and started gathers are back to empty at its end (:meth:`join`)."""
+        ctx = self.ctx
+        exact = ctx.run_step < self.warmup or self.written.get(ctx.call_in_step) != ctx.run
+        last = ctx.run_steps is None or ctx.run_step + 1 >= ctx.run_steps
+        self.written[ctx.call_in_step] = ctx.run
+        self.layers = 0
+        self.started.clear()  # left by a capture that failed part-way (its call then runs without a graph)
+        self.planned = (ctx.call_in_step, exact, ctx.run_step % 2, last)
+        return self.planned
+
+    def end_call(self) -> None:
+        self.planned = None
+
+    def fixed(self, kv: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, bool, bool]:
+        """Graphed: (the gather every rank's K/V are read from, exact, last step of the run), with the buffers at
+        fixed addresses, two per layer by step parity: step t reads the one of parity t % 2 (gathered in step t-1)
+        and gathers into the other (read in step t+1), started here and joined at the call's end (:meth:`join`).
+        The layer is the count of exchanges since the plan."""
+        if self.planned is None:
+            raise RuntimeError("displaced attention under CUDA graphs runs a transformer call only through its graph "
+                               "hook, which plans the call")
+        call_in_step, exact, parity, last = self.planned
+        layer = self.layers
+        self.layers += 1
+        send = self.padded(kv, sizes)
+        shape = (len(sizes) * send.shape[0],) + tuple(send.shape[1:])
+
+        def slot(side: int) -> tuple:
+            return self.name, layer, call_in_step, side, tuple(sizes), shape, kv.dtype, str(kv.device)
+
+        read = self.ctx.kv_buffers.get(slot(parity))
+        exact = exact or read is None  # no buffer of these chunk sizes yet: the sizes changed within the run
+        out = None
+        if not last:
+            out = self.ctx.kv_buffers.get(slot(1 - parity))
+            if out is None:  # made by a call without a graph (a key's first call), read by its graphs
+                out = self.ctx.kv_buffers[slot(1 - parity)] = send.new_empty(shape)
+        if exact:  # this step's K/V of every rank, waited at once (into the next step's buffer)
+            return comm.wait(comm.all_gather_start(send, self.sp.group, out=out)), True, last
+        if out is not None:
+            self.started.append((send, comm.all_gather_start(send, self.sp.group, "kv_async", out)))
+        return read, False, last
+
+    def join(self) -> None:
+        """Graphed: wait for the gathers this call started (a stream wait: the capturing stream joins them, so no
+        gather crosses the end of a graph), at the end of the transformer call."""
+        for _, gather in self.started:
+            comm.wait(gather)
+        self.started.clear()
+        self.layers = 0
 
     @staticmethod
     def padded(kv: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -139,8 +223,9 @@ class Displaced:
 
     def buffer_bytes(self) -> int:
         """Bytes held between steps by this transformer's buffers (what ``plan`` predicts)."""
-        return sum(raw.numel() * raw.element_size() for key, (_, _, raw) in self.ctx.kv_buffers.items()
-                   if key[0] == self.name)
+        held = [value[-1] if isinstance(value, tuple) else value for key, value in self.ctx.kv_buffers.items()
+                if key[0] == self.name]
+        return sum(raw.numel() * raw.element_size() for raw in held)
 
 
 @torch.library.custom_op("ditmesh::displaced_exchange", mutates_args=())
@@ -165,12 +250,14 @@ def check_family(adapter: ModelAdapter) -> None:
 
 
 def apply(model: torch.nn.Module, sp: SequenceParallel | None, adapter: ModelAdapter, ctx: ForwardContext, name: str,
-          warmup: int) -> list:
-    """Make the sequence-parallel ``model``'s attention displaced (see the module docstring); returns undo callables.
-    ``sp``: the model's sequence-parallel runtime (``ulysses`` > 1, ``ring`` = 1)."""
+          warmup: int, graphed: bool = False) -> tuple[Displaced, list]:
+    """Make the sequence-parallel ``model``'s attention displaced (see the module docstring); returns its runtime and
+    the undo callables. ``sp``: the model's sequence-parallel runtime (``ulysses`` > 1, ``ring`` = 1); ``graphed``:
+    its calls are replayed from CUDA graphs (the ``graph`` hook plans each call and joins its gathers)."""
     if sp is None:
         raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token chunks; "
                           "e.g. ulysses=4 with displaced")
     check_family(adapter)
-    restore = adapter.set_processors(model, Displaced(sp, ctx, name, warmup))
-    return [restore, lambda: drop_buffers(ctx, name)]
+    runtime = Displaced(sp, ctx, name, warmup, graphed)
+    restore = adapter.set_processors(model, runtime)
+    return runtime, [restore, lambda: drop_buffers(ctx, name)]

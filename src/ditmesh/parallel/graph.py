@@ -26,10 +26,12 @@ key: one whole-call graph per path, the cache's kept residuals in buffers writte
 inside the call (dbcache, teacache) gets each call captured in graphs cut at its decision (:class:`DecisionCuts`):
 the head up to the statistic, the middle blocks, the tail; a replay reads the statistic's one scalar between them
 and skips the middle graphs for a cached step. Either way the key holds the call's branch within the step (true
-CFG: two calls a step, each with its own residuals). ditmesh's data- and
+CFG: two calls a step, each with its own residuals). Displaced attention plans each call here the same way (exact or
+stale, the step's parity, the run's last step: the key), and this hook waits for the call's gathers before the call
+ends (``parallel.displaced``). ditmesh's data- and
 CFG-parallel hooks choose per call what to run, so graphs are refused with ``dp`` or ``cfg`` > 1 (and with
 the consistency check, which reads values on the host). Graphs are kept for the life of the wrapper, one
-memory pool each.
+memory pool each (displaced attention's graphs: one pool for all of them).
 """
 
 from __future__ import annotations
@@ -289,35 +291,50 @@ class GraphHook(Hook):
     extrapolation factor is a tensor written before the call) gets a whole-call graph of its own. A policy that decides inside the call (dbcache,
     teacache) gets each call captured in three graphs cut at the decision (:class:`DecisionCuts`). Either way the
     graph is keyed by the call's branch within the step too (true CFG calls the transformer twice per step), since
-    each branch keeps its own cached residuals."""
+    each branch keeps its own cached residuals.
+
+    ``displaced``: the transformer's displaced attention runtime (``parallel.displaced.Displaced``, built
+    ``graphed``): it plans each call here (its plan is the key) and its gathers are waited before the call ends, inside
+    the graph; its graphs share one memory pool (:func:`shared_pool_capture`)."""
 
     name = "graph"
 
-    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None):
+    def __init__(self, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",), cache=None,
+                 displaced=None):
         self._next = None
         self.cache = cache
+        self.displaced = displaced
         if cache is not None and not cache.known_in_advance and capture is cuda_capture:
             capture = decision_capture(cache)
+        if displaced is not None and capture is cuda_capture:  # four graphs a resolution (exact, stale of each step
+            # parity, last step): one pool, since what one graph leaves for the next is in buffers outside it
+            capture = shared_pool_capture()
         self.graphed = GraphedCall(self._run_next, capture, devices=devices)
 
     def _run_next(self, *args, **kwargs):
-        return self._next(args, kwargs)
+        out = self._next(args, kwargs)
+        if self.displaced is not None:  # inside the graph: the call's gathers end before it does
+            self.displaced.join()
+        return out
 
     def __call__(self, owner, call_next, args, kwargs):
         self._next = call_next  # the inner chain is the same on every call; only a warm-up or capture runs it
         if self.cache is not None:
             planned = self.cache.plan_call() if self.cache.known_in_advance else None
             self.graphed.extra_key = (self.cache.ctx.call_in_step, planned)
+        if self.displaced is not None:
+            self.graphed.extra_key = self.displaced.plan_call()
         try:
             return self.graphed(*args, **kwargs)
         finally:
             self._next = None
-            if self.cache is not None:
-                self.cache.end_call()
+            for planner in (self.cache, self.displaced):
+                if planner is not None:
+                    planner.end_call()
 
 
 def apply(model: torch.nn.Module, capture: Callable = cuda_capture, devices: tuple[str, ...] = ("cuda",),
-          cache=None) -> list:
-    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given);
-    returns the undo callable."""
-    return [add_hook(model, GraphHook(capture, devices, cache))]
+          cache=None, displaced=None) -> list:
+    """Replay ``model``'s calls from CUDA graphs (a ``graph`` hook, keyed by ``cache``'s planned path where given, or
+    by ``displaced``'s planned call: ``parallel.displaced.Displaced``); returns the undo callable."""
+    return [add_hook(model, GraphHook(capture, devices, cache, displaced))]

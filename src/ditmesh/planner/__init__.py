@@ -154,8 +154,9 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     ``vae_parallel`` and ``vae_chunk``: the run's ``parallelize`` settings of those names, whose memory is counted
     (the transformer traced with its pieces; the VAE decode in that mode, :mod:`.vae`). ``displaced``: also predict
     displaced attention (stale K/V, approximate) on every configuration it runs on (ulysses > 1 without ring or pp;
-    not with CUDA graphs). ``pp_patches``: the patches PipeFusion cuts the image into (``parallelize(pp_patches=...)``;
-    None: the runtime's default, ``pp``); pp configurations with more stages than patches are left out.
+    with CUDA graphs, two sets of its K/V buffers). ``pp_patches``: the patches PipeFusion cuts the image into
+    (``parallelize(pp_patches=...)``; None: the runtime's default, ``pp``); pp configurations with more stages than
+    patches are left out.
     """
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
@@ -199,7 +200,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
     baseline = predict(ParallelConfig(), stats, single_hw, workload, cal, vae)
     predictions = [predict(c, stats, hw, workload, cal, vae) for c in configs]
-    if displaced and not cuda_graph:
+    if displaced:
         predictions += [predict(c, stats, hw, workload, cal, vae, displaced=True) for c in configs
                         if c.ulysses > 1 and c.ring == 1 and c.pp == 1]
     for p in predictions:

@@ -425,8 +425,9 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             held.append((stage_weights + stage_kv + boundary, stage_weights, stage_kv, boundary))
         _, weights, kv_cache, boundary = max(held)
         comm_buf += boundary
-    if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps
-        kv_cache = displaced_kv_bytes(stats, config, samples)
+    if displaced:  # one pending gather of every rank's K/V per self-attention layer, kept between steps; two (one
+        # per step parity, at fixed addresses) under CUDA graphs
+        kv_cache = displaced_kv_bytes(stats, config, samples) * (2 if workload.cuda_graph else 1)
     memory = {
         "weights": weights / GIB, "activations": act_peak / GIB, "attention": attn_buf / GIB,
         "comm_buffers": comm_buf / GIB, "kv_cache": kv_cache / GIB,
