@@ -101,8 +101,8 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path):
              (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
              (["--steps", "0"], "give at least 1 timed step"),
              (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left")]
-    for args, needle in cases:
-        proc = bench(args, tmp_path)
+    procs = [(args, needle, bench(args, tmp_path)) for args, needle in cases]  # at once: each is one start-up
+    for args, needle, proc in procs:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
     assert leftovers(tmp_path) == []
