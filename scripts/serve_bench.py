@@ -437,18 +437,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.logs:
         os.makedirs(args.logs, exist_ok=True)
-    # a SIGTERM to this script stops the servers as Ctrl-C does. SIGINT gets Python's handler even where it came
-    # ignored (a shell's background job): a handled signal is reset to the default in a child at exec, so each
-    # server sees SIGINT and stops its ranks; an ignored one would stay ignored in the servers too.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM and SIGINT stop this script (and, through its SIGINT to each, the servers) as Ctrl-C does, also where
+    # SIGINT came ignored (a shell's background job)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.perf_counter()
     deadline = t0 + args.deadline

@@ -85,9 +85,11 @@ def test_sigint_while_starting_stops_the_server_and_its_ranks_also_as_a_backgrou
     # a shell starts a background job with SIGINT ignored, and children inherit that; serve must still stop on it
     # (and on SIGTERM) while its ranks load, before the HTTP server takes the signals over
     for sig in (signal.SIGINT, signal.SIGTERM):
-        proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(free_port()), "--nproc", "2", "--ulysses", "2",
-                                 "--steps", "2", "--height", "64", "--width", "64"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        argv = ["serve", "--port", str(free_port()), "--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64",
+                "--width", "64"]
+        ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731  (as a shell's background job)
+        proc = subprocess.Popen([sys.executable, "-m", "ditmesh", *argv], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, preexec_fn=ignored)
         try:
             deadline = time.time() + 120
             while len(ranks := _descendants(proc.pid)) < 2:  # the launcher's ranks are up

@@ -377,8 +377,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         return graph.apply(model, cache=cache, displaced=shifted)
 
     def displaced_step(name, model):
-        runtime.displaced[name], undo = displaced_attention.apply(model, runtime.sequence(name), adapter_for(model), ctx,
-                                                                  name, displaced_warmup, cuda_graph)
+        runtime.displaced[name], undo = displaced_attention.apply(
+            model, runtime.sequence(name), adapter_for(model), ctx, name, displaced_warmup, cuda_graph)
         keep(undo)
 
     # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk

@@ -243,10 +243,10 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     tmp.mkdir()
     compiled = {"off": [False], "on": [True], "both": [False, True]}[s["compile"]]
     peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
-    plan = [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
-    plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]  # ditmesh on one GPU
-    if not s.get("single", True):
-        plan = []
+    plan = []
+    if s["single"]:  # diffusers eager (and compiled) on one GPU, then ditmesh on one GPU
+        plan += [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
+        plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
     for method, g, comp, graph in plan:
@@ -260,7 +260,8 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
             continue
         spec = dict(model=s["model"], height=s["height"], width=s["width"], frames=s["frames"], batch=s["batch"],
                     method=method, gpus=g, degrees=degrees, steps=s["steps"],
-                    warmup=max(s["warmup"], GRAPH_WARMUP.get(method, 2) if graph else 0), compile=comp, graph=graph, chunks=s["ulysses_chunks"],
+                    warmup=max(s["warmup"], GRAPH_WARMUP.get(method, 2) if graph else 0), compile=comp, graph=graph,
+                    chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"

@@ -16,8 +16,8 @@ The schema (``SCHEMA``), one JSON object per run:
   ``fused_unloaded``), ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``),
   ``lora_layers_unloaded`` (LoRA layers left after ``unload_lora``: 0), ``lora_change`` (the adapted output
   against the plain one), ``lora_fused_rel_err`` (fused against unfused), ``lora_unloaded_rel_err`` (fused and
-  unloaded against fused), ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could not run); with
-  ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
+  unloaded against fused), ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could
+  not run); with ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
 
 Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
 folder, ``$DITMESH_CACHE`` or ``~/.cache/ditmesh``): never into a checkout unless asked. The project's
@@ -89,9 +89,9 @@ def rows_table(rows: list[dict]) -> str:
     """Rows as a Markdown table (with the profiler's breakdown where rows have one, and the LoRA step times with
     their cost over the plain step where rows have them: ``--lora``)."""
     lora = any("lora_rank" in r for r in rows)
+    lora_head = " LoRA unfused ms | LoRA fused ms | LoRA fused+unloaded ms |" if lora else ""
     head = ("| method | gpus | compiled | graph | step ms | speedup | efficiency | peak GiB/GPU | rel err vs 1 "
-            "| compute / comm exposed / idle ms |" + (" LoRA unfused ms | LoRA fused ms | LoRA fused+unloaded ms |" if lora else "")
-            + " note |")
+            f"| compute / comm exposed / idle ms |{lora_head} note |")
     lines = [head, "|---" * head.count(" |") + "|"]
     for r in rows:
         err = r.get("rel_err_vs_1gpu")

@@ -17,6 +17,7 @@ import torch
 
 from .report import LORA_PHASES
 
+
 def error_text(exc: BaseException) -> str:
     """A failed row's note: the exception's type and first line."""
     first = str(exc).splitlines()[0] if str(exc) else ""

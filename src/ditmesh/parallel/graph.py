@@ -288,8 +288,9 @@ class GraphHook(Hook):
 
     ``cache``: the transformer's step cache. A policy that knows each call's path before the call (static, taylor)
     takes its decision here, before the call, and the path keys the graph, so each path (computed, or skipped; taylor's
-    extrapolation factor is a tensor written before the call) gets a whole-call graph of its own. A policy that decides inside the call (dbcache,
-    teacache) gets each call captured in three graphs cut at the decision (:class:`DecisionCuts`). Either way the
+    extrapolation factor is a tensor written before the call) gets a whole-call graph of its own. A policy that
+    decides inside the call (dbcache, teacache) gets each call captured in three graphs cut at the decision
+    (:class:`DecisionCuts`). Either way the
     graph is keyed by the call's branch within the step too (true CFG calls the transformer twice per step), since
     each branch keeps its own cached residuals.
 

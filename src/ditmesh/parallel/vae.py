@@ -414,6 +414,7 @@ class ConvHook(Hook):
         windows = state.piece_windows(rows, state.units, m, pieces)
         return piecewise(bands[0], windows, lambda extended: run([extended]))  # plain: the input is its one tensor
 
+
 #: values per piece of the float32 work of a group norm's statistics: a few groups, or part of one group, at a time, so
 #: their float32 temporaries stay this small whatever the activation's size (a 128-channel 4096 x 2048 half of a FLUX
 #: decode would otherwise make several 4 GiB float32 copies); the normalization itself needs none

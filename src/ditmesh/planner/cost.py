@@ -241,8 +241,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         return stage is None or not in_block(name) or name.startswith(stage)
 
     def stage_ops(stage) -> float:  # traced ops of one pass of a stage (its blocks and the non-block modules)
-        return stats.op_count if stage is None else nonblock_ops + sum(o for n, _, o in stats.blocks
-                                                                      if (n + ".").startswith(stage))
+        return stats.op_count if stage is None else nonblock_ops + sum(o for _, _, o in stage_blocks(stats, stage))
 
     # ---- compute -----------------------------------------------------------------------------------
     def stage_compute(stage, patches: int = patches) -> float:
@@ -419,7 +418,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         nonblock = (stats.params_total - stats.params_in_blocks) * bpe
         held = []
         for i, stage in enumerate(stages):
-            stage_weights = nonblock + block_bytes * sum(n for name, n, _ in stats.blocks if (name + ".").startswith(stage))
+            stage_weights = nonblock + block_bytes * sum(n for _, n, _ in stage_blocks(stats, stage))
             stage_kv = pipefusion_kv_bytes(stats, config, samples, stage)
             boundary = hidden * ((i < pp - 1) + (i > 0))
             held.append((stage_weights + stage_kv + boundary, stage_weights, stage_kv, boundary))
@@ -458,6 +457,11 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         fits=fits, offload_step_ms=offload_ms, gpu_ms=gpu_s * 1e3, host_ms=host_s * 1e3, displaced=displaced,
         exact_step_ms=None if exact_s is None else exact_s * 1e3,
     )
+
+
+def stage_blocks(stats: ModelStats, stage: tuple) -> list:
+    """The ``(name, params, ops)`` of ``stats.blocks`` in a PipeFusion stage (its module-path prefixes)."""
+    return [block for block in stats.blocks if (block[0] + ".").startswith(stage)]
 
 
 def pipefusion_stages(stats: ModelStats, pp: int) -> list:
