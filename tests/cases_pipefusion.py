@@ -278,3 +278,19 @@ def check_pipefusion(pools, path: str, steps: int = 3, **call) -> None:
             assert rel_err(latents, ref) <= 1e-5 if warmup == steps else 1e-6 < rel_err(latents, ref) < 0.2
             kind = "pp_send" if rank == 0 else "pp_recv"
             assert per_step == [{kind: 1 if step < warmup else 3, "broadcast": 1} for step in range(steps)]
+
+
+def neighbour_ranks(config: dict) -> dict:
+    """This rank's PipeFusion stage and the global ranks of its two-rank groups with the previous and the next
+    stage (None at the ends), and of its pp group, for ``config`` on the pool's ranks."""
+    import torch.distributed as dist
+
+    from ditmesh import ParallelConfig
+    from ditmesh.mesh import ParallelMesh
+
+    mesh = ParallelMesh.build(ParallelConfig(**config), torch.device("cpu"))
+    ranks = lambda g: None if g is None else dist.get_process_group_ranks(g)  # noqa: E731
+    previous, following = mesh.neighbour_groups("pp")
+    assert mesh.neighbour_groups("pp") == (previous, following)  # created once
+    return {"stage": mesh.rank("pp"), "previous": ranks(previous), "next": ranks(following),
+            "pp": ranks(mesh.group("pp"))}

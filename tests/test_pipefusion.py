@@ -109,6 +109,20 @@ def test_a_family_pipefusion_was_not_built_for_is_refused():
         parallelize(Pipe, ParallelConfig(pp=2))
 
 
+@pytest.mark.parametrize("config", [{"pp": 4}, {"pp": 2, "ulysses": 2}], ids=["pp4", "pp2xulysses2"])
+def test_stages_send_and_receive_on_their_own_two_rank_groups(pools, config):
+    # NCCL runs one group's operations in order: a send on the group of the receive posted before it would wait
+    # for that receive; each neighbour pair has its own group, so a stage's receives and sends never share one
+    from cases_pipefusion import neighbour_ranks
+
+    results = pools(4).run(neighbour_ranks, config)
+    for rank, r in enumerate(results):
+        stage, line = r["stage"], r["pp"]
+        assert line[stage] == rank and len(line) == config["pp"]
+        assert r["previous"] == (None if stage == 0 else line[stage - 1:stage + 1])
+        assert r["next"] == (None if stage == config["pp"] - 1 else line[stage:stage + 2])
+
+
 # -- exact: warm-up over every step ----------------------------------------------------------------------------
 @pytest.mark.parametrize("patches", [None, 3], ids=["patches=pp", "patches=3"])
 @pytest.mark.parametrize("family", ["flux", "sd3", "wan"])

@@ -83,6 +83,29 @@ class ParallelMesh:
             index = index * self.size(axis) + self.rank(axis)
         return index
 
+    def neighbour_groups(self, axis: str) -> tuple:
+        """(group with the previous rank, group with the next rank) along ``axis``: a two-rank process group for
+        each pair of neighbours of every line of ``axis`` (None at the ends, or when the axis is off), created
+        once (a collective: every rank must call it, in order).
+
+        Point-to-point messages between pipeline stages go on these, not on the axis's own group: with NCCL
+        initialized eagerly (``init_process_group(device_id=...)``), a group runs all its operations, sends and
+        receives included, one after another on one stream, so a stage's send to the next stage would wait behind
+        the receive it has posted from the previous one."""
+        if self.size(axis) == 1:
+            return None, None
+        key = ("neighbours", axis)
+        if key not in self._groups:
+            lines = self.device_mesh.mesh.movedim(self.device_mesh.mesh_dim_names.index(axis), -1)
+            mine = {}
+            for line in lines.reshape(-1, self.size(axis)).tolist():
+                for k in range(len(line) - 1):
+                    group = dist.new_group(line[k:k + 2])
+                    if dist.get_rank() in line[k:k + 2]:
+                        mine[line.index(dist.get_rank()) - k] = group  # 0: with the next rank, 1: with the previous
+            self._groups[key] = (mine.get(1), mine.get(0))
+        return self._groups[key]
+
     def group_of(self, *axes: str):
         """One process group spanning several axes (ranks ordered as :meth:`flat_rank`).
 

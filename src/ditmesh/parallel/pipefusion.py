@@ -31,7 +31,9 @@
   of the step, run as one patch covering everything: stage after stage, the same result as one process, and they
   fill the buffers. Without a scheduler (a bare model call), every call is exact.
 - **Messages.** A patch's activations at a stage boundary travel as one flat buffer, point-to-point, in pieces of
-  at most ``pp_chunk_bytes`` (64 MiB by default). Sends do not wait: a stage computes its next patch while the
+  at most ``pp_chunk_bytes`` (64 MiB by default), on a two-rank group of the two stages
+  (:meth:`~ditmesh.mesh.ParallelMesh.neighbour_groups`): a stage's receives and its sends are on different groups,
+  so that NCCL, which runs one group's operations in order, never holds a send behind a posted receive. Sends do not wait: a stage computes its next patch while the
   last one travels, and waits for its sends at the end of the call; a receiving stage posts the next patch's
   receive as soon as it has the current one. The last stage's output (the whole noise
   prediction) is broadcast over the pp group in pieces of the same size, so every rank's scheduler steps alike.
@@ -129,6 +131,8 @@ class PipeFusion:
         self.sp = sequence.sp if sequence is not None else None
         self.plan = adapter.sequence_plan
         self.group = mesh.group("pp")
+        #: two-rank groups with the previous and the next stage (sends and receives never share a group's stream)
+        self.from_previous, self.to_next = mesh.neighbour_groups("pp")
         self.degree = mesh.size("pp")
         self.stage = mesh.rank("pp")
         self.patches = patches or self.degree
@@ -253,7 +257,7 @@ class PipeFusion:
     def send(self, tensors: dict[str, torch.Tensor]) -> None:
         """Send a patch's activations (by name) to the next stage as one flat buffer, without waiting."""
         flat = torch.cat([tensors[n].reshape(-1) for n in sorted(tensors)])
-        self.sends.append((flat, comm.send_start(flat, self.stage + 1, self.group, self.chunk_bytes)))
+        self.sends.append((flat, comm.send_start(flat, 1, self.to_next, self.chunk_bytes)))
 
     def receive(self, like: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
         """The previous stage's activations of the current patch, shaped like ``like`` (this rank's own inputs of
@@ -286,7 +290,7 @@ class PipeFusion:
     def post_receive(self, size: int, like: torch.Tensor):
         """(buffer, work handles) of a receive of ``size`` values from the previous stage, posted now."""
         flat = torch.empty(size, dtype=like.dtype, device=like.device)
-        return flat, comm.recv_start(flat, self.stage - 1, self.group, self.chunk_bytes)
+        return flat, comm.recv_start(flat, 0, self.from_previous, self.chunk_bytes)
 
     def local_tokens(self, stream: str, index: int) -> int:
         """Tokens of ``stream`` this rank holds in patch ``index`` (its sp chunk of the patch under Ulysses)."""
