@@ -26,7 +26,9 @@
   the whole sequence (the plan's streams, in their attention order) and its queries attend to the whole buffer:
   the patches before it hold this step's K/V, the patches after it the previous step's (PipeFusion's one-step
   staleness). The buffers sit in the forward context (``ForwardContext.kv_buffers``), one per transformer,
-  attention layer and call of the step (a CFG branch).
+  attention layer (by index) and call of the step (a CFG branch). The write and the attention run as one operator
+  (``ditmesh::pipefusion_attend``) that reads the layer (a 0-dim tensor) and the patch at run time, so a compiled
+  block guards on neither and traces once per input shape.
 - **Exact calls.** The first ``pp_warmup`` steps of a run, and a transformer's first call of a run for each call
   of the step, run as one patch covering everything: stage after stage, the same result as one process, and they
   fill the buffers. Without a scheduler (a bare model call), every call is exact.
@@ -52,6 +54,7 @@ happen in the same order on every rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 
@@ -66,6 +69,10 @@ from ..models.base import ModelAdapter, Split, adapter_for
 from .sequence import split_points, split_value
 from .tensor import MetaLoad, _load_dtype, _set_param
 
+
+#: PipeFusion runtimes by id, for the ``ditmesh::pipefusion_attend`` operator (which takes plain values only)
+_RUNTIMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_IDS = itertools.count()
 
 #: transformers loaded with one stage's block weights (:func:`load_stage_transformer`) -> (pp rank, pp degree, the full
 #: shape of every block tensor left empty, by name); kept here, not on the model
@@ -158,6 +165,10 @@ class PipeFusion:
         self.filled: dict[int, int] = {}
         #: (buffer, work handles) of the next patch's receive, posted while this patch is computed
         self.prefetched = None
+        #: the attention layers' names, in the order of their indices (:class:`LayerAttention`)
+        self.layers: list[str] = []
+        self.id = next(_IDS)
+        _RUNTIMES[self.id] = self
 
     # -- the current patch ----------------------------------------------------------------------------------
     def exact(self) -> bool:
@@ -211,18 +222,28 @@ class PipeFusion:
         return self.out
 
     # -- attention over the K/V buffer ----------------------------------------------------------------------
-    def attend(self, layer: str, query, key, value, backend=None, streams=None, mask=None):
-        """The current patch's queries ``[B, S, H, D]`` against the layer's K/V buffer, after writing this patch's
-        ``key`` and ``value`` into it (tokens in the order of ``streams``, default the plan's). Under Ulysses the
-        all-to-all gathers the patch's tokens (with this rank's heads) first and scatters the output back."""
+    def attend(self, layer: torch.Tensor, query, key, value, backend=None, streams=None, mask=None):
+        """The current patch's queries ``[B, S, H, D]`` against the K/V buffer of attention layer ``layer`` (its index
+        as a 0-dim tensor), after writing this patch's ``key`` and ``value`` into it (tokens in the order of
+        ``streams``, default the plan's). Under Ulysses the all-to-all gathers the patch's tokens (with this rank's
+        heads) first and scatters the output back.
+
+        The buffer's part runs as one operator (``ditmesh::pipefusion_attend``), so a compiled block neither traces
+        nor guards on what differs between its calls: the layer (a tensor, not a constant) and the patch, its
+        offsets and the buffers (read at run time inside the operator). The block class's forward is traced once
+        per input shape, not once per layer and patch."""
         if mask is not None:
             raise NotImplementedError("PipeFusion (pp > 1) does not take an attention mask yet; run this pipeline "
                                       "without pp")
         streams = [s for s in (streams or self.plan.streams) if s in self.lengths]
+        backend = None if backend is None else str(getattr(backend, "value", backend))
+
+        def local(q, k, v):
+            return torch.ops.ditmesh.pipefusion_attend(q, k, v, layer, self.id, backend, ",".join(streams))
+
         if self.sp is None:
-            return self.attend_buffer(layer, query, key, value, backend, streams)
-        return self.sp.attention(query, key, value, backend=backend, streams=streams,
-                                 local=lambda q, k, v: self.attend_buffer(layer, q, k, v, backend, streams))
+            return local(query, key, value)
+        return self.sp.attention(query, key, value, backend=backend, streams=streams, local=local)
 
     def token_runs(self, streams: list[str]) -> list[tuple[int, int]]:
         """(buffer position, count) of each run of the attention's tokens, in their order: per stream (in the
@@ -236,8 +257,9 @@ class PipeFusion:
         return [(starts[s] + patch[s][0] + sum(sizes[s][:j]), sizes[s][j])
                 for j in range(self.sp.degree) for s in streams]
 
-    def attend_buffer(self, layer: str, query, key, value, backend, streams: list[str]):
-        """Write ``key`` and ``value`` (the tokens of :meth:`token_runs`) into the layer's buffer and attend to it."""
+    def attend_buffer(self, layer: int, query, key, value, backend, streams: list[str]):
+        """Write ``key`` and ``value`` (the tokens of :meth:`token_runs`) into the buffer of attention layer ``layer``
+        (its index in the transformer) and attend to it."""
         total = sum(self.lengths[s] for s in streams)
         shape = (key.shape[0], total) + tuple(key.shape[2:])
         name = (self.name, layer, self.ctx.call_in_step)
@@ -307,14 +329,30 @@ class PipeFusion:
 
 class LayerAttention:
     """What one attention layer's processor calls as ``sp.attention``: the attention over that layer's PipeFusion K/V
-    buffer, through ``owner.attend(layer, ...)`` (the adapters' sequence-parallel processors compute projections,
-    norms and RoPE on local tokens and hand the core attention to this object)."""
+    buffer, through ``owner.attend(index, ...)`` (the adapters' sequence-parallel processors compute projections,
+    norms and RoPE on local tokens and hand the core attention to this object). The layer's index is a 0-dim tensor:
+    a compiled block takes it as an input, where a Python value would be a guard (one trace per layer)."""
 
     def __init__(self, owner, layer: str):
         self.owner, self.layer = owner, layer
+        owner.layers.append(layer)
+        self.index = torch.tensor(len(owner.layers) - 1)
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
-        return self.owner.attend(self.layer, query, key, value, backend=backend, streams=streams, mask=mask)
+        return self.owner.attend(self.index, query, key, value, backend=backend, streams=streams, mask=mask)
+
+
+@torch.library.custom_op("ditmesh::pipefusion_attend", mutates_args=())
+def pipefusion_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, runtime: int,
+                      backend: str | None, streams: str) -> torch.Tensor:
+    """:meth:`PipeFusion.attend_buffer` of runtime ``runtime`` for attention layer ``int(layer)``, as one operator
+    (``streams``: the stream names, comma-separated)."""
+    return _RUNTIMES[runtime].attend_buffer(int(layer), query, key, value, backend, streams.split(","))
+
+
+@pipefusion_attend.register_fake
+def _(query, key, value, layer, runtime, backend, streams):
+    return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
 
 def drop_buffers(ctx: ForwardContext, name: str) -> None:
