@@ -1,9 +1,23 @@
-"""Functions executed on every rank of a gloo worker pool (module-level so workers can import them)."""
+"""Functions executed on every rank of a gloo worker pool (module-level so workers can import them), and `load_script`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str):
+    """The module of ``scripts/<name>.py``, imported from its file (the scripts folder is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def world_info():

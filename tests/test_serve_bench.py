@@ -4,7 +4,6 @@ server refuses, and its own option errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from cases import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serve_bench.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("serve_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(flux_tiny, tmp_path):
@@ -77,7 +71,7 @@ class _StandInServer:
 
 @pytest.mark.parametrize("repeat_id", [False, True])
 def test_a_phase_counts_a_repeated_answer_id_as_not_answered_once(repeat_id):
-    bench = _script()
+    bench = load_script("serve_bench")
     args = bench.parse_args(["--model", "m", "--layout", "--nproc 1", "--requests-per-client", "3", "--steps", "2"])
     assert args.serve_args == ["--steps", "2"] and args.layouts == [["--nproc", "1"]]
     server = _StandInServer(repeat_id)
@@ -93,7 +87,7 @@ def test_a_phase_counts_a_repeated_answer_id_as_not_answered_once(repeat_id):
     (["--port", "8000"], "--port: the benchmark sets serve's address itself"),
 ])
 def test_bad_options_are_one_line_and_exit_code_2(capsys, argv, needle):
-    bench = _script()
+    bench = load_script("serve_bench")
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args(["--model", "m", "--layout", "--nproc 1", *argv])
     assert exit_.value.code == 2 and needle in capsys.readouterr().err.strip().splitlines()[-1]

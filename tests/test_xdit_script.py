@@ -2,7 +2,6 @@
 one record (the first failure's) instead of a hung or silent run. The xDiT run itself is measured on GPUs
 (docs/benchmarks.md, "PipeFusion against xDiT's, whole images")."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from cases import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "xdit_pipefusion.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("xdit_pipefusion", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("argv, world, message", [
@@ -30,12 +24,12 @@ def load_script():
 def test_bad_degrees_and_sizes_are_one_line_errors(monkeypatch, capsys, argv, world, message):
     monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(SystemExit) as exit_info:
-        load_script().parse_args(["--model", "m", *argv])
+        load_script("xdit_pipefusion").parse_args(["--model", "m", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_the_first_failure_record_is_kept_and_a_success_overwrites(tmp_path, capsys):
-    script, path = load_script(), str(tmp_path / "r.json")
+    script, path = load_script("xdit_pipefusion"), str(tmp_path / "r.json")
     script.emit({"error": "first"}, path, first_only=True)
     script.emit({"error": "second"}, path, first_only=True)  # a later rank's failure: neither written nor printed
     assert json.loads(Path(path).read_text()) == {"error": "first"}
