@@ -5,7 +5,8 @@ For each ``--layout`` (``generate``'s rank and memory options, quoted: ``"--npro
 ascending order, each try its own process, and stops at the first try that does not complete. Candidates are square
 sides (``--sides 4096,5120,6144``: pictures) or frame counts at ``--height`` × ``--width`` (``--frames 81,121``:
 videos). A try ends as ``ok``, ``oom`` (its error names running out of memory), ``timeout`` (``--timeout`` seconds,
-its ranks stopped) or ``error`` (the error's last line). It prints one Markdown row per layout (the largest size
+its ranks stopped) or ``error`` (the error's last line); a try that the run's ``--deadline`` stops first ends as
+``deadline``, which is no failure of its size: that size and the larger ones are reported as not tried. It prints one Markdown row per layout (the largest size
 completed, its seconds and peak GiB per GPU from the run's report, the first size that failed and why) and writes
 every try to ``--json``. ``--deadline`` bounds the whole run: past it no try starts and the layouts left are
 reported as not tried.
@@ -44,7 +45,7 @@ def outcome(rc: int | None, stderr: str) -> tuple[str, str]:
     """(``ok`` | ``oom`` | ``timeout`` | ``error``, the error's last line) of a finished try."""
     if rc is None:
         return "timeout", ""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.lstrip().startswith(("\r", "denoising"))]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.strip().startswith("denoising")]
     last = lines[-1] if lines else f"exit code {rc}"
     if rc == 0:
         return "ok", ""
@@ -88,6 +89,8 @@ def search(layout: str, sizes: list[int], video: bool, args, extra: list[str], o
                "--report", str(report)]
         rc, stderr, seconds = run_try(cmd, min(args.timeout, left))
         state, why = outcome(rc, stderr)
+        if state == "timeout" and left < args.timeout:  # stopped by the run's deadline, not by its own time limit
+            state = "deadline"
         entry = {"size": size, "outcome": state, "seconds": round(seconds, 1), "command": shlex.join(cmd[1:])}
         if why:
             entry["error"] = why
@@ -99,13 +102,14 @@ def search(layout: str, sizes: list[int], video: bool, args, extra: list[str], o
         if state != "ok":
             break
     done = [t for t in tries if t["outcome"] == "ok"]
-    failed = next((t for t in tries if t["outcome"] != "ok"), None)
+    failed = next((t for t in tries if t["outcome"] not in ("ok", "deadline")), None)
+    cut = len(done) < len(sizes) and failed is None  # the deadline came first: the sizes left are not tried
     return {"layout": layout, "tries": tries, "largest": done[-1]["size"] if done else None,
             "largest_seconds": done[-1]["seconds"] if done else None,
             "largest_peak_gib": done[-1].get("peak_gib_per_gpu") if done else None,
             "first_failed": failed["size"] if failed else None,
             "why": (failed["outcome"] + (f": {failed['error']}" if failed.get("error") else "")) if failed else
-            ("not tried (deadline)" if len(tries) < len(sizes) else "every size completed")}
+            (f"{sizes[len(done)]} and up not tried (deadline)" if cut else "every size completed")}
 
 
 def table(results: list[dict], video: bool) -> str:

@@ -280,9 +280,10 @@ def check_pipefusion(pools, path: str, steps: int = 3, **call) -> None:
             assert per_step == [{kind: 1 if step < warmup else 3, "broadcast": 1} for step in range(steps)]
 
 
-def neighbour_ranks(config: dict) -> dict:
-    """This rank's PipeFusion stage and the global ranks of its two-rank groups with the previous and the next
-    stage (None at the ends), and of its pp group, for ``config`` on the pool's ranks."""
+def neighbour_ranks(model: str, config: dict) -> dict:
+    """This rank's PipeFusion stage, the global ranks of its two-rank groups with the previous and the next stage
+    (None at the ends) and of its pp group, for ``config``; and the group (its global ranks) of every point-to-point
+    send and receive of a 2-step pipeline run of ``model`` under ``config`` (1 exact step, 1 stale)."""
     import torch.distributed as dist
 
     from ditmesh import ParallelConfig
@@ -292,5 +293,19 @@ def neighbour_ranks(config: dict) -> dict:
     ranks = lambda g: None if g is None else dist.get_process_group_ranks(g)  # noqa: E731
     previous, following = mesh.neighbour_groups("pp")
     assert mesh.neighbour_groups("pp") == (previous, following)  # created once
+    messages = []
+    isend, irecv = dist.isend, dist.irecv
+
+    def recorded(kind, fn):
+        def call(tensor, peer, group=None, **kwargs):
+            messages.append((kind, ranks(group or dist.group.WORLD), peer))
+            return fn(tensor, peer, group=group, **kwargs)
+        return call
+
+    dist.isend, dist.irecv = recorded("send", isend), recorded("recv", irecv)
+    try:
+        pipeline_run(model, config, steps=2, pp_warmup=1)
+    finally:
+        dist.isend, dist.irecv = isend, irecv
     return {"stage": mesh.rank("pp"), "previous": ranks(previous), "next": ranks(following),
-            "pp": ranks(mesh.group("pp"))}
+            "pp": ranks(mesh.group("pp")), "messages": messages}

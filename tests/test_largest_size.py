@@ -47,6 +47,15 @@ def test_a_try_past_its_timeout_is_stopped_with_its_ranks(flux_tiny, tmp_path):
     assert leftover.stdout.strip() == ""
 
 
+def test_a_try_cut_by_the_runs_deadline_is_no_failure_of_its_size(flux_tiny, tmp_path):
+    report, table = _run(flux_tiny, tmp_path, "--layout", "--nproc 2 --ulysses 2", "--sides", "64,96", "--timeout", "100",
+                         "--deadline", "11", "--steps", "1000")
+    (result,) = report["results"]
+    assert [(t["size"], t["outcome"]) for t in result["tries"]] == [(64, "deadline")]
+    assert result["largest"] is None and result["first_failed"] is None
+    assert result["why"] == "64 and up not tried (deadline)"
+
+
 def test_how_a_try_ends_is_read_from_its_exit_code_and_error():
     outcome = load_script("largest_size").outcome
     assert outcome(0, "denoising 100%\n") == ("ok", "")

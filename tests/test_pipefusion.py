@@ -110,17 +110,22 @@ def test_a_family_pipefusion_was_not_built_for_is_refused():
 
 
 @pytest.mark.parametrize("config", [{"pp": 4}, {"pp": 2, "ulysses": 2}], ids=["pp4", "pp2xulysses2"])
-def test_stages_send_and_receive_on_their_own_two_rank_groups(pools, config):
+def test_stages_send_and_receive_on_their_own_two_rank_groups(pools, flux_tiny, config):
     # NCCL runs one group's operations in order: a send on the group of the receive posted before it would wait
     # for that receive; each neighbour pair has its own group, so a stage's receives and sends never share one
     from cases_pipefusion import neighbour_ranks
 
-    results = pools(4).run(neighbour_ranks, config)
+    results = pools(4).run(neighbour_ranks, flux_tiny, config)
     for rank, r in enumerate(results):
         stage, line = r["stage"], r["pp"]
         assert line[stage] == rank and len(line) == config["pp"]
         assert r["previous"] == (None if stage == 0 else line[stage - 1:stage + 1])
         assert r["next"] == (None if stage == config["pp"] - 1 else line[stage:stage + 2])
+        # every message of the run (1 exact call, then a stale one of pp patches) on the pair's group, to the peer
+        sends = [(r["next"], line[stage + 1])] * (1 + config["pp"]) if r["next"] else []
+        receives = [(r["previous"], line[stage - 1])] * (1 + config["pp"]) if r["previous"] else []
+        assert [(g, p) for kind, g, p in r["messages"] if kind == "send"] == sends
+        assert [(g, p) for kind, g, p in r["messages"] if kind == "recv"] == receives
 
 
 # -- exact: warm-up over every step ----------------------------------------------------------------------------
@@ -342,6 +347,21 @@ def test_pp2_with_compiled_blocks_matches_eager_and_traces_no_layer_or_patch(poo
         reasons = [r for rs in failures.values() for r in rs]
         assert breaks == 0 and not [r for r in reasons if "processor" in r or "ctx" in r], reasons
         assert all(n <= 6 for n in entries.values()), entries
+
+
+def test_compiled_wan22_experts_share_their_block_graphs_under_pp(pools, model_checkpoints):
+    # Wan 2.2's two transformers (high- and low-noise experts, the second from step 3 of 6 here) run the same block
+    # class: a runtime or layer that reached the compiled blocks as a Python value would trace them once per expert
+    from cases_displaced import compiled_run_graphs
+
+    path, call = family_case("wan", model_checkpoints, "")
+    eager = pools(2).run(pipeline_run, path, {"pp": 2}, steps=6, pp_warmup=1, keep=None, **call)
+    compiled = pools(2).run(compiled_run_graphs, path, {"pp": 2}, steps=6, pp_warmup=1, **call)
+    for (latents, _, entries, failures, breaks), (ref, *_) in zip(compiled, eager):
+        assert rel_err(latents, ref) <= 1e-5
+        reasons = [r for rs in failures.values() for r in rs]
+        assert breaks == 0 and not [r for r in reasons if "processor" in r or "ctx" in r], reasons
+        assert entries == {"WanTransformerBlock": 2}, (entries, reasons)
 
 
 # -- step caching under PipeFusion (static and taylor: decided by the step on every stage) -----------------------

@@ -70,9 +70,11 @@ from .sequence import split_points, split_value
 from .tensor import MetaLoad, _load_dtype, _set_param
 
 
-#: PipeFusion runtimes by id, for the ``ditmesh::pipefusion_attend`` operator (which takes plain values only)
-_RUNTIMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_IDS = itertools.count()
+#: every attention layer's :class:`LayerAttention` by its global id, for the ``ditmesh::pipefusion_attend`` operator
+#: (which takes tensors and plain values only); ids are unique over all transformers, so the operator needs no other
+#: argument that differs between them (Wan 2.2's two experts trace one graph)
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_LAYER_IDS = itertools.count()
 
 #: transformers loaded with one stage's block weights (:func:`load_stage_transformer`) -> (pp rank, pp degree, the full
 #: shape of every block tensor left empty, by name); kept here, not on the model
@@ -167,8 +169,6 @@ class PipeFusion:
         self.prefetched = None
         #: the attention layers' names, in the order of their indices (:class:`LayerAttention`)
         self.layers: list[str] = []
-        self.id = next(_IDS)
-        _RUNTIMES[self.id] = self
 
     # -- the current patch ----------------------------------------------------------------------------------
     def exact(self) -> bool:
@@ -223,9 +223,9 @@ class PipeFusion:
 
     # -- attention over the K/V buffer ----------------------------------------------------------------------
     def attend(self, layer: torch.Tensor, query, key, value, backend=None, streams=None, mask=None):
-        """The current patch's queries ``[B, S, H, D]`` against the K/V buffer of attention layer ``layer`` (its index
-        as a 0-dim tensor), after writing this patch's ``key`` and ``value`` into it (tokens in the order of
-        ``streams``, default the plan's). Under Ulysses the all-to-all gathers the patch's tokens (with this rank's
+        """The current patch's queries ``[B, S, H, D]`` against the K/V buffer of attention layer ``layer`` (its
+        :class:`LayerAttention`'s global id as a 0-dim tensor), after writing this patch's ``key`` and ``value`` into
+        it (tokens in the order of ``streams``, default the plan's). Under Ulysses the all-to-all gathers the patch's tokens (with this rank's
         heads) first and scatters the output back.
 
         The buffer's part runs as one operator (``ditmesh::pipefusion_attend``), so a compiled block neither traces
@@ -239,7 +239,7 @@ class PipeFusion:
         backend = None if backend is None else str(getattr(backend, "value", backend))
 
         def local(q, k, v):
-            return torch.ops.ditmesh.pipefusion_attend(q, k, v, layer, self.id, backend, ",".join(streams))
+            return torch.ops.ditmesh.pipefusion_attend(q, k, v, layer, backend, ",".join(streams))
 
         if self.sp is None:
             return local(query, key, value)
@@ -330,28 +330,33 @@ class PipeFusion:
 class LayerAttention:
     """What one attention layer's processor calls as ``sp.attention``: the attention over that layer's PipeFusion K/V
     buffer, through ``owner.attend(index, ...)`` (the adapters' sequence-parallel processors compute projections,
-    norms and RoPE on local tokens and hand the core attention to this object). The layer's index is a 0-dim tensor:
-    a compiled block takes it as an input, where a Python value would be a guard (one trace per layer)."""
+    norms and RoPE on local tokens and hand the core attention to this object). The layer is named to the operator
+    by a global id in a 0-dim tensor: a compiled block takes it as an input, where a Python value would be a guard
+    (one trace per layer, or per transformer)."""
 
     def __init__(self, owner, layer: str):
         self.owner, self.layer = owner, layer
+        #: this layer's index in its transformer (keys its K/V buffers)
+        self.position = len(owner.layers)
         owner.layers.append(layer)
-        self.index = torch.tensor(len(owner.layers) - 1)
+        self.id = torch.tensor(next(_LAYER_IDS))
+        _LAYERS[int(self.id)] = self
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
-        return self.owner.attend(self.index, query, key, value, backend=backend, streams=streams, mask=mask)
+        return self.owner.attend(self.id, query, key, value, backend=backend, streams=streams, mask=mask)
 
 
 @torch.library.custom_op("ditmesh::pipefusion_attend", mutates_args=())
-def pipefusion_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor, runtime: int,
+def pipefusion_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: torch.Tensor,
                       backend: str | None, streams: str) -> torch.Tensor:
-    """:meth:`PipeFusion.attend_buffer` of runtime ``runtime`` for attention layer ``int(layer)``, as one operator
-    (``streams``: the stream names, comma-separated)."""
-    return _RUNTIMES[runtime].attend_buffer(int(layer), query, key, value, backend, streams.split(","))
+    """:meth:`PipeFusion.attend_buffer` of the attention layer whose :class:`LayerAttention` has id ``int(layer)``,
+    as one operator (``streams``: the stream names, comma-separated)."""
+    this = _LAYERS[int(layer)]
+    return this.owner.attend_buffer(this.position, query, key, value, backend, streams.split(",")).contiguous()
 
 
 @pipefusion_attend.register_fake
-def _(query, key, value, layer, runtime, backend, streams):
+def _(query, key, value, layer, backend, streams):
     return query.new_empty(query.shape[:-1] + value.shape[-1:])
 
 
