@@ -251,11 +251,15 @@ class FamilyRuns:
 
 
 def generate_refusal(path: str, *args: str) -> str:
-    """``ditmesh generate --model path *args``, which must exit with code 2 and one line on stderr; returns that line."""
-    import subprocess
-    import sys
+    """``ditmesh generate --model path *args`` (run in this process: its checks refuse before any rank starts),
+    which must return exit code 2 with one line on stderr; returns that line."""
+    import contextlib
+    import io
 
-    proc = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", path, *args], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
-    return proc.stderr.strip()
+    from ditmesh.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["generate", "--model", path, *args])
+    assert code == 2 and len(err.getvalue().strip().splitlines()) == 1, err.getvalue()[-2000:]
+    return err.getvalue().strip()

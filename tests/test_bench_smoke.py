@@ -94,17 +94,27 @@ def test_ctrl_c_removes_the_temporary_folder(tmp_path):
     assert not (tmp_path / "runs").exists()  # an interrupted run writes no results
 
 
-def test_bad_bench_input_is_one_line_and_exit_2(tmp_path):
+def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    from ditmesh.cli import main
+
     cases = [(["--baseline-src", str(tmp_path)], "--baseline-src"),
              (["--out", str(tmp_path / "r.txt")], "give a .json file path"),
              (["--dtype", "int3"], "--dtype 'int3' is not one of"),
              (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
              (["--steps", "0"], "give at least 1 timed step"),
              (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left")]
-    procs = [(args, needle, bench(args, tmp_path)) for args, needle in cases]  # at once: each is one start-up
-    for args, needle, proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
+    # the first as its own process (the exit code a shell sees), the others in this one (each a start-up less)
+    proc = bench(cases[0][0], tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and cases[0][1] in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    for args, needle in cases[1:]:
+        assert main(["bench", "--model", "flux-tiny", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, (args, err)
     assert leftovers(tmp_path) == []
 
 

@@ -81,6 +81,11 @@ class _nothing:
     (["generate", "--model", "flux-tiny", "--nproc", "8", "--tp", "2", "--ulysses", "4"],
      "ulysses=4 exceeds the 3 heads each tp=2 rank holds"),
     (["synth", "--arch", "flux-tiny", "--out", "s", "--dtype", "bogus"], "--dtype 'bogus' is not one of"),
+    (["synth", "--out", "s"], "synth needs --arch NAME and --out DIR (ditmesh synth --list names the architectures)"),
+    (["generate", "--model", "mochi-tiny", "--nproc", "2", "--pp", "2"],
+     "PipeFusion does not run mochi yet: every call carries its captions' key-padding mask"),
+    (["generate", "--model", "sana-tiny", "--nproc", "2", "--ulysses", "2", "--displaced"],
+     "displaced attention does not run sana: its token grid's convolutions and linear attention exchange rows"),
     (["synth", "--arch", "flux-tiny", "--out", "s", "--device", "bogus"], "--device 'bogus' is not a device"),
     (["generate", "--model", "flux-tiny", "--cuda-graph"], "CUDA graphs need a CUDA device, but this rank runs on cpu"),
     (["generate", "--model", "flux-tiny", "--transport", "symm"], "--transport symm needs CUDA GPUs (copy engines), not cpu"),
@@ -105,3 +110,12 @@ def test_more_bad_inputs_fail_before_any_work(argv, needle, capsys, tmp_path, mo
 def test_output_path_that_is_a_folder_is_rejected(tmp_path, capsys):
     assert main(["generate", "--report", str(tmp_path)]) == 2
     assert "is a folder; give a file path" in capsys.readouterr().err
+
+
+def test_synth_list_names_every_architecture_with_its_description(capsys):
+    from ditmesh.synth import ARCHS
+
+    assert main(["synth", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(ARCHS)
+    assert all(ARCHS[line.split()[0]].description in line for line in lines)

@@ -54,3 +54,9 @@ def test_plan_auto_offers_pipefusion_and_displaced_to_the_planner_only_with_allo
     planned_config(_args(allow_stale=True), 2)
     assert "pp" not in offered[0][0] and "ulysses" in offered[0][0] and not offered[0][1]  # nor displaced
     assert "pp" in offered[1][0] and offered[1][1]
+    # a family that refuses PipeFusion (Mochi: every call carries a mask) or displaced attention (Sana: its token
+    # grid; its blocks declare no token streams for PipeFusion either) is never offered it, also with --allow-stale
+    planned_config(_args(model="mochi-tiny", allow_stale=True), 2)
+    planned_config(_args(model="sana-tiny", allow_stale=True), 2)
+    assert "pp" not in offered[2][0] and offered[2][1]
+    assert "pp" not in offered[3][0] and not offered[3][1]

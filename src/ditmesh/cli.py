@@ -182,12 +182,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")
 
     s = sub.add_parser("synth", help="write a synthetic checkpoint (random weights, real architecture)")
-    s.add_argument("--arch", required=True, help="architecture name (e.g. flux-tiny, flux-dev)")
-    s.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    s.add_argument("--arch", default=None, help="architecture name (e.g. flux-tiny, flux-dev; --list names them all)")
+    s.add_argument("--out", default=None, help="output folder (must not exist or be empty)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None, help="device to initialize on (default: cuda if present, else cpu)")
     s.add_argument("--dtype", default=None, help="weights dtype (default: the architecture's; float32 for tiny ones)")
-    s.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
+    s.add_argument("--list", action="store_true", help="print every architecture's name and description, then exit")
 
     for name, (module, add, run, help_text) in EXTRA_COMMANDS.items():
         if name == command:  # only the chosen command imports its module (and torch)
@@ -246,6 +246,16 @@ def _cmd_generate(args, argv: list[str]) -> int:
 def _cmd_synth(args) -> int:
     from .synth import ARCHS, write_checkpoint
 
+    if args.list:
+        width = max(len(name) for name in ARCHS)
+        try:
+            for name, arch in sorted(ARCHS.items()):
+                print(f"{name:<{width}}  {arch.description}", flush=True)
+        except BrokenPipeError:  # the reader went away (`ditmesh synth --list | head`): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if args.arch is None or args.out is None:
+        raise ConfigError("synth needs --arch NAME and --out DIR (ditmesh synth --list names the architectures)")
     path = write_checkpoint(args.arch, args.out, seed=args.seed, device=args.device, dtype=args.dtype)
     print(f"ditmesh: wrote {ARCHS[args.arch].name} checkpoint to {path}")
     return 0

@@ -1,7 +1,8 @@
 """Run functions on N gloo CPU processes and collect per-rank results (the multi-process test harness).
 
 Starting a process costs seconds (importing torch + diffusers), so a :class:`ProcessPool` starts its N
-workers once, initializes a real gloo process group in each, and then runs many cases: ``pool.run(fn,
+workers once (forked from one server process that imported those modules once, where the platform has one:
+``_context``), initializes a real gloo process group in each, and then runs many cases: ``pool.run(fn,
 *args)`` calls the module-level function ``fn(*args)`` on every rank and returns the list of results,
 rank 0 first. Exceptions on any rank are re-raised in the caller with the rank's traceback. Ranks that have
 not answered ``error_grace_s`` after another rank failed are taken to be waiting in a collective the failed rank
@@ -19,6 +20,24 @@ import socket
 import traceback
 
 _STOP = "__stop__"
+
+#: what the workers' server process imports once, so that every pool started after the first starts in moments
+#: (each worker still initializes its own torch state: threads, its process group)
+PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "ditmesh.models", "ditmesh.api")
+
+
+def _context():
+    """The multiprocessing context of the workers: ``forkserver`` with :data:`PRELOAD` imported in the server where
+    the platform has it, else ``spawn``; ``DITMESH_TEST_START=spawn`` forces spawn (each worker imports everything
+    itself). The server is started by the first pool; each worker takes the environment of the moment its pool
+    starts (``_worker``), but what a module read from the environment when the server imported it stays."""
+    method = os.environ.get("DITMESH_TEST_START", "forkserver")
+    if method not in ("forkserver", "spawn") or method not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def rel_err(out, ref) -> float:
@@ -42,7 +61,9 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the parent's, as the pool starts (a forked worker has its server's otherwise)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -78,12 +99,14 @@ class ProcessPool:
         self.error_grace_s = error_grace_s
         #: the workers were stopped (by :meth:`close`, or after a failure left ranks waiting); start a new pool
         self.closed = False
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
+        environ = dict(os.environ)
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, timeout_s), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, timeout_s, environ),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:

@@ -419,6 +419,8 @@ class ModelAdapter:
     vae: VaePlan | None = None
     #: why a transformer call of the family cannot be captured in a CUDA graph (one line), or None: it can
     graph_refusal: str | None = None
+    #: why PipeFusion cannot run the family's calls (one line), or None: it runs wherever its block lists allow
+    pp_refusal: str | None = None
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None

@@ -223,5 +223,7 @@ MOCHI = register(
         synth_archs=(MOCHI_1, MOCHI_TINY),
         synth_components=mochi_components,
         vae=MOCHI_VAE_PLAN,
+        pp_refusal="every call carries its captions' key-padding mask, which the stages' attention over the K/V "
+                   "buffers does not take",
     )
 )

@@ -445,10 +445,13 @@ def free_other_stages(pf: PipeFusion, model: torch.nn.Module):
 
 
 def check_blocks(adapter: ModelAdapter) -> None:
-    """Raise NotImplementedError for a family without block lists (Z-Image), or whose consecutive block lists pass different activations (a stage
+    """Raise NotImplementedError for a family that refuses PipeFusion (``pp_refusal``: Mochi's calls always carry a
+    mask), without block lists (Z-Image), or whose consecutive block lists pass different activations (a stage
     boundary between them would send what the next block does not take; Chroma's single blocks take the text and
     image streams concatenated), or whose block lists do not declare the streams of what they carry (the families
     PipeFusion has not been tested on: their attention may not read the K/V buffers)."""
+    if adapter.pp_refusal:
+        raise NotImplementedError(f"PipeFusion does not run {adapter.name} yet: {adapter.pp_refusal}; use pp=1")
     if not adapter.blocks:
         raise NotImplementedError(f"PipeFusion does not run {adapter.name}: it declares no block lists to pipeline; "
                                   "use pp=1")

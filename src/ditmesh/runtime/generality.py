@@ -55,12 +55,9 @@ def axes(adapter) -> dict[str, str]:
 
 def _pipefusion_runs(adapter) -> bool:
     from ..parallel.pipefusion import check_blocks
+    from .generate import family_allows
 
-    try:
-        check_blocks(adapter)
-    except NotImplementedError:
-        return False
-    return True
+    return family_allows(check_blocks, adapter)
 
 
 def rows() -> list[list[str]]:

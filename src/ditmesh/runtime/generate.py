@@ -98,6 +98,14 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
         check_pipefusion_options(config, cache=getattr(args, "cache", None),
                                  cuda_graph=getattr(args, "cuda_graph", False),
                                  transport=getattr(args, "transport", "nccl"), displaced=stale["displaced"])
+        if adapter is not None:  # the family's own refusal, before any rank starts
+            from ..parallel import displaced as displaced_attention
+            from ..parallel import pipefusion
+
+            if config.pp > 1:
+                pipefusion.check_blocks(adapter)
+            if stale["displaced"]:
+                displaced_attention.check_family(adapter)
     return config, model
 
 
@@ -330,24 +338,41 @@ def planned_setting(args, world_size: int):
                           f"{model}; download it first or give the degrees yourself")
     # PipeFusion after its warm-up is approximate (one-step-stale K/V): picked only when the user allows it
     stale = getattr(args, "allow_stale", False)
-    supported = set(AXIS_ORDER) - (set() if stale else {"pp"})
+    adapter = read_adapter(model)
+    pp_runs, displaced_runs = stale, stale
+    if stale and adapter is not None:  # the family's own refusals: never plan what parallelize would refuse
+        from ..parallel import displaced as displaced_attention
+        from ..parallel import pipefusion
+
+        pp_runs = family_allows(pipefusion.check_blocks, adapter)
+        displaced_runs = family_allows(displaced_attention.check_family, adapter)
+    supported = set(AXIS_ORDER) - (set() if pp_runs else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
-    cfg_on = guidance_on(read_adapter(model), args)
+    cfg_on = guidance_on(adapter, args)
     prompts = len(args.prompt) if args.prompt else 1
     counted = {"chunk": chunk_setting(getattr(args, "chunk", None)),
                "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
     counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
     try:
-        return recommend_prediction(model, args.height or size[0], args.width or size[1], world_size, displaced=stale,
-                         frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
-                         batch=prompts * getattr(args, "images_per_prompt", 1),
-                         mode="compiled" if getattr(args, "compile", False) else "eager", supported=supported,
-                         cuda_graph=getattr(args, "cuda_graph", False), require_fit=True,
-                         vae_parallel=getattr(args, "vae_parallel", "auto"),
-                         pp_patches=getattr(args, "pp_patches", None), **counted)
+        return recommend_prediction(model, args.height or size[0], args.width or size[1], world_size,
+                                    displaced=displaced_runs, frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
+                                    batch=prompts * getattr(args, "images_per_prompt", 1),
+                                    mode="compiled" if getattr(args, "compile", False) else "eager",
+                                    supported=supported, cuda_graph=getattr(args, "cuda_graph", False),
+                                    require_fit=True, vae_parallel=getattr(args, "vae_parallel", "auto"),
+                                    pp_patches=getattr(args, "pp_patches", None), **counted)
     except PlannerError as exc:
         raise ConfigError(f"--plan auto: {exc}") from None
+
+
+def family_allows(check, adapter) -> bool:
+    """Whether ``check(adapter)`` passes (a family check that raises NotImplementedError for what it refuses)."""
+    try:
+        check(adapter)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _archs():

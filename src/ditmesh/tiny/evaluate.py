@@ -297,7 +297,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N captions")
     parser.add_argument("--images-per-caption", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--guidance-scale", type=float, default=3.5)
+    parser.add_argument("--guidance-scale", "--guidance", type=float, default=3.5,
+                        help="guidance scale (default 3.5; --guidance as in generate)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     parser.add_argument("--grid", default=None, help="also save the generated images as a PNG grid")
