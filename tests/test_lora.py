@@ -227,3 +227,28 @@ def test_wan22_lora_into_both_transformers_tp2_matches_single_process(pools, mod
     assert rel_err(ref["latents"][0], off["latents"][0]) > 0.05
     for before in (False, True):
         _assert_matches(pools(2).run(lora_case, wan, {"tp": 2}, loras, plan, before=before, **kwargs), ref)
+
+
+def test_synth_lora_writes_the_benchs_adapter_as_a_file_the_pipeline_loads(flux_tiny, tmp_path, capsys):
+    """`ditmesh synth --lora RANK --model DIR --out DIR`: the adapter `bench --lora` measures (every attention linear),
+    in the file format `generate --lora` loads; loaded, every adapted linear holds the seeded A and B."""
+    from diffusers import FluxPipeline
+    from peft.tuners.lora import LoraLayer
+
+    from ditmesh.cli import main
+    from ditmesh.synth import attention_lora
+
+    assert main(["synth", "--lora", "4", "--model", flux_tiny, "--out", str(tmp_path / "lora"), "--seed", "5"]) == 0
+    assert "rank-4 LoRA on 22 attention linears" in capsys.readouterr().out  # flux-tiny: 2 x 8 + 2 x 3
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    want = attention_lora(pipe.transformer, 4, seed=5)
+    pipe.load_lora_weights(str(tmp_path / "lora" / "lora.safetensors"), adapter_name="synth")
+    layers = {n: m for n, m in pipe.transformer.named_modules() if isinstance(m, LoraLayer)}
+    assert len(layers) == 22 and len(want) == 44
+    for key, value in want.items():
+        name, factor = key.rsplit(".lora_", 1)
+        got = getattr(layers[name], f"lora_{factor[0]}")["synth"].weight
+        assert torch.equal(got, value), key
+    assert all(layers[n].scaling["synth"] == 1.0 for n in layers)  # alpha = rank: the adapter at the bench's scale
+    assert main(["synth", "--lora", "0", "--model", flux_tiny, "--out", str(tmp_path / "zero")]) == 2
+    assert "--lora 0: give the adapter's rank" in capsys.readouterr().err and not (tmp_path / "zero").exists()

@@ -188,6 +188,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="device to initialize on (default: cuda if present, else cpu)")
     s.add_argument("--dtype", default=None, help="weights dtype (default: the architecture's; float32 for tiny ones)")
     s.add_argument("--list", action="store_true", help="print every architecture's name and description, then exit")
+    s.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="instead of a pipeline, write a synthetic rank-RANK LoRA on every attention linear of --model's "
+                        "transformer to --out/lora.safetensors (for generate --lora)")
+    s.add_argument("--model", default=None, metavar="DIR", help="with --lora: the pipeline folder the LoRA adapts")
 
     for name, (module, add, run, help_text) in EXTRA_COMMANDS.items():
         if name == command:  # only the chosen command imports its module (and torch)
@@ -244,7 +248,7 @@ def _cmd_generate(args, argv: list[str]) -> int:
 
 
 def _cmd_synth(args) -> int:
-    from .synth import ARCHS, write_checkpoint
+    from .synth import ARCHS, write_checkpoint, write_lora
 
     if args.list:
         width = max(len(name) for name in ARCHS)
@@ -253,6 +257,12 @@ def _cmd_synth(args) -> int:
                 print(f"{name:<{width}}  {arch.description}", flush=True)
         except BrokenPipeError:  # the reader went away (`ditmesh synth --list | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if args.lora is not None:
+        if args.model is None or args.out is None or args.arch is not None:
+            raise ConfigError("synth --lora RANK needs --model DIR (the pipeline it adapts) and --out DIR, and no --arch")
+        path, linears = write_lora(args.model, args.lora, args.out, seed=args.seed)
+        print(f"ditmesh: wrote a rank-{args.lora} LoRA on {linears} attention linears to {path}")
         return 0
     if args.arch is None or args.out is None:
         raise ConfigError("synth needs --arch NAME and --out DIR (ditmesh synth --list names the architectures)")

@@ -293,19 +293,66 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
     return getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
 
 
+def write_lora(model_dir: str | os.PathLike, rank: int, out_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, int]:
+    """Write a synthetic rank-``rank`` LoRA for the pipeline folder ``model_dir`` (:func:`attention_lora` on its
+    transformer: every linear of the attention layers ditmesh parallelizes) to ``out_dir/lora.safetensors``, as the
+    pipeline class saves LoRAs (peft's format under the ``transformer.`` prefix), for ``generate --lora``. Written to a
+    temporary sibling and renamed at the end; returns the file and the number of adapted linears."""
+    import diffusers
+
+    from .config import ConfigError
+
+    if rank < 1:
+        raise ConfigError(f"--lora {rank}: give the adapter's rank, a positive integer (e.g. 64)")
+    index_file = Path(model_dir) / "model_index.json"
+    if not index_file.is_file():
+        raise ConfigError(f"--model {model_dir}: no pipeline folder (no model_index.json); give the folder that "
+                          "ditmesh synth --arch wrote")
+    index = json.loads(index_file.read_text())
+    out = _empty_output(out_dir)
+    transformer = getattr(diffusers, index["transformer"][1]).from_pretrained(model_dir, subfolder="transformer")
+    state = attention_lora(transformer, rank, seed=seed)
+    del transformer
+    _write_folder(out, lambda tmp: getattr(diffusers, index["_class_name"]).save_lora_weights(
+        tmp, transformer_lora_layers=state, weight_name="lora.safetensors"))
+    return out / "lora.safetensors", len(state) // 2
+
+
+def _empty_output(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path; FileExistsError if it holds anything."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
+    return out
+
+
+def _write_folder(out: Path, write) -> None:
+    """``write(folder)`` into a temporary sibling of ``out``, renamed to ``out`` at the end (an interrupted run
+    leaves nothing half-written there); the folder follows the umask, as a folder made by hand would."""
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes a private folder
+    try:
+        write(tmp)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, device: str | None = None, dtype: str | None = None) -> Path:
     """Write the synthetic pipeline folder for ``arch_name`` to ``out_dir`` and return its path.
 
     The folder is written to a temporary sibling and renamed at the end, so an interrupted run leaves
     nothing half-written under ``out_dir``.
     """
-    import shutil
-    import tempfile
-
     arch = get_arch(arch_name)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
+    out = _empty_output(out_dir)
     from .config import ConfigError
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -317,20 +364,14 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
         raise ConfigError(f"--dtype {dtype!r} is not one of: {', '.join(sorted(DTYPES))}")
     torch_dtype = DTYPES[dtype] if dtype else None
     pipe = build_pipeline(arch, seed=seed, device=device, dtype=torch_dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes a private folder; the checkpoint follows the umask
-    try:
+    meta = {"arch": arch.name, "seed": seed, "dtype": str(torch_dtype).replace("torch.", "") if dtype else arch.default_dtype, "default_size": list(arch.default_size),
+            "max_sequence_length": arch.max_sequence_length, "generator": "ditmesh synth"}
+    if arch.default_frames:
+        meta["default_frames"] = arch.default_frames
+
+    def write(tmp: Path) -> None:
         pipe.save_pretrained(tmp, safe_serialization=True)
-        meta = {"arch": arch.name, "seed": seed, "dtype": str(torch_dtype).replace("torch.", "") if dtype else arch.default_dtype, "default_size": list(arch.default_size),
-                "max_sequence_length": arch.max_sequence_length, "generator": "ditmesh synth"}
-        if arch.default_frames:
-            meta["default_frames"] = arch.default_frames
         (tmp / "ditmesh_synth.json").write_text(json.dumps(meta, indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _write_folder(out, write)
     return out
