@@ -66,6 +66,14 @@ def run_analyze(args: argparse.Namespace) -> int:
     config.check_world_size(world)
     if args.steps < 2:
         raise ConfigError(f"--steps {args.steps}: the analysis compares adjacent steps; use at least 2")
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and (value <= 0 or value % 16):
+            raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
+    if args.schedule is not None and not args.schedule > 0:
+        raise ConfigError(f"--schedule {args.schedule}: give a positive relative change, e.g. 0.05")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a file; give a folder (new or existing) for the results")
     if config.dp > len(args.prompt):
         raise ConfigError(f"--dp {config.dp} needs at least {config.dp} prompts (one per data-parallel group); "
                           f"give more --prompt or a smaller --dp")

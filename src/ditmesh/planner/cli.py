@@ -112,6 +112,9 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"ditmesh plan: error: {exc}", file=sys.stderr)
             return 2
         return 0
+    if args.top < 0:
+        print(f"ditmesh plan: error: --top {args.top}: give 0 (all rows) or a positive row count", file=sys.stderr)
+        return 2
     missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus)) if value is None]
     if missing:
         print(f"ditmesh plan: error: {' and '.join(missing)} required (e.g. --model flux-dev --gpus 4), "

@@ -66,8 +66,9 @@ def run_serve(args) -> int:
     from ..runtime.models import read_adapter, read_defaults
     from .requests import BadRequest, Limits, check_options
 
-    if args.step_timeout <= 0 or args.load_timeout <= 0:
-        raise ConfigError("--step-timeout and --load-timeout must be > 0 seconds")
+    for flag, value, example in (("--step-timeout", args.step_timeout, 60), ("--load-timeout", args.load_timeout, 1800)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value} must be > 0 seconds (e.g. {example})")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port {args.port} must be between 0 and 65535")
     if args.dp > 1:  # a service runs data parallelism as replicas: independent groups, each with dp = 1
@@ -130,7 +131,8 @@ def _bind(host: str, port: int):
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); give --host an address of this "
+                      "machine (e.g. 127.0.0.1, or 0.0.0.0 for every interface) and a free --port (0: any)") from None
     sock.listen(128)
     sock.set_inheritable(False)
     print(f"ditmesh: bound http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)

@@ -185,13 +185,21 @@ def parse_pp_setting(text: str) -> dict:
             raise ConfigError(f"--pp-sweep setting {text!r}: give pp=N,patches=M,warmup=W or displaced=N,warmup=W (e.g. "
                               "pp=2,patches=4,warmup=1)")
         values[key] = int(value)
+    if values.get("warmup", 1) < 1:
+        raise ConfigError(f"--pp-sweep setting {text!r}: warmup must be >= 1 (e.g. warmup=1)")
     if "displaced" in values:
         if set(values) - {"displaced", "warmup"}:
             raise ConfigError(f"--pp-sweep setting {text!r}: displaced=N takes only warmup=W beside it")
+        if values["displaced"] < 2:
+            raise ConfigError(f"--pp-sweep setting {text!r}: displaced must be >= 2 ranks (e.g. displaced=2)")
         return {"displaced": values["displaced"], "warmup": values.get("warmup", 1)}
     if "pp" not in values:
         raise ConfigError(f"--pp-sweep setting {text!r} has no pp=N or displaced=N")
-    return {"pp": values["pp"], "patches": values.get("patches", values["pp"]), "warmup": values.get("warmup", 1)}
+    setting = {"pp": values["pp"], "patches": values.get("patches", values["pp"]), "warmup": values.get("warmup", 1)}
+    if setting["pp"] < 1 or setting["patches"] < setting["pp"]:
+        raise ConfigError(f"--pp-sweep setting {text!r}: give pp >= 1 (1: the exact reference) and patches >= pp "
+                          "(e.g. pp=2,patches=2,warmup=1)")
+    return setting
 
 
 def setting_ranks(setting: dict) -> int:
@@ -319,6 +327,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
     from pathlib import Path
 
+    from ..cache import CacheConfig
     from ..config import ConfigError
 
     for name in ("threads", "steps", "images_per_caption", "batch_size"):
@@ -329,10 +338,18 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.model and not (Path(args.model) / "model_index.json").is_file():
         raise ConfigError(f"--model {args.model}: not a pipeline folder (no model_index.json); "
                           f"give a folder written by `ditmesh train-tiny`")
+    # every sweep setting is read before anything loads or prints
+    cache_settings = [c for c in (args.cache_sweep or "").split(";") if c]
+    for text in cache_settings:
+        try:
+            CacheConfig.parse(text)
+        except ConfigError as exc:
+            raise ConfigError(f"--cache-sweep setting {text!r}: {exc}") from None
+    pp_settings = [parse_pp_setting(t) for t in (args.pp_sweep or "").split(";") if t]
     torch.set_num_threads(args.threads)
     captions = eval_captions(args.split)[: args.limit]
     if args.cache_sweep:
-        rows = cache_sweep(args.model, [c for c in args.cache_sweep.split(";") if c], captions, steps=args.steps,
+        rows = cache_sweep(args.model, cache_settings, captions, steps=args.steps,
                            seed=args.seed, images_per_caption=args.images_per_caption,
                            batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale)
         print("| cache | evaluations per image | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
@@ -353,7 +370,7 @@ def run_eval(args: argparse.Namespace) -> int:
                   f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {len(captions) * args.images_per_caption} "
                   f"| {r['psnr']} | {r['ssim']} |", flush=True)
 
-        rows = pp_sweep(args.model, [parse_pp_setting(t) for t in args.pp_sweep.split(";") if t], captions,
+        rows = pp_sweep(args.model, pp_settings, captions,
                         steps=args.steps, seed=args.seed, images_per_caption=args.images_per_caption,
                         batch_size=min(args.batch_size, 16), guidance_scale=args.guidance_scale, on_row=print_row)
         if args.json:
