@@ -59,6 +59,7 @@ DEFAULT_PROMPTS = ("a red circle at the top left on a white background",
 def run_analyze(args: argparse.Namespace) -> int:
     """Validate, launch ranks when asked, and run one rank of ``ditmesh analyze``."""
     from .config import ConfigError, ParallelConfig
+    from .runtime.generate import check_size
 
     args.prompt = args.prompt or list(DEFAULT_PROMPTS)
     config = ParallelConfig(dp=args.dp, cfg=args.cfg, pp=args.pp, ring=args.ring, ulysses=args.ulysses, tp=args.tp)
@@ -66,10 +67,7 @@ def run_analyze(args: argparse.Namespace) -> int:
     config.check_world_size(world)
     if args.steps < 2:
         raise ConfigError(f"--steps {args.steps}: the analysis compares adjacent steps; use at least 2")
-    for name in ("height", "width"):
-        value = getattr(args, name)
-        if value is not None and (value <= 0 or value % 16):
-            raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
+    check_size(args)
     if args.schedule is not None and not args.schedule > 0:
         raise ConfigError(f"--schedule {args.schedule}: give a positive relative change, e.g. 0.05")
     if Path(args.out).exists() and not Path(args.out).is_dir():

@@ -36,10 +36,7 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
     """
     config = parallel_config_from_args(args)
     config.check_world_size(world_size)
-    for name in ("height", "width"):
-        value = getattr(args, name)
-        if value is not None and (value <= 0 or value % 16):
-            raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
+    check_size(args)
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be >= 1")
     for flag, value in (("--guidance", args.guidance), ("--true-cfg-scale", args.true_cfg_scale)):
@@ -107,6 +104,14 @@ def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
             if stale["displaced"]:
                 displaced_attention.check_family(adapter)
     return config, model
+
+
+def check_size(args) -> None:
+    """Raise ConfigError unless ``--height`` and ``--width`` (where given) are positive multiples of 16."""
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and (value <= 0 or value % 16):
+            raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
 
 
 def pipefusion_options(args) -> dict:
