@@ -387,49 +387,6 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
             assert _metric(client, "ditmesh_rank_faults_total") == 2
 
 
-class _Process:
-    def __init__(self, exitcode=None, pid=1):
-        self.exitcode, self.pid = exitcode, pid
-
-    def is_alive(self):
-        return self.exitcode is None
-
-
-def _replica_in_a_request(processes, steps_done, since_s):
-    """A Replica whose ranks are stand-ins, in request ``j`` of 10 steps; rank k finished ``steps_done[k]``
-    steps ``since_s[k]`` seconds ago."""
-    import queue
-
-    from ditmesh.serve.replica import RankState, Replica
-
-    replica = Replica(0, len(processes), {"steps": 10}, step_timeout=0.5, load_timeout=10)
-    now = time.time()
-    replica.ranks = [RankState(p, beat=now, step=s, progress=now - t) for p, s, t in zip(processes, steps_done, since_s)]
-    replica._events = queue.Queue()
-    replica.state, replica._in_request, replica._job, replica._steps = "busy", True, "j", 10
-    return replica
-
-
-def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung():
-    from ditmesh.serve.replica import RankFault
-
-    replica = _replica_in_a_request([_Process(), _Process()], [3, 2], [0.0, 1.0])
-    with pytest.raises(RankFault, match=r"^rank 1 of replica 0 hung: no step finished within 0.5 s while running "
-                                        r"step 3 of 10 of request j$"):
-        replica._next_event(None, None)
-    assert replica.state == "failed"
-    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0.1, 0.1])
-    assert replica._next_event(None, None) is None  # in time: nothing to say
-
-
-def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
-    from ditmesh.serve.replica import RankFault
-
-    replica = _replica_in_a_request([_Process(exitcode=2, pid=10), _Process(exitcode=-9, pid=11)], [10, 4], [0, 0])
-    with pytest.raises(RankFault, match=r"rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
-        replica._next_event(None, None)
-
-
 @pytest.mark.parametrize("argv, line", [
     (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
     (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
@@ -447,50 +404,6 @@ def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ditmesh: error: ")
     assert line is None or lines[0] == f"ditmesh: error: {line}"
-
-
-class _ReplicaThatWillNotStart:
-    """Stands in for a Replica whose group fails every restart (its model folder gone, say)."""
-
-    def __init__(self, index: int):
-        self.index, self.state, self.restarts, self.served, self.world = index, "failed", 0, 0, 1
-        self.load_s, self.warm_s, self.tries = [], {}, 0
-
-    def restart(self):
-        from ditmesh.serve.replica import RankFault
-
-        self.tries += 1
-        raise RankFault(f"rank 0 of replica {self.index} failed loading the pipeline: no such folder")
-
-    def pids(self):
-        return []
-
-    def stop(self):
-        pass
-
-
-def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():
-    from types import SimpleNamespace
-
-    from ditmesh.serve.app import Service
-
-    replicas = [_ReplicaThatWillNotStart(0), _ReplicaThatWillNotStart(1)]
-    service = Service(replicas, limits=None, defaults=SimpleNamespace(steps=2), restart_delay_s=0.01,
-                      restart_attempts=3)
-    queued = service.submit({"prompt": "waits for a replica"})
-    service.start()
-    try:
-        answer = queued.future.result(timeout=10)
-        assert answer["error"][0] == 503 and "each failed 3 restarts in a row" in answer["error"][1], answer
-        assert "no such folder" in answer["error"][1]
-        assert [r.tries for r in replicas] == [3, 3] and [r.state for r in replicas] == ["down", "down"]
-        late = service.submit({"prompt": "after"}).future.result(timeout=1)
-        assert late["error"][0] == 503
-        assert service.health()["status"] == "unavailable"
-        assert "ditmesh_down_replicas 2" in service.metrics()
-        assert 'ditmesh_requests_total{outcome="unavailable"} 2' in service.metrics()
-    finally:
-        service.stop()
 
 
 def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures():
@@ -520,68 +433,3 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
         assert np.abs(got - want).max() <= 1  # float32 on CPU: a batch of 3 rounds like a batch of 1, to a level
     firsts = [np.asarray(decode(data["images"][0].split(",", 1)[1])) for _, data in batched]
     assert not np.array_equal(firsts[0], firsts[1])  # each its own prompt and seed
-
-
-class _HeldReplica:
-    """Stands in for a Replica: records each call's options and holds it until released."""
-
-    def __init__(self):
-        self.index, self.state, self.restarts, self.served, self.world = 0, "ready", 0, 0, 1
-        self.load_s, self.warm_s, self.calls = [], {}, []
-        self.release, self.entered = threading.Event(), threading.Event()
-
-    def run(self, job_id, options, on_step=None):
-        self.calls.append(options)
-        self.entered.set()
-        assert self.release.wait(10)
-        self.release.clear()
-        prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
-        return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], 0.0
-
-    def cancel(self, job_id):
-        return False
-
-    def check(self):
-        pass
-
-    def pids(self):
-        return []
-
-    def stop(self):
-        pass
-
-
-def test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_leaves_the_others_running():
-    from types import SimpleNamespace
-
-    from ditmesh.serve.app import Service
-
-    replica = _HeldReplica()
-    service = Service([replica], limits=None, defaults=SimpleNamespace(steps=2, seed=0), max_batch=3)
-    service.start()
-    try:
-        busy = service.submit({"prompt": "busy"})
-        assert replica.entered.wait(10)
-        jobs = [service.submit(options) for options in (
-            {"prompt": "a", "seed": 1}, {"prompt": "b", "seed": 2, "steps": 9}, {"prompt": "c"},
-            {"prompt": "d", "images_per_prompt": 2}, {"prompt": "e", "seed": 5}, {"prompt": "f", "seed": 6})]
-        replica.entered.clear()
-        replica.release.set()  # "busy" ends; a, c and e (same options but prompt and seed) share the next call
-        assert busy.future.result(10)["images"] == [("image/png", b"busy|None")]
-        assert replica.entered.wait(10)
-        assert replica.calls[1]["prompt"] == ["a", "c", "e"] and replica.calls[1]["seed"] == [1, 0, 5]
-        assert service.cancel(jobs[2])  # c: answered now; a and e go on
-        assert jobs[2].future.result(1)["error"][0] == 499
-        for expected in ("b", "d", "f"):  # each alone: b and d differ in options, f's partner was taken before it
-            replica.entered.clear()
-            replica.release.set()
-            assert replica.entered.wait(10)
-            assert replica.calls[-1]["prompt"] == expected
-        replica.release.set()
-        answers = {name: job.future.result(10) for name, job in zip("abcdef", jobs)}
-        assert answers["a"]["images"] == [("image/png", b"a|[1, 0, 5]")] and answers["a"]["batch"] == 3
-        assert answers["e"]["images"] == [("image/png", b"e|[1, 0, 5]")]
-        assert answers["c"]["error"][0] == 499 and answers["f"]["batch"] == 1
-    finally:
-        replica.release.set()
-        service.stop()

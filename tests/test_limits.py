@@ -1,0 +1,139 @@
+"""The boundaries of every limit: for each option or request field with a least (or most) value, that value is
+accepted and the next one past it is refused with a one-line message naming it. Torch-free and fast: the mutation
+check (scripts/mutate.py) runs these first for options.py and the service's request checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ditmesh import ConfigError, ParallelConfig, RunOptions
+from ditmesh.options import CacheConfig
+from ditmesh.serve.requests import MAX_PROMPT_CHARS, MAX_SEED, BadRequest, Limits, check_options, native_options, \
+    openai_options
+
+# (degrees, option values at the boundary, the same one step past it, the refusal's text)
+RUN_OPTION_LIMITS = [
+    ({"pp": 2}, {"pp_warmup": 1}, {"pp_warmup": 0}, "pp_warmup=0 must be >= 1"),
+    ({"ulysses": 2}, {"displaced": True, "displaced_warmup": 1}, {"displaced": True, "displaced_warmup": 0},
+     "displaced_warmup=0 must be >= 1"),
+    ({"pp": 2}, {"pp_patches": 2}, {"pp_patches": 1}, "pp_patches=1 is fewer than the pp=2 stages"),
+    ({"pp": 3}, {"pp_patches": 3}, {"pp_patches": 2}, "pp_patches=2 is fewer than the pp=3 stages"),
+    ({"pp": 2}, {"pp_chunk_bytes": 1}, {"pp_chunk_bytes": 0}, "pp_chunk_bytes=0 must be a positive byte count"),
+    ({}, {"ulysses_chunks": 1}, {"ulysses_chunks": 0}, "ulysses_chunks=0 must be >= 1"),
+    ({}, {"chunk_tokens": 1}, {"chunk_tokens": 0}, "chunk_tokens=0 is not a token count"),
+    ({}, {"chunk_tokens": "1"}, {"chunk_tokens": "0"}, "chunk_tokens='0' is not a token count"),
+    ({}, {"vae_chunk": 1}, {"vae_chunk": 0}, "vae_chunk=0 is not a row count"),
+    ({}, {"displaced_warmup": 1}, {"displaced_warmup": 2}, "displaced_warmup=2 is given without displaced"),
+]
+
+
+@pytest.mark.parametrize("degrees, ok, past, message", RUN_OPTION_LIMITS,
+                         ids=[f"{next(iter(p))}={list(p.values())[-1]!r}" for _, _, p, _ in RUN_OPTION_LIMITS])
+def test_run_option_limits_accept_the_boundary_and_refuse_one_past_it(degrees, ok, past, message):
+    config = ParallelConfig(**degrees)
+    options = RunOptions.create(config, **ok)
+    for name, value in ok.items():
+        assert getattr(options, name) == (int(value) if isinstance(value, str) else value)
+    with pytest.raises(ConfigError, match=message) as error:
+        RunOptions.create(config, **past)
+    assert "\n" not in str(error.value)
+
+
+# (cache text at the boundary, one past it, the rule the refusal states); teacache's ``first`` may be 0, every
+# other policy's starts at 1
+CACHE_LIMITS = [
+    ("dbcache:threshold=0", "dbcache:threshold=-0.001", "threshold >= 0"),
+    ("dbcache:first=1", "dbcache:first=0", "first >= 1"),
+    ("teacache:first=0", "teacache:first=-1", "first >= 0"),
+    ("dbcache:last=0", "dbcache:last=-1", "last >= 0"),
+    ("dbcache:warmup=0", "dbcache:warmup=-1", "warmup >= 0"),
+    ("dbcache:max_skips=1", "dbcache:max_skips=0", "max_skips >= 1"),
+    ("taylor:interval=2", "taylor:interval=1", "interval >= 2"),
+    ("static:skip=0", "static:skip=x", "skip='x' is not a number"),
+]
+
+
+@pytest.mark.parametrize("ok, past, rule", CACHE_LIMITS, ids=[p for _, p, _ in CACHE_LIMITS])
+def test_cache_knob_limits_accept_the_boundary_and_refuse_one_past_it(ok, past, rule):
+    config = CacheConfig.parse(ok)
+    key, _, value = ok.partition(":")[2].partition("=")
+    assert getattr(config, key) == (float(value) if key == "threshold" else (int(value),) if key == "skip"
+                                    else int(value))
+    assert CacheConfig.parse(config.describe()) == config  # the text form reads back
+    with pytest.raises(ConfigError) as error:
+        CacheConfig.parse(past)
+    message = str(error.value)
+    assert "\n" not in message and rule in message and (repr(past) in message or key in message), message
+
+
+def test_cache_defaults_by_policy_and_the_step_lists():
+    assert CacheConfig.parse("teacache:0.3").first == 0 and CacheConfig.parse("dbcache:0.3").first == 1
+    assert CacheConfig.parse("fbcache:0.1") == CacheConfig("dbcache", 0.1)
+    assert CacheConfig.parse("static:skip=3-5+8+10-10").skip == (3, 4, 5, 8, 10)
+    assert CacheConfig.parse("static:skip=none").skip == ()
+    assert CacheConfig.parse("default") == CacheConfig.parse("taylor:interval=4,warmup=3")
+    assert not CacheConfig.parse("off").on and CacheConfig.parse("static:skip=1").on
+
+
+@pytest.mark.parametrize("axis", ["dp", "pp", "ring", "ulysses", "tp"])
+def test_degree_limits(axis):
+    assert getattr(ParallelConfig(**{axis: 1}), axis) == 1
+    with pytest.raises(ConfigError, match=f"{axis}=0 must be >= 1"):
+        ParallelConfig(**{axis: 0})
+    assert ParallelConfig(cfg=2).cfg == 2
+    with pytest.raises(ConfigError, match="cfg=3 is not supported"):
+        ParallelConfig(cfg=3)
+
+
+# -- a request's limits (serve) ---------------------------------------------------------------------------------
+LIMITS = Limits(max_pixels=64 * 48, max_steps=8, max_frames=9, max_n=3)
+DEFAULTS = SimpleNamespace(prompt=["a"], steps=4, seed=0, height=64, width=48, frames=None, images_per_prompt=1,
+                           guidance=3.5)
+
+# (field, the values at its boundaries, the values one past them, the status of a refusal)
+REQUEST_LIMITS = [
+    ("steps", [1, 8], [0, 9], 422),
+    ("n", [1, 3], [0, 4], 422),
+    ("seed", [0, MAX_SEED], [-1, MAX_SEED + 1], 400),
+    ("guidance", [0.0], [-0.5], 400),
+    ("height", [16, 64], [0, 8, 72], None),  # 72 * 48 pixels is over the limit (422); 0 and 8 are not sizes (400)
+    ("width", [16, 48], [-16, 40, 64], None),
+    ("prompt", ["x" * MAX_PROMPT_CHARS], ["x" * (MAX_PROMPT_CHARS + 1), "  "], 400),
+]
+
+
+@pytest.mark.parametrize("name, ok, past, status", REQUEST_LIMITS, ids=[r[0] for r in REQUEST_LIMITS])
+def test_request_limits_accept_the_boundaries_and_refuse_one_past_them(name, ok, past, status):
+    for value in ok:
+        options = native_options({name: value}, LIMITS, DEFAULTS)
+        assert options[{"n": "images_per_prompt"}.get(name, name)] == value
+    for value in past:
+        with pytest.raises(BadRequest) as error:
+            native_options({name: value}, LIMITS, DEFAULTS)
+        assert "\n" not in str(error.value)
+        expected = status or (422 if value > 0 and value % 16 == 0 else 400)
+        assert error.value.status == expected, (name, value, str(error.value))
+        shown = str(value) if name != "prompt" else ("characters" if value.strip() else "empty")
+        assert shown in str(error.value), (name, value, str(error.value))
+
+
+def test_the_pixel_limit_is_inclusive_and_counts_both_sides():
+    assert openai_options({"prompt": "p", "size": "48x64"}, LIMITS, DEFAULTS)["height"] == 64
+    with pytest.raises(BadRequest, match="64x64 is 4096 pixels; this server allows at most 3072") as error:
+        openai_options({"prompt": "p", "size": "64x64"}, LIMITS, DEFAULTS)
+    assert error.value.status == 422
+    # the server's defaults fill the side a request leaves out
+    with pytest.raises(BadRequest, match="48x80 is 3840 pixels"):
+        check_options({"height": 80}, LIMITS, DEFAULTS)
+
+
+def test_frames_limits():
+    video = SimpleNamespace(**{**vars(DEFAULTS), "frames": 5})
+    for frames in (1, 9):
+        check_options({"frames": frames}, LIMITS, video)
+    for frames in (0, 10):
+        with pytest.raises(BadRequest, match=f"frames {frames} must be between 1 and 9") as error:
+            check_options({"frames": frames}, LIMITS, video)
+        assert error.value.status == 422

@@ -1,0 +1,341 @@
+"""The service's job states without rank processes: the front end (``serve.app.Service`` and its routes, in process)
+with replicas that stand in for rank groups and do what each test tells them, and ``serve.replica.Replica``'s
+request loop fed with the events its ranks would send. Each state a job passes through — queued, running, done,
+failed, cancelled — when requests run alone, share a call (batched), are cancelled while they wait or run, time
+out on a hung rank, are refused by the pipeline or find the queue full; each answered exactly once, and counted
+once in the metrics. tests/test_serve.py meets the same paths through a real server and real ranks."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ditmesh.serve.app import Service, create_app
+from ditmesh.serve.replica import RankFault, RankState, Replica, RequestCancelled, RequestFailed
+from ditmesh.serve.requests import Limits
+
+LIMITS = Limits(max_pixels=128 * 128, max_steps=8, max_frames=9, max_n=2)
+DEFAULTS = SimpleNamespace(prompt=["a"], steps=2, seed=0, height=64, width=64, frames=None, images_per_prompt=1,
+                           guidance=3.5)
+
+
+class _ScriptedReplica:
+    """Stands in for a Replica: each call records its options, then does what the test puts in ``script``, one
+    item at a time: ``("step", k)`` reports step k, ``("done",)`` returns a picture per prompt (its prompt and the
+    call's seeds), ``("cancelled",)``, ``("refused", why)`` and ``("fault", why)`` raise what a replica raises."""
+
+    def __init__(self, index: int = 0):
+        self.index, self.state, self.restarts, self.served, self.world = index, "ready", 0, 0, 1
+        self.load_s, self.warm_s = [], {}
+        self.calls, self.cancels = [], []
+        self.script: queue.Queue = queue.Queue()
+        self.seen = 0  # calls the test has looked at (next_call)
+        self.in_flight = None
+
+    def run(self, job_id, options, on_step=None):
+        self.calls.append(options)
+        self.state, self.in_flight = "busy", job_id
+        try:
+            while True:
+                what, *arg = self.script.get(timeout=10)
+                if what == "step":
+                    on_step(arg[0], options.get("steps", DEFAULTS.steps))
+                    continue
+                self.state = "ready"
+                if what == "done":
+                    prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
+                    return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], 0.0
+                if what == "cancelled":
+                    raise RequestCancelled(f"request {job_id} was cancelled after step 1 of 2")
+                if what == "refused":
+                    raise RequestFailed(arg[0])
+                self.state = "failed"
+                raise RankFault(arg[0])
+        finally:
+            self.in_flight = None
+
+    def next_call(self, then=None) -> dict:
+        """Let the call in flight end with ``then`` (if given) and return the options of the next call."""
+        if then is not None:
+            self.script.put(then)
+        _wait(lambda: len(self.calls) > self.seen, "no call reached the replica")
+        self.seen += 1
+        return self.calls[self.seen - 1]
+
+    def cancel(self, job_id):
+        self.cancels.append(job_id)
+        return job_id == self.in_flight
+
+    def restart(self):
+        self.restarts += 1
+        self.state = "ready"
+
+    def check(self):
+        pass
+
+    def pids(self):
+        return []
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture
+def service():
+    """A started Service of one scripted replica (``service.replica``), max_batch 3, a queue of 4."""
+    replica = _ScriptedReplica()
+    svc = Service([replica], LIMITS, DEFAULTS, queue_size=4, max_batch=3, restart_delay_s=0.01)
+    svc.replica = replica
+    svc.start()
+    yield svc
+    while not replica.script.empty():
+        replica.script.get()
+    replica.script.put(("done",))
+    svc.stop()
+
+
+def _wait(condition, what: str, timeout: float = 10):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def _outcomes(svc) -> dict:
+    """The jobs' outcomes ``/metrics`` counts (those not zero; refusals of a route's input, e.g. a 404, left out)."""
+    lines = [line for line in svc.metrics().splitlines() if line.startswith("ditmesh_requests_total{")]
+    counts = {line.split('"')[1]: int(line.split()[-1]) for line in lines if int(line.split()[-1])}
+    return {k: v for k, v in counts.items() if k not in ("bad_request", "unauthorized")}
+
+
+def test_job_states_through_the_routes_queued_running_progress_cancelled_done(service):
+    from fastapi.testclient import TestClient
+
+    replica = service.replica
+    with TestClient(create_app(service)) as client:
+        first = client.post("/jobs", json={"prompt": "first"})
+        assert first.status_code == 202
+        first = first.json()["id"]
+        replica.next_call()
+        assert client.get(f"/jobs/{first}").json() == {"id": first, "state": "running", "step": 0, "steps": 2}
+        second = client.post("/jobs", json={"prompt": "second", "steps": 3}).json()
+        assert second["state"] == "queued"
+        replica.script.put(("step", 1))
+        _wait(lambda: client.get(f"/jobs/{first}").json()["step"] == 1, "the step did not show")
+        assert client.get(f"/jobs/{second['id']}").json() == {**second, "step": 0, "steps": 3}
+        # cancelled while it waits: answered at once, never reaches the replica; a second cancel is refused
+        assert client.delete(f"/jobs/{second['id']}").json() == {"id": second["id"], "state": "cancelled"}
+        assert client.get(f"/jobs/{second['id']}").json()["state"] == "cancelled"
+        again = client.delete(f"/jobs/{second['id']}")
+        assert again.status_code == 409 and "is cancelled" in again.json()["error"]["message"]
+        third = client.post("/jobs", json={"prompt": "third"}).json()["id"]
+        assert replica.next_call(then=("done",))["prompt"] == "third"  # the cancelled one was skipped
+        assert client.get(f"/jobs/{first}").json()["state"] == "done"
+        assert client.delete(f"/jobs/{first}").status_code == 409  # finished: nothing to cancel
+        assert client.get(f"/jobs/{third}").json()["state"] == "running"
+        replica.script.put(("done",))
+        _wait(lambda: client.get(f"/jobs/{third}").json()["state"] == "done", "the third job did not finish")
+        assert [c["prompt"] for c in replica.calls] == ["first", "third"] and replica.cancels == []
+        assert client.get("/jobs/nothing").status_code == 404
+    assert _outcomes(service) == {"ok": 2, "cancelled": 1}
+
+
+def test_a_running_job_cancelled_is_stopped_by_its_replica_and_answered_499_once(service):
+    replica = service.replica
+    job = service.submit({"prompt": "long", "steps": 8})
+    replica.next_call()
+    assert service.cancel(job) and replica.cancels == [job.id]
+    assert job.state == "running" and not job.future.done()  # the ranks stop after their next step
+    replica.script.put(("cancelled",))
+    answer = job.future.result(10)
+    assert answer["error"] == (499, f"request {job.id} was cancelled after step 1 of 2") and job.state == "cancelled"
+    assert not service.cancel(job)
+    assert _outcomes(service) == {"cancelled": 1} and "ditmesh_failures_total 0" in service.metrics()
+
+
+def test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_leaves_the_others_running(service):
+    replica = service.replica
+    busy = service.submit({"prompt": "busy"})
+    replica.next_call()
+    a, b, c, d = [service.submit(options) for options in (
+        {"prompt": "a", "seed": 1}, {"prompt": "b", "seed": 2, "steps": 3}, {"prompt": "c"},
+        {"prompt": "d", "images_per_prompt": 2})]
+    full = service.submit({"prompt": "full"})  # a queue of 4
+    assert full.future.result(1)["error"][0] == 429 and full.state == "failed"
+    call = replica.next_call(then=("done",))  # "busy" ends; a and c (same options but prompt and seed) share a call
+    assert busy.future.result(10)["images"] == [("image/png", b"busy|None")] and busy.state == "done"
+    assert call["prompt"] == ["a", "c"] and call["seed"] == [1, 0]
+    assert a.state == c.state == "running" and b.state == d.state == "queued"
+    assert service.cancel(c) and replica.cancels == []  # c: answered now; a goes on
+    assert c.future.result(1)["error"][0] == 499 and c.state == "cancelled"
+    assert not service.cancel(c)
+    assert replica.next_call(then=("done",))["prompt"] == "b"  # b differs in steps, d asks for two pictures
+    assert a.future.result(10)["images"] == [("image/png", b"a|[1, 0]")] and a.future.result()["batch"] == 2
+    assert c.future.result()["error"][0] == 499 and c.state == "cancelled"  # answered once: the picture is dropped
+    assert replica.next_call(then=("done",))["prompt"] == "d"
+    replica.script.put(("done",))
+    assert b.future.result(10)["batch"] == 1 and d.future.result(10)["batch"] == 1
+    assert "ditmesh_batched_requests_total 2" in service.metrics()
+    assert _outcomes(service) == {"ok": 4, "cancelled": 1, "queue_full": 1}
+
+
+def test_cancelling_every_member_of_a_running_batch_stops_its_call(service):
+    replica = service.replica
+    busy = service.submit({"prompt": "busy"})
+    replica.next_call()
+    a, b, c, d = [service.submit({"prompt": p}) for p in "abcd"]
+    assert replica.next_call(then=("done",))["prompt"] == ["a", "b", "c"]  # at most max_batch
+    assert busy.future.result(10)["error"] is None and d.state == "queued"
+    assert service.cancel(b) and service.cancel(c) and replica.cancels == []  # a still wants the call
+    assert service.cancel(a) and replica.cancels == [a.id]  # the last member: the call itself is stopped
+    assert a.state == "running" and not a.future.done()
+    assert replica.next_call(then=("cancelled",))["prompt"] == "d"
+    assert a.future.result(10)["error"][0] == 499 and a.state == b.state == c.state == "cancelled"
+    assert b.future.result()["error"][0] == c.future.result()["error"][0] == 499
+    replica.script.put(("done",))
+    assert d.future.result(10)["error"] is None
+    assert _outcomes(service) == {"ok": 2, "cancelled": 3}
+
+
+def test_a_batch_whose_rank_times_out_fails_500_together_and_the_replica_restarts(service):
+    replica = service.replica
+    busy = service.submit({"prompt": "busy"})
+    replica.next_call()
+    a, b = service.submit({"prompt": "a"}), service.submit({"prompt": "b"})
+    replica.next_call(then=("done",))
+    assert busy.future.result(10)["error"] is None
+    replica.script.put(("step", 1))
+    _wait(lambda: a.step == b.step == 1, "both members of the batch report the step")
+    hung = "rank 1 of replica 0 hung: no step finished within 0.5 s while running step 2 of 2 of request x"
+    replica.script.put(("fault", hung))
+    for job in (a, b):
+        answer = job.future.result(10)
+        assert answer["error"] == (500, f"{hung}; the replica is restarting, send the request again")
+        assert job.state == "failed"
+    _wait(lambda: replica.restarts == 1, "the replica was not restarted")
+    after = service.submit({"prompt": "after"})
+    assert replica.next_call()["prompt"] == "after"
+    replica.script.put(("done",))
+    assert after.future.result(10)["error"] is None and after.state == "done"
+    assert _outcomes(service) == {"ok": 2, "fault": 2} and "ditmesh_rank_faults_total 1" in service.metrics()
+    assert "ditmesh_restarts_total 1" in service.metrics()
+
+
+def test_a_request_the_pipeline_refuses_fails_422_and_the_replica_keeps_serving(service):
+    replica = service.replica
+    job = service.submit({"prompt": "odd"})
+    replica.next_call()
+    replica.script.put(("refused", "height 72 is not a multiple of 16"))
+    assert job.future.result(10)["error"] == (422, "the pipeline refused the request: height 72 is not a multiple "
+                                                   "of 16")
+    assert job.state == "failed" and replica.restarts == 0
+    assert _outcomes(service) == {"refused": 1}
+
+
+# -- a replica's request loop, fed the events of its ranks ---------------------------------------------------------
+class _Process:
+    def __init__(self, exitcode=None, pid=1):
+        self.exitcode, self.pid = exitcode, pid
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def _replica_in_a_request(processes, steps_done, since_s, step_timeout=0.5):
+    """A Replica whose ranks are stand-ins, in request ``j`` of 10 steps; rank k finished ``steps_done[k]``
+    steps ``since_s[k]`` seconds ago."""
+    replica = Replica(0, len(processes), {"steps": 10}, step_timeout=step_timeout, load_timeout=10)
+    now = time.time()
+    replica.ranks = [RankState(p, beat=now, step=s, progress=now - t) for p, s, t in zip(processes, steps_done, since_s)]
+    replica._events, replica._requests, replica._cancel = queue.Queue(), queue.Queue(), threading.Event()
+    replica.state, replica._in_request, replica._job, replica._steps = "busy", True, "j", 10
+    return replica
+
+
+def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung():
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 2], [0.0, 1.0])
+    with pytest.raises(RankFault, match=r"^rank 1 of replica 0 hung: no step finished within 0.5 s while running "
+                                        r"step 3 of 10 of request j$"):
+        replica._next_event(None, None)
+    assert replica.state == "failed"
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0.1, 0.1])
+    assert replica._next_event(None, None) is None  # in time: nothing to say
+    replica = _replica_in_a_request([_Process(), _Process()], [10, 10], [0.0, 0.0])
+    replica.ranks[0].beat -= 1.0  # no heartbeat from rank 0 for twice the timeout
+    with pytest.raises(RankFault, match=r"^rank 0 of replica 0 stopped answering \(no heartbeat for 0.5 s\) while "
+                                        r"decoding the pictures of request j$"):
+        replica._next_event(None, None)
+
+
+def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
+    replica = _replica_in_a_request([_Process(exitcode=2, pid=10), _Process(exitcode=-9, pid=11)], [10, 4], [0, 0])
+    with pytest.raises(RankFault, match=r"rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
+        replica._next_event(None, None)
+
+
+def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
+    replica = _replica_in_a_request([_Process(), _Process()], [0, 0], [0, 0], step_timeout=30)
+    replica.state = "ready"
+    steps = []
+    for event in [("beat", 1), ("step", 1, "other", 5, 2), ("step", 1, "k", 1, 2), ("step", 0, "k", 1, 2),
+                  ("done", 0, "k", True, [("image/png", b"x")], 0.25)]:
+        replica._events.put(event)
+    assert replica.run("k", {"prompt": "p"}, lambda step, of: steps.append((step, of))) == ([("image/png", b"x")], 0.25)
+    assert replica._requests.get_nowait() == {"id": "k", "options": {"prompt": "p"}}
+    assert steps == [(1, 2)] and [r.step for r in replica.ranks] == [1, 1]  # rank 0's steps drive the progress
+    assert replica.state == "ready" and replica.served == 1 and not replica._in_request
+    # cancelled: only the request in flight; the ranks say after which step they stopped
+    assert not replica.cancel("k")
+    replica._events.put(("cancelled", 0, "m", 1, 2))
+    replica._in_request, replica._job = True, "m"
+    assert replica.cancel("m") and not replica.cancel("other")
+    replica._cancel.clear()  # run() clears it as it sends a request
+    with pytest.raises(RequestCancelled, match="^request m was cancelled after step 1 of 2$"):
+        replica.run("m", {"prompt": "p"})
+    assert replica.state == "ready" and not replica._in_request and replica.served == 1
+    replica._events.put(("done", 0, "n", False, "height 72 is not a multiple of 16", 0.0))
+    with pytest.raises(RequestFailed, match="height 72"):
+        replica.run("n", {"prompt": "p"})
+    assert replica.state == "ready" and replica.served == 1
+
+
+class _ReplicaThatWillNotStart:
+    """Stands in for a Replica whose group fails every restart (its model folder gone, say)."""
+
+    def __init__(self, index: int):
+        self.index, self.state, self.restarts, self.served, self.world = index, "failed", 0, 0, 1
+        self.load_s, self.warm_s, self.tries = [], {}, 0
+
+    def restart(self):
+        self.tries += 1
+        raise RankFault(f"rank 0 of replica {self.index} failed loading the pipeline: no such folder")
+
+    def pids(self):
+        return []
+
+    def stop(self):
+        pass
+
+
+def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():
+    replicas = [_ReplicaThatWillNotStart(0), _ReplicaThatWillNotStart(1)]
+    service = Service(replicas, limits=None, defaults=SimpleNamespace(steps=2), restart_delay_s=0.01,
+                      restart_attempts=3)
+    queued = service.submit({"prompt": "waits for a replica"})
+    service.start()
+    try:
+        answer = queued.future.result(timeout=10)
+        assert answer["error"][0] == 503 and "each failed 3 restarts in a row" in answer["error"][1], answer
+        assert "no such folder" in answer["error"][1]
+        assert [r.tries for r in replicas] == [3, 3] and [r.state for r in replicas] == ["down", "down"]
+        late = service.submit({"prompt": "after"}).future.result(timeout=1)
+        assert late["error"][0] == 503
+        assert service.health()["status"] == "unavailable"
+        assert "ditmesh_down_replicas 2" in service.metrics()
+        assert 'ditmesh_requests_total{outcome="unavailable"} 2' in service.metrics()
+    finally:
+        service.stop()
