@@ -83,7 +83,16 @@ _ULY = "tests/test_ulysses.py"
 _LOCAL = "tests/test_attention_local.py"
 _TP = "tests/test_tensor_parallel.py"
 _DP = "tests/test_batch_parallel.py"
-_OPTIONS = ("tests/test_options.py", "tests/test_config_and_cli_errors.py")
+_LIMITS = "tests/test_limits.py"
+_OPTIONS = (_LIMITS, "tests/test_options.py", "tests/test_config_and_cli_errors.py",
+            "tests/test_pipefusion.py::test_bad_pipefusion_settings_are_refused_in_one_line",
+            "tests/test_pipefusion.py::test_a_family_whose_block_lists_pass_different_activations_is_refused",
+            "tests/test_pipefusion.py::test_a_family_pipefusion_was_not_built_for_is_refused",
+            "tests/test_displaced.py::test_bad_displaced_settings_are_refused_in_one_line",
+            "tests/test_displaced.py::test_cuda_graphs_run_with_displaced_but_not_with_pipefusion",
+            "tests/test_displaced.py::test_a_family_with_a_token_grid_is_refused")
+_JOBS = "tests/test_serve_jobs.py"
+_SERVE = "tests/test_serve.py"
 
 #: file -> the tests its mutants run, fastest killers first (``pytest -x`` stops at the first failure)
 TESTS: dict[str, tuple[str, ...]] = {
@@ -103,12 +112,12 @@ TESTS: dict[str, tuple[str, ...]] = {
     "parallel/displaced.py": ("tests/test_displaced.py",),
     "parallel/vae.py": ("tests/test_parallel_vae.py",),
     "parallel/vae_chunk.py": ("tests/test_parallel_vae.py",),
-    "serve/app.py": ("tests/test_serve.py",),
-    "serve/cli.py": ("tests/test_serve.py",),
-    "serve/replica.py": ("tests/test_serve.py",),
-    "serve/requests.py": ("tests/test_serve.py",),
-    "serve/server.py": ("tests/test_serve.py",),
-    "serve/worker.py": ("tests/test_serve.py",),
+    "serve/app.py": (_JOBS, _SERVE),
+    "serve/cli.py": (_SERVE,),
+    "serve/replica.py": (_JOBS, _SERVE),
+    "serve/requests.py": (_LIMITS, _JOBS, _SERVE),
+    "serve/server.py": (_SERVE,),
+    "serve/worker.py": (_SERVE,),
     "options.py": _OPTIONS,
 }
 
@@ -456,11 +465,15 @@ def copy_env(copy: Path, **extra) -> dict:
                 PYTHONPATH=os.pathsep.join(p for p in (str(copy / "src"), os.environ.get("PYTHONPATH")) if p))
 
 
+def _pytest_args(tests) -> list[str]:
+    return ["-q", "-x", "-p", "no:cacheprovider", *tests]
+
+
 def run_tests(tests, copy: Path, timeout_s: float, collective_timeout_s: float) -> tuple[str, float, str]:
-    """Run pytest on ``tests`` in the copy: (outcome, seconds, output); outcome ``failed`` (a test failed),
-    ``passed``, ``timeout`` or ``error`` (pytest could not collect or run them)."""
+    """Run pytest on ``tests`` in the copy, in a fresh interpreter: (outcome, seconds, output); outcome ``failed`` (a
+    test failed), ``passed``, ``timeout`` or ``error`` (pytest could not collect or run them)."""
     env = copy_env(copy, DITMESH_TEST_TIMEOUT_S=str(collective_timeout_s))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    cmd = [sys.executable, "-m", "pytest", *_pytest_args(tests)]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=copy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # its own process group: the ranks go with it on a timeout
@@ -470,8 +483,88 @@ def run_tests(tests, copy: Path, timeout_s: float, collective_timeout_s: float) 
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return "timeout", time.monotonic() - start, out
-    outcome = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
-    return outcome, time.monotonic() - start, out
+    return _OUTCOMES.get(proc.returncode, "error"), time.monotonic() - start, out
+
+
+_OUTCOMES = {0: "passed", 1: "failed"}
+
+#: the warm runner's process: imports what every test process imports (not ditmesh), then forks a pytest per line
+#: of JSON it reads ({args, cwd, env, log, timeout}) and answers each with {rc} (None: timed out)
+_WARM = r"""
+import json, os, signal, sys, time
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"  # no thread pool: forking stays safe
+import torch, torch.distributed, diffusers, transformers, pytest  # noqa: E401,F401
+torch.set_num_threads(1)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()  # its own process group: its ranks and servers go with it
+        fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.path[:0] = [p for p in job["env"]["PYTHONPATH"].split(os.pathsep) if p not in sys.path]
+        rc = 3
+        try:
+            rc = int(pytest.main(job["args"]))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+    deadline = time.monotonic() + job["timeout"]
+    rc = None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            rc = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what the tests left running, or all of it on a timeout
+    except ProcessLookupError:
+        pass
+    if rc is None:
+        os.waitpid(pid, 0)
+    print(json.dumps({"rc": rc}), flush=True)
+"""
+
+
+class WarmRunner:
+    """Runs pytest in processes forked from one that imported torch, diffusers and transformers once (their
+    gloo workers fork from the test process: ``DITMESH_TEST_START=fork``), instead of a fresh interpreter per
+    mutant whose worker server imports them again: seconds instead of tens of seconds per mutant on a busy
+    machine. ditmesh itself is imported by each test process, from the copy."""
+
+    def __init__(self, copy: Path):
+        self.copy = copy
+        self.proc = subprocess.Popen([sys.executable, "-c", _WARM], cwd=copy, env=copy_env(copy), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        line = self.proc.stdout.readline()
+        if not line.startswith('{"ready"'):
+            sys.exit("mutate: the warm runner did not start (run with --cold to see why)")
+
+    def __call__(self, tests, copy: Path, timeout_s: float, collective_timeout_s: float) -> tuple[str, float, str]:
+        env = copy_env(copy, DITMESH_TEST_TIMEOUT_S=str(collective_timeout_s), DITMESH_TEST_START="fork",
+                       OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        log = copy / "pytest.log"
+        start = time.monotonic()
+        self.proc.stdin.write(json.dumps({"args": _pytest_args(tests), "cwd": str(copy), "env": env, "log": str(log),
+                                          "timeout": timeout_s}) + "\n")
+        self.proc.stdin.flush()
+        rc = json.loads(self.proc.stdout.readline())["rc"]
+        out = log.read_text(errors="replace") if log.exists() else ""
+        outcome = "timeout" if rc is None else _OUTCOMES.get(rc, "error")
+        return outcome, time.monotonic() - start, out
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def file_sha(rel: str, root: Path = ROOT) -> str:
@@ -521,8 +614,24 @@ def _done(rows: list[dict]) -> tuple[dict, dict]:
     return mutants, baselines
 
 
+def baseline(runner, tests, copy: Path, collective_timeout: float, tries: int = 4) -> dict:
+    """Run ``tests`` on the unchanged copy; a test that fails there (an environment's fault, a flaky test) is
+    deselected, named in the row, and the rest run again, up to ``tries`` times."""
+    deselected: list[str] = []
+    for _ in range(tries):
+        outcome, seconds, text = runner([*tests, *(f"--deselect={node}" for node in deselected)], copy, 1800,
+                                        collective_timeout)
+        failed = [line.split(" ")[1] for line in text.splitlines() if line.startswith("FAILED ")]
+        if outcome != "failed" or not failed or "::" not in failed[0]:
+            break
+        deselected.append(failed[0])
+    return {"type": "baseline", "tests": list(tests), "tests_sha": tests_sha(tests), "outcome": outcome,
+            "seconds": round(seconds, 1), "deselected": deselected if outcome == "passed" else [],
+            "tail": "" if outcome == "passed" else text[-3000:]}
+
+
 def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor: float, min_timeout: float,
-        collective_timeout: float) -> None:
+        collective_timeout: float, cold: bool = False) -> None:
     """Run the mutants not yet in ``results`` until the budget is spent, appending a line per mutant."""
     results.parent.mkdir(parents=True, exist_ok=True)
     done, baselines = _done(load_results(results))
@@ -542,6 +651,7 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor:
                                capture_output=True, cwd=copy, env=copy_env(copy))
         if not probe.stdout.startswith(str(copy)):
             sys.exit(f"mutate: the tests would not import the copy (got {probe.stdout.strip() or probe.stderr})")
+        runner = run_tests if cold else WarmRunner(copy)
 
         def write(row: dict) -> None:
             out_file.write(json.dumps(row) + "\n")
@@ -554,21 +664,21 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor:
             key = (tuple(m.tests), tests_sha(m.tests))
             base = baselines.get(key)
             if base is None:
-                outcome, seconds, text = run_tests(m.tests, copy, 1800, collective_timeout)
-                base = {"type": "baseline", "tests": list(m.tests), "tests_sha": key[1], "outcome": outcome,
-                        "seconds": round(seconds, 1), "tail": "" if outcome == "passed" else text[-3000:]}
-                baselines[key] = base
+                base = baselines[key] = baseline(runner, m.tests, copy, collective_timeout)
                 write(base)
-                print(f"baseline {' '.join(m.tests)}: {outcome} in {seconds:.0f} s", flush=True)
+                print(f"baseline {' '.join(m.tests)}: {base['outcome']} in {base['seconds']:.0f} s"
+                      + (f" (deselected, failing unchanged: {' '.join(base['deselected'])})" if base["deselected"]
+                         else ""), flush=True)
             if base["outcome"] != "passed":
                 print(f"  skipped {m.id}: its tests fail on the unchanged tree", flush=True)
                 continue
+            tests = [*m.tests, *(f"--deselect={node}" for node in base["deselected"])]
             timeout = max(min_timeout, timeout_factor * base["seconds"])
             path = copy / PACKAGE / m.file
             original = path.read_text()
             path.write_text(m.apply(original))
             try:
-                outcome, seconds, text = run_tests(m.tests, copy, timeout, collective_timeout)
+                outcome, seconds, text = runner(tests, copy, timeout, collective_timeout)
             finally:
                 path.write_text(original)
             status = {"failed": "killed", "timeout": "killed", "passed": "survived"}.get(outcome, "error")
@@ -586,6 +696,8 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor:
                 row["killed_by"] = failed[:1]
             write(row)
             print(f"[{i:3d}/{len(todo)}] {status:<8} {seconds:5.0f} s  {m.id}  {m.describe()}", flush=True)
+        if not cold:
+            runner.close()
 
 
 # ---- the report -------------------------------------------------------------------------------------------------
@@ -651,6 +763,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-timeout", type=float, default=90.0, help="the least timeout, s (default 90)")
     parser.add_argument("--collective-timeout", type=float, default=60.0,
                         help="seconds a rank waits in one collective (default 60)")
+    parser.add_argument("--cold", action="store_true",
+                        help="a fresh interpreter per run of the tests instead of the warm runner's forks")
     args = parser.parse_args(argv)
     areas = [a for a in args.area.split(",") if a] or None
     unknown = [a for a in areas or () if a not in AREAS]
@@ -673,7 +787,8 @@ def main(argv=None) -> int:
         print(f"{len(mutants)} mutants; " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
         return 0
     if not args.report:
-        run(mutants, results, args.budget_min, args.timeout_factor, args.min_timeout, args.collective_timeout)
+        run(mutants, results, args.budget_min, args.timeout_factor, args.min_timeout, args.collective_timeout,
+            args.cold)
     numbers = report(mutants, results, load_equivalent())
     live = numbers["run"] - numbers["equivalent"]
     print(f"resume: python scripts/mutate.py{' --hand' if args.hand else ''} --budget-min MINUTES"

@@ -106,20 +106,36 @@ def test_usp_and_cfg_with_ulysses_decide_as_one_process(pools):
                          reference(FB, cfg=True))
 
 
-def test_ranks_agree_where_their_own_shards_would_not(pools):
-    # First learn each rank's own statistic per step, then put the threshold between two ranks' values at a step:
-    # a rank deciding on its shard alone would disagree with its peer there (and hang in the next all-to-all).
-    probe = pools(2).run(cached_run, None, {"ulysses": 2}, "dbcache:threshold=0")
-    steps = [(i, [r[1]["transformer"][i].get("local_rel") for r in probe]) for i in range(len(probe[0][1]["transformer"]))]
-    split = [(i, locs) for i, locs in steps if None not in locs and abs(locs[0] - locs[1]) > 1e-3]
-    assert split, "the shards never differ"
-    i, locs = split[len(split) // 2]
-    threshold = (locs[0] + locs[1]) / 2
-    setting = f"dbcache:threshold={threshold:.6f},first=1,warmup=0,max_skips=100"
-    runs = pools(2).run(cached_run, None, {"ulysses": 2}, setting)
-    disagree = [h for h0, h1 in zip(runs[0][1]["transformer"], runs[1][1]["transformer"])
-                for h in [h0] if "local_rel" in h0 and (h0["local_rel"] < threshold) != (h1["local_rel"] < threshold)]
-    assert disagree, "no step where the shards' own statistics straddle the threshold"
+SHARDED = {"ulysses2": {"ulysses": 2}, "ring2": {"ring": 2}, "usp2x2": {"ring": 2, "ulysses": 2}}
+
+
+@pytest.mark.parametrize("axis", list(SHARDED))
+@pytest.mark.parametrize("policy", ["dbcache", "teacache"])
+def test_ranks_agree_where_their_own_shards_would_not(pools, policy, axis):
+    # First learn each rank's own statistic per step (threshold 0: nothing skipped), then put the threshold between
+    # the ranks' values at one step: a rank deciding on its shard alone would disagree with a peer there (and hang
+    # in the next collective). Reduced over the ranks, every rank takes the one process's decisions.
+    config = SHARDED[axis]
+    pool = pools(2 * len(config))
+    probe = pool.run(cached_run, None, config, f"{policy}:threshold=0")
+    per_step = [[r[1]["transformer"][i].get("local_rel") for r in probe] for i in range(len(probe[0][1]["transformer"]))]
+    if policy == "teacache":
+        step = 1  # after the one warm-up step the accumulated change is that step's change alone
+    else:
+        split = [i for i, locs in enumerate(per_step) if None not in locs and max(locs) - min(locs) > 1e-3]
+        assert split, "the shards never differ"
+        step = split[len(split) // 2]
+    locs = per_step[step]
+    assert max(locs) - min(locs) > 1e-4, locs
+    threshold = round((min(locs) + max(locs)) / 2, 6)
+    assert len({loc < threshold for loc in locs}) == 2  # on their own shards the ranks would disagree here
+    setting = (f"teacache:threshold={threshold}" if policy == "teacache"
+               else f"dbcache:threshold={threshold},first=1,warmup=0,max_skips=100")
+    runs = pool.run(cached_run, None, config, setting)
+    if policy == "dbcache":  # skips change the later steps: the straddle must show in this run's own statistics
+        straddled = [hs for hs in zip(*[r[1]["transformer"] for r in runs])
+                     if all("local_rel" in h for h in hs) and len({h["local_rel"] < threshold for h in hs}) == 2]
+        assert straddled, "no step where the shards' own statistics straddle the threshold"
     ref = cached_run(None, {}, setting)
     for got in runs:
         assert_same_run(got, ref)
@@ -249,20 +265,6 @@ def test_teacache_accumulates_rescaled_change_and_resets_when_it_computes():
         expected.append(skip)
     assert [h["skip"] for h in history] == expected
     assert sum(expected) >= 2 and not all(expected[1:-1])  # it skipped, and it also had to compute again
-
-
-def test_teacache_ranks_agree_where_their_own_shards_would_not(pools):
-    # at step 1 the accumulated change is that step's change alone: a threshold between the two ranks' own values
-    # there splits ranks that decided on their shards
-    probe = pools(2).run(cached_run, None, {"ulysses": 2}, "teacache:threshold=0")
-    locs = [r[1]["transformer"][1]["local_rel"] for r in probe]
-    assert abs(locs[0] - locs[1]) > 1e-4, locs
-    threshold = round((locs[0] + locs[1]) / 2, 6)
-    assert (locs[0] < threshold) != (locs[1] < threshold)  # on their own shards the ranks would disagree
-    setting = f"teacache:threshold={threshold}"
-    ref = cached_run(None, {}, setting)
-    for got in pools(2).run(cached_run, None, {"ulysses": 2}, setting):
-        assert_same_run(got, ref)
 
 
 def test_wan_teacache_reads_the_input_its_attention_reads_and_decides_as_one_process(pools, model_checkpoints):

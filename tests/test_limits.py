@@ -137,3 +137,17 @@ def test_frames_limits():
         with pytest.raises(BadRequest, match=f"frames {frames} must be between 1 and 9") as error:
             check_options({"frames": frames}, LIMITS, video)
         assert error.value.status == 422
+
+
+@pytest.mark.parametrize("ulysses, local_world, fits", [(2, 2, True), (2, 4, True), (4, 4, True), (2, 3, False),
+                                                        (4, 2, False), (4, 6, False)])
+def test_the_copy_engine_transport_needs_each_ulysses_group_on_one_host(ulysses, local_world, fits):
+    options = RunOptions.create(ParallelConfig(ulysses=ulysses), transport="symm")
+    if fits:
+        assert options.validate(device="cuda:0", local_world=local_world) is options
+    else:
+        with pytest.raises(ConfigError, match=f"transport=symm needs each ulysses={ulysses} group on one host, but a "
+                                              f"host runs {local_world} processes"):
+            options.validate(device="cuda:0", local_world=local_world)
+    with pytest.raises(ConfigError, match="transport=symm needs CUDA GPUs"):
+        options.validate(device="cpu", local_world=local_world)

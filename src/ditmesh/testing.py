@@ -29,10 +29,12 @@ PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "ditmesh.m
 def _context():
     """The multiprocessing context of the workers: ``forkserver`` with :data:`PRELOAD` imported in the server where
     the platform has it, else ``spawn``; ``DITMESH_TEST_START=spawn`` forces spawn (each worker imports everything
-    itself). The server is started by the first pool; each worker takes the environment of the moment its pool
-    starts (``_worker``), but what a module read from the environment when the server imported it stays."""
+    itself), ``DITMESH_TEST_START=fork`` forks the workers from the test process itself (scripts/mutate.py: its
+    test processes are forked from one that imported torch and diffusers once, with one thread). The server is
+    started by the first pool; each worker takes the environment of the moment its pool starts (``_worker``), but
+    what a module read from the environment when the server imported it stays."""
     method = os.environ.get("DITMESH_TEST_START", "forkserver")
-    if method not in ("forkserver", "spawn") or method not in mp.get_all_start_methods():
+    if method not in ("forkserver", "spawn", "fork") or method not in mp.get_all_start_methods():
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
