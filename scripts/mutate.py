@@ -21,12 +21,14 @@ Two sources of mutants share one runner:
 
 ``src/``, ``tests/`` and ``pyproject.toml`` are copied once into a temporary folder; each mutant is written into the
 copy, its tests run there (``PYTHONPATH`` puts the copy's ``src`` first, spawned ranks inherit it) with ``pytest
--x``, and the copy's file is put back: the working tree is never edited. Before the first mutant of a test group,
-the group runs once on the unchanged copy (a test failing there would kill every mutant for nothing); its time sets
-the mutants' timeout (``--timeout-factor`` times it, at least ``--min-timeout`` s). A mutant is *killed* when its
-tests fail or time out, *survives* when they pass. Results are appended to a JSON-lines file (``--results``), one
-line per mutant (and per baseline); a rerun skips what it holds for an unchanged file, so an interrupted or
-time-boxed (``--budget-min``) run resumes where it stopped.
+-x`` (in processes forked from a warm one that imported torch and diffusers once: :class:`WarmRunner`), and the
+copy's file is put back: the working tree is never edited. A mutant is *killed* when its tests fail or time out
+(``--timeout``), *survives* when they pass. The test that killed it is then run alone on the unchanged copy, once
+per test: one that fails there too (the environment's fault, or flaky) would kill mutants for nothing, so it is
+deselected from then on and the mutant runs again. Results are appended to a JSON-lines file (``--results``), one
+line per mutant and per such check; a rerun skips what it holds for an unchanged file, so an interrupted or
+time-boxed (``--budget-min``) run resumes where it stopped. The mutants run in turns over the areas, so a run cut
+short has sampled every area alike.
 
 An *equivalent* mutant changes nothing any test can observe (a default no caller uses, a bound no input reaches):
 ``scripts/mutate_equivalent.txt`` lists each such id with its reason. The report gives the raw kill rate (killed
@@ -40,7 +42,6 @@ import argparse
 import ast
 import builtins
 import hashlib
-import io
 import json
 import os
 import random
@@ -51,9 +52,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import tokenize
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +92,8 @@ _OPTIONS = (_LIMITS, "tests/test_options.py", "tests/test_config_and_cli_errors.
             "tests/test_displaced.py::test_cuda_graphs_run_with_displaced_but_not_with_pipefusion",
             "tests/test_displaced.py::test_a_family_with_a_token_grid_is_refused")
 _JOBS = "tests/test_serve_jobs.py"
+_PART_WAY = "tests/test_image_pipelines.py::test_step_cache_counts_steps_from_where_img2img_starts"
+_STALE_PART_WAY = "tests/test_image_pipelines.py::test_stale_schemes_count_their_warmup_from_where_img2img_starts"
 _SERVE = "tests/test_serve.py"
 
 #: file -> the tests its mutants run, fastest killers first (``pytest -x`` stops at the first failure)
@@ -99,17 +101,17 @@ TESTS: dict[str, tuple[str, ...]] = {
     "parallel/sequence.py": (_RING, _ULY),
     "parallel/tensor.py": (_TP,),
     "parallel/batch.py": (_DP,),
-    "attention/local.py": (_LOCAL, _RING),
+    "attention/local.py": (_LOCAL, _RING, _ULY),
     "attention/ring.py": (_RING,),
     "attention/ulysses.py": (_ULY,),
     "attention/usp.py": (_RING,),
-    "comm.py": (_ULY, _RING, _DP),
-    "mesh.py": (_RING, _DP),
-    "cache.py": ("tests/test_cache.py",),
+    "comm.py": (_ULY, _RING, _DP, _TP),
+    "mesh.py": (_RING, _DP, _TP),
+    "cache.py": ("tests/test_cache.py", _PART_WAY),
     "redundancy.py": ("tests/test_cache.py",),
-    "hooks.py": ("tests/test_family_home.py", "tests/test_cache.py"),
-    "parallel/pipefusion.py": ("tests/test_pipefusion.py",),
-    "parallel/displaced.py": ("tests/test_displaced.py",),
+    "hooks.py": ("tests/test_family_home.py", _PART_WAY, "tests/test_cache.py"),
+    "parallel/pipefusion.py": ("tests/test_pipefusion.py", _STALE_PART_WAY),
+    "parallel/displaced.py": ("tests/test_displaced.py", _STALE_PART_WAY),
     "parallel/vae.py": ("tests/test_parallel_vae.py",),
     "parallel/vae_chunk.py": ("tests/test_parallel_vae.py",),
     "serve/app.py": (_JOBS, _SERVE),
@@ -604,43 +606,51 @@ def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
 
 
 def _done(rows: list[dict]) -> tuple[dict, dict]:
-    """(mutant results by (id, file sha), baselines by (tests, tests sha)), the last of each."""
-    mutants, baselines = {}, {}
+    """(mutant results by (id, file sha), checks of single tests on the unchanged tree by (node, test file sha)),
+    the last of each."""
+    mutants, checks = {}, {}
     for row in rows:
-        if row.get("type") == "baseline":
-            baselines[(tuple(row["tests"]), row["tests_sha"])] = row
-        else:
+        if row.get("type") == "check":
+            checks[(row["node"], row["tests_sha"])] = row
+        elif "id" in row:
             mutants[(row["id"], row["sha"])] = row
-    return mutants, baselines
+    return mutants, checks
 
 
-def baseline(runner, tests, copy: Path, collective_timeout: float, tries: int = 4) -> dict:
-    """Run ``tests`` on the unchanged copy; a test that fails there (an environment's fault, a flaky test) is
-    deselected, named in the row, and the rest run again, up to ``tries`` times."""
-    deselected: list[str] = []
-    for _ in range(tries):
-        outcome, seconds, text = runner([*tests, *(f"--deselect={node}" for node in deselected)], copy, 1800,
-                                        collective_timeout)
-        failed = [line.split(" ")[1] for line in text.splitlines() if line.startswith("FAILED ")]
-        if outcome != "failed" or not failed or "::" not in failed[0]:
-            break
-        deselected.append(failed[0])
-    return {"type": "baseline", "tests": list(tests), "tests_sha": tests_sha(tests), "outcome": outcome,
-            "seconds": round(seconds, 1), "deselected": deselected if outcome == "passed" else [],
-            "tail": "" if outcome == "passed" else text[-3000:]}
+def _first_failure(text: str) -> str | None:
+    """The node id (or file, for a collection error) of the first ``FAILED``/``ERROR`` line of pytest's summary."""
+    for line in text.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ")[1]
+    return None
 
 
-def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor: float, min_timeout: float,
-        collective_timeout: float, cold: bool = False) -> None:
-    """Run the mutants not yet in ``results`` until the budget is spent, appending a line per mutant."""
+def interleave(mutants: list[Mutant]) -> list[Mutant]:
+    """The mutants in turns over the areas (the first of each area, then the second, ...): a run cut short by its
+    budget has sampled every area alike."""
+    by_area: dict[str, list[Mutant]] = defaultdict(list)
+    for m in mutants:
+        by_area[m.area].append(m)
+    out = []
+    for i in range(max(map(len, by_area.values()), default=0)):
+        out += [ms[i] for ms in by_area.values() if i < len(ms)]
+    return out
+
+
+def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: float, collective_timeout: float,
+        cold: bool = False, rerun_survivors: bool = False) -> None:
+    """Run the mutants not yet in ``results`` until the budget is spent, appending a line per mutant.
+
+    The test that kills a mutant is run once alone on the unchanged copy (a line ``check`` per test): one that fails
+    there too (broken by the environment, or flaky) is deselected from then on and the mutant runs again."""
     results.parent.mkdir(parents=True, exist_ok=True)
-    done, baselines = _done(load_results(results))
-    todo = [m for m in mutants if (m.id, file_sha(m.file)) not in done]
+    done, checks = _done(load_results(results))
+    todo = [m for m in interleave(mutants) if (m.id, file_sha(m.file)) not in done
+            or (rerun_survivors and done[(m.id, file_sha(m.file))]["status"] == "survived")]
     print(f"{len(mutants) - len(todo)} of {len(mutants)} mutants already in {results}; {len(todo)} to run", flush=True)
     if not todo:
         return
-    started = time.monotonic()
-    deadline = started + budget_min * 60
+    deadline = time.monotonic() + budget_min * 60
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with tempfile.TemporaryDirectory(prefix="ditmesh-mutate-") as tmp, results.open("a") as out_file:
         copy = Path(tmp)
@@ -657,43 +667,54 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_factor:
             out_file.write(json.dumps(row) + "\n")
             out_file.flush()
 
+        def passes_unchanged(node: str) -> bool:
+            key = (node, tests_sha([node]))
+            if key not in checks:
+                args = [node] if "::" in node else ["--collect-only", node]
+                outcome, seconds, text = runner(args, copy, timeout_s, collective_timeout)
+                checks[key] = {"type": "check", "node": node, "tests_sha": key[1], "outcome": outcome,
+                               "seconds": round(seconds, 1)}
+                if outcome != "passed":
+                    checks[key]["tail"] = text[-3000:]
+                write(checks[key])
+                print(f"  check {node} on the unchanged tree: {outcome} in {seconds:.0f} s", flush=True)
+            return checks[key]["outcome"] == "passed"
+
         for i, m in enumerate(todo, 1):
             if time.monotonic() > deadline:
                 print(f"budget of {budget_min:g} min spent: {len(todo) - i + 1} mutants left for a rerun", flush=True)
                 break
-            key = (tuple(m.tests), tests_sha(m.tests))
-            base = baselines.get(key)
-            if base is None:
-                base = baselines[key] = baseline(runner, m.tests, copy, collective_timeout)
-                write(base)
-                print(f"baseline {' '.join(m.tests)}: {base['outcome']} in {base['seconds']:.0f} s"
-                      + (f" (deselected, failing unchanged: {' '.join(base['deselected'])})" if base["deselected"]
-                         else ""), flush=True)
-            if base["outcome"] != "passed":
-                print(f"  skipped {m.id}: its tests fail on the unchanged tree", flush=True)
-                continue
-            tests = [*m.tests, *(f"--deselect={node}" for node in base["deselected"])]
-            timeout = max(min_timeout, timeout_factor * base["seconds"])
             path = copy / PACKAGE / m.file
             original = path.read_text()
-            path.write_text(m.apply(original))
-            try:
-                outcome, seconds, text = runner(tests, copy, timeout, collective_timeout)
-            finally:
-                path.write_text(original)
+            while True:
+                broken = sorted(node for (node, _), c in checks.items() if c["outcome"] != "passed" and "::" in node)
+                tests = [*m.tests, *(f"--deselect={node}" for node in broken)]
+                path.write_text(m.apply(original))
+                try:
+                    outcome, seconds, text = runner(tests, copy, timeout_s, collective_timeout)
+                finally:
+                    path.write_text(original)
+                killer = _first_failure(text) if outcome in ("failed", "error") else None
+                if killer is None or passes_unchanged(killer):
+                    break
+                if "::" not in killer:  # a test file that does not even collect unchanged
+                    outcome = "error"
+                    break
             status = {"failed": "killed", "timeout": "killed", "passed": "survived"}.get(outcome, "error")
+            if outcome == "error" and killer is not None and "::" not in killer and checks.get(
+                    (killer, tests_sha([killer])), {}).get("outcome") == "passed":
+                status = "killed"  # the mutant breaks the import of a test module
             row = {"id": m.id, "area": m.area, "file": m.file, "line": m.line, "kind": m.kind, "old": m.old,
                    "new": m.new, "sha": file_sha(m.file), "tests": list(m.tests), "status": status,
-                   "outcome": outcome, "seconds": round(seconds, 1)}
+                   "outcome": outcome, "seconds": round(seconds, 1), "deselected": broken}
             if m.equivalent:
                 row["equivalent"] = m.equivalent
             if m.bug:
                 row["bug"] = m.bug
-            if status != "killed":
-                row["tail"] = "\n".join(text.strip().splitlines()[-6:])
+            if status == "killed":
+                row["killed_by"] = killer
             else:
-                failed = [line.split(" ")[1] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-                row["killed_by"] = failed[:1]
+                row["tail"] = "\n".join(text.strip().splitlines()[-6:])
             write(row)
             print(f"[{i:3d}/{len(todo)}] {status:<8} {seconds:5.0f} s  {m.id}  {m.describe()}", flush=True)
         if not cold:
@@ -741,7 +762,7 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
                   file=out)
     for r in wrong:
         print(f"  KILLED but listed equivalent: {r['id']} ({r.get('killed_by')}): fix its reason", file=out)
-    return {"run": total["run"], "killed": total["killed"], "equivalent": total["equivalent"],
+    return {"run": total["run"], "killed": total["killed"], "equivalent": total["equivalent"], "wrong": len(wrong),
             "sampled": len(mutants), "areas": {a: dict(c) for a, c in by_area.items()}}
 
 
@@ -758,9 +779,10 @@ def main(argv=None) -> int:
                         help="JSON-lines results file (default bench/results/mutation/sample.jsonl, "
                              "hand.jsonl with --hand)")
     parser.add_argument("--budget-min", type=float, default=60.0, help="stop starting mutants after this (default 60)")
-    parser.add_argument("--timeout-factor", type=float, default=3.0,
-                        help="a mutant's timeout in units of its tests' unchanged time (default 3)")
-    parser.add_argument("--min-timeout", type=float, default=90.0, help="the least timeout, s (default 90)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one run of a mutant's tests may take; more kills it (default 600)")
+    parser.add_argument("--rerun-survivors", action="store_true",
+                        help="run the survivors in the results file again (after adding tests)")
     parser.add_argument("--collective-timeout", type=float, default=60.0,
                         help="seconds a rank waits in one collective (default 60)")
     parser.add_argument("--cold", action="store_true",
@@ -787,13 +809,14 @@ def main(argv=None) -> int:
         print(f"{len(mutants)} mutants; " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
         return 0
     if not args.report:
-        run(mutants, results, args.budget_min, args.timeout_factor, args.min_timeout, args.collective_timeout,
-            args.cold)
+        run(mutants, results, args.budget_min, args.timeout, args.collective_timeout, args.cold, args.rerun_survivors)
     numbers = report(mutants, results, load_equivalent())
     live = numbers["run"] - numbers["equivalent"]
     print(f"resume: python scripts/mutate.py{' --hand' if args.hand else ''} --budget-min MINUTES"
           + (f" --per-area {args.per_area}" if args.per_area != 25 else "")
           + (f" --seed {args.seed}" if args.seed != SEED else ""))
+    if args.hand:  # every listed bug killed, every listed equivalent alive
+        return 0 if numbers["run"] == len(mutants) and numbers["killed"] == live and not numbers["wrong"] else 1
     return 0 if live and numbers["killed"] >= 0.9 * live else 1
 
 

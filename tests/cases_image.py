@@ -28,14 +28,16 @@ def condition_mask(height: int = 64, width: int = 64):
 
 
 def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_parallel: str = "auto",
-               cache: str | None = None, size: tuple[int, int] = (64, 64), frames: int | None = None) -> list[dict]:
+               cache: str | None = None, size: tuple[int, int] = (64, 64), frames: int | None = None,
+               options: dict | None = None) -> list[dict]:
     """Each run ``(pipeline class name, call arguments)`` on the pipeline in folder ``model``, loaded with that class
     and parallelized with ``config`` (``{}``: one process). ``call`` may hold ``image`` / ``mask_image`` as
     ``(height, width)`` of :func:`condition_image` / :func:`condition_mask`. The output is ``size`` (height,
     width), with ``frames`` video frames when given. Returns per run the final latents, the
     transformer's inputs' token counts of the first call (``tokens``), the step indices the context saw
     (``steps``), the heights the VAE encoder's first convolution saw on this rank (``encoder_rows``), and with a step
-    ``cache`` its decisions (``cache``: (run step, skipped) per call)."""
+    ``cache`` its decisions (``cache``: (run step, skipped) per call). ``options``: more of parallelize's options
+    (PipeFusion's, displaced attention's)."""
     import inspect
 
     import diffusers
@@ -52,8 +54,8 @@ def image_case(model: str, config: dict, runs: list, steps: int = 4, vae_paralle
         torch.manual_seed(0)
         pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        runtime = parallelize(pipe, ParallelConfig(**config), vae_parallel=vae_parallel, cache=cache) \
-            if config or cache else None
+        runtime = parallelize(pipe, ParallelConfig(**config), vae_parallel=vae_parallel, cache=cache,
+                              **(options or {})) if config or cache else None
         seen, rows = {"tokens": None, "steps": []}, []
 
         def pre(module, args, kwargs):

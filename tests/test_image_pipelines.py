@@ -85,13 +85,39 @@ def test_img2img_and_kontext_batch_parallel_match_single_process(pools, flux_tin
         assert results[0][0]["steps"] == [1, 1, 2, 2, 3, 3]
 
 
-def test_step_cache_counts_steps_from_where_img2img_starts(pools, flux_tiny):
-    """A run that starts part-way (strength 0.6 of 6 steps: scheduler steps 2..5) counts its cache steps from its
-    first one, as diffusers' step callbacks do: ``static:skip=1`` skips the run's second step, under ulysses too."""
-    runs = [("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})]
-    ref, results, _ = _check(pools, flux_tiny, {"ulysses": 2}, runs, steps=6, cache="static:skip=1")
+#: strength 0.6 of 6 steps runs the scheduler's steps 2..5: the run's steps 0..3
+PART_WAY = ("FluxImg2ImgPipeline", {"image": (64, 64), "strength": 0.6})
+#: each step-indexed cache policy's decisions (run step, skipped) on such a run, by the rules in the run's steps: a
+#: listed step; every other step after the warm-up once two steps ran; teacache's last step always runs; dbcache
+#: (a threshold no change reaches) skips from its warm-up on, up to max_skips
+PART_WAY_CACHES = {
+    "static:skip=1": [(0, False), (1, True), (2, False), (3, False)],
+    "taylor:interval=2,warmup=1": [(0, False), (1, False), (2, True), (3, False)],
+    "teacache:threshold=100,max_skips=9": [(0, False), (1, True), (2, True), (3, False)],
+    "dbcache:threshold=100,warmup=2,max_skips=9": [(0, False), (1, False), (2, True), (3, True)],
+}
+
+
+@pytest.mark.parametrize("cache", list(PART_WAY_CACHES))
+def test_step_cache_counts_steps_from_where_img2img_starts(pools, flux_tiny, cache):
+    """A run that starts part-way counts its cache steps from its first one, as diffusers' step callbacks do, and
+    knows its last: every policy decides on the run's steps, under ulysses as on one process."""
+    ref, results, _ = _check(pools, flux_tiny, {"ulysses": 2}, [PART_WAY], steps=6, cache=cache)
     assert results[0][0]["steps"] == [2, 3, 4, 5]
-    assert ref[0]["cache"] == results[0][0]["cache"] == [(0, False), (1, True), (2, False), (3, False)]
+    assert ref[0]["cache"] == results[0][0]["cache"] == results[1][0]["cache"] == PART_WAY_CACHES[cache]
+
+
+@pytest.mark.parametrize("config, warmup", [({"pp": 2}, "pp_warmup"), ({"ulysses": 2}, "displaced_warmup")],
+                         ids=["pipefusion", "displaced"])
+def test_stale_schemes_count_their_warmup_from_where_img2img_starts(pools, flux_tiny, config, warmup):
+    """PipeFusion's and displaced attention's exact warm-up steps are the run's first steps: a warm-up of 4 covers
+    every step of a run of 4 that starts at the scheduler's step 2 (exact: equal to one process); one of 3 leaves
+    its last step stale (not equal)."""
+    options = {"displaced": True} if warmup == "displaced_warmup" else {}
+    _check(pools, flux_tiny, config, [PART_WAY], steps=6, options={**options, warmup: 4})
+    ref = image_case(flux_tiny, {}, [PART_WAY], steps=6)[0]["latents"]
+    stale = pools(2).run(image_case, flux_tiny, config, [PART_WAY], steps=6, options={**options, warmup: 3})
+    assert all(rel_err(r[0]["latents"], ref) > 1e-4 for r in stale)
 
 
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"tp": 2}, {"dp": 2}],
