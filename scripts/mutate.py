@@ -31,9 +31,11 @@ time-boxed (``--budget-min``) run resumes where it stopped. The mutants run in t
 short has sampled every area alike.
 
 An *equivalent* mutant changes nothing any test can observe (a default no caller uses, a bound no input reaches):
-``scripts/mutate_equivalent.txt`` lists each such id with its reason. The report gives the raw kill rate (killed
-over run), the kill rate over the non-equivalent mutants, and each survivor with its file:line, its mutation and,
-for a listed one, the reason. A listed mutant that is killed is flagged: its reason is wrong.
+``scripts/mutate_equivalent.txt`` lists each such id with its reason; a reason starting ``cuda only:`` marks instead
+a survivor in code only a CUDA device runs (the CPU suite cannot reach it). The report gives the raw kill rate
+(killed over run), the kill rate over the non-equivalent mutants, the same without the CUDA-only ones, and each
+survivor with its file:line, its mutation and, for a listed one, the reason. A listed equivalent that is killed is
+flagged: its reason is wrong.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ PACKAGE = "src/ditmesh"
 RESULTS = ROOT / "bench/results/mutation/sample.jsonl"
 EQUIVALENT = Path(__file__).resolve().parent / "mutate_equivalent.txt"
 SEED = 35
+#: a reason in EQUIVALENT that starts so marks a survivor in code only a CUDA device runs (not an equivalent: the
+#: CPU suite cannot reach it; tests/gpu may)
+CUDA_ONLY = "cuda only:"
 
 # ---- what is mutated, and the tests that must notice ------------------------------------------------------------
 
@@ -736,10 +741,12 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
         c = by_area[r["area"]]
         c["run"] += 1
         c["killed"] += r["status"] == "killed"
-        c["equivalent"] += bool(reason) and r["status"] == "survived"
+        cuda = reason.startswith(CUDA_ONLY)
+        c["equivalent"] += bool(reason) and not cuda and r["status"] == "survived"
+        c["cuda"] += cuda and r["status"] == "survived"
         if r["status"] == "survived":
             survivors.append((r, reason))
-        elif reason:
+        elif reason and not cuda:
             wrong.append(r)
     total = sum(by_area.values(), Counter())
     errors = sum(1 for m in mutants if (m.id, file_sha(m.file)) in done
@@ -749,7 +756,10 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
         raw = f"{c['killed']}/{c['run']} ({100 * c['killed'] / c['run']:.0f}%)" if c["run"] else "-"
         live = c["run"] - c["equivalent"]
         real = f"{c['killed']}/{live} ({100 * c['killed'] / live:.1f}%)" if live else "-"
-        return f"raw {raw:<15} non-equivalent {real:<17} equivalent {c['equivalent']}"
+        cpu = live - c["cuda"]
+        on_cpu = f"{c['killed']}/{cpu} ({100 * c['killed'] / cpu:.1f}%)" if cpu else "-"
+        return (f"raw {raw:<15} non-equivalent {real:<17} equivalent {c['equivalent']:<3} "
+                f"CUDA-only {c['cuda']:<3} CPU-reachable non-equivalent {on_cpu}")
 
     print(f"{len(rows)} of {len(mutants)} mutants run ({errors} could not run)", file=out)
     for area in sorted(by_area, key=list(AREAS).index if all(a in AREAS for a in by_area) else str):
@@ -759,11 +769,13 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
         print("survivors:", file=out)
         for r, reason in sorted(survivors, key=lambda x: (bool(x[1]), x[0]["file"], x[0]["line"])):
             print(f"  {PACKAGE}/{r['file']}:{r['line']}  [{r['kind']}] {_short(r['old'], 60)} -> "
-                  f"{_short(r['new'], 60)}" + (f"\n      equivalent: {reason}" if reason else "  (a missing test)"),
+                  f"{_short(r['new'], 60)}" + (f"\n      {'' if reason.startswith(CUDA_ONLY) else 'equivalent: '}{reason}" if reason
+                     else "  (a missing test)"),
                   file=out)
     for r in wrong:
         print(f"  KILLED but listed equivalent: {r['id']} ({r.get('killed_by')}): fix its reason", file=out)
     return {"run": total["run"], "killed": total["killed"], "equivalent": total["equivalent"], "wrong": len(wrong),
+            "cuda": total["cuda"],
             "sampled": len(mutants), "areas": {a: dict(c) for a, c in by_area.items()}}
 
 

@@ -22,9 +22,11 @@ RUN_OPTION_LIMITS = [
     ({"pp": 3}, {"pp_patches": 3}, {"pp_patches": 2}, "pp_patches=2 is fewer than the pp=3 stages"),
     ({"pp": 2}, {"pp_chunk_bytes": 1}, {"pp_chunk_bytes": 0}, "pp_chunk_bytes=0 must be a positive byte count"),
     ({}, {"ulysses_chunks": 1}, {"ulysses_chunks": 0}, "ulysses_chunks=0 must be >= 1"),
-    ({}, {"chunk_tokens": 1}, {"chunk_tokens": 0}, "chunk_tokens=0 is not a token count"),
+    ({}, {"chunk_tokens": 1}, {"chunk_tokens": 0},
+     r"^chunk_tokens=0 is not a token count; give a positive integer \(e.g. 4096\) or auto$"),
     ({}, {"chunk_tokens": "1"}, {"chunk_tokens": "0"}, "chunk_tokens='0' is not a token count"),
-    ({}, {"vae_chunk": 1}, {"vae_chunk": 0}, "vae_chunk=0 is not a row count"),
+    ({}, {"vae_chunk": 1}, {"vae_chunk": 0}, r"^vae_chunk=0 is not a row count; give a positive integer \(e.g. 256\) "
+                                             r"or auto$"),
     ({}, {"displaced_warmup": 1}, {"displaced_warmup": 2}, "displaced_warmup=2 is given without displaced"),
 ]
 
@@ -137,6 +139,16 @@ def test_frames_limits():
         with pytest.raises(BadRequest, match=f"frames {frames} must be between 1 and 9") as error:
             check_options({"frames": frames}, LIMITS, video)
         assert error.value.status == 422
+
+
+def test_a_command_line_reads_the_pp_message_size_in_mib_and_names_its_flags():
+    from argparse import Namespace
+
+    options = RunOptions.from_args(Namespace(pp=2, pp_chunk_mb=3, pp_warmup=2, chunk="auto"))
+    assert options.config.pp == 2 and options.pp_chunk_bytes == 3 << 20 and options.pp_warmup == 2
+    assert options.chunk_tokens == "auto"
+    with pytest.raises(ConfigError, match="^--pp-warmup 0 must be >= 1"):
+        RunOptions.from_args(Namespace(pp=2, pp_warmup=0))
 
 
 @pytest.mark.parametrize("ulysses, local_world, fits", [(2, 2, True), (2, 4, True), (4, 4, True), (2, 3, False),

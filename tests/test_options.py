@@ -101,6 +101,16 @@ def test_family_refusals_come_from_the_adapter():
         RunOptions.create(ParallelConfig(pp=2)).validate(adapters=[zimage])
 
 
+def test_family_allows_reads_the_refusals():
+    from ditmesh.models import adapter_for_class
+    from ditmesh.options import displaced_refusal, family_allows, pipefusion_refusal
+
+    flux, zimage, sana = (adapter_for_class(c) for c in ("FluxTransformer2DModel", "ZImageTransformer2DModel",
+                                                         "SanaTransformer2DModel"))
+    assert family_allows(pipefusion_refusal, flux) and not family_allows(pipefusion_refusal, zimage)
+    assert family_allows(displaced_refusal, flux) and not family_allows(displaced_refusal, sana)
+
+
 # -- the five entry points build it the same way ---------------------------------------------------------------------
 def _refused(argv: list[str], needle: str) -> None:
     """Run ``ditmesh ARGV`` in a fresh interpreter: it exits 2 with one line holding ``needle``, before torch loads."""

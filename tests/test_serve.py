@@ -395,6 +395,9 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
                                        "replicas); give one of them"),
     (["--nproc", "3", "--dp", "2"], "--nproc 3 is not a multiple of --dp 2 (with --dp, --nproc counts the ranks of "
                                     "all replicas)"),
+    (["--plan", "auto"], "--plan auto needs --nproc (the ranks of one replica)"),
+    (["--port", "65536"], "--port 65536 must be between 0 and 65535"),
+    (["--step-timeout", "0"], "--step-timeout 0.0 must be > 0 seconds (e.g. 60)"),
 ])
 def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     from ditmesh.cli import main

@@ -7,16 +7,21 @@ once in the metrics. tests/test_serve.py meets the same paths through a real ser
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from ditmesh.serve.app import Service, create_app
-from ditmesh.serve.replica import RankFault, RankState, Replica, RequestCancelled, RequestFailed
+from ditmesh.serve.app import LATENCY_BUCKETS, Service, create_app
+from ditmesh.serve.replica import FAULT_GRACE_S, RankFault, RankState, Replica, RequestCancelled, RequestFailed
 from ditmesh.serve.requests import Limits
+from ditmesh.testing import process_alive
 
 LIMITS = Limits(max_pixels=128 * 128, max_steps=8, max_frames=9, max_n=2)
 DEFAULTS = SimpleNamespace(prompt=["a"], steps=2, seed=0, height=64, width=64, frames=None, images_per_prompt=1,
@@ -142,6 +147,22 @@ def test_job_states_through_the_routes_queued_running_progress_cancelled_done(se
         assert [c["prompt"] for c in replica.calls] == ["first", "third"] and replica.cancels == []
         assert client.get("/jobs/nothing").status_code == 404
     assert _outcomes(service) == {"ok": 2, "cancelled": 1}
+    metrics = service.metrics()
+    assert "ditmesh_images_total 2" in metrics
+    # the latency histogram: cumulative counts of the two answered jobs, the last bucket and the count hold both
+    buckets = [int(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("ditmesh_request_latency_seconds_bucket")]
+    assert buckets == sorted(buckets) and buckets[-1] == 2 and len(buckets) == len(LATENCY_BUCKETS) + 1
+    assert "ditmesh_request_latency_seconds_count 2" in metrics
+
+
+def test_a_service_never_stopped_does_not_keep_the_interpreter_alive():
+    # its dispatchers are daemon threads: a front end that dies without stop() leaves no process behind
+    code = ("from types import SimpleNamespace; from ditmesh.serve.app import Service\n"
+            "class R:\n index, state, world = 0, 'ready', 1\n def check(self): pass\n"
+            "Service([R()], None, SimpleNamespace(steps=2)).start(); print('started')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "started", done.stderr
 
 
 def test_a_running_job_cancelled_is_stopped_by_its_replica_and_answered_499_once(service):
@@ -298,9 +319,69 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
         replica.run("m", {"prompt": "p"})
     assert replica.state == "ready" and not replica._in_request and replica.served == 1
     replica._events.put(("done", 0, "n", False, "height 72 is not a multiple of 16", 0.0))
+    t0 = time.time()
     with pytest.raises(RequestFailed, match="height 72"):
         replica.run("n", {"prompt": "p"})
+    # a refusal of the call is answered after a short look for a peer that died (not the grace of a fault)
+    assert time.time() - t0 < FAULT_GRACE_S
     assert replica.state == "ready" and replica.served == 1
+
+
+def _stand_in_rank(rank, world, local_rank, port, options, requests, events, cancel):
+    """Stands in for ``serve.worker.rank_main`` (a spawned process that loads nothing): fails loading if told to,
+    else reports ready (its local rank as its load seconds, so the test sees each rank's), then rank 0 answers each
+    request with its steps and a picture of its prompt."""
+    if options.get("fail_rank") == rank:
+        events.put(("load_error", rank, "no such folder", ""))
+        time.sleep(0.5)
+        os._exit(2)
+    events.put(("ready", rank, float(local_rank), {"64x64": 0.25 + rank}))
+    while True:
+        if rank != 0:
+            events.put(("beat", rank, time.time()))
+            time.sleep(0.2)
+            continue
+        request = requests.get()
+        steps = request["options"].get("steps", options["steps"])
+        for step in range(1, steps + 1):
+            events.put(("step", 0, request["id"], step, steps))
+        events.put(("done", 0, request["id"], True, [("image/png", request["options"]["prompt"].encode())], 0.1))
+
+
+def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(monkeypatch):
+    from ditmesh.serve import worker
+
+    monkeypatch.setattr(worker, "rank_main", _stand_in_rank)
+    replica = Replica(1, 2, {"steps": 2}, step_timeout=30, load_timeout=60)
+    try:
+        replica.start()
+        assert replica.state == "ready" and replica.load_s == [2.0, 3.0]  # replica 1's ranks: local ranks 2 and 3
+        assert replica.warm_s == {"64x64": 0.25}  # rank 0's
+        pids = replica.pids()
+        assert len(set(pids)) == 2 and all(process_alive(p) for p in pids)
+        steps = []
+        assert replica.run("j", {"prompt": "p"}, lambda step, of: steps.append((step, of)))[0] == [("image/png", b"p")]
+        assert steps == [(1, 2), (2, 2)] and replica.served == 1
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(RankFault, match=rf"^rank 1 of replica 1 \(pid {pids[1]}\) died with exit code -9 while "
+                                            "idle$"):
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                replica.check()
+        assert replica.state == "failed"
+        replica.restart()
+        assert replica.state == "ready" and replica.restarts == 1 and not set(replica.pids()) & set(pids)
+        assert replica.run("k", {"prompt": "q", "steps": 1})[0] == [("image/png", b"q")]
+    finally:
+        replica.stop()
+    assert not any(process_alive(p) for p in replica.pids())
+    broken = Replica(0, 2, {"steps": 2, "fail_rank": 1}, step_timeout=30, load_timeout=60)
+    try:
+        with pytest.raises(RankFault, match="^rank 1 of replica 0 failed loading the pipeline: no such folder$"):
+            broken.start()
+        assert broken.state == "failed"
+    finally:
+        broken.stop()
 
 
 class _ReplicaThatWillNotStart:
