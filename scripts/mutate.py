@@ -87,6 +87,7 @@ AREAS: dict[str, tuple[str, ...]] = {
 _RING = "tests/test_ring_usp.py"
 _ULY = "tests/test_ulysses.py"
 _LOCAL = "tests/test_attention_local.py"
+_MASKS = "tests/test_attention_masks.py"
 _TP = "tests/test_tensor_parallel.py"
 _DP = "tests/test_batch_parallel.py"
 _LIMITS = "tests/test_limits.py"
@@ -103,10 +104,14 @@ _STALE_PART_WAY = "tests/test_image_pipelines.py::test_stale_schemes_count_their
 
 #: file -> the tests its mutants run, fastest killers first (``pytest -x`` stops at the first failure)
 TESTS: dict[str, tuple[str, ...]] = {
-    "parallel/sequence.py": (_RING, _ULY),
-    "parallel/tensor.py": (_TP,),
+    "parallel/sequence.py": (_RING, _ULY, _MASKS),
+    "parallel/tensor.py": (_TP,
+                           "tests/test_tensor_parallel_models.py::test_sharded_rms_norm_is_exact_and_a_local_norm_is_wrong",
+                           "tests/test_tensor_parallel_models.py::test_wan_qk_norm_weights_are_sharded",
+                           "tests/test_lora.py::test_flux_lora_tp2_matches_single_process"),
     "parallel/batch.py": (_DP,),
-    "attention/local.py": (_LOCAL, _RING, _ULY),
+    "attention/local.py": (_LOCAL, "tests/test_chunk.py::test_attention_in_query_pieces_equals_whole_with_masks_and_lse",
+                           _MASKS, _RING, _ULY),
     "attention/ring.py": (_RING,),
     "attention/ulysses.py": (_ULY,),
     "attention/usp.py": (_RING,),
