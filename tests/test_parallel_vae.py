@@ -237,3 +237,20 @@ def test_ltx_video_vae_split_along_height_matches_single_process(pools, world, w
     for r in pools(world).run(vae_case, "ltx", what, rows, cols, frames):
         assert r["err"] <= 1e-5, r["err"]
         assert r["restored"] and r["counts"] == {"halo": tall, "all_gather": 1}
+
+
+def test_a_call_that_runs_whole_is_said_once_per_reason_and_refused_under_on(caplog):
+    import logging
+
+    from ditmesh.config import ConfigError
+    from ditmesh.parallel.vae import VaeParallel
+
+    auto = VaeParallel(None)
+    with caplog.at_level(logging.INFO, logger="ditmesh"):
+        for reason in ("3 latent rows for 4 ranks", "3 latent rows for 4 ranks", "a mask"):
+            auto.whole(reason)
+    said = [r.getMessage() for r in caplog.records if "runs whole" in r.getMessage()]
+    assert said == ["ditmesh: the VAE runs whole on every rank: 3 latent rows for 4 ranks",
+                    "ditmesh: the VAE runs whole on every rank: a mask"]
+    with pytest.raises(ConfigError, match="^the parallel VAE cannot split this call: a mask; use vae_parallel auto"):
+        VaeParallel(None, strict=True).whole("a mask")
