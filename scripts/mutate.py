@@ -31,10 +31,11 @@ time-boxed (``--budget-min``) run resumes where it stopped. The mutants run in t
 short has sampled every area alike.
 
 An *equivalent* mutant changes nothing any test can observe (a default no caller uses, a bound no input reaches):
-``scripts/mutate_equivalent.txt`` lists each such id with its reason; a reason starting ``cuda only:`` marks instead
-a survivor in code only a CUDA device runs (the CPU suite cannot reach it). The report gives the raw kill rate
-(killed over run), the kill rate over the non-equivalent mutants, the same without the CUDA-only ones, and each
-survivor with its file:line, its mutation and, for a listed one, the reason. A listed equivalent that is killed is
+``scripts/mutate_equivalent.txt`` lists each such id with its reason; a reason starting ``cuda only:`` or ``compile
+only:`` marks instead a survivor in code only a CUDA device runs (the CPU suite cannot reach it) or only
+``torch.compile`` traces (the warm runner leaves the compile tests out; ``--cold`` runs them). The report gives the
+raw kill rate (killed over run), the kill rate over the non-equivalent mutants, the same without those unreachable
+ones, and each survivor with its file:line, its mutation and, for a listed one, the reason. A listed equivalent that is killed is
 flagged: its reason is wrong.
 """
 
@@ -63,9 +64,10 @@ PACKAGE = "src/ditmesh"
 RESULTS = ROOT / "bench/results/mutation/sample.jsonl"
 EQUIVALENT = Path(__file__).resolve().parent / "mutate_equivalent.txt"
 SEED = 35
-#: a reason in EQUIVALENT that starts so marks a survivor in code only a CUDA device runs (not an equivalent: the
-#: CPU suite cannot reach it; tests/gpu may)
-CUDA_ONLY = "cuda only:"
+#: a reason in EQUIVALENT that starts so marks a survivor in code this runner cannot reach (not an equivalent): code
+#: only a CUDA device runs (tests/gpu may reach it), or only ``torch.compile``'s tracing (the compile tests, which
+#: the warm runner leaves out and ``--cold`` runs)
+CUDA_ONLY = ("cuda only:", "compile only:")
 
 # ---- what is mutated, and the tests that must notice ------------------------------------------------------------
 
@@ -773,7 +775,7 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
         cpu = live - c["cuda"]
         on_cpu = f"{c['killed']}/{cpu} ({100 * c['killed'] / cpu:.1f}%)" if cpu else "-"
         return (f"raw {raw:<15} non-equivalent {real:<17} equivalent {c['equivalent']:<3} "
-                f"CUDA-only {c['cuda']:<3} CPU-reachable non-equivalent {on_cpu}")
+                f"CUDA/compile-only {c['cuda']:<3} reachable non-equivalent {on_cpu}")
 
     print(f"{len(rows)} of {len(mutants)} mutants run ({errors} could not run)", file=out)
     for area in sorted(by_area, key=list(AREAS).index if all(a in AREAS for a in by_area) else str):

@@ -168,6 +168,15 @@ def test_sd3_and_wan_caches_under_ulysses_decide_as_one_process(pools, model_che
         assert_same_run(got, ref)
 
 
+def test_step_scheduled_policies_compute_what_they_replay_before_they_skip():
+    # a listed step with nothing computed yet runs (there is no residual to replay); taylor extrapolates only once
+    # two steps ran (its first skip is the first off-interval step after the second computed one)
+    static = reference("static:skip=0-1+5")[1]["transformer"]
+    assert [h["skip"] for h in static][:6] == [False, True, False, False, False, True]
+    taylor = reference("taylor:interval=2,warmup=0")[1]["transformer"]
+    assert [h["skip"] for h in taylor][:6] == [False, False, False, True, False, True]
+
+
 @pytest.mark.parametrize("setting", ["static:skip=3-4+6-7", "taylor:interval=3,warmup=2"])
 def test_step_scheduled_policies_decide_alike_everywhere_without_a_collective(pools, setting):
     ref = reference(setting)
