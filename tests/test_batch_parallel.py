@@ -26,6 +26,16 @@ def test_flux_dp2_three_prompts_matches_single_same_order(pools, flux_tiny):
         assert counts == {"all_gather": 2}  # one batch gather per transformer call
 
 
+def test_flux_dp2_one_image_leaves_a_rank_an_empty_chunk_without_a_cache(pools, flux_tiny):
+    # fewer images than dp ranks: the second rank computes nothing and still takes part in the gather (only step
+    # caching and the redundancy probe, which need every rank to compute every call, refuse it)
+    call = {"prompt": "a red circle"}
+    ref, _ = flux_call(flux_tiny, {}, call)
+    for latents, counts in pools(2).run(flux_call, flux_tiny, {"dp": 2}, call):
+        assert not isinstance(latents, str), latents
+        assert rel_err(latents, ref) <= 1e-5 and counts == {"all_gather": 2}
+
+
 def test_flux_dp2_images_per_prompt_uneven(pools, flux_tiny):
     call = {"prompt": "a red circle", "num_images_per_prompt": 3}
     ref, _ = flux_call(flux_tiny, {}, call)

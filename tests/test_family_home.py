@@ -56,6 +56,19 @@ def test_removing_the_last_hook_gives_back_the_plain_method():
         add_hook(module, _tag_hook("mystery", trail))
 
 
+def test_a_hook_replaces_the_sample_of_either_output_form_and_keeps_the_rest():
+    from types import SimpleNamespace
+
+    from ditmesh.hooks import output_sample, with_output_sample
+
+    sample, other, new = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    out = with_output_sample((sample, other), new)
+    assert isinstance(out, tuple) and len(out) == 2 and out[0] is new and out[1] is other
+    assert with_output_sample((sample,), new) == (new,) and output_sample((new, other)) is new
+    obj = SimpleNamespace(sample=sample)
+    assert with_output_sample(obj, new) is obj and output_sample(obj) is new
+
+
 def test_step_index_comes_from_the_scheduler_not_from_counting_calls(flux_tiny):
     # true CFG calls the transformer twice per step: both calls of a step share its index
     assert step_index_case(flux_tiny, {}) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
