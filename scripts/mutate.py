@@ -670,6 +670,7 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
     if not todo:
         return
     deadline = time.monotonic() + budget_min * 60
+    began = time.time()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     fd = os.open(results, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     with tempfile.TemporaryDirectory(prefix="ditmesh-mutate-") as tmp:
@@ -705,7 +706,8 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
                 break
             now_done, now_checks = _done(load_results(results))  # what another run on this file did meanwhile
             checks.update(now_checks)
-            if (m.id, file_sha(m.file)) in now_done and not rerun_survivors:
+            row = now_done.get((m.id, file_sha(m.file)))
+            if row is not None and (not rerun_survivors or row["status"] != "survived" or row.get("at", 0) > began):
                 continue
             path = copy / PACKAGE / m.file
             original = path.read_text()
@@ -729,7 +731,7 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
                 status = "killed"  # the mutant breaks the import of a test module
             row = {"id": m.id, "area": m.area, "file": m.file, "line": m.line, "kind": m.kind, "old": m.old,
                    "new": m.new, "sha": file_sha(m.file), "tests": list(m.tests), "status": status,
-                   "outcome": outcome, "seconds": round(seconds, 1), "deselected": broken}
+                   "outcome": outcome, "seconds": round(seconds, 1), "deselected": broken, "at": round(time.time())}
             if m.equivalent:
                 row["equivalent"] = m.equivalent
             if m.bug:

@@ -56,6 +56,26 @@ def test_removing_the_last_hook_gives_back_the_plain_method():
         add_hook(module, _tag_hook("mystery", trail))
 
 
+def test_a_method_that_was_an_instance_attribute_is_put_back_and_a_foreign_wrapper_stays():
+    from ditmesh.hooks import add_hook
+
+    module, trail = _Tagger(), []
+    own = lambda x: x + 1  # noqa: E731  (a forward set on the instance, as some wrappers do)
+    module.forward = own
+    remover = add_hook(module, _tag_hook("batch", trail))
+    assert module(torch.ones(1)).item() == 2 and trail == ["batch"]
+    remover()
+    assert vars(module)["forward"] is own
+    # someone wraps our wrapper after us: removing our last hook leaves their wrapper in place
+    module = _Tagger()
+    remover = add_hook(module, _tag_hook("batch", trail))
+    ours = module.forward
+    theirs = lambda x: ours(x) * 3  # noqa: E731
+    module.forward = theirs
+    remover()
+    assert vars(module)["forward"] is theirs
+
+
 def test_a_hook_replaces_the_sample_of_either_output_form_and_keeps_the_rest():
     from types import SimpleNamespace
 
