@@ -168,6 +168,33 @@ def test_sd3_and_wan_caches_under_ulysses_decide_as_one_process(pools, model_che
         assert_same_run(got, ref)
 
 
+def test_a_skip_leaves_out_the_middle_blocks_only():
+    # count each block's own forward (wrapped before parallelize, so the cache's hooks call it): the first `first` and
+    # the last `last` blocks run at every call, the middle ones only at the calls that compute
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from cases_cache import tiny_model
+    from ditmesh import ParallelConfig, parallelize
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_model(), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    blocks = list(pipe.transformer.transformer_blocks) + list(pipe.transformer.single_transformer_blocks)
+    runs = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        def counted(*args, _i=i, _forward=block.forward, **kwargs):
+            runs[_i] += 1
+            return _forward(*args, **kwargs)
+        block.forward = counted
+    runtime = parallelize(pipe, ParallelConfig(), cache="dbcache:threshold=100,first=2,last=2,warmup=1,max_skips=9")
+    pipe(prompt=TINY_PROMPTS[0], height=64, width=64, num_inference_steps=6, max_sequence_length=16,
+         output_type="latent", generator=torch.Generator().manual_seed(7))
+    history = runtime.caches["transformer"].history
+    skipped = sum(h["skip"] for h in history)
+    assert len(history) == 6 and skipped == 5  # every call after the first
+    assert runs == [6, 6] + [6 - skipped] * (len(blocks) - 4) + [6, 6]
+
+
 def test_step_scheduled_policies_compute_what_they_replay_before_they_skip():
     # a listed step with nothing computed yet runs (there is no residual to replay); taylor extrapolates only once
     # two steps ran (its first skip is the first off-interval step after the second computed one)
