@@ -662,8 +662,9 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
     there too (broken by the environment, or flaky) is deselected from then on and the mutant runs again."""
     results.parent.mkdir(parents=True, exist_ok=True)
     done, checks = _done(load_results(results))
+    listed = load_equivalent()  # a listed survivor is not run again: its reason says why no test can kill it
     todo = [m for m in interleave(mutants) if (m.id, file_sha(m.file)) not in done
-            or (rerun_survivors and done[(m.id, file_sha(m.file))]["status"] == "survived")]
+            or (rerun_survivors and done[(m.id, file_sha(m.file))]["status"] == "survived" and m.id not in listed)]
     if reverse:  # a second run on the same results file takes the list from its end
         todo.reverse()
     print(f"{len(mutants) - len(todo)} of {len(mutants)} mutants already in {results}; {len(todo)} to run", flush=True)
