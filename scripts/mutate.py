@@ -23,7 +23,7 @@ Two sources of mutants share one runner:
 copy, its tests run there (``PYTHONPATH`` puts the copy's ``src`` first, spawned ranks inherit it) with ``pytest
 -x`` (in processes forked from a warm one that imported torch and diffusers once: :class:`WarmRunner`), and the
 copy's file is put back: the working tree is never edited. A mutant is *killed* when its tests fail or time out
-(``--timeout``), *survives* when they pass. The test that killed it is then run alone on the unchanged copy, once
+(``--timeout``; the report counts a timeout as no verdict, and a rerun runs it again), *survives* when they pass. The test that killed it is then run alone on the unchanged copy, once
 per test: one that fails there too (the environment's fault, or flaky) would kill mutants for nothing, so it is
 deselected from then on and the mutant runs again. Results are appended to a JSON-lines file (``--results``), one
 line per mutant and per such check; a rerun skips what it holds for an unchanged file, so an interrupted or
@@ -663,8 +663,13 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
     results.parent.mkdir(parents=True, exist_ok=True)
     done, checks = _done(load_results(results))
     listed = load_equivalent()  # a listed survivor is not run again: its reason says why no test can kill it
+
+    def again(row: dict) -> bool:  # a run that timed out, or (asked) a survivor not listed
+        return row["outcome"] == "timeout" or (rerun_survivors and row["status"] == "survived"
+                                               and row["id"] not in listed)
+
     todo = [m for m in interleave(mutants) if (m.id, file_sha(m.file)) not in done
-            or (rerun_survivors and done[(m.id, file_sha(m.file))]["status"] == "survived" and m.id not in listed)]
+            or again(done[(m.id, file_sha(m.file))])]
     if reverse:  # a second run on the same results file takes the list from its end
         todo.reverse()
     print(f"{len(mutants) - len(todo)} of {len(mutants)} mutants already in {results}; {len(todo)} to run", flush=True)
@@ -708,7 +713,7 @@ def run(mutants: list[Mutant], results: Path, budget_min: float, timeout_s: floa
             now_done, now_checks = _done(load_results(results))  # what another run on this file did meanwhile
             checks.update(now_checks)
             row = now_done.get((m.id, file_sha(m.file)))
-            if row is not None and (not rerun_survivors or row["status"] != "survived" or row.get("at", 0) > began):
+            if row is not None and (not again(row) or row.get("at", 0) > began):
                 continue
             path = copy / PACKAGE / m.file
             original = path.read_text()
@@ -755,6 +760,9 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
     done, _ = _done(load_results(results))
     rows = [done[(m.id, file_sha(m.file))] for m in mutants if (m.id, file_sha(m.file)) in done]
     rows = [r for r in rows if r["status"] in ("killed", "survived")]
+    # a run that hit --timeout is no verdict: on a busy machine the unchanged tests may take that long too
+    timed_out = [r for r in rows if r["outcome"] == "timeout"]
+    rows = [r for r in rows if r["outcome"] != "timeout"]
     by_area: dict[str, Counter] = defaultdict(Counter)
     survivors, wrong = [], []
     for r in rows:
@@ -782,7 +790,8 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
         return (f"raw {raw:<15} non-equivalent {real:<17} equivalent {c['equivalent']:<3} "
                 f"CUDA/compile-only {c['cuda']:<3} reachable non-equivalent {on_cpu}")
 
-    print(f"{len(rows)} of {len(mutants)} mutants run ({errors} could not run)", file=out)
+    print(f"{len(rows)} of {len(mutants)} mutants run to a verdict ({errors} could not run, {len(timed_out)} timed out: "
+          "run them again with a longer --timeout)", file=out)
     for area in sorted(by_area, key=list(AREAS).index if all(a in AREAS for a in by_area) else str):
         print(f"  {area:<11} {rate(by_area[area])}", file=out)
     print(f"  {'all':<11} {rate(total)}", file=out)
@@ -793,6 +802,9 @@ def report(mutants: list[Mutant], results: Path, equivalent: dict[str, str], out
                   f"{_short(r['new'], 60)}" + (f"\n      {'' if reason.startswith(CUDA_ONLY) else 'equivalent: '}{reason}" if reason
                      else "  (a missing test)"),
                   file=out)
+    for r in timed_out:
+        print(f"  timed out after {r['seconds']:.0f} s: {PACKAGE}/{r['file']}:{r['line']}  [{r['kind']}] "
+              f"{_short(r['old'], 60)} -> {_short(r['new'], 60)}", file=out)
     for r in wrong:
         print(f"  KILLED but listed equivalent: {r['id']} ({r.get('killed_by')}): fix its reason", file=out)
     return {"run": total["run"], "killed": total["killed"], "equivalent": total["equivalent"], "wrong": len(wrong),
