@@ -22,9 +22,10 @@ Two sources of mutants share one runner:
 ``src/``, ``tests/`` and ``pyproject.toml`` are copied once into a temporary folder; each mutant is written into the
 copy, its tests run there (``PYTHONPATH`` puts the copy's ``src`` first, spawned ranks inherit it) with ``pytest
 -x`` (in processes forked from a warm one that imported torch and diffusers once: :class:`WarmRunner`), and the
-copy's file is put back: the working tree is never edited. A mutant is *killed* when its tests fail or time out
-(``--timeout``; the report counts a timeout as no verdict, and a rerun runs it again), *survives* when they pass. The test that killed it is then run alone on the unchanged copy, once
-per test: one that fails there too (the environment's fault, or flaky) would kill mutants for nothing, so it is
+copy's file is put back: the working tree is never edited. A mutant is *killed* when its tests fail, *survives*
+when they pass; a run that reaches ``--timeout`` is no verdict (on a busy machine the unchanged tests can take that
+long) and a rerun runs it again. The test that killed a mutant is then run alone on the unchanged copy, once per
+test: one that fails there too (the environment's fault, or flaky) would kill mutants for nothing, so it is
 deselected from then on and the mutant runs again. Results are appended to a JSON-lines file (``--results``), one
 line per mutant and per such check; a rerun skips what it holds for an unchanged file, so an interrupted or
 time-boxed (``--budget-min``) run resumes where it stopped. The mutants run in turns over the areas, so a run cut
