@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (8-bit linears) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -26,6 +26,7 @@ from .mesh import ParallelMesh
 from .options import RunOptions
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
 from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
+from .parallel import quant as quantized
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -192,6 +193,18 @@ def load_loras(pipe, options: RunOptions, keep) -> None:
         keep([pipe.unload_lora_weights])
 
 
+def quantize_step(pipe, runtime: ParallelRuntime, keep) -> None:
+    """The ``quant`` step (``parallel.quant``): every transformer's block linears in 8 bits, each tensor-parallel
+    shard on its own with the scales of one process. Fused LoRAs are loaded and fused first, so their sum with the
+    base weights is what is quantized (the ``loras`` step then has nothing left to do)."""
+    options, mesh = runtime.options, runtime.mesh
+    load_loras(pipe, options, keep)
+    group = mesh.group("tp") if mesh.size("tp") > 1 else None
+    for model in runtime.transformers.values():
+        keep(quantized.apply(model, adapter_for(model), options.quant, tp_group=group,
+                             quantize_modulation=options.quant_modulation))
+
+
 def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,
                 **keywords) -> ParallelRuntime:
     """Make a diffusers pipeline run as ``options`` describe across the ranks of the default process group.
@@ -337,9 +350,10 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
         (f"vae_chunk({vae_chunk})", lambda: keep(chunk_vae(pipe, vae_chunk, torch.device(device)))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
+        (f"quant({options.quant})", lambda: quantize_step(pipe, runtime, keep) if options.quant != "off" else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),
-        ("loras", lambda: load_loras(pipe, options, keep)),
+        ("loras", lambda: load_loras(pipe, options, keep) if options.quant == "off" else None),  # quant loaded them
     ]
     try:
         for name, step in steps:

@@ -133,6 +133,17 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                              "2-D KL VAEs), or auto: sized from free GPU memory (default: whole)")
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
+    add_quant_flags(parser)
+
+
+def add_quant_flags(parser: argparse.ArgumentParser) -> None:
+    """``--quant`` and ``--quant-keep-modulation`` (generate, serve, bench, plan)."""
+    parser.add_argument("--quant", default=None, metavar="MODE",
+                        help="the linears of the transformer blocks in 8 bits: fp8 (weights and activations, per-row "
+                             "scales; GPUs with fp8: Ada, Hopper), fp8-weight (weights alone), int8-weight (weights "
+                             "alone; any device), off (default). docs/quantization.md")
+    parser.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
+                        default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype")
 
 
 class _Parser(argparse.ArgumentParser):

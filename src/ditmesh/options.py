@@ -31,8 +31,9 @@ TRANSPORTS = ("nccl", "symm")
 #: decode with its tiles spread over the ranks), ``off``
 VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 
-#: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype)
-QUANT_MODES = ("off",)
+#: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype; ``fp8``: weights and
+#: activations in float8 with per-row scales; ``fp8-weight``, ``int8-weight``: the weights alone; ``parallel.quant``)
+QUANT_MODES = ("off", "fp8", "fp8-weight", "int8-weight")
 
 #: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations')
 COMM_DTYPES = ("auto",)
@@ -174,7 +175,8 @@ class LoraSpec:
 
 
 #: the command-line flag of each option whose flag is not ``--`` + its name with dashes
-_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora"}
+_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora",
+              "quant_modulation": "--quant-keep-modulation"}
 
 
 def _int_or_auto(value, flag: str, what: str, example: int):
@@ -237,6 +239,8 @@ class RunOptions:
     #: 8-bit linear layers (:data:`QUANT_MODES`), the sequence-parallel payloads' dtype (:data:`COMM_DTYPES`), the
     #: attention kernel (:data:`ATTENTION_MODES`)
     quant: str = "off"
+    #: with ``quant``: the AdaLN modulation linears of the blocks quantized too (False: kept in the model's dtype)
+    quant_modulation: bool = True
     comm_dtype: str = "auto"
     attention: str = "default"
 
@@ -350,7 +354,8 @@ class RunOptions:
         """
         flag = _flagger(cli)
         c = self.config
-        for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora"):
+        for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora",
+                     "quant_modulation"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag(name)}{getattr(self, name)!r} is not true or false")
         _choice(self.transport, TRANSPORTS, flag("transport"), "transport")
@@ -366,6 +371,7 @@ class RunOptions:
                 raise ConfigError(f"{flag('ulysses_chunks')}{self.ulysses_chunks} must be >= 1 (1 = no pipelining)")
         self._check_stale(flag)
         self._check_loras(flag)
+        self._check_quant(flag)
         if self.cuda_graph:
             if c.dp > 1 or c.cfg > 1:
                 raise ConfigError(f"CUDA graphs do not run with dp={c.dp}, cfg={c.cfg} (their hooks choose per call "
@@ -454,8 +460,31 @@ class RunOptions:
             raise ConfigError(f"{flag('fuse_lora').strip('= ')} is given without {flag('loras').strip('= ')}: add "
                               "the adapters to fuse (PATH[:SCALE]) or drop it")
 
+    def _check_quant(self, flag) -> None:
+        if self.quant == "off":
+            if not self.quant_modulation:
+                given = "--quant-keep-modulation" if flag("quant").startswith("--") else "quant_modulation=False"
+                raise ConfigError(f"{given} is given without a {flag('quant').strip()} mode; add one (fp8, "
+                                  "fp8-weight, int8-weight) or drop it")
+            return
+        if self.loras and not self.fuse_lora:
+            raise ConfigError(f"{flag('quant')}{self.quant} with unfused LoRA adapters: add "
+                              f"{flag('fuse_lora').strip('= ')} (the fused weights are quantized), or drop the quant")
+
     def _check_device(self, device, flag, local_world: int | None) -> None:
         kind = getattr(device, "type", str(device).split(":")[0])
+        if self.quant != "off" and kind == "cuda":
+            import torch  # a device is given: torch is loaded already
+
+            if self.quant.startswith("fp8") and torch.cuda.get_device_capability(device) < (8, 9):
+                name = torch.cuda.get_device_name(device)
+                raise ConfigError(f"{flag('quant')}{self.quant} needs fp8 arithmetic (compute capability 8.9+: "
+                                  f"Ada, Hopper, Blackwell), and this {name} lacks it; use int8-weight")
+            try:
+                import torchao  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"{flag('quant')}{self.quant} on CUDA runs torchao, which is not installed here; "
+                                  "pip install 'ditmesh[quant]' (or torchao), or use quant=off") from None
         if self.cuda_graph and kind != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {kind}; drop the graph option")
         if self.transport == "symm":
