@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> (8-bit attention on one process) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -23,11 +23,12 @@ from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .attention.ulysses import TRANSPORTS
 from .config import (AXIS_ORDER, PP_CHUNK_BYTES, ConfigError, ParallelConfig,  # noqa: F401
-                     check_chunk, check_displaced, check_pipefusion, check_vae_chunk, check_vae_parallel)
+                     check_chunk, check_displaced, check_eight_bit, check_pipefusion, check_vae_chunk,
+                     check_vae_parallel)
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
+from .parallel import batch, chunk, consistency, displaced as displaced_attention, eight, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -257,7 +258,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                 vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
                 vae_chunk: int | str | None = None, pp_patches: int | None = None, pp_warmup: int = 1,
                 pp_chunk_bytes: int = PP_CHUNK_BYTES, displaced: bool = False,
-                displaced_warmup: int = 1) -> ParallelRuntime:
+                displaced_warmup: int = 1, comm_dtype: str = "auto", attention: str = "exact",
+                attention_bf16_steps: int = 0) -> ParallelRuntime:
     """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
@@ -312,6 +314,15 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             attends to the other ranks' K/V of the previous step, gathered while the step computes (an
             approximation after the warm-up); needs ulysses > 1 and ring = 1, not with pp.
         displaced_warmup: displaced: steps of each run computed exactly (default 1, at least 1).
+        comm_dtype: ``"auto"`` (default: payloads in the activations' dtype) or ``"fp8"``: the Ulysses all-to-alls (Q/K/V
+            in, the attention output back) and the ring's K/V chunks travel as float8_e4m3fn with a float32 scale per
+            token and head, dequantized on arrival (``comm.fp8_pack``); needs ulysses or ring > 1; not with pp,
+            displaced or transport=symm (docs/quantization.md).
+        attention: ``"exact"`` (default), ``"int8"``: Q and K in int8 per token and head, a Triton kernel (CUDA;
+            ``attention.int8``), or ``"int8-emulated"``: its rounding in float32 math (any device; for tests and
+            quality measurements). On one process or under ulysses alone; no attention masks.
+        attention_bf16_steps: with the 8-bit attention, the first and last this many steps of each run attend exactly
+            (default 0); not with CUDA graphs.
     """
     models = transformers_of(pipe)
     if not models:
@@ -338,6 +349,14 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         check_cuda_graph(config, torch.device(device), check_consistency)
     check_ulysses_chunks(ulysses_chunks)
     check_transport(transport, torch.device(device), config=config)
+    check_eight_bit(config, comm_dtype, attention, attention_bf16_steps, torch.device(device).type, transport,
+                    displaced, cuda_graph)
+    if attention == "int8":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ConfigError("attention=int8 runs a Triton kernel and triton is not installed here; install triton "
+                              "or use attention=exact") from None
     check_vae_parallel(vae_parallel)
     check_chunk(chunk_tokens, "chunk_tokens=")
     check_vae_chunk(vae_chunk)
@@ -358,6 +377,8 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
     ctx = runtime.context
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
+    eight_local = (None if attention == "exact" else
+                   eight.EightBitAttention(attention, attention_bf16_steps, ctx, chunks=pieces))
     check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
@@ -381,7 +402,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             model, runtime.sequence(name), adapter_for(model), ctx, name, displaced_warmup, cuda_graph)
         keep(undo)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> (8-bit attention) -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -391,10 +412,14 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
-        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device),
-                                                                          pieces if config.sp == 1 else None))),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
-         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(
+            m, a, chunk_tokens, torch.device(device), pieces if config.sp == 1 and eight_local is None else None))),
+        (f"attention({attention}, exact steps={attention_bf16_steps})",
+         lambda: each(lambda m, a: eight.apply(m, a, eight.OneProcessAttention(eight_local, pieces)))
+         if eight_local is not None and config.sp == 1 else None),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses}, comm={comm_dtype})",
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces,
+                                                  comm_dtype, eight_local))),
         (f"displaced(warmup={displaced_warmup})",
          lambda: [displaced_step(name, m) for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,

@@ -192,3 +192,50 @@ def check_displaced(config: ParallelConfig, warmup, flag: str = "displaced_warmu
     if config.ulysses == 1:
         raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token chunks; "
                           "e.g. ulysses=4 with displaced")
+
+
+#: what the sequence-parallel payloads travel as (``comm_dtype``): ``auto`` (the activations' dtype) or ``fp8``
+#: (float8_e4m3fn with a float32 scale per token and head, ``comm.fp8_pack``)
+COMM_DTYPES = ("auto", "fp8")
+#: what computes softmax attention (``attention``): ``exact`` (the backend's kernels), ``int8`` (Q and K quantized to
+#: int8 per token and head, the Triton kernel of ``attention.int8``; CUDA) or ``int8-emulated`` (the same rounding in
+#: float32 math, on any device: for tests and quality measurements, slow)
+ATTENTIONS = ("exact", "int8", "int8-emulated")
+
+
+def check_eight_bit(config: ParallelConfig, comm_dtype: str = "auto", attention: str = "exact", bf16_steps: int = 0,
+                    device_type: str | None = None, transport: str = "nccl", displaced: bool = False,
+                    cuda_graph: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``comm_dtype``, ``attention`` and ``bf16_steps`` (steps at each end of a run
+    computed with exact attention) can run on ``config`` (and on ``device_type``, where known)."""
+    if comm_dtype not in COMM_DTYPES:
+        raise ConfigError(f"comm_dtype={comm_dtype!r} is not a payload dtype; use one of {', '.join(COMM_DTYPES)}")
+    if attention not in ATTENTIONS:
+        raise ConfigError(f"attention={attention!r} is not an attention; use one of {', '.join(ATTENTIONS)}")
+    if isinstance(bf16_steps, bool) or not isinstance(bf16_steps, int) or bf16_steps < 0:
+        raise ConfigError(f"attention_bf16_steps={bf16_steps!r} must be a step count >= 0 (0: every step in 8 bits)")
+    if comm_dtype == "fp8":
+        if config.sp == 1:
+            raise ConfigError("comm_dtype=fp8 sends the sequence-parallel payloads (ulysses all-to-alls, ring K/V) in "
+                              "fp8, and ulysses=ring=1 sends none; drop comm_dtype or set ulysses/ring > 1")
+        if transport != "nccl":
+            raise ConfigError(f"comm_dtype=fp8 packs the all-to-all payloads itself and transport={transport} moves "
+                              "unpacked ones; use transport=nccl with fp8")
+        if config.pp > 1 or displaced:
+            what = f"PipeFusion (pp={config.pp})" if config.pp > 1 else "displaced attention"
+            raise ConfigError(f"comm_dtype=fp8 does not run with {what} yet; drop one of them")
+    if attention == "exact":
+        if bf16_steps:
+            raise ConfigError(f"attention_bf16_steps={bf16_steps} keeps steps out of 8-bit attention, and attention is "
+                              "exact; drop it or use attention=int8")
+        return
+    if attention == "int8" and device_type is not None and device_type != "cuda":
+        raise ConfigError(f"attention=int8 runs a Triton kernel on CUDA GPUs, and this rank runs on {device_type}; use "
+                          "attention=exact (int8-emulated gives its rounding in float32 math, for measurements)")
+    if config.ring > 1 or config.pp > 1 or displaced:
+        what = f"ring={config.ring}" if config.ring > 1 else f"pp={config.pp}" if config.pp > 1 else "displaced"
+        raise ConfigError(f"attention={attention} runs on one process or under ulysses alone, and {what} merges "
+                          "partial attention over key chunks; use attention=exact there")
+    if bf16_steps and cuda_graph:
+        raise ConfigError(f"attention_bf16_steps={bf16_steps} switches attention per step on the host, which a CUDA "
+                          "graph's replay does not see; drop one of them")
