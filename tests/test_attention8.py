@@ -95,9 +95,10 @@ def test_exact_steps_at_both_ends_of_the_run(flux_tiny):
 
 
 @pytest.mark.parametrize("config,options,message", [
-    ({}, {"attention": "int4"}, "attention='int4' is not an attention; use one of exact, int8, int8-emulated"),
+    ({}, {"attention": "int4"}, "attention='int4' is not a attention kernel; use one of default, int8, int8-emulated"),
     ({}, {"attention": "int8"}, "attention=int8 runs a Triton kernel on CUDA GPUs, and this rank runs on cpu"),
-    ({}, {"attention_bf16_steps": 2}, "attention_bf16_steps=2 keeps steps out of 8-bit attention, and attention is exact"),
+    ({}, {"attention_bf16_steps": 2}, "attention_bf16_steps=2 keeps steps out of 8-bit attention, and the attention is "
+                                      "the default one"),
     ({}, {"attention": "int8-emulated", "attention_bf16_steps": -1}, "must be a step count >= 0"),
 ])
 def test_bad_attention_option_is_refused_with_what_would_work(flux_tiny, config, options, message):
@@ -113,10 +114,18 @@ def test_bad_attention_option_is_refused_with_what_would_work(flux_tiny, config,
     assert runtime_of(pipe) is None
 
 
-def test_int8_attention_under_ring_is_refused_before_any_work():
+@pytest.mark.parametrize("config,options,message", [
+    ({"ring": 2}, {"attention": "int8-emulated"},
+     "--attention int8-emulated runs on one process or under ulysses alone, and ring=2 merges partial attention"),
+    ({"ulysses": 2}, {"attention": "int8-emulated", "attention_bf16_steps": 1, "cuda_graph": True},
+     "--attention-bf16-steps 1 switches attention per step on the host"),
+    ({"ulysses": 2}, {"comm_dtype": "fp8", "displaced": True}, "--comm-dtype fp8 does not run with displaced attention"),
+])
+def test_eight_bit_options_are_refused_before_any_import(config, options, message):
+    """The checks that need no model run in RunOptions.create, torch-free (the command line's messages)."""
     from ditmesh import ParallelConfig
-    from ditmesh.config import ConfigError, check_eight_bit
+    from ditmesh.config import ConfigError
+    from ditmesh.options import RunOptions
 
-    with pytest.raises(ConfigError, match="attention=int8-emulated runs on one process or under ulysses alone, and "
-                                          "ring=2 merges partial attention over key chunks"):
-        check_eight_bit(ParallelConfig(ring=2), attention="int8-emulated")
+    with pytest.raises(ConfigError, match=message):
+        RunOptions.create(ParallelConfig(**config), cli=True, **options)

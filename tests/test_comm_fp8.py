@@ -77,16 +77,17 @@ def test_flux_ring_fp8_payloads_stay_near_one_process_with_the_rounding(pools, f
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"comm_dtype": "fp16"}, "comm_dtype='fp16' is not a payload dtype; use one of auto, fp8"),
+    ({"comm_dtype": "fp16"}, "comm_dtype='fp16' is not a communication dtype; use one of auto, fp8"),
     ({"comm_dtype": "fp8"}, "ulysses=ring=1 sends none"),
 ])
 def test_bad_comm_dtype_is_refused_with_what_would_work(flux_tiny, options, message):
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize
+    from ditmesh.api import runtime_of
     from ditmesh.config import ConfigError
 
     pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parallelize(pipe, ParallelConfig(), **options)
-    assert not any(hasattr(m, "_diffusers_hook") and m._diffusers_hook for m in [pipe.transformer])
+    assert runtime_of(pipe) is None

@@ -17,7 +17,7 @@ compute dtype. One rounding, two ways to compute on it:
   and what the CPU tests and the quality measurements (``ditmesh eval-tiny --eight-sweep``) run.
 
 The kernel returns no log-sum-exp: ring and USP, which merge partial attention over key chunks (each smoothed and
-quantized on its own), do not take it (``config.check_eight_bit``). No mask either: a call with one raises.
+quantized on its own), do not take it (``options.RunOptions.validate``). No mask either: a call with one raises.
 """
 
 from __future__ import annotations

@@ -83,8 +83,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--comm-dtype", default="auto", metavar="LIST",
                    help="ditmesh rows' sequence-parallel payloads: auto, fp8, or a comma list (auto,fp8: each row "
                         "twice, side by side; fp8 only on rows with ulysses or ring > 1). docs/quantization.md")
-    b.add_argument("--attention", default="exact", metavar="LIST",
-                   help="ditmesh rows' attention: exact, int8 (CUDA), int8-emulated, or a comma list (exact,int8: each "
+    b.add_argument("--attention", default="default", metavar="LIST",
+                   help="ditmesh rows' attention: default (exact), int8 (CUDA), int8-emulated, or a comma list "
+                        "(default,int8: each "
                         "row twice); int8 on one GPU or under ulysses alone")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
@@ -162,8 +163,8 @@ def _typed(args) -> list[str]:
 
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
-    from ..api import check_transport, check_ulysses_chunks
     from ..config import ConfigError
+    from ..options import RunOptions
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -191,15 +192,13 @@ def _settings(args) -> dict:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: give at least 1 timed step and 0 or more "
                           "warm-ups")
-    check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
-    check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    # the options every ditmesh row shares, checked as generate checks them (each row's degrees come later)
+    RunOptions.create(ulysses_chunks=args.ulysses_chunks, transport=args.transport, cache=args.cache,
+                      fuse_qkv=args.fuse_qkv, cli=True).validate(device=torch.device("cuda" if on_gpu else "cpu"),
+                                                                 cli=True)
     lora = _lora_rank(args)
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
-    if args.cache:
-        from ..cache import CacheConfig
-
-        CacheConfig.parse(args.cache)
     comm_dtypes, attentions = _eight_variants(args, methods)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
@@ -220,19 +219,20 @@ def _settings(args) -> dict:
 
 
 def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
-    """``--comm-dtype`` and ``--attention`` as lists, each value checked (``config.check_eight_bit``)."""
-    from ..config import ATTENTIONS, COMM_DTYPES, ConfigError
+    """``--comm-dtype`` and ``--attention`` as lists, each value checked (``options.RunOptions.validate``)."""
+    from ..config import ConfigError
+    from ..options import ATTENTION_MODES, COMM_DTYPES
 
     comm = [c.strip() for c in args.comm_dtype.split(",") if c.strip()]
     attention = [a.strip() for a in args.attention.split(",") if a.strip()]
-    for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTIONS)):
+    for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTION_MODES)):
         bad = [v for v in values if v not in known] or ([] if values else [""])
         if bad:
             raise ConfigError(f"{flag} {bad[0]!r} is not one of {', '.join(known)} (a comma list of them runs each)")
     if "int8" in attention and not torch.cuda.is_available():
         raise ConfigError("--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here; use "
                           "int8-emulated for its rounding in float32 math")
-    if (set(attention) - {"exact"}) and any(m.startswith(("ring", "usp", "pp", "displaced")) for m in methods):
+    if (set(attention) - {"default"}) and any(m.startswith(("ring", "usp", "pp", "displaced")) for m in methods):
         raise ConfigError(f"--attention {args.attention}: the 8-bit attention runs on one GPU or under ulysses "
                           "alone; leave ring, usp, pp and displaced out of --methods")
     return comm, attention
@@ -275,10 +275,10 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
-    variants = [(c, a) for c in s.get("comm_dtypes", ["auto"]) for a in s.get("attentions", ["exact"])]
+    variants = [(c, a) for c in s.get("comm_dtypes", ["auto"]) for a in s.get("attentions", ["default"])]
     # ditmesh's rows (not the peers', not plain diffusers') run once per --comm-dtype x --attention variant that fits
     plan = [(m, g, c, graph, variant) for m, g, c, graph in plan
-            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "exact")])
+            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "default")])
             if variant[0] == "auto" or g > 1]
     for method, g, comp, graph, (comm_dtype, attention) in plan:
         degrees = METHODS[method](g)
@@ -298,7 +298,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     comm_dtype=comm_dtype, attention=attention)
         label = (f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
                  f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"
-                 f"{' attention ' + attention if attention != 'exact' else ''}")
+                 f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)
         try:
             launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))

@@ -118,6 +118,7 @@ def run_worker(spec: dict) -> None:
     from ..comm import all_gather_object
     from ..config import ParallelConfig
     from ..mesh import default_device
+    from ..options import RunOptions
     from ..models.base import adapter_for
     from ..runtime.generate import _init_distributed
     from ..runtime.report import device_name
@@ -170,13 +171,15 @@ def run_worker(spec: dict) -> None:
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
             if spec.get("cache"):
                 row["cache"] = spec["cache"]
-            runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
-                                  ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
-                                  transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
-                                  cache=row.get("cache"), displaced=spec["method"] == "displaced",
-                                  comm_dtype=spec.get("comm_dtype", "auto"), attention=spec.get("attention", "exact"))
+            options = RunOptions.create(ParallelConfig(**spec["degrees"]), cuda_graph=row["graph"],
+                                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
+                                        transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
+                                        cache=row.get("cache"), displaced=spec["method"] == "displaced",
+                                        comm_dtype=spec.get("comm_dtype", "auto"),
+                                        attention=spec.get("attention", "default"))
+            runtime = parallelize(_Pipe, options, device=device)
             ours = True
-            for key, default in (("comm_dtype", "auto"), ("attention", "exact")):
+            for key, default in (("comm_dtype", "auto"), ("attention", "default")):
                 if spec.get(key, default) != default:
                     row[key] = spec[key]
             if spec.get("fuse_qkv"):

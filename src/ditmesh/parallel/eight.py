@@ -88,7 +88,7 @@ def apply(model: torch.nn.Module, adapter, runtime: OneProcessAttention) -> list
     return [adapter.set_processors(model, runtime)]
 
 
-def emulate_fp8_comm(runtime, layout: str, attention: str = "exact", bf16_steps: int = 0) -> None:
+def emulate_fp8_comm(runtime, layout: str, attention: str = "default", bf16_steps: int = 0) -> None:
     """Make a one-process parallelized pipeline (``runtime``: what ``parallelize(pipe, ParallelConfig())`` returned)
     round where ``layout`` (``ulysses``, ``ring`` or ``usp``, :data:`FP8_POINTS`) sends fp8 payloads, optionally with
     the 8-bit ``attention``; ``runtime.remove()`` takes it off with the rest."""
@@ -97,5 +97,5 @@ def emulate_fp8_comm(runtime, layout: str, attention: str = "exact", bf16_steps:
     if runtime.config.world_size != 1:
         raise ValueError(f"emulate_fp8_comm emulates on one process; this runtime runs {runtime.config.describe()}")
     for model in runtime.transformers.values():
-        local = None if attention == "exact" else EightBitAttention(attention, bf16_steps, runtime.context)
+        local = None if attention == "default" else EightBitAttention(attention, bf16_steps, runtime.context)
         runtime._undo.extend(apply(model, adapter_for(model), OneProcessAttention(local, points=FP8_POINTS[layout])))

@@ -71,11 +71,11 @@ class SequenceParallel:
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
-        #: how Ulysses-only attention moves its all-to-alls (``attention.ulysses.TRANSPORTS``)
+        #: how Ulysses-only attention moves its all-to-alls (``options.TRANSPORTS``)
         self.transport = transport
         #: pieces of the queries the local attention runs on, after the all-to-all (``parallel.chunk``); None: whole
         self.query_chunks = query_chunks
-        #: what the Ulysses all-to-alls and the ring's K/V travel as (``config.COMM_DTYPES``)
+        #: what the Ulysses all-to-alls and the ring's K/V travel as (``options.COMM_DTYPES``)
         self.comm_dtype = comm_dtype
         #: the 8-bit local attention after the Ulysses all-to-all (``parallel.eight.EightBitAttention``), or None
         self.eight = eight
@@ -435,7 +435,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
     pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
     will be ``compiled``). ``transport``: how Ulysses-only attention moves its all-to-alls ("nccl" or
     "symm"; ring and USP always use the process group's backend). ``query_chunks``: the local attention runs on
-    pieces of the queries (``parallel.chunk``). ``comm_dtype``: what the payloads travel as (``config.COMM_DTYPES``);
+    pieces of the queries (``parallel.chunk``). ``comm_dtype``: what the payloads travel as (``options.COMM_DTYPES``);
     ``eight``: the 8-bit local attention under Ulysses (``parallel.eight``). The runtime state is the ``sequence``
     hook's ``sp`` (``hooks.find_hook(model, "sequence").sp``). Does nothing (and returns ``[]``) when the
     sequence-parallel degree is 1.

@@ -313,7 +313,7 @@ def eight_sweep(model_path: str | None, settings: list[dict], captions: list[str
              **against_reference(reference, reference, prompts), "seconds": round(time.time() - start, 1)}]
     (on_row or (lambda row: None))(rows[0])
     for setting in settings:
-        attention = "int8-emulated" if setting["attention"] == "int8" else "exact"
+        attention = "int8-emulated" if setting["attention"] == "int8" else "default"
         if setting["comm"] == "fp8":
             emulate_fp8_comm(parallelize(pipe, ParallelConfig()), "ulysses", attention, setting["exact_steps"])
         else:
@@ -390,7 +390,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
     from pathlib import Path
 
-    from ..cache import CacheConfig
+    from ..options import CacheConfig
     from ..config import ConfigError
 
     for name in ("threads", "steps", "images_per_caption", "batch_size"):
