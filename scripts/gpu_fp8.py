@@ -8,6 +8,13 @@ Sections (``--only`` picks some; default all, in this order):
   reference), its compiled row, ditmesh's 1-GPU graph row, and ulysses 4 with payloads in bf16 and in fp8.
 * ``comm8-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
   reference) and ulysses 4 with {bf16, fp8 payloads} x {exact, int8 attention}.
+* ``quant-test``: tests/gpu/test_quant_gpu.py, the 8-bit linears' float32 emulation (what the CPU tests run) against
+  torchao's kernels: weights and scales bit for bit, products within 1e-2.
+* ``quant-flux``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs: diffusers' 1-GPU rows (the error
+  reference), ditmesh's 1-GPU rows with the block linears in {bf16, fp8, fp8-weight, fp8 with the modulation linears
+  in bf16}, and ulysses 4 with the same four x {bf16, fp8 payloads}: step, peak memory and error of each.
+* ``quant-wan``: Wan2.1-14B architecture at 480x832x81, eager: diffusers' 1-GPU row and ulysses 4 with the block
+  linears in {bf16, fp8} x {exact, int8 attention}.
 
 Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
 
@@ -27,7 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: section -> arguments of ``ditmesh bench`` on GPUs (None: a pytest section)
+#: pytest sections: (the GPU test, the CPU tests of the same module the dry run runs instead)
+TESTS = {
+    "attention8-test": (["tests/gpu/test_attention8_gpu.py"], ["tests/test_attention8.py", "-k", "rounding or interpreter"]),
+    "quant-test": (["tests/gpu/test_quant_gpu.py", "-s"], ["tests/test_quant.py", "-k", "rounding"]),
+}
+#: section -> arguments of ``ditmesh bench`` on GPUs (None: a pytest section, :data:`TESTS`)
 SECTIONS = {
     "attention8-test": None,
     "comm8-flux": ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--gpus", "1,4", "--methods", "ulysses",
@@ -35,10 +47,17 @@ SECTIONS = {
     "comm8-wan": ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--gpus", "1,4",
                   "--methods", "ulysses", "--compile", "off", "--no-cuda-graph", "--comm-dtype", "auto,fp8",
                   "--attention", "exact,int8", "--steps", "3", "--warmup", "1"],
+    "quant-test": None,
+    "quant-flux": ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--gpus", "1,4", "--methods", "ulysses",
+                   "--compile", "on", "--quant", "off,fp8,fp8-weight,fp8:keep-modulation", "--comm-dtype", "auto,fp8",
+                   "--steps", "5", "--warmup", "2"],
+    "quant-wan": ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--gpus", "1,4",
+                  "--methods", "ulysses", "--compile", "off", "--no-cuda-graph", "--quant", "off,fp8",
+                  "--attention", "default,int8", "--steps", "3", "--warmup", "1"],
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
-       "1,4": "1,2", "on": "off", "exact,int8": "exact,int8-emulated"}
+       "1,4": "1,2", "on": "off", "exact,int8": "exact,int8-emulated", "default,int8": "default,int8-emulated"}
 
 
 def bench_args(section: str, dry: bool) -> list[str]:
@@ -67,10 +86,8 @@ def main(argv=None) -> int:
     for section in sections:
         start = time.time()
         if SECTIONS[section] is None:
-            if args.cpu_dry_run:  # the kernel needs CUDA: the dry run runs the CPU tests of the same module instead
-                command = [sys.executable, "-m", "pytest", "-q", "tests/test_attention8.py", "-k", "rounding or interpreter"]
-            else:
-                command = [sys.executable, "-m", "pytest", "-q", "tests/gpu/test_attention8_gpu.py"]
+            # the kernels need CUDA: the dry run runs the CPU tests of the same module instead
+            command = [sys.executable, "-m", "pytest", "-q", *TESTS[section][args.cpu_dry_run]]
         else:
             command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run),
                        "--out", str(out / f"{section}.json")]

@@ -43,7 +43,8 @@ FLUX_MATRIX = {
 
 @functools.lru_cache(maxsize=None)
 def _reference(model: str, options: tuple, call: tuple, steps: int) -> dict:
-    return quant_runs(model, {}, dict(call), steps, options=dict(options))
+    call = {k: list(v) if isinstance(v, tuple) else v for k, v in call}  # lists were made hashable
+    return quant_runs(model, {}, call, steps, options=dict(options))
 
 
 def reference(model: str, options: dict, call: dict, steps: int) -> dict:
@@ -116,3 +117,55 @@ def test_quantized_linears_and_kept_modulation(flux_tiny):
         assert linears["proj_out"] is torch.nn.Linear and linears["x_embedder"] is torch.nn.Linear
         assert linears["transformer_blocks.0.ff.net.2"] is QuantLinear
         assert t.transformer_blocks[0].ff.net[2].qweight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rounding_is_torchaos(dtype):
+    """The emulation's scales and 8-bit values are torchao's (its CPU paths), bit for bit."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _quantize_affine_float8
+
+    from ditmesh.parallel.quant import fp8_quantize, fp8_scale, int8_quantize, int8_scale, row_amax
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 96, generator=g) * torch.linspace(0.01, 3, 64)[:, None]).to(dtype)
+    scale = fp8_scale(row_amax(w), dtype)
+    theirs = _choose_scale_float8(w, [1, 96])
+    assert torch.equal(scale.reshape(-1), theirs.reshape(-1))
+    assert torch.equal(fp8_quantize(w, scale).view(torch.uint8),
+                       _quantize_affine_float8(w, theirs).view(torch.uint8))
+    linear = torch.nn.Linear(96, 64).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    quantize_(linear, Int8WeightOnlyConfig())
+    scale = int8_scale(row_amax(w), dtype)
+    assert torch.equal(scale.reshape(-1), linear.weight.scale.float().reshape(-1))
+    assert torch.equal(int8_quantize(w, scale), linear.weight.qdata)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--quant", "fp4"], "--quant 'fp4' is not a quantization mode; use one of off, fp8, fp8-weight"),
+    (["generate", "--quant-keep-modulation"], "--quant-keep-modulation is given without a --quant mode"),
+    (["generate", "--quant", "fp8", "--lora", "x.safetensors"], "no such file"),
+    (["bench", "--quant", "fp8:keep"], "--quant 'fp8:keep' is not one of off, fp8"),
+    (["plan", "--model", "flux-dev", "--gpus", "2", "--quant", "int4"], "--quant 'int4' is not a quantization mode"),
+])
+def test_quant_bad_input_one_line(argv, needle, capsys, tmp_path, monkeypatch):
+    from ditmesh.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_quant_refuses_unfused_lora(tmp_path):
+    from ditmesh import ConfigError
+    from ditmesh.options import RunOptions
+
+    lora = tmp_path / "a.safetensors"
+    lora.write_bytes(b"")
+    with pytest.raises(ConfigError, match="quant=fp8 with unfused LoRA adapters: add fuse_lora"):
+        RunOptions.create(quant="fp8", loras=[str(lora)])
+    assert RunOptions.create(quant="fp8", loras=[str(lora)], fuse_lora=True).quant == "fp8"

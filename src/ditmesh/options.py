@@ -35,6 +35,24 @@ VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 #: activations in float8 with per-row scales; ``fp8-weight``, ``int8-weight``: the weights alone; ``parallel.quant``)
 QUANT_MODES = ("off", "fp8", "fp8-weight", "int8-weight")
 
+#: ``quant``: an fp8 layer of the text stream with at least this many input features keeps weight-only fp8
+#: (row-wise fp8 products of large K and few rows failed on H100: pytorch/ao#4582; ``parallel.quant``)
+WIDE_TEXT_INPUT = 8192
+
+
+def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, modulation: bool = True) -> str | None:
+    """The mode ``quant=mode`` gives the block linear at module path ``name`` (None: it stays in the model's dtype):
+    both sizes multiples of 16 (what fp8 products take); AdaLN modulation linears (a path part starting with ``norm``)
+    only with ``modulation``; in ``fp8``, a wide text-stream input (:data:`WIDE_TEXT_INPUT`) keeps weight-only fp8."""
+    if mode == "off" or in_features % 16 or out_features % 16:
+        return None
+    if not modulation and any(part.startswith("norm") for part in name.split(".")):
+        return None
+    if mode == "fp8" and "context" in name and in_features >= WIDE_TEXT_INPUT:
+        return "fp8-weight"
+    return mode
+
+
 #: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations'; ``fp8``: float8_e4m3fn
 #: with a float32 scale per token and head, ``comm.fp8_pack``; docs/quantization.md)
 COMM_DTYPES = ("auto", "fp8")

@@ -87,6 +87,10 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows' attention: default (exact), int8 (CUDA), int8-emulated, or a comma list "
                         "(default,int8: each "
                         "row twice); int8 on one GPU or under ulysses alone")
+    b.add_argument("--quant", default="off", metavar="LIST",
+                   help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
+                        ":keep-modulation (the AdaLN modulation linears in the model's dtype), or a comma list of them "
+                        "(off,fp8: each row twice, side by side). docs/quantization.md")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
@@ -200,6 +204,7 @@ def _settings(args) -> dict:
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
     comm_dtypes, attentions = _eight_variants(args, methods)
+    quants = quant_variants(args.quant)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -214,8 +219,28 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
-                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions,
+                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
+
+
+def quant_variants(text: str) -> list[str]:
+    """``--quant``'s comma list, each ``MODE`` or ``MODE:keep-modulation`` checked."""
+    from ..config import ConfigError
+    from ..options import QUANT_MODES
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for value in values or [""]:
+        mode, _, keep = value.partition(":")
+        if mode not in QUANT_MODES or keep not in ("", "keep-modulation") or (keep and mode == "off"):
+            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation;"
+                              " a comma list of them runs each)")
+    return values
+
+
+def quant_of(variant: str) -> dict:
+    """A ``--quant`` entry as RunOptions fields."""
+    mode, _, keep = variant.partition(":")
+    return {"quant": mode, "quant_modulation": not keep}
 
 
 def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
@@ -275,12 +300,14 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
-    variants = [(c, a) for c in s.get("comm_dtypes", ["auto"]) for a in s.get("attentions", ["default"])]
-    # ditmesh's rows (not the peers', not plain diffusers') run once per --comm-dtype x --attention variant that fits
+    variants = [(c, a, q) for q in s.get("quants", ["off"]) for c in s.get("comm_dtypes", ["auto"])
+                for a in s.get("attentions", ["default"])]
+    # ditmesh's rows (not the peers', not plain diffusers') run once per --quant x --comm-dtype x --attention variant
+    # that fits
     plan = [(m, g, c, graph, variant) for m, g, c, graph in plan
-            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "default")])
+            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "default", "off")])
             if variant[0] == "auto" or g > 1]
-    for method, g, comp, graph, (comm_dtype, attention) in plan:
+    for method, g, comp, graph, (comm_dtype, attention, quant) in plan:
         degrees = METHODS[method](g)
         product = 1
         for d in degrees.values():
@@ -295,8 +322,9 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp),
-                    comm_dtype=comm_dtype, attention=attention)
+                    comm_dtype=comm_dtype, attention=attention, quant=quant)
         label = (f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+                 f"{' quant ' + quant if quant != 'off' else ''}"
                  f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"
                  f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)

@@ -117,7 +117,8 @@ def _lora_cell(row: dict, phase: str) -> str:
 
 def _eight_note(row: dict) -> str:
     """A row's 8-bit options: ``comm fp8, attention int8`` (empty for the defaults)."""
-    return ", ".join(f"{name} {row[key]}" for key, name in (("comm_dtype", "comm"), ("attention", "attention"))
+    return ", ".join(f"{name} {row[key]}" for key, name in (("quant", "quant"), ("comm_dtype", "comm"),
+                                                           ("attention", "attention"))
                      if row.get(key))
 
 

@@ -20,7 +20,9 @@ Where: on CUDA, torchao does the work (``torchao.quantization.quantize_`` with
 ``Int8WeightOnlyConfig``), except for the row-parallel linears of tensor parallelism. Those, and every layer on
 other devices, become a :class:`QuantLinear`: 8-bit weights and scales held, the rounding of the activations done
 in float32 math (on CUDA the fp8 product by ``torch._scaled_mm``). The rounding is torchao's: scale = amax / 448
-(fp8) or amax / 127.5 (int8), values divided by the scale, clamped and cast (int8: rounded to nearest even).
+(fp8) or amax / 127.5 (int8), divided in the tensor's dtype (bf16 on GPUs), values divided by the scale in float32,
+clamped and cast (int8: multiplied by the reciprocal, rounded to nearest even). tests/gpu/test_quant_gpu.py checks that torchao's 8-bit weights
+and scales are these, bit for bit.
 
 Tensor parallelism: a column-parallel shard keeps whole rows, so its per-row weight scales are one process's; a
 row-parallel shard holds a slice of every row, so its weight row amax is reduced (max) over the tp group once, and
@@ -40,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..options import quant_layer_mode
 
 log = logging.getLogger("ditmesh")
 
@@ -48,15 +51,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 #: the smallest amax a scale is taken from (an all-zero row would give 0 / 0)
 TINY = 1e-12
-#: an fp8 layer of the text stream with at least this many input features keeps weight-only (pytorch/ao#4582)
-WIDE_TEXT_INPUT = 8192
 
 
 # ---- the rounding (torchao's formulas, on any device) ---------------------------------------------------------
 
-def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Per-row float32 scale of an fp8 tensor from its row amax."""
-    return amax.float().clamp(min=TINY) / FP8_MAX
+def fp8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row float32 scale of an fp8 tensor of ``dtype`` from its row amax, divided in ``dtype`` as torchao does."""
+    return (amax.to(dtype).clamp(min=TINY) / FP8_MAX).float()
 
 
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -64,13 +65,14 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def int8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Per-row float32 scale of a symmetric int8 tensor from its row amax (range [-128, 127], step amax / 127.5)."""
-    return (amax.float() / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+def int8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row float32 scale of a symmetric int8 tensor of ``dtype`` from its row amax (range [-128, 127], step
+    amax / 127.5, divided in ``dtype`` as torchao does)."""
+    return (amax.to(dtype) / 127.5).clamp(min=torch.finfo(torch.float32).eps).float()
 
 
 def int8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8)
+    return torch.round(x.float() * (1.0 / scale)).clamp(-128, 127).to(torch.int8)
 
 
 def row_amax(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -114,7 +116,7 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         amax = row_amax(weight, group)
-        scale = int8_scale(amax) if mode == "int8-weight" else fp8_scale(amax)
+        scale = (int8_scale if mode == "int8-weight" else fp8_scale)(amax, weight.dtype)
         quantize = int8_quantize if mode == "int8-weight" else fp8_quantize
         self.register_buffer("qweight", quantize(weight, scale))
         self.register_buffer("scale", scale)
@@ -126,7 +128,7 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "fp8":
-            xs = fp8_scale(row_amax(x, self.group))
+            xs = fp8_scale(row_amax(x, self.group), x.dtype)
             xq = fp8_quantize(x, xs)
             if _RECORD is not None and not torch.compiler.is_compiling():
                 _RECORD.append((self.name, xs.detach().reshape(-1, 1).clone()))
@@ -150,22 +152,6 @@ class QuantLinear(torch.nn.Module):
 
 # ---- choosing and replacing the layers ------------------------------------------------------------------------
 
-def modulation(name: str) -> bool:
-    """Whether the linear at ``name`` (inside a block) is an AdaLN modulation linear (FLUX ``norm1.linear``)."""
-    return any(part.startswith("norm") for part in name.split("."))
-
-
-def layer_mode(name: str, linear: torch.nn.Linear, mode: str, keep_modulation: bool) -> str | None:
-    """The mode of the block linear at ``name`` under ``mode``, or None where it stays in the model's dtype."""
-    if linear.in_features % 16 or linear.out_features % 16:
-        return None
-    if keep_modulation and modulation(name):
-        return None
-    if mode == "fp8" and "context" in name and linear.in_features >= WIDE_TEXT_INPUT:
-        return "fp8-weight"
-    return mode
-
-
 def targets(model: torch.nn.Module, adapter, mode: str, quantize_modulation: bool = True) -> dict:
     """``{module name: (linear, its mode)}`` of the block linears ``mode`` quantizes (see the module docstring)."""
     if not adapter.blocks:
@@ -183,8 +169,10 @@ def targets(model: torch.nn.Module, adapter, mode: str, quantize_modulation: boo
             if lora_layer(module):
                 raise ConfigError(f"quant={mode}: {full} carries an unfused LoRA adapter; fuse it (fuse_lora) so the "
                                   "fused weights are quantized")
-            if type(module).__name__ in ("Linear", "RowParallelLinear") and isinstance(module, torch.nn.Linear):
-                chosen = layer_mode(name, module, mode, not quantize_modulation)
+            # (a PipeFusion stage holds no weights of the other stages' blocks)
+            if (type(module).__name__ in ("Linear", "RowParallelLinear") and isinstance(module, torch.nn.Linear)
+                    and module.weight.numel()):
+                chosen = quant_layer_mode(name, module.in_features, module.out_features, mode, quantize_modulation)
                 if chosen is not None:
                     out[full] = (module, chosen)
     return out
