@@ -11,10 +11,11 @@ Sections (``--only`` picks some; default all, in this order):
 * ``quant-test``: tests/gpu/test_quant_gpu.py, the 8-bit linears' float32 emulation (what the CPU tests run) against
   torchao's kernels: weights and scales bit for bit, products within 1e-2.
 * ``quant-flux``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs: diffusers' 1-GPU rows (the error
-  reference), ditmesh's 1-GPU rows with the block linears in {bf16, fp8, fp8-weight, fp8 with the modulation linears
-  in bf16}, and ulysses 4 with the same four x {bf16, fp8 payloads}: step, peak memory and error of each.
+  reference), ditmesh's 1-GPU rows with the block linears in {fp8, fp8-weight, fp8 with the modulation linears in
+  bf16}, and ulysses 4 with the same three x {bf16, fp8 payloads} (11 rows; ditmesh's bf16 rows are comm8-flux's):
+  step, peak memory and error of each.
 * ``quant-wan``: Wan2.1-14B architecture at 480x832x81, eager: diffusers' 1-GPU row and ulysses 4 with the block
-  linears in {bf16, fp8} x {exact, int8 attention}.
+  linears in fp8 x {exact, int8 attention} (the bf16 rows are comm8-wan's).
 
 Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
 
@@ -49,10 +50,10 @@ SECTIONS = {
                   "--attention", "exact,int8", "--steps", "3", "--warmup", "1"],
     "quant-test": None,
     "quant-flux": ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--gpus", "1,4", "--methods", "ulysses",
-                   "--compile", "on", "--quant", "off,fp8,fp8-weight,fp8:keep-modulation", "--comm-dtype", "auto,fp8",
+                   "--compile", "on", "--quant", "fp8,fp8-weight,fp8:keep-modulation", "--comm-dtype", "auto,fp8",
                    "--steps", "5", "--warmup", "2"],
     "quant-wan": ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--gpus", "1,4",
-                  "--methods", "ulysses", "--compile", "off", "--no-cuda-graph", "--quant", "off,fp8",
+                  "--methods", "ulysses", "--compile", "off", "--no-cuda-graph", "--quant", "fp8",
                   "--attention", "default,int8", "--steps", "3", "--warmup", "1"],
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
