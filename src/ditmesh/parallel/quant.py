@@ -38,7 +38,7 @@ import contextlib
 import logging
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from ..config import ConfigError
@@ -78,11 +78,11 @@ def int8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def row_amax(x: torch.Tensor, group=None) -> torch.Tensor:
     """``|x|``'s max over the last dim, ``[..., 1]`` in float32; reduced (max) over ``group`` when given."""
     amax = x.detach().abs().amax(-1, keepdim=True).float()
-    if group is not None:
-        from ..comm import _count
+    if group is not None:  # the functional collective: traceable inside a compiled block
+        from ..comm import _count, _waited
 
         _count("all_reduce")
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        amax = _waited(funcol.all_reduce(amax, "max", group))
     return amax
 
 
