@@ -80,7 +80,7 @@ class ModelSpec:
 
 def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
     """A :class:`ModelSpec` for a ``ditmesh synth`` architecture name or a diffusers checkpoint folder."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         arch = ARCHS[model]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..shared import one_line
 from ..testing import free_port
+from ..timeline import LAUNCH_START_ENV, timeline
 
 #: set by the launcher for its ranks: where a failing rank writes its error
 ERROR_DIR_ENV = "DITMESH_ERROR_DIR"
@@ -98,6 +99,7 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
     os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
+    os.environ[LAUNCH_START_ENV] = str(timeline().process_start_unix)  # the ranks' timelines start where this did
     endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
     quiet = {r: Std.ALL for r in range(1, nproc)}  # local rank 0 keeps the console (progress bar, result line)
     config = LaunchConfig(
@@ -129,6 +131,7 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         raise LaunchError(f"the local ranks could not meet ({one_line(exc)})") from None
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(LAUNCH_START_ENV, None)
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 

@@ -47,7 +47,7 @@ def synthesize_cached(arch_name: str, seed: int = 0) -> str:
 
 def resolve_model(model: str | None) -> str:
     """Turn the user's ``--model`` into something ``from_pretrained`` loads; raises ConfigError if it can't be."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     model = model or default_model()
     if model in ARCHS:
@@ -67,14 +67,14 @@ def resolve_model(model: str | None) -> str:
 
 def local_model_path(model: str) -> str:
     """Folder (or hub id) to load: synthesizes an architecture name into the cache."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     return synthesize_cached(model) if model in ARCHS else model
 
 
 def read_transformer_config(model: str) -> dict | None:
     """The transformer's config.json of a local pipeline folder or synthetic architecture (None for hub ids)."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         return dict(ARCHS[model].transformer, _class_name=ARCHS[model].transformer_class)
@@ -84,7 +84,7 @@ def read_transformer_config(model: str) -> dict | None:
 
 def read_pipeline_class(model: str) -> str | None:
     """The pipeline class a local folder or synthetic architecture was saved as (``model_index.json``), or None."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         return ARCHS[model].pipeline
@@ -118,7 +118,7 @@ def read_adapter(model: str):
 
 def read_defaults(model: str) -> dict:
     """Per-checkpoint defaults ditmesh stored next to the pipeline (size, text length)."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         a = ARCHS[model]
