@@ -55,26 +55,30 @@ def ditmesh_import_s(importtime_log: str) -> float:
     return total_us / 1e6
 
 
-def measure(src: Path, repeat: int, model: str, work: str) -> dict:
-    """The row of one source tree (medians of ``repeat`` runs)."""
-    env = _env(src)
+def measure(trees: dict[str, Path], repeat: int, model: str, work: str) -> dict[str, dict]:
+    """The row of each source tree (medians of ``repeat`` rounds; each round measures every tree in turn, so a
+    change of the machine's load falls on all of them)."""
     py = sys.executable
-    gen = [py, "-m", "ditmesh", "generate", "--model", model, "--steps", "2", "--height", "64", "--width", "64",
+    gen = ["-m", "ditmesh", "generate", "--model", model, "--steps", "2", "--height", "64", "--width", "64",
            "--out", os.path.join(work, "startup.png")]
-    samples: dict[str, list[float]] = {k: [] for k in ("one_import_s", "cli_import_ditmesh_s", "generate_import_ditmesh_s",
-                                                       "synth_list_s", "generate_2step_s")}
+    keys = ("one_import_s", "cli_import_ditmesh_s", "generate_import_ditmesh_s", "synth_list_s", "generate_2step_s")
+    samples = {name: {k: [] for k in keys} for name in trees}
     for _ in range(repeat):
-        samples["one_import_s"].append(_timed([py, "-c", ONE_IMPORT], env, work)[0])
-        samples["cli_import_ditmesh_s"].append(
-            ditmesh_import_s(_timed([py, "-X", "importtime", "-c", "import ditmesh.cli"], env, work)[1]))
-        samples["synth_list_s"].append(_timed([py, "-m", "ditmesh", "synth", "--list"], env, work)[0])
-        wall, log = _timed([py, "-X", "importtime", *gen[1:]], env, work)
-        samples["generate_import_ditmesh_s"].append(ditmesh_import_s(log))
-        samples["generate_2step_s"].append(_timed(gen, env, work)[0])
-    row = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-    row["generate_target_s"] = round(1.5 * row["one_import_s"] + 2, 3)  # issue 32's target for the 2-step generate
-    row["src"] = str(src)
-    return row
+        for name, src in trees.items():
+            env, got = _env(src), samples[name]
+            got["one_import_s"].append(_timed([py, "-c", ONE_IMPORT], env, work)[0])
+            got["cli_import_ditmesh_s"].append(
+                ditmesh_import_s(_timed([py, "-X", "importtime", "-c", "import ditmesh.cli"], env, work)[1]))
+            got["synth_list_s"].append(_timed([py, "-m", "ditmesh", "synth", "--list"], env, work)[0])
+            got["generate_import_ditmesh_s"].append(ditmesh_import_s(_timed([py, "-X", "importtime", *gen], env, work)[1]))
+            got["generate_2step_s"].append(_timed([py, *gen], env, work)[0])
+    rows = {}
+    for name, src in trees.items():
+        row = {k: round(statistics.median(v), 3) for k, v in samples[name].items()}
+        row["generate_target_s"] = round(1.5 * row["one_import_s"] + 2, 3)  # issue 32's target for the 2-step generate
+        row["src"] = str(src)
+        rows[name] = row
+    return rows
 
 
 def _commit(src: Path) -> str | None:
@@ -112,11 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", args.model, "--steps", "1", "--height", "64",
                     "--width", "64", "--out", os.path.join(work, "warm.png")], env=_env(ROOT / "src"), cwd=work, check=True,
                    capture_output=True)
-    rows = {}
-    if args.baseline_src:
-        rows[f"baseline ({args.baseline_label or args.baseline_src})"] = measure(
-            Path(args.baseline_src), args.repeat, args.model, work)
-    rows[f"this tree ({_commit(ROOT) or ROOT})"] = measure(ROOT / "src", args.repeat, args.model, work)
+    trees = {f"baseline ({args.baseline_label or args.baseline_src})": Path(args.baseline_src)} if args.baseline_src else {}
+    trees[f"this tree ({_commit(ROOT) or ROOT})"] = ROOT / "src"
+    rows = measure(trees, args.repeat, args.model, work)
     text = table(rows)
     print(text)
     meta = {"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
