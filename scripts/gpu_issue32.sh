@@ -13,7 +13,8 @@ set -u
 if [ "${1:-}" = "--prepare" ]; then
   commit=${2:?give the baseline commit}
   rm -rf .old && mkdir -p .old && git archive "$commit" src | tar -x -C .old || exit 1
-  grep -qx '/.old/' .git/info/exclude 2>/dev/null || echo '/.old/' >> "$(git rev-parse --git-path info/exclude)"
+  exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.old/' "$exclude" 2>/dev/null || echo '/.old/' >> "$exclude"
   echo "baseline $commit in .old/src ($(du -sh .old | cut -f1)); carry .old"
   exit 0
 fi
