@@ -421,6 +421,9 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
         generator=torch.Generator("cpu").manual_seed(args.seed),
         num_images_per_prompt=getattr(args, "images_per_prompt", 1),
         num_frames=getattr(args, "frames", None) or defaults.get("default_frames"),  # video pipelines only
+        # PixArt, Sana and HunyuanDiT would otherwise draw the nearest of their trained sizes and resize the picture
+        # to the one asked: the size asked is the size computed
+        use_resolution_binning=False,
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
