@@ -17,8 +17,8 @@ from ditmesh.runtime.models import read_defaults
                                                  ("sana-tiny", 96, 160)])  # Sana's DC-AE divides by 32
 def test_generate_computes_the_asked_size_not_the_pipelines_bin(tiny_checkpoints, arch, height, width):
     path = tiny_checkpoints(arch)
-    args = build_parser().parse_args(["generate", "--model", path, "--prompt", "a red circle", "--steps", "1", "--height", str(height),
-                                                "--width", str(width), "--max-sequence-length", "8"])
+    args = build_parser().parse_args(["generate", "--model", path, "--prompt", "a red circle", "--steps", "1",
+                                      "--height", str(height), "--width", str(width), "--max-sequence-length", "8"])
     pipe = DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
     call = _call_kwargs(pipe, args, read_defaults(path))
     assert call["use_resolution_binning"] is False

@@ -110,5 +110,6 @@ def hub_config_folder(repo_id: str, files: tuple[str, ...] = ("model_index.json"
                          f"id and the network (gated models need `hf auth login`), or `hf download {repo_id} "
                          f"--local-dir DIR` and pass DIR") from None
     if not (Path(folder) / files[-1]).is_file():
-        raise ValueError(f"--model {repo_id}: the hub id has no {files[-1]}; give a diffusers pipeline with a transformer")
+        raise ValueError(f"--model {repo_id}: the hub id has no {files[-1]}; give a diffusers pipeline with a "
+                         f"transformer")
     return folder

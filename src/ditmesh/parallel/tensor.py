@@ -5,7 +5,7 @@ rows ``[rank * out / tp, (rank + 1) * out / tp)`` and its output stays sharded; 
 the matching input columns, computes a partial product without bias, sums it over the tensor-parallel
 group with ONE functional all-reduce and adds its (whole, replicated) bias once after the sum. The
 module's parameter names do not change, so a rank can load its shard straight from a checkpoint
-(:func:`load_sharded_transformer`). docs/architecture.md says why this and not
+(:func:`load_sharded_transformer`). docs/tensor-parallel.md says why this and not
 ``torch.distributed.tensor.parallel``.
 
 Cross-rank rules:

@@ -30,7 +30,8 @@ def _pipeline_classes() -> list[tuple[str, type]]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [(name, getattr(diffusers, name)) for name in sorted(n for n in dir(diffusers) if n.endswith("Pipeline"))]
+        names = sorted(n for n in dir(diffusers) if n.endswith("Pipeline"))
+        return [(name, getattr(diffusers, name)) for name in names]
 
 
 def missing_backends(cls: type) -> list[str]:
@@ -115,12 +116,13 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
 
 
 def markdown() -> str:
-    """The whole table (every transformer class, then the pipelines not read), between the :data:`GENERALITY` markers."""
+    """The whole table (every transformer class, then the pipelines not read), between the :data:`GENERALITY`
+    markers."""
     lines = _table(HEADER, rows())
     unreadable = unreadable_pipelines()
     if unreadable:
-        lines += ["", "Pipelines diffusers exports here only as placeholders, because an optional dependency is missing "
-                  "(their transformer class cannot be read; install the dependency and regenerate):", ""]
+        lines += ["", "Pipelines diffusers exports here only as placeholders, because an optional dependency is "
+                  "missing (their transformer class cannot be read; install the dependency and regenerate):", ""]
         lines += _table(["pipeline", "missing dependency"],
                         [[name, ", ".join(missing)] for name, missing in sorted(unreadable.items())])
     return "\n".join([GENERALITY[0], *lines, GENERALITY[1]])

@@ -11,6 +11,12 @@ Errors: a rank that fails writes its one-line message (and its traceback) into t
 quietly with code 2; the launcher prints the first failure once and exits 2. Ranks other than local rank 0
 write their output to that folder too, so nothing is printed once per rank. Ctrl-C ends every rank quietly
 (exit 130). The folder (torch's per-run log folder included) is removed at the end of every run.
+
+A failing rank leaves with ``os._exit(2)`` (no destructors: a gloo group torn down mid-collective prints
+nothing), and the launcher prints the earliest record's message. A launched rank keeps the default action of
+SIGINT and SIGTERM (set in ``ditmesh.__main__`` before anything is imported), so Ctrl-C ends it at once even
+inside a blocking collective. ``ditmesh --help`` and argument errors import neither torch nor diffusers
+(``ditmesh/__init__.py`` and the sub-commands' parsers load lazily).
 """
 
 from __future__ import annotations
