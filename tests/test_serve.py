@@ -435,8 +435,8 @@ def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
 
 @pytest.mark.parametrize("argv, line", [
     (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
-    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
-                                             "and 10"),
+    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 is over this "
+                                             "server's limit: 1 to 10 (--max-steps)"),
     (["--nproc", "2", "--ulysses", "4"], None),
     (["--dp", "2", "--replicas", "2"], "--dp 2 and --replicas 2 both ask for replicas (the service runs --dp as "
                                        "replicas); give one of them"),
