@@ -193,7 +193,8 @@ def test_every_suite_fits_the_device_limit_and_lists_its_unmeasured_runs(capsys)
 
 
 def test_a_result_dropped_in_takes_its_run_off_the_unmeasured_list(tmp_path):
-    spec = SimpleNamespace(SUITES={"s": dict(runs=[dict(name="a", gpus=4, wall_s=60, command="x", result="*/s/a.json")])})
+    run = dict(name="a", gpus=4, wall_s=60, command="x", result="*/s/a.json")
+    spec = SimpleNamespace(SUITES={"s": dict(runs=[run])})
     assert [run["name"] for _, run in tables.unmeasured(spec, tmp_path)] == ["a"]
     (tmp_path / "2026-01-02_h200x4" / "s").mkdir(parents=True)
     (tmp_path / "2026-01-02_h200x4" / "s" / "a.json").write_text("{}")
@@ -212,3 +213,19 @@ def test_a_call_runs_its_commands_and_records_them(tmp_path, monkeypatch):
     assert [(r["name"], r["exit_code"]) for r in record["runs"]] == [("ok", 0), ("bad", 3)]
     with pytest.raises(SystemExit, match="calls 1 to 1"):
         suite.main(["s", "--call", "2"])
+
+
+def test_the_quality_tables_render_once_their_results_are_in(tmp_path):
+    """``CPU_TABLES`` waits for suite ``quality``'s results: it renders ``eval-tiny --json``'s two schemas."""
+    spec = tables.load_spec()
+    folder = tmp_path / spec.CPU / "quality"
+    folder.mkdir(parents=True)
+    row = {"colour": 1.0, "shape": 0.93, "position": 1.0, "all": 0.93, "lost": 0, "psnr": 53.9, "ssim": 0.9996}
+    (folder / "cache-sweep.json").write_text(json.dumps([dict(row, cache="off", evaluations=28.0),
+                                                         dict(row, cache="fbcache:0.1", evaluations=12.46, lost=3)]))
+    (folder / "eval-held-out-seed0.json").write_text(json.dumps({"accuracy": row, "n": 128, "steps": 28, "rows": []}))
+    (tmp_path / "docs").mkdir()
+    texts = {t["name"]: tables.render(t, ROOT / t["doc"], tmp_path, manifest={}) for t in spec.CPU_TABLES}
+    assert "| `fbcache:0.1` | 12.46 | 1.000 | 0.930 | 1.000 | 0.930 | 3 | 53.90 | 0.9996 |" in texts["caching-quality"]
+    assert "| held-out-seed0 | 128 | 28 | 100.0% | 93.0% | 100.0% | 93.0% |" in texts["tiny-eval"]
+    assert texts["readme-cache-quality"].count("| `") == 2
