@@ -156,8 +156,8 @@ def _typed(args) -> list[str]:
 
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
-    from ..api import check_transport, check_ulysses_chunks
     from ..config import ConfigError
+    from ..options import RunOptions
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -185,15 +185,13 @@ def _settings(args) -> dict:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: give at least 1 timed step and 0 or more "
                           "warm-ups")
-    check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
-    check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    # the options every ditmesh row shares, checked as generate checks them (each row's degrees come later)
+    RunOptions.create(ulysses_chunks=args.ulysses_chunks, transport=args.transport, cache=args.cache,
+                      fuse_qkv=args.fuse_qkv, cli=True).validate(device=torch.device("cuda" if on_gpu else "cpu"),
+                                                                 cli=True)
     lora = _lora_rank(args)
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
-    if args.cache:
-        from ..cache import CacheConfig
-
-        CacheConfig.parse(args.cache)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

@@ -54,10 +54,9 @@ def axes(adapter) -> dict[str, str]:
 
 
 def _pipefusion_runs(adapter) -> bool:
-    from ..parallel.pipefusion import check_blocks
-    from .generate import family_allows
+    from ..options import family_allows, pipefusion_refusal
 
-    return family_allows(check_blocks, adapter)
+    return family_allows(pipefusion_refusal, adapter)
 
 
 def rows() -> list[list[str]]:
