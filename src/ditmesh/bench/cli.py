@@ -247,6 +247,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
+    retried: dict[tuple, str] = {}
     for method, g, comp, graph in plan:
         degrees = METHODS[method](g)
         product = 1
@@ -264,14 +265,24 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         print(f"ditmesh bench: {label} ...", flush=True)
+        causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
         try:
-            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))
+            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
+                         on_retry=causes.append)
         except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
             raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
                              "error": str(exc).splitlines()[0]})
-    return _derive([json.loads(line) for line in open(tmp / "rows.jsonl")], tmp, s)
+        if causes:
+            print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
+            retried[(method, g, comp, graph)] = causes[0]
+    rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
+    for r in rows:  # the row records why its first start failed
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph")))
+        if cause:
+            r["rendezvous_retry"] = cause
+    return _derive(rows, tmp, s)
 
 
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:
