@@ -273,6 +273,24 @@ PLANNED = [("model", "model"), ("res", "height"), ("config", lambda r: f"{r['des
            ("measured in", "file")]
 
 
+def planned_rows(doc: dict, rows: list[dict]) -> list[dict]:
+    """``ditmesh plan --json``: its three best configurations, each with the workload it was planned for."""
+    m, w, hw = doc["model"], doc["workload"], doc["hardware"]
+    size = f"{w['width']}×{w['height']}" + (f"×{w['frames']}" if w["frames"] > 1 else "")
+    return [dict(model=m["model"], size=size, cfg="on" if w["cfg"] else "off", rank=i + 1, config=c["config"],
+                 mode=w["mode"] + (" + graph" if w["cuda_graph"] else ""), step_ms=c["step_ms"],
+                 speedup=c["speedup"], gib=c["memory_gib"]["total"], comm_mb=c["comm_bytes"]["total"] / 1e6,
+                 hardware=f"{hw['gpus']}× {hw['device']} ({hw['link']})", baseline_ms=doc["baseline_step_ms"],
+                 _file=rows[0]["_file"], _doc=doc)
+            for i, c in enumerate(doc["configs"][:3])]
+
+
+PREDICTED = [("model", "model"), ("size", "size"), ("CFG", "cfg"), ("#", "rank"), ("layout", "config"),
+             ("mode", "mode"), ("predicted step ms", "step_ms", ".1f"), ("1-GPU step ms", "baseline_ms", ".1f"),
+             ("predicted speed-up", "speedup", ".2f"), ("GiB/GPU", "gib", ".1f"), ("MB sent/GPU/step", "comm_mb", ".0f"),
+             ("hardware", "hardware")]
+
+
 def summary_rows(doc: dict, rows: list[dict]) -> list[dict]:
     """``plan --validate --json``'s summary: one row per group of rows."""
     return [dict(v, group=k, _file=rows[0]["_file"], _doc=doc) for k, v in doc["summary"].items()]
@@ -409,6 +427,9 @@ TABLES = [
                   ("step ms, steps 2-28 (median, range)", step_range)]),
     # docs/planner.md
     dict(name="planner-h200x4", doc=PLANNER, files=[f"{H200X4}/planner/validate.json"], columns=PLANNED),
+    dict(name="gpu8-planned", doc=BENCHMARKS, files=["2026-11-28_plan-h200x8/gpu8/plan-*.json"], rows=planned_rows,
+         columns=PREDICTED, note="predictions of `ditmesh plan`; the measured rows come from suite gpu8 when an "
+                                 "8-GPU machine is lent"),
     dict(name="planner-h200x4-summary", doc=PLANNER, files=[f"{H200X4}/planner/validate.json"], rows=summary_rows,
          columns=SUMMARY),
     dict(name="planner-h100x2", doc=PLANNER, files=[f"{H100X2}/planner/validate-*.json"], columns=PLANNED),
@@ -522,6 +543,24 @@ SUITES = {
     "pp-ulysses-wan": dict(runs=[
         bench("pp-wan-480x832x81", 4, 540, "--model wan2.1-14b --height 480 --width 832 --frames 81 --gpus 4 "
               "--no-single --methods ulysses,pp-ulysses --compile on --no-cuda-graph --steps 2 --warmup 2"),
+    ]),
+    # eight GPUs: the planner's top three layouts of each workload, diffusers' context parallelism and the 1-GPU row
+    # of the same call, then the planner's predictions of every row (plan --validate)
+    "gpu8": dict(runs=[
+        bench("gpu8-flux-dev-1024", 8, 420, "--model flux-dev --height 1024 --width 1024 --gpus 1,8 "
+              "--methods ulysses,tp-ulysses,tp4-ulysses,diffusers-ulysses --steps 5 --warmup 2 --profile"),
+        bench("gpu8-flux-dev-2048", 8, 480, "--model flux-dev --height 2048 --width 2048 --gpus 1,8 "
+              "--methods ulysses,tp-ulysses,tp4-ulysses,diffusers-ulysses --steps 3 --warmup 1 --profile"),
+        bench("gpu8-wan-480x832x81", 8, 540, "--model wan2.1-14b --height 480 --width 832 --frames 81 --gpus 1,8 "
+              "--methods ulysses,tp-ulysses,diffusers-ulysses --steps 2 --warmup 1"),
+        bench("gpu8-wan-480x832x81-cfg", 8, 420, "--model wan2.1-14b --height 480 --width 832 --frames 81 --gpus 8 "
+              "--no-single --methods cfg --no-cuda-graph --steps 2 --warmup 1"),
+        bench("gpu8-qwenimage-1328", 8, 480, "--model qwenimage --height 1328 --width 1328 --gpus 1,8 "
+              "--methods ulysses,tp-ulysses,diffusers-ulysses --steps 3 --warmup 1"),
+        bench("gpu8-qwenimage-1328-cfg", 8, 360, "--model qwenimage --height 1328 --width 1328 --gpus 8 --no-single "
+              "--methods cfg --no-cuda-graph --steps 3 --warmup 1"),
+        dict(name="gpu8-validate", gpus=0, wall_s=60, result=None,
+             command="python3 -m ditmesh plan --validate $OUT/gpu8-*.json --json > $OUT/gpu8-validate.json"),
     ]),
     "largest-size": dict(runs=[
         largest("largest-x1", 1, "--model /tmp/flux-dev --layout \"--nproc 1\" --layout \"--nproc 1 --chunk 4096 "

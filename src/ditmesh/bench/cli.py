@@ -31,6 +31,7 @@ METHODS = {
     "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
+    "tp4-ulysses": lambda g: {"tp": 4, "ulysses": g // 4} if g >= 8 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
