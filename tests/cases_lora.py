@@ -88,7 +88,7 @@ def lora_case(model: str, config: dict, loras: list, plan: list, before: bool = 
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
     from ditmesh.parallel.tensor import lora_layer
-    from ditmesh.runtime.generate import fuse_loras
+    from ditmesh.parallel.lora import fuse as fuse_loras
 
     torch.manual_seed(0)
     pipe = _pipeline_class(model).from_pretrained(model, dtype=torch.float32)

@@ -298,7 +298,7 @@ def test_wan_teacache_reads_the_input_its_attention_reads_and_decides_as_one_pro
 
 def test_analyze_fits_the_teacache_rescaling_from_measured_change():
     from ditmesh.analyze import fit_teacache
-    from ditmesh.cache import CacheConfig
+    from ditmesh.options import CacheConfig
 
     xs = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
     records = {"transformer": {"call0": {"modulated": {"b.0": xs},
@@ -310,7 +310,7 @@ def test_analyze_fits_the_teacache_rescaling_from_measured_change():
 
 def test_analyze_proposes_a_static_schedule_from_measured_change():
     from ditmesh.analyze import suggest_schedule
-    from ditmesh.cache import CacheConfig
+    from ditmesh.options import CacheConfig
 
     records = {"transformer": {"call0": {"output": {"b0": [0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
                                                     "b1": [0.3, 0.05, 0.04, 0.03, 0.02, 0.3],
@@ -322,7 +322,7 @@ def test_analyze_proposes_a_static_schedule_from_measured_change():
 
 
 def test_bad_cache_settings_are_refused_in_one_line():
-    from ditmesh.cache import CacheConfig
+    from ditmesh.options import CacheConfig
     from ditmesh.config import ConfigError
 
     assert CacheConfig.parse("default") == CacheConfig.parse("taylor:interval=4,warmup=3")

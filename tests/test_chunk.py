@@ -53,12 +53,14 @@ def test_attention_in_query_pieces_equals_whole_with_masks_and_lse():
 
 def test_bad_chunk_settings_are_refused_in_one_line():
     from ditmesh.config import ConfigError
-    from ditmesh.config import check_chunk
-    from ditmesh.runtime.generate import chunk_setting
+    from ditmesh.options import RunOptions
 
-    assert chunk_setting("auto") == "auto" and chunk_setting("64") == 64 and chunk_setting(None) is None
+    def chunk(text, cli=True):
+        return RunOptions.create(chunk_tokens=text, cli=cli).chunk_tokens
+
+    assert chunk("auto") == "auto" and chunk("64") == 64 and chunk(None) is None and chunk(64, cli=False) == 64
     for bad in ("0", "-3", "lots"):
-        with pytest.raises(ConfigError, match="is not a token count"):
-            chunk_setting(bad)
-    with pytest.raises(ConfigError, match="chunk=0"):
-        check_chunk(0)
+        with pytest.raises(ConfigError, match=f"--chunk '{bad}' is not a token count"):
+            chunk(bad)
+    with pytest.raises(ConfigError, match="chunk_tokens=0 is not a token count"):
+        chunk(0, cli=False)

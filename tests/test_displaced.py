@@ -8,7 +8,8 @@ import pytest
 
 from cases_pipefusion import flux_stale_emulation, pipeline_run
 from test_pipefusion import STEPS, TRUE_CFG, family_case, reference
-from ditmesh.config import ConfigError, ParallelConfig, check_displaced
+from ditmesh.config import ConfigError, ParallelConfig
+from ditmesh.options import RunOptions
 from ditmesh.testing import rel_err
 
 #: self-attention layers of each tiny family's transformer (FLUX: 2 double + 2 single blocks; SD3: 3 joint blocks and
@@ -42,7 +43,7 @@ def per_step_counts(family: str, exact_steps: int, calls: int = 1, steps: int = 
 ])
 def test_bad_displaced_settings_are_refused_in_one_line(config, warmup, message):
     with pytest.raises(ConfigError, match=message) as err:
-        check_displaced(ParallelConfig(**config), warmup)
+        RunOptions.create(ParallelConfig(**config), displaced=True, displaced_warmup=warmup)
     assert "\n" not in str(err.value)
 
 
@@ -59,12 +60,10 @@ def test_parallelize_refuses_what_displaced_does_not_run_with(flux_tiny, option,
 
 
 def test_cuda_graphs_run_with_displaced_but_not_with_pipefusion():
-    from ditmesh.api import check_pipefusion_options
-
-    check_pipefusion_options(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
+    RunOptions.create(ParallelConfig(ulysses=2), cuda_graph=True, displaced=True)
     with pytest.raises(ConfigError, match=r"CUDA graphs does not run with PipeFusion \(pp=2\) yet; drop it or use "
                                           "pp=1"):
-        check_pipefusion_options(ParallelConfig(pp=2), cuda_graph=True)
+        RunOptions.create(ParallelConfig(pp=2), cuda_graph=True)
 
 
 def test_a_family_with_a_token_grid_is_refused():
@@ -75,7 +74,7 @@ def test_a_family_with_a_token_grid_is_refused():
         transformer = build_transformer("sana-tiny", seed=0)
 
     with pytest.raises(NotImplementedError, match="displaced attention does not run sana"):
-        parallelize(Pipe, ParallelConfig(), displaced=True)
+        parallelize(Pipe, ParallelConfig(ulysses=2), displaced=True)  # refused before any process group is needed
 
 
 # -- exact: warm-up over every step ----------------------------------------------------------------------------

@@ -130,10 +130,10 @@ def test_hidream_cuda_graphs_are_refused_in_one_line():
 
 def test_hidream_pipefusion_is_refused_in_one_line():
     from ditmesh.models import adapter_for_class
-    from ditmesh.parallel.pipefusion import check_blocks
+    from ditmesh.options import pipefusion_refusal
 
     with pytest.raises(NotImplementedError, match="use pp=1") as error:
-        check_blocks(adapter_for_class("HiDreamImageTransformer2DModel"))
+        pipefusion_refusal(adapter_for_class("HiDreamImageTransformer2DModel"))
     assert "\n" not in str(error.value)
 
 

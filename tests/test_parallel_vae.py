@@ -167,14 +167,17 @@ def test_flux_pipeline_decodes_the_same_with_vae_chunk(pools, flux_tiny):
 
 
 def test_bad_vae_chunk_settings_are_refused_in_one_line():
-    from ditmesh.config import ConfigError, check_vae_chunk
-    from ditmesh.runtime.generate import vae_chunk_setting
+    from ditmesh.config import ConfigError
+    from ditmesh.options import RunOptions
 
-    assert vae_chunk_setting("auto") == "auto" and vae_chunk_setting("64") == 64 and vae_chunk_setting(None) is None
+    def rows(text, cli=True):
+        return RunOptions.create(vae_chunk=text, cli=cli).vae_chunk
+
+    assert rows("auto") == "auto" and rows("64") == 64 and rows(None) is None
     with pytest.raises(ConfigError, match="--vae-chunk 'rows' is not a row count; give a positive integer"):
-        vae_chunk_setting("rows")
+        rows("rows")
     with pytest.raises(ConfigError, match="vae_chunk=0 is not a row count"):
-        check_vae_chunk(0)
+        rows(0, cli=False)
 
 
 # -- rank-parallel tiled decode (vae_parallel="tiled") ---------------------------------------------------------------

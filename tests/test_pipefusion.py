@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cases_pipefusion import flux_stale_emulation, pipeline_run, stage_loaded_elsewhere, stage_weights
-from ditmesh.config import ConfigError, ParallelConfig, check_pipefusion
+from ditmesh.config import ConfigError, ParallelConfig
+from ditmesh.options import RunOptions
 from ditmesh.parallel.pipefusion import split_stages
 from ditmesh.testing import RankError, rel_err
 
@@ -66,7 +67,8 @@ def test_stages_are_contiguous_and_balanced_by_block_cost():
 ])
 def test_bad_pipefusion_settings_are_refused_in_one_line(args, message):
     with pytest.raises(ConfigError, match=message) as err:
-        check_pipefusion(*args)
+        pp, patches, warmup, chunk_bytes = args
+        RunOptions.create(ParallelConfig(pp=pp), pp_patches=patches, pp_warmup=warmup, pp_chunk_bytes=chunk_bytes)
     assert "\n" not in str(err.value)
 
 

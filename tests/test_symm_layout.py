@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ditmesh import symm
-from ditmesh.api import check_transport
+from ditmesh.options import RunOptions
 from ditmesh.attention.ulysses import head_groups
 from ditmesh.comm import offsets, split_sizes
 from ditmesh.config import ConfigError
@@ -65,18 +65,21 @@ def test_qkv_and_output_parts_land_where_the_all_to_all_puts_them(world, seq, he
 
 def test_symm_transport_is_refused_off_cuda_with_a_clear_error():
     with pytest.raises(ConfigError, match="transport=symm needs CUDA GPUs"):
-        check_transport("symm", torch.device("cpu"))
-    with pytest.raises(ConfigError, match="'shm' is not a transport; use one of nccl, symm"):
-        check_transport("shm", torch.device("cpu"))
+        RunOptions.create(transport="symm").validate(device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="--transport 'shm' is not a transport; use one of nccl, symm"):
+        RunOptions.create(transport="shm", cli=True)
 
 
 def test_symm_transport_checks_the_mesh_it_would_run_on():
     from ditmesh.config import ParallelConfig
 
     cuda = torch.device("cuda")  # the check reads only the device type: nothing runs on it
-    check_transport("symm", cuda, config=ParallelConfig(ulysses=4), local_world=8)
-    check_transport("nccl", cuda, config=ParallelConfig(ring=2, ulysses=2), local_world=1)
+    def check(transport, config, local_world):
+        RunOptions.create(config, transport=transport).validate(device=cuda, local_world=local_world)
+
+    check("symm", ParallelConfig(ulysses=4), 8)
+    check("nccl", ParallelConfig(ring=2, ulysses=2), 1)
     with pytest.raises(ConfigError, match="transport=symm moves Ulysses all-to-alls only, and ring=2 is set"):
-        check_transport("symm", cuda, config=ParallelConfig(ring=2, ulysses=2), local_world=4)
+        check("symm", ParallelConfig(ring=2, ulysses=2), 4)
     with pytest.raises(ConfigError, match="needs each ulysses=4 group on one host, but a host runs 2 processes"):
-        check_transport("symm", cuda, config=ParallelConfig(ulysses=4), local_world=2)
+        check("symm", ParallelConfig(ulysses=4), 2)

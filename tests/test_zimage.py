@@ -78,14 +78,15 @@ def test_zimage_real_size_matches_the_published_config():
 
 def test_zimage_refuses_pipefusion_and_step_caches_in_one_line():
     # the adapter declares no block list (the blocks take ``x``, not ``hidden_states``): both need one
-    from ditmesh.cache import CacheConfig, StepCache
+    from ditmesh.cache import StepCache
+    from ditmesh.options import CacheConfig
     from ditmesh.config import ConfigError
     from ditmesh.models import adapter_for_class
-    from ditmesh.parallel.pipefusion import check_blocks
+    from ditmesh.options import pipefusion_refusal
     from ditmesh.synth import build_transformer
 
     adapter = adapter_for_class("ZImageTransformer2DModel")
     with pytest.raises(NotImplementedError, match="PipeFusion does not run zimage: it declares no block lists"):
-        check_blocks(adapter)
+        pipefusion_refusal(adapter)
     with pytest.raises(ConfigError, match="the zimage adapter declares no block lists of ZImageTransformer2DModel"):
         StepCache(build_transformer("z-image-tiny"), adapter, CacheConfig(policy="dbcache"), None, None)

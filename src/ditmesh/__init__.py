@@ -5,10 +5,11 @@ until ``parallelize`` or another name that needs them is used.
 """
 
 from .config import ConfigError, ParallelConfig
+from .options import LoraSpec, RunOptions
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelConfig", "ConfigError", "parallelize", "remove", "runtime_of", "ParallelRuntime", "__version__"]
+__all__ = ["ParallelConfig", "RunOptions", "LoraSpec", "ConfigError", "parallelize", "remove", "runtime_of", "ParallelRuntime", "__version__"]
 
 _FROM_API = ("parallelize", "remove", "runtime_of", "ParallelRuntime")
 

@@ -12,7 +12,6 @@ exactly as long as they do.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -21,11 +20,10 @@ import torch.distributed as dist
 from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
-from .attention.ulysses import TRANSPORTS
-from .config import (AXIS_ORDER, PP_CHUNK_BYTES, ConfigError, ParallelConfig,  # noqa: F401
-                     check_chunk, check_displaced, check_pipefusion, check_vae_chunk, check_vae_parallel)
+from .config import AXIS_ORDER, ConfigError, ParallelConfig
 from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
+from .options import RunOptions
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
 from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
@@ -39,6 +37,8 @@ class ParallelRuntime:
 
     config: ParallelConfig
     mesh: ParallelMesh
+    #: what it was asked to do
+    options: RunOptions = field(default_factory=RunOptions)
     #: per-call state shared by every transformer of the pipeline and every dimension
     context: ForwardContext = field(default_factory=ForwardContext)
     #: the parallelized transformers by pipeline component name (``transformer``, ``transformer_2``)
@@ -104,15 +104,6 @@ def remove(pipe) -> None:
     runtime.remove()
 
 
-def check_model(config: ParallelConfig, transformer: torch.nn.Module) -> None:
-    """Validate ``config`` against a transformer (head counts); raises :class:`ConfigError`."""
-    adapter = adapter_for(transformer)
-    config.check_heads(adapter.num_heads(transformer), type(transformer).__name__)
-    reason = adapter.unsupported(transformer, config) if adapter.unsupported is not None else None
-    if reason:
-        raise ConfigError(reason)
-
-
 def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list:
     """Regional compilation: ``torch.compile`` every repeated transformer block, in place.
 
@@ -146,67 +137,6 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) 
     return [undo]
 
 
-def check_cuda_graph(config: ParallelConfig, device: torch.device, check_consistency: bool = False) -> None:
-    """Raise :class:`ConfigError` where CUDA graphs cannot run (see ``ditmesh.parallel.graph``)."""
-    if device.type != "cuda":
-        raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {device.type}; drop the graph option")
-    if config.dp > 1 or config.cfg > 1:
-        raise ConfigError(f"CUDA graphs do not run with dp={config.dp}, cfg={config.cfg} (their hooks choose per call "
-                          "what to run); use dp=1 and cfg=1, or drop the graph option")
-    if check_consistency:
-        raise ConfigError("CUDA graphs do not run with the consistency check (it reads values on the host); "
-                          "use one or the other")
-
-
-def check_pipefusion_options(config: ParallelConfig, *, fuse_qkv: bool = False, cache=None,
-                             cuda_graph: bool = False, transport: str = "nccl", displaced: bool = False) -> None:
-    """Raise :class:`ConfigError` for an option PipeFusion (pp > 1), or displaced attention (``displaced``), does
-    not run with yet. ``cache``: the step cache's :class:`~ditmesh.cache.CacheConfig` (or its text), or None:
-    PipeFusion runs static and taylor, displaced attention none."""
-    mode, off = ("displaced attention", "drop displaced") if displaced else (f"PipeFusion (pp={config.pp})", "use pp=1")
-    policy = step_cache.CacheConfig.parse(cache).policy if isinstance(cache, (str, type(None))) else cache.policy
-    for on, option in ((fuse_qkv, "fuse_qkv"), (displaced and policy != "off", "step caching"),
-                       (cuda_graph and not displaced, "CUDA graphs"), (transport != "nccl", f"transport={transport}")):
-        if on:
-            raise ConfigError(f"{option} does not run with {mode} yet; drop it or {off}")
-    if policy not in ("off", "static", "taylor"):
-        raise ConfigError(f"cache {policy} does not run with PipeFusion (pp={config.pp}): its statistic covers the "
-                          "whole image after the first blocks, which no stage holds while patches flow; use static or "
-                          "taylor (--cache default is taylor), or pp=1")
-
-
-def check_ulysses_chunks(chunks: int | None, flag: str = "ulysses_chunks=") -> None:
-    """Raise :class:`ConfigError` unless ``chunks`` is None (the default) or at least 1."""
-    if chunks is not None and chunks < 1:
-        raise ConfigError(f"{flag}{chunks} must be >= 1 (1 = no pipelining)")
-
-
-def check_transport(transport: str, device: torch.device, flag: str = "transport=",
-                    config: ParallelConfig | None = None, local_world: int | None = None) -> None:
-    """Raise :class:`ConfigError` unless ``transport`` is one of ``ulysses.TRANSPORTS`` and can run here.
-
-    ``"symm"`` needs CUDA, applies to Ulysses alone (ring and USP move their data through the process
-    group), and needs every Ulysses group on one host: the inner mesh axis, so ``ulysses`` must divide the
-    ``local_world`` processes of a host (default: torchrun's ``LOCAL_WORLD_SIZE``).
-    """
-    if transport not in TRANSPORTS:
-        raise ConfigError(f"{flag}{transport!r} is not a transport; use one of {', '.join(TRANSPORTS)}")
-    if transport != "symm":
-        return
-    if device.type != "cuda":
-        raise ConfigError(f"{flag}symm needs CUDA GPUs (copy engines), not {device.type}; use nccl")
-    if config is None:
-        return
-    if config.ring > 1:
-        raise ConfigError(f"{flag}symm moves Ulysses all-to-alls only, and ring={config.ring} is set; use nccl, "
-                          "or ring=1")
-    if local_world is None:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
-    if local_world % config.ulysses:
-        raise ConfigError(f"{flag}symm needs each ulysses={config.ulysses} group on one host, but a host runs "
-                          f"{local_world} processes; use nccl across hosts")
-
-
 def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
     """Split the pipeline's VAE along height over every rank (``ditmesh.parallel.vae``); returns undo callables.
 
@@ -217,7 +147,6 @@ def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:
     process): diffusers' tiled decode turned on, its tiles spread over every rank and blended as one process blends
     them (``parallel.vae.apply_tiled``); ``off``: nothing.
     """
-    check_vae_parallel(mode)
     vae = getattr(pipe, "vae", None)
     if mode == "off" or (mesh.config.world_size == 1 and mode != "tiled"):
         return []
@@ -251,14 +180,21 @@ def chunk_vae(pipe, rows, device: torch.device) -> list:
     return chunked_vae.apply(vae, rows, device, lambda: any(h.state.units is not None for h in split))
 
 
-def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False, device=None,
-                compile: bool = False, cuda_graph: bool = False, ulysses_chunks: int | None = None,
-                fuse_qkv: bool = False, transport: str = "nccl", cache=None,
-                vae_parallel: str = "auto", chunk_tokens: int | str | None = None,
-                vae_chunk: int | str | None = None, pp_patches: int | None = None, pp_warmup: int = 1,
-                pp_chunk_bytes: int = PP_CHUNK_BYTES, displaced: bool = False,
-                displaced_warmup: int = 1) -> ParallelRuntime:
-    """Make a diffusers pipeline run with ``config`` across the ranks of the default process group.
+def load_loras(pipe, options: RunOptions, keep) -> None:
+    """Load ``options.loras`` into the parallelized pipeline (``parallel.lora``), fused if ``options.fuse_lora``;
+    ``keep`` takes the undo (unfused adapters are unloaded; fused ones stay in the weights, as fusing is meant)."""
+    if not options.loras:
+        return
+    lora.load(pipe, options.loras)
+    if options.fuse_lora:
+        lora.fuse(pipe)
+    else:
+        keep([pipe.unload_lora_weights])
+
+
+def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,
+                **keywords) -> ParallelRuntime:
+    """Make a diffusers pipeline run as ``options`` describe across the ranks of the default process group.
 
     Call it on every rank, after ``torch.distributed.init_process_group`` (not needed for one
     process) and after moving the pipeline to this rank's device.
@@ -267,10 +203,16 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         pipe: a diffusers pipeline with a ``transformer`` (e.g. ``FluxPipeline``); a second transformer
             (``transformer_2``) is parallelized the same way. A pipeline is parallelized once: call
             :func:`remove` before parallelizing it again.
+        options: a :class:`~ditmesh.options.RunOptions` (``RunOptions.create(ParallelConfig(ulysses=2),
+            compile=True)``), checked again here against the device and the transformers. The keyword form
+            ``parallelize(pipe, ParallelConfig(...), compile=True, ...)`` builds it from the degrees and the
+            options below.
+        device: this rank's device (default: the transformer's).
+
+    The options (fields of ``RunOptions``):
         config: the degrees; their product must equal the world size.
         check_consistency: debug mode: before every transformer call, verify that timestep, latents
             and text embeddings are bit-identical on every rank (raises on the first mismatch).
-        device: this rank's device (default: ``cuda:LOCAL_RANK`` or CPU).
         compile: ``torch.compile`` each transformer block (regional), after the parallel dimensions.
         cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
             step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
@@ -285,7 +227,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             (copy engines writing into the peers' symmetric memory, ``ditmesh.symm``; CUDA GPUs of one host;
             Ulysses alone). With ``"symm"``, compile through ``compile=True``: a ``torch.compile`` of your own
             around the model must pass ``options=ditmesh.symm.COMPILE_OPTIONS`` (see that module).
-        cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.cache.CacheConfig` or its text form, e.g.
+        cache: step caching (``ditmesh.cache``): a :class:`~ditmesh.options.CacheConfig` or its text form, e.g.
             ``"fbcache:0.08"`` or ``"dbcache:threshold=0.1,first=2,last=1"``; decisions are taken on statistics
             reduced over the ranks that share a computation, so every rank agrees. With ``compile``, each block's
             own forward is compiled inside the cache's hooks. With ``cuda_graph``, static and taylor replay one
@@ -312,7 +254,15 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
             attends to the other ranks' K/V of the previous step, gathered while the step computes (an
             approximation after the warm-up); needs ulysses > 1 and ring = 1, not with pp.
         displaced_warmup: displaced: steps of each run computed exactly (default 1, at least 1).
+        loras: LoRA adapters (``PATH[:SCALE]`` or ``NAME=PATH[:SCALE]``) loaded once the pipeline is parallelized
+            (under tensor parallelism each rank keeps its shard: ``ditmesh.parallel.lora``); ``fuse_lora``: fused
+            into the weights with their scales and peft's layers taken out.
     """
+    if not isinstance(options, RunOptions):  # the keyword form: degrees and options as keywords
+        options = RunOptions.create(options, **keywords)
+    elif keywords:
+        raise TypeError(f"parallelize(pipe, options) takes the options in the RunOptions; got also "
+                        f"{', '.join(sorted(keywords))} (use options.replace(...))")
     models = transformers_of(pipe)
     if not models:
         raise ConfigError(f"{type(pipe).__name__} has no transformer; ditmesh parallelizes DiT pipelines")
@@ -325,40 +275,22 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
     if done:
         raise ConfigError(f"this pipeline is already parallelized ({done[0].config.describe()}); call "
                           "ditmesh.remove(pipe) first to parallelize it again with another configuration")
-    for model in models.values():
-        check_model(config, model)
     first = next(iter(models.values()))
     if device is None:
         device = next(first.parameters()).device
-    if cuda_graph:
-        for model in models.values():
-            adapter = adapter_for(model)
-            if adapter.graph_refusal:
-                raise ConfigError(f"CUDA graphs do not run {adapter.name}: {adapter.graph_refusal}; drop the graph option")
-        check_cuda_graph(config, torch.device(device), check_consistency)
-    check_ulysses_chunks(ulysses_chunks)
-    check_transport(transport, torch.device(device), config=config)
-    check_vae_parallel(vae_parallel)
-    check_chunk(chunk_tokens, "chunk_tokens=")
-    check_vae_chunk(vae_chunk)
-    cache_config = cache if isinstance(cache, step_cache.CacheConfig) else step_cache.CacheConfig.parse(cache)
-    if config.pp > 1:
-        check_pipefusion(config.pp, pp_patches, pp_warmup, pp_chunk_bytes)
-        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config, cuda_graph=cuda_graph,
-                                 transport=transport)
-        for model in models.values():
-            pipefusion.check_blocks(adapter_for(model))
-    if displaced:
-        for model in models.values():
-            displaced_attention.check_family(adapter_for(model))
-        check_pipefusion_options(config, fuse_qkv=fuse_qkv, cache=cache_config, cuda_graph=cuda_graph,
-                                 transport=transport, displaced=True)
-        check_displaced(config, displaced_warmup)
+    device = torch.device(device)
+    options.validate(device=device, models=models)
+    config, cache_config = options.config, options.cache
+    (compile, cuda_graph, ulysses_chunks, fuse_qkv, transport, vae_parallel, chunk_tokens, vae_chunk, pp_patches,
+     pp_warmup, pp_chunk_bytes, displaced, displaced_warmup) = (
+        options.compile, options.cuda_graph, options.ulysses_chunks, options.fuse_qkv, options.transport,
+        options.vae_parallel, options.chunk_tokens, options.vae_chunk, options.pp_patches, options.pp_warmup,
+        options.pp_chunk_bytes, options.displaced, options.displaced_warmup)
     mesh = ParallelMesh.build(config, torch.device(device))
-    runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models)
+    runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models, options=options)
     ctx = runtime.context
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
-    check = check_consistency and dist.is_initialized() and dist.get_world_size() > 1
+    check = options.check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
         """``step(model, adapter)`` on every transformer; each one's undo callables are kept as soon as they exist,
@@ -407,6 +339,7 @@ def parallelize(pipe, config: ParallelConfig, *, check_consistency: bool = False
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),
+        ("loras", lambda: load_loras(pipe, options, keep)),
     ]
     try:
         for name, step in steps:

@@ -52,91 +52,9 @@ import torch
 
 from .comm import all_reduce_sum
 from .config import ConfigError
+from .options import CacheConfig
 from .hooks import Hook, add_hook, bind_kwargs, find_hook
 from .redundancy import batched_cfg, change_sums
-
-POLICIES = ("off", "dbcache", "fbcache", "teacache", "static", "taylor", "default")
-
-#: knobs whose default differs by policy
-_POLICY_DEFAULTS = {"teacache": {"threshold": 0.2, "first": 0}}
-
-#: what ``--cache default`` means: the setting that met the quality bar with the fewest evaluations on the tiny
-#: trained pipeline (docs/caching.md: 12.57 of 28 evaluations per image, no image lost an attribute)
-DEFAULT = "taylor:interval=4,warmup=3"
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """A step-cache setting: ``policy`` and its knobs (see the module docstring)."""
-
-    policy: str = "off"
-    threshold: float = 0.08
-    first: int = 1
-    last: int = 0
-    warmup: int = 1
-    max_skips: int = 3
-    #: static: the steps whose middle blocks are skipped
-    skip: tuple[int, ...] = ()
-    #: taylor: the middle blocks run every ``interval`` steps (after ``warmup``); in between, their residual is
-    #: extrapolated linearly from the last two steps they ran
-    interval: int = 2
-    #: teacache: the rescaling polynomial of the modulated input's change, highest power first (identity by default)
-    poly: tuple[float, ...] = (1.0, 0.0)
-
-    @classmethod
-    def parse(cls, text: str | None) -> "CacheConfig":
-        """``off``, ``fbcache:0.08``, ``dbcache:threshold=0.1,first=2,last=1,warmup=2,max_skips=3``,
-        ``teacache:threshold=0.4,poly=498.7/-283.8/55.8/-3.82/0.264``, ``static:skip=3-5+8+10-12,first=1`` or
-        ``taylor:interval=3,warmup=2``."""
-        if not text or text == "off":
-            return cls()
-        if text == "default":
-            text = DEFAULT
-        name, _, rest = text.partition(":")
-        if name not in POLICIES:
-            raise ConfigError(f"cache policy {name!r} is not one of: {', '.join(POLICIES)} "
-                              "(e.g. fbcache:0.08 or dbcache:threshold=0.1,first=2,last=1)")
-        values: dict = {"policy": "dbcache" if name == "fbcache" else name, **_POLICY_DEFAULTS.get(name, {})}
-        options = ("threshold", "first", "last", "warmup", "max_skips", "skip", "interval", "poly")
-        for item in filter(None, rest.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                key, value = "threshold", key
-            if key not in options:
-                raise ConfigError(f"cache option {key!r} is not one of: {', '.join(options)}")
-            try:
-                values[key] = (float(value) if key == "threshold" else _steps(value) if key == "skip"
-                               else tuple(float(c) for c in value.split("/")) if key == "poly" else int(value))
-            except ValueError:
-                hint = {"skip": " (steps like 3-5+8)", "poly": " (coefficients like 2.1/-0.3/0.01)"}.get(key, "")
-                raise ConfigError(f"cache option {key}={value!r} is not a number{hint}") from None
-        config = cls(**values)
-        least_first = 0 if config.policy == "teacache" else 1
-        if not (config.threshold >= 0 and config.first >= least_first and config.last >= 0 and config.warmup >= 0
-                and config.max_skips >= 1 and config.interval >= 2):
-            raise ConfigError(f"cache {text!r}: threshold >= 0, first >= {least_first}, last >= 0, warmup >= 0, "
-                              "max_skips >= 1, interval >= 2")
-        return config
-
-    def describe(self) -> str:
-        """The setting in the text form :meth:`parse` reads."""
-        if not self.on:
-            return "off"
-        common = f"first={self.first},last={self.last}"
-        if self.policy == "static":
-            return f"static:skip={'+'.join(map(str, self.skip))},{common}"
-        if self.policy == "taylor":
-            return f"taylor:interval={self.interval},warmup={self.warmup},{common}"
-        if self.policy == "teacache":
-            poly = "/".join(f"{c:.6g}" for c in self.poly)
-            return (f"teacache:threshold={self.threshold},poly={poly},{common},warmup={self.warmup},"
-                    f"max_skips={self.max_skips}")
-        return f"dbcache:threshold={self.threshold},{common},warmup={self.warmup},max_skips={self.max_skips}"
-
-    @property
-    def on(self) -> bool:
-        return self.policy != "off"
-
 
 def _polyval(coefficients: tuple[float, ...], x: float) -> float:
     """The polynomial with ``coefficients`` (highest power first) at ``x``."""
@@ -144,17 +62,6 @@ def _polyval(coefficients: tuple[float, ...], x: float) -> float:
     for c in coefficients:
         value = value * x + c
     return value
-
-
-def _steps(text: str) -> tuple[int, ...]:
-    """``3-5+8`` -> ``(3, 4, 5, 8)``; ``none`` -> ``()``."""
-    if text == "none":
-        return ()
-    out = []
-    for part in filter(None, text.split("+")):
-        lo, _, hi = part.partition("-")
-        out += range(int(lo), int(hi or lo) + 1)
-    return tuple(sorted(set(out)))
 
 
 @dataclass

@@ -26,6 +26,10 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    # torchao (imported by diffusers when installed) warns about its optional CUDA kernels on machines without them,
+    # and registers enums with torch's pytree, which warns on torch >= 2.12
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def add_degree_flags(parser: argparse.ArgumentParser) -> None:
@@ -240,14 +244,14 @@ def _cmd_generate(args, argv: list[str]) -> int:
         if args.displaced and "--displaced" not in argv:  # the planner chose displaced attention (--allow-stale)
             argv.append("--displaced")
     with phase("checks"):
-        config, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
+        options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
     if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
         with phase("imports"):
             import diffusers  # noqa: F401
             import torch  # noqa: F401
             from diffusers import DiffusionPipeline  # noqa: F401
     with phase("family checks"):
-        generate.validate_family(args, config, model)
+        generate.validate_family(args, options, model)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch
 

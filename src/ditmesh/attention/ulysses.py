@@ -34,7 +34,6 @@ from ..comm import all_to_all_start, offsets, split_sizes, wait
 from .local import score_mask
 
 #: how the all-to-alls travel: NCCL kernels (any backend's functional all-to-all) or copy engines (``ditmesh.symm``)
-TRANSPORTS = ("nccl", "symm")
 
 
 def _pack_heads(xs, head_starts: list[int], head_sizes: list[int]) -> torch.Tensor:
@@ -195,7 +194,7 @@ def ulysses_attention(
     ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout; with a ``mask``
     (in the gathered order, module docstring) it is called as ``local_attention(q, k, v, mask)`` with the mask as
     ``[B, 1 or h, S_total or 1, S_total]``. ``chunks`` head groups are pipelined against the transfers (module
-    docstring). Collectives: 2 all-to-alls per non-empty head group, through ``transport`` (:data:`TRANSPORTS`).
+    docstring). Collectives: 2 all-to-alls per non-empty head group, through ``transport`` (``ditmesh.options.TRANSPORTS``).
     """
     world = len(seq_sizes)
     mask = score_mask(mask)

@@ -31,6 +31,7 @@ METHODS = {
     "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
+    "tp4-ulysses": lambda g: {"tp": 4, "ulysses": g // 4} if g >= 8 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
@@ -156,8 +157,8 @@ def _typed(args) -> list[str]:
 
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
-    from ..api import check_transport, check_ulysses_chunks
     from ..config import ConfigError
+    from ..options import RunOptions
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -185,15 +186,13 @@ def _settings(args) -> dict:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: give at least 1 timed step and 0 or more "
                           "warm-ups")
-    check_ulysses_chunks(args.ulysses_chunks, "--ulysses-chunks ")
-    check_transport(args.transport, torch.device("cuda" if on_gpu else "cpu"), "--transport ")
+    # the options every ditmesh row shares, checked as generate checks them (each row's degrees come later)
+    RunOptions.create(ulysses_chunks=args.ulysses_chunks, transport=args.transport, cache=args.cache,
+                      fuse_qkv=args.fuse_qkv, cli=True).validate(device=torch.device("cuda" if on_gpu else "cpu"),
+                                                                 cli=True)
     lora = _lora_rank(args)
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
-    if args.cache:
-        from ..cache import CacheConfig
-
-        CacheConfig.parse(args.cache)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -249,6 +248,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
+    retried: dict[tuple, str] = {}
     for method, g, comp, graph in plan:
         degrees = METHODS[method](g)
         product = 1
@@ -266,14 +266,24 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
         label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
         print(f"ditmesh bench: {label} ...", flush=True)
+        causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
         try:
-            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))
+            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
+                         on_retry=causes.append)
         except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
             raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
                              "error": str(exc).splitlines()[0]})
-    return _derive([json.loads(line) for line in open(tmp / "rows.jsonl")], tmp, s)
+        if causes:
+            print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
+            retried[(method, g, comp, graph)] = causes[0]
+    rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
+    for r in rows:  # the row records why its first start failed
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph")))
+        if cause:
+            r["rendezvous_retry"] = cause
+    return _derive(rows, tmp, s)
 
 
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:

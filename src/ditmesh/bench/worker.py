@@ -116,6 +116,7 @@ def run_worker(spec: dict) -> None:
     from ..comm import all_gather_object
     from ..config import ParallelConfig
     from ..mesh import default_device
+    from ..options import RunOptions
     from ..models.base import adapter_for
     from ..runtime.generate import _init_distributed
     from ..runtime.report import device_name
@@ -168,10 +169,11 @@ def run_worker(spec: dict) -> None:
         elif spec["method"] != "single" or row["graph"]:  # plain "single" rows are diffusers as it is
             if spec.get("cache"):
                 row["cache"] = spec["cache"]
-            runtime = parallelize(_Pipe, ParallelConfig(**spec["degrees"]), device=device, cuda_graph=row["graph"],
-                                  ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
-                                  transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
-                                  cache=row.get("cache"), displaced=spec["method"] == "displaced")
+            options = RunOptions.create(ParallelConfig(**spec["degrees"]), cuda_graph=row["graph"],
+                                        ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
+                                        transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
+                                        cache=row.get("cache"), displaced=spec["method"] == "displaced")
+            runtime = parallelize(_Pipe, options, device=device)
             ours = True
             if spec.get("fuse_qkv"):
                 row["fuse_qkv"] = True

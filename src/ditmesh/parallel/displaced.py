@@ -68,6 +68,7 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .. import comm
 from ..config import ConfigError
+from ..options import displaced_refusal
 from ..hooks import ForwardContext
 from ..models.base import ModelAdapter
 from .pipefusion import drop_buffers
@@ -241,14 +242,6 @@ def _(key, value, runtime, sizes):
     return key.new_empty((sum(sizes), key.shape[0], 2) + tuple(key.shape[2:]))
 
 
-def check_family(adapter: ModelAdapter) -> None:
-    """Raise NotImplementedError for a family displaced attention cannot run: a token grid (Sana's convolutions read
-    neighbouring rows, its linear attention sums over ranks) or no self-attention through the sequence processor."""
-    if adapter.sequence_plan.grid is not None:
-        raise NotImplementedError(f"displaced attention does not run {adapter.name}: its token grid's convolutions and "
-                                  "linear attention exchange rows and sums every call; use plain ulysses")
-
-
 def apply(model: torch.nn.Module, sp: SequenceParallel | None, adapter: ModelAdapter, ctx: ForwardContext, name: str,
           warmup: int, graphed: bool = False) -> tuple[Displaced, list]:
     """Make the sequence-parallel ``model``'s attention displaced (see the module docstring); returns its runtime and
@@ -257,7 +250,7 @@ def apply(model: torch.nn.Module, sp: SequenceParallel | None, adapter: ModelAda
     if sp is None:
         raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token chunks; "
                           "e.g. ulysses=4 with displaced")
-    check_family(adapter)
+    displaced_refusal(adapter)
     runtime = Displaced(sp, ctx, name, warmup, graphed)
     restore = adapter.set_processors(model, runtime)
     return runtime, [restore, lambda: drop_buffers(ctx, name)]

@@ -28,6 +28,7 @@ alike); ``remove()`` gathers the adapters' shards back with one all-gather per t
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -133,3 +134,50 @@ def apply(pipe, models: dict[str, torch.nn.Module], mesh: ParallelMesh) -> list:
     if size > 1 and transformer is not None and hasattr(pipe, "lora_state_dict"):
         undo.append(add_hook(pipe, CutStateDict(transformer, rank, size), method="lora_state_dict"))
     return undo
+
+
+def load(pipe, loras) -> list[str]:
+    """Load each :class:`~ditmesh.options.LoraSpec` as an adapter (its name, else ``lora<i>``) and activate them all
+    with their scales; returns the names.
+
+    ``parallelize`` calls it last, on every rank alike, so under tensor parallelism each rank keeps its shard.
+    """
+    if not loras:
+        return []
+    if not hasattr(pipe, "load_lora_weights"):
+        raise ConfigError(f"--lora: {type(pipe).__name__} cannot load LoRA weights (diffusers has no LoRA loader "
+                          "for it)")
+    names = [lora.name or f"lora{i}" for i, lora in enumerate(loras)]
+    for name, lora in zip(names, loras):
+        local = Path(lora.path).expanduser()
+        pipe.load_lora_weights(str(local) if local.exists() else lora.path, adapter_name=name)
+    pipe.set_adapters(names, [lora.scale for lora in loras])
+    return names
+
+
+def fuse(pipe) -> None:
+    """Fuse the active adapters, with the weights ``set_adapters`` gave them, into the weights of every component
+    that holds one, then take peft's LoRA layers out, so the model is plain modules again and runs as the base model
+    does (one GEMM per linear, no wrapper for a compiled block to guard on or trace through).
+
+    Under tensor parallelism peft's merge computes ``B @ A`` from the shards, which is this rank's shard of the whole
+    delta (``ditmesh.parallel.lora``), and taking the wrappers out puts back the sharded base layers with their
+    collectives. Each diffusers model is unloaded by its own ``unload_lora`` rather than the pipeline's
+    ``unload_lora_weights``, which for FLUX would also put back the normalization weights a LoRA replaced.
+    """
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    components = [name for name in pipe._lora_loadable_modules if isinstance(getattr(pipe, name, None), torch.nn.Module)
+                  and any(isinstance(m, BaseTunerLayer) for m in getattr(pipe, name).modules())]
+    pipe.fuse_lora(components=components)
+    for name in components:
+        model = getattr(pipe, name)
+        if isinstance(model, ModelMixin):
+            model.unload_lora()
+        else:  # a transformers text encoder: what diffusers' unload does for it
+            recurse_remove_peft_layers(model)
+            if getattr(model, "peft_config", None) is not None:
+                del model.peft_config
+                model._hf_peft_config_loaded = None

@@ -62,7 +62,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from .. import comm
-from ..config import PP_CHUNK_BYTES, ConfigError, check_pipefusion
+from ..config import PP_CHUNK_BYTES, ConfigError
 from ..hooks import ForwardContext, Hook, add_hook, bind_kwargs, find_hook, output_sample, with_output_sample
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter, Split, adapter_for
@@ -444,35 +444,12 @@ def free_other_stages(pf: PipeFusion, model: torch.nn.Module):
     return restore
 
 
-def check_blocks(adapter: ModelAdapter) -> None:
-    """Raise NotImplementedError for a family that refuses PipeFusion (``pp_refusal``: Mochi's calls always carry a
-    mask), without block lists (Z-Image), or whose consecutive block lists pass different activations (a stage
-    boundary between them would send what the next block does not take; Chroma's single blocks take the text and
-    image streams concatenated), or whose block lists do not declare the streams of what they carry (the families
-    PipeFusion has not been tested on: their attention may not read the K/V buffers)."""
-    if adapter.pp_refusal:
-        raise NotImplementedError(f"PipeFusion does not run {adapter.name} yet: {adapter.pp_refusal}; use pp=1")
-    if not adapter.blocks:
-        raise NotImplementedError(f"PipeFusion does not run {adapter.name}: it declares no block lists to pipeline; "
-                                  "use pp=1")
-    for before, after in zip(adapter.blocks, adapter.blocks[1:]):
-        if set(before.returns) != set(after.carries):
-            raise NotImplementedError(
-                f"PipeFusion does not run {adapter.name} yet: its {after.path} take {', '.join(after.carries)} but its "
-                f"{before.path} return {', '.join(before.returns)}; use pp=1")
-    undeclared = [spec.path for spec in adapter.blocks if len(spec.streams) != len(spec.carries)]
-    if undeclared:
-        raise NotImplementedError(f"PipeFusion does not run {adapter.name} yet (its {', '.join(undeclared)} declare no "
-                                  f"token streams); use pp=1")
-
-
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, name: str,
           patches: int | None = None, warmup: int = 1, chunk_bytes: int = PP_CHUNK_BYTES) -> list:
     """Run ``model`` as a PipeFusion pipeline over the mesh's pp axis (see the module docstring); returns undo
     callables. ``name``: the transformer's component name (keys its K/V buffers). Does nothing at pp = 1."""
     if mesh.size("pp") == 1:
         return []
-    check_pipefusion(mesh.size("pp"), patches, warmup, chunk_bytes)
     pf = PipeFusion(model, mesh, adapter, ctx, name, patches, warmup, chunk_bytes)
     undo = []
     loop = PatchLoop(pf, adapter.sequence_plan.inputs.get("", {}), model.forward)

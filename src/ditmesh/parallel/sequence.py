@@ -70,7 +70,7 @@ class SequenceParallel:
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
-        #: how Ulysses-only attention moves its all-to-alls (``attention.ulysses.TRANSPORTS``)
+        #: how Ulysses-only attention moves its all-to-alls (``options.TRANSPORTS``)
         self.transport = transport
         #: pieces of the queries the local attention runs on, after the all-to-all (``parallel.chunk``); None: whole
         self.query_chunks = query_chunks

@@ -144,7 +144,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
          tflops: float | None = None, mode: str = "compiled", steps: int = 28, supported: set[str] | None = None,
          calibration: Calibration | None = None, cuda_graph: bool = False, chunk: int | None = None,
          vae_parallel: str = "auto", vae_chunk: int | None = None, displaced: bool = False,
-         pp_patches: int | None = None) -> PlanResult:
+         pp_patches: int | None = None, options=None) -> PlanResult:
     """Predict every valid configuration of ``gpus`` GPUs for ``model`` at ``height`` x ``width`` and rank them.
 
     ``supported`` restricts the search to configurations whose active axes are all in the set (``generate --plan
@@ -156,8 +156,14 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     displaced attention (stale K/V, approximate) on every configuration it runs on (ulysses > 1 without ring or pp;
     with CUDA graphs, two sets of its K/V buffers). ``pp_patches``: the patches PipeFusion cuts the image into
     (``parallelize(pp_patches=...)``; None: the runtime's default, ``pp``); pp configurations with more stages than
-    patches are left out.
+    patches are left out. ``options``: a :class:`~ditmesh.options.RunOptions` whose settings replace ``mode``
+    (compile), ``cuda_graph``, ``chunk``, ``vae_parallel``, ``vae_chunk`` and ``pp_patches`` (``"auto"`` pieces are
+    sized at run time and counted whole); each prediction's :meth:`Prediction.options` writes one back.
     """
+    if options is not None:
+        mode, cuda_graph, vae_parallel, pp_patches = ("compiled" if options.compile else "eager", options.cuda_graph,
+                                                      options.vae_parallel, options.pp_patches)
+        chunk, vae_chunk = (None if v == "auto" else v for v in (options.chunk_tokens, options.vae_chunk))
     if mode not in ("compiled", "eager"):
         raise PlannerError(f"mode={mode!r} is not known; use 'compiled' or 'eager'")
     if not isinstance(batch, int) or batch < 1:

@@ -100,6 +100,16 @@ def largest_line(result) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``ditmesh plan``; bad input prints one line to stderr and returns 2."""
+    from ..config import ConfigError
+    from ..options import RunOptions
+
+    try:  # the run's options as generate takes them (checked before torch loads); the planner counts their cost
+        options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
+                                    vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,
+                                    pp_patches=args.pp_patches, cli=True)
+    except ConfigError as exc:
+        print(f"ditmesh plan: error: {exc}", file=sys.stderr)
+        return 2
     from . import PlannerError, plan
 
     if args.validate:
@@ -127,9 +137,8 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(args.model, args.height, args.width, args.gpus, frames=args.frames, batch=args.batch,
                       cfg=args.cfg, device=args.device, link=args.link, nodes=args.nodes, inter_link=args.inter_link,
                       memory_gib=args.memory_gib, link_gbps=args.link_gbps, link_latency_us=args.link_latency_us,
-                      tflops=args.tflops, mode=args.mode, steps=args.steps, supported=supported,
-                      cuda_graph=args.cuda_graph, chunk=args.chunk, vae_parallel=args.vae_parallel,
-                      vae_chunk=args.vae_chunk, displaced=args.displaced, pp_patches=args.pp_patches)
+                      tflops=args.tflops, steps=args.steps, supported=supported, displaced=args.displaced,
+                      options=options)
     except PlannerError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -124,6 +124,13 @@ class Prediction:
     #: PipeFusion: an exact call (warm-up: one patch, stage after stage); ``step_ms`` is a stale (pipelined) call
     exact_step_ms: float | None = None
 
+    def options(self, base=None):
+        """The :class:`~ditmesh.options.RunOptions` that runs this prediction: ``base`` (default: the defaults) with
+        its degrees and displaced attention."""
+        from ..options import RunOptions
+
+        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced)
+
     def describe(self) -> str:
         """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
         return self.config.describe() + (" displaced" if self.displaced else "")

@@ -11,13 +11,12 @@ import io
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import (ConfigError, ParallelConfig, check_chunk, check_displaced, check_pipefusion,
-                      check_vae_chunk, check_vae_parallel)
+from ..config import ConfigError, ParallelConfig
+from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
@@ -25,25 +24,24 @@ from .models import (local_model_path, read_adapter, read_defaults, read_pipelin
                      resolve_model)
 
 
-def parallel_config_from_args(args) -> ParallelConfig:
-    return ParallelConfig(dp=args.dp, cfg=args.cfg, pp=args.pp, ring=args.ring, ulysses=args.ulysses, tp=args.tp)
-
-
-def validate(args, world_size: int) -> tuple[ParallelConfig, str]:
-    """Check everything that can be checked before any process starts; raises ConfigError with one line.
+def validate(args, world_size: int) -> tuple["RunOptions", str]:
+    """Check everything that can be checked before any process starts; raises ConfigError with one line. Returns
+    the run's options (:class:`~ditmesh.options.RunOptions`, from the command line) and the model to load.
 
     The checks that need only the arguments come first (:func:`validate_arguments`) and import neither torch nor
     diffusers, so a mistyped value is answered at once; those that read the model's family (heads, frames,
     guidance) come after.
     """
-    config, model = validate_arguments(args, world_size)
-    return validate_family(args, config, model), model
+    options, model = validate_arguments(args, world_size)
+    validate_family(args, options, model)
+    return options, model
 
 
-def validate_arguments(args, world_size: int) -> tuple[ParallelConfig, str]:
+def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
     """The checks of :func:`validate` that need no model (values, paths, the model's name or folder): torch-free.
-    Returns the degrees and the model to load."""
-    config = parallel_config_from_args(args)
+    Returns the run's options and the model to load."""
+    options = RunOptions.from_args(args)
+    config = options.config
     config.check_world_size(world_size)
     check_size(args)
     if args.steps < 1:
@@ -55,34 +53,16 @@ def validate_arguments(args, world_size: int) -> tuple[ParallelConfig, str]:
         raise ConfigError(f"--dtype {args.dtype} is not one of: auto, {', '.join(sorted(DTYPE_NAMES))}")
     if args.max_sequence_length is not None and args.max_sequence_length < 1:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
-    check_vae_parallel(getattr(args, "vae_parallel", "auto"), "--vae-parallel ")
-    chunk_setting(getattr(args, "chunk", None))
-    vae_chunk_setting(getattr(args, "vae_chunk", None))
-    stale = pipefusion_options(args)
-    check_pipefusion(config.pp, stale["pp_patches"], stale["pp_warmup"], stale["pp_chunk_bytes"],
-                     flags=("--pp-patches ", "--pp-warmup ", "pp_chunk_bytes="))
-    if stale["displaced"]:
-        check_displaced(config, stale["displaced_warmup"], "--displaced-warmup ")
-    elif stale["displaced_warmup"] != 1:
-        raise ConfigError(f"--displaced-warmup {stale['displaced_warmup']} is given without --displaced; add "
-                          "--displaced or drop it")
-    for text in getattr(args, "lora", None) or ():
-        check_lora_path(parse_lora(text)[0], text)
-    if getattr(args, "fuse_lora", False) and not getattr(args, "lora", None):
-        raise ConfigError("--fuse-lora is given without --lora: add --lora PATH[:SCALE] (the adapters to fuse) or drop "
-                          "--fuse-lora")
     check_image_args(args)
     check_output_paths(args)
-    return config, resolve_model(args.model)
+    return options, resolve_model(args.model)
 
 
-def validate_family(args, config: ParallelConfig, model: str) -> ParallelConfig:
+def validate_family(args, options: "RunOptions", model: str) -> None:
     """The checks of :func:`validate` that read the model's family (heads, frames, guidance, pipelines, the mode's
-    refusals); returns ``config``."""
-    stale = pipefusion_options(args)
+    refusals, every option's check in ``options.validate``)."""
+    config = options.config
     tcfg = read_transformer_config(model)
-    if tcfg and "num_attention_heads" in tcfg:
-        config.check_heads(int(tcfg["num_attention_heads"]), tcfg.get("_class_name", "the transformer"))
     adapter = read_adapter(model)  # ConfigError for a pipeline ditmesh cannot run, before any weight is read
     if getattr(args, "frames", None) is not None:
         from .video import validate_frames
@@ -92,33 +72,14 @@ def validate_family(args, config: ParallelConfig, model: str) -> ParallelConfig:
         check_guidance_on(adapter, args)
     if adapter is not None and image_args_given(args):
         image_pipeline_class(args, model, adapter, tcfg, config)
-    from ..api import check_transport
     from ..mesh import default_device
 
-    check_transport(getattr(args, "transport", "nccl"), default_device(), "--transport ", config)
-    if getattr(args, "cuda_graph", False):
-        from ..api import check_cuda_graph
-
-        check_cuda_graph(config, default_device(), args.check_consistency)
-    if getattr(args, "cache", None):
-        from ..cache import CacheConfig
-
-        CacheConfig.parse(args.cache)
-    if config.pp > 1 or stale["displaced"]:
-        from ..api import check_pipefusion_options
-
-        check_pipefusion_options(config, cache=getattr(args, "cache", None),
-                                 cuda_graph=getattr(args, "cuda_graph", False),
-                                 transport=getattr(args, "transport", "nccl"), displaced=stale["displaced"])
-        if adapter is not None:  # the family's own refusal, before any rank starts
-            from ..parallel import displaced as displaced_attention
-            from ..parallel import pipefusion
-
-            if config.pp > 1:
-                pipefusion.check_blocks(adapter)
-            if stale["displaced"]:
-                displaced_attention.check_family(adapter)
-    return config
+    heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
+    try:
+        options.validate(device=default_device(), adapters=[adapter] if adapter is not None else [], heads=heads,
+                         model_name=(tcfg or {}).get("_class_name", "the transformer"), cli=True)
+    except NotImplementedError as exc:  # the family's own refusal, before any rank starts
+        raise ConfigError(str(exc)) from None
 
 
 def check_size(args) -> None:
@@ -127,14 +88,6 @@ def check_size(args) -> None:
         value = getattr(args, name)
         if value is not None and (value <= 0 or value % 16):
             raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
-
-
-def pipefusion_options(args) -> dict:
-    """``parallelize``'s stale-K/V arguments: PipeFusion's from ``--pp-patches``, ``--pp-warmup`` and
-    ``--pp-chunk-mb``, displaced attention's from ``--displaced`` and ``--displaced-warmup``."""
-    return dict(pp_patches=getattr(args, "pp_patches", None), pp_warmup=getattr(args, "pp_warmup", 1),
-                pp_chunk_bytes=getattr(args, "pp_chunk_mb", 64) << 20, displaced=getattr(args, "displaced", False),
-                displaced_warmup=getattr(args, "displaced_warmup", 1))
 
 
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
@@ -159,106 +112,8 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
     return cls
 
 
-#: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-
-def parse_lora(text: str) -> tuple[str, float]:
-    """``--lora PATH[:SCALE]``: the LoRA's path (file, folder or hub id) and its weight (default 1.0).
-
-    The scale is what follows the last ``:``, unless that holds a path separator (then it is all a path).
-    """
-    path, sep, scale = text.rpartition(":")
-    if not sep or not path or "/" in scale or "\\" in scale:
-        return text, 1.0
-    try:
-        value = float(scale)
-    except ValueError:
-        raise ConfigError(f"--lora {text}: scale {scale!r} is not a number; give PATH or PATH:SCALE, e.g. "
-                          "style.safetensors:0.8") from None
-    if not math.isfinite(value):
-        raise ConfigError(f"--lora {text}: scale {scale} is not a finite number; give one like 0.8")
-    return path, value
-
-
-def check_lora_path(path: str, text: str) -> None:
-    """Raise ConfigError unless ``path`` is a LoRA file, a folder with a .safetensors file, or a hub id."""
-    local = Path(path).expanduser()
-    if local.is_dir() and not any(local.glob("*.safetensors")):
-        raise ConfigError(f"--lora {text}: the folder {path} has no .safetensors file")
-    if not local.exists() and (not _HUB_ID.match(path) or local.suffix in (".safetensors", ".bin")):
-        raise ConfigError(f"--lora {text}: no such file or folder")
-
-
-def load_loras(pipe, loras: list[tuple[str, float]]) -> list[str]:
-    """Load each ``(path, scale)`` as adapter ``lora<i>`` and activate them all with their scales; the names.
-
-    Called after ``parallelize`` on every rank alike, so under tensor parallelism each rank keeps its shard
-    (``ditmesh.parallel.lora``).
-    """
-    if not loras:
-        return []
-    if not hasattr(pipe, "load_lora_weights"):
-        raise ConfigError(f"--lora: {type(pipe).__name__} cannot load LoRA weights (diffusers has no LoRA loader "
-                          "for it)")
-    names = [f"lora{i}" for i in range(len(loras))]
-    for name, (path, _) in zip(names, loras):
-        pipe.load_lora_weights(str(Path(path).expanduser()) if Path(path).expanduser().exists() else path,
-                               adapter_name=name)
-    pipe.set_adapters(names, [scale for _, scale in loras])
-    return names
-
-
-def fuse_loras(pipe) -> None:
-    """Fuse the active adapters, with the weights ``set_adapters`` gave them, into the weights of every component
-    that holds one, then take peft's LoRA layers out, so the model is plain modules again and runs as the base model
-    does (one GEMM per linear, no wrapper for a compiled block to guard on or trace through).
-
-    Under tensor parallelism peft's merge computes ``B @ A`` from the shards, which is this rank's shard of the whole
-    delta (``ditmesh.parallel.lora``), and taking the wrappers out puts back the sharded base layers with their
-    collectives. Each diffusers model is unloaded by its own ``unload_lora`` rather than the pipeline's
-    ``unload_lora_weights``, which for FLUX would also put back the normalization weights a LoRA replaced.
-    """
-    import torch
-    from diffusers.models.modeling_utils import ModelMixin
-    from diffusers.utils import recurse_remove_peft_layers
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    components = [name for name in pipe._lora_loadable_modules if isinstance(getattr(pipe, name, None), torch.nn.Module)
-                  and any(isinstance(m, BaseTunerLayer) for m in getattr(pipe, name).modules())]
-    pipe.fuse_lora(components=components)
-    for name in components:
-        model = getattr(pipe, name)
-        if isinstance(model, ModelMixin):
-            model.unload_lora()
-        else:  # a transformers text encoder: what diffusers' unload does for it
-            recurse_remove_peft_layers(model)
-            if getattr(model, "peft_config", None) is not None:
-                del model.peft_config
-                model._hf_peft_config_loaded = None
-
-
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
-
-
-def chunk_setting(text: str | None, flag: str = "--chunk ", check=check_chunk) -> int | str | None:
-    """``--chunk``'s value for ``parallelize(chunk_tokens=...)`` (or, with ``--vae-chunk `` and
-    :func:`check_vae_chunk`, ``vae_chunk``): None, ``"auto"`` or a positive count; anything else is a ConfigError
-    naming it."""
-    if text is None or text == "auto":
-        return text
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    check(count if count >= 1 else text, flag)  # the typed text is what a bad value names
-    return count
-
-
-def vae_chunk_setting(text: str | None) -> int | str | None:
-    """``--vae-chunk``'s value for ``parallelize(vae_chunk=...)``: None, ``"auto"`` or a positive row count."""
-    return chunk_setting(text, "--vae-chunk ", check_vae_chunk)
 
 
 def check_output_paths(args) -> None:
@@ -361,38 +216,21 @@ def planned_setting(args, world_size: int):
     adapter = read_adapter(model)
     pp_runs, displaced_runs = stale, stale
     if stale and adapter is not None:  # the family's own refusals: never plan what parallelize would refuse
-        from ..parallel import displaced as displaced_attention
-        from ..parallel import pipefusion
-
-        pp_runs = family_allows(pipefusion.check_blocks, adapter)
-        displaced_runs = family_allows(displaced_attention.check_family, adapter)
+        pp_runs = family_allows(pipefusion_refusal, adapter)
+        displaced_runs = family_allows(displaced_refusal, adapter)
     supported = set(AXIS_ORDER) - (set() if pp_runs else {"pp"})
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(adapter, args)
     prompts = len(args.prompt) if args.prompt else 1
-    counted = {"chunk": chunk_setting(getattr(args, "chunk", None)),
-               "vae_chunk": vae_chunk_setting(getattr(args, "vae_chunk", None))}
-    counted = {k: (None if v == "auto" else v) for k, v in counted.items()}  # auto: sized at run time, counted whole
+    options = RunOptions.from_args(args)
     try:
         return recommend_prediction(model, args.height or size[0], args.width or size[1], world_size,
                                     displaced=displaced_runs, frames=getattr(args, "frames", None) or 1, cfg=cfg_on,
-                                    batch=prompts * getattr(args, "images_per_prompt", 1),
-                                    mode="compiled" if getattr(args, "compile", False) else "eager",
-                                    supported=supported, cuda_graph=getattr(args, "cuda_graph", False),
-                                    require_fit=True, vae_parallel=getattr(args, "vae_parallel", "auto"),
-                                    pp_patches=getattr(args, "pp_patches", None), **counted)
+                                    batch=prompts * getattr(args, "images_per_prompt", 1), supported=supported,
+                                    require_fit=True, options=options)
     except PlannerError as exc:
         raise ConfigError(f"--plan auto: {exc}") from None
-
-
-def family_allows(check, adapter) -> bool:
-    """Whether ``check(adapter)`` passes (a family check that raises NotImplementedError for what it refuses)."""
-    try:
-        check(adapter)
-    except NotImplementedError:
-        return False
-    return True
 
 
 def _archs():
@@ -436,6 +274,9 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
         generator=torch.Generator("cpu").manual_seed(args.seed),
         num_images_per_prompt=getattr(args, "images_per_prompt", 1),
         num_frames=getattr(args, "frames", None) or defaults.get("default_frames"),  # video pipelines only
+        # PixArt, Sana and HunyuanDiT would otherwise draw the nearest of their trained sizes and resize the picture
+        # to the one asked: the size asked is the size computed
+        use_resolution_binning=False,
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
@@ -468,9 +309,9 @@ class LoadedPipeline:
     load_s: float
 
 
-def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, world: int) -> LoadedPipeline:
-    """Load ``model`` on this rank, parallelize it by ``config`` and load the ``--lora`` adapters (with ``--fuse-lora``,
-    fused into the weights and unloaded: :func:`fuse_loras`).
+def load_pipeline(args, options: RunOptions, model: str, device, rank: int, world: int) -> LoadedPipeline:
+    """Load ``model`` on this rank and parallelize it as ``options`` say, with their LoRA adapters (with
+    ``fuse_lora``, fused into the weights and unloaded: ``parallel.lora.fuse``).
 
     Every rank calls it alike: rank 0 synthesizes a named architecture once and the others learn its folder
     through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order).
@@ -483,6 +324,7 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
     from ..models import adapter_for
     from ..shared import DTYPES
 
+    config = options.config
     dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -516,18 +358,8 @@ def load_pipeline(args, config: ParallelConfig, model: str, device, rank: int, w
     if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
     with phase("parallelize"):
-            runtime = parallelize(pipe, config, check_consistency=args.check_consistency, device=device,
-                              compile=getattr(args, "compile", False), cuda_graph=getattr(args, "cuda_graph", False),
-                              transport=getattr(args, "transport", "nccl"), cache=getattr(args, "cache", None),
-                              chunk_tokens=chunk_setting(getattr(args, "chunk", None)),
-                              vae_parallel=getattr(args, "vae_parallel", "auto"),
-                              vae_chunk=vae_chunk_setting(getattr(args, "vae_chunk", None)), **pipefusion_options(args))
-    loras = [parse_lora(text) for text in getattr(args, "lora", None) or ()]
-    if loras:
-        with phase("load loras"):
-            load_loras(pipe, loras)
-            if getattr(args, "fuse_lora", False):
-                fuse_loras(pipe)
+        runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
+    loras = [(lora.path, lora.scale) for lora in options.loras]
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
 
 
@@ -556,13 +388,14 @@ def run(args) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     with phase("checks"):
-        config, model = validate(args, world)
+        options, model = validate(args, world)
+    config = options.config
     if rank != 0:
         import diffusers
 
         diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
     with phase("load"):
-        loaded = load_pipeline(args, config, model, device, rank, world)
+        loaded = load_pipeline(args, options, model, device, rank, world)
     pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype, loaded.loras,
                                                  loaded.load_s)
     defaults = read_defaults(path)
@@ -638,6 +471,7 @@ def run(args) -> int:
         report = {
             "model": model,
             "config": config.as_dict(),
+            "options": options.as_dict(),
             "world_size": world,
             "devices": devices,
             "dtype": str(dtype).replace("torch.", ""),

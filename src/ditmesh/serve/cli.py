@@ -89,7 +89,7 @@ def run_serve(args) -> int:
     args.token = args.token or os.environ.get(TOKEN_ENV) or None
     if args.compile:
         generate.persist_compile_caches()
-    config, model = generate.validate(args, world)
+    options, model = generate.validate(args, world)
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [None, None]
     args.height, args.width = args.height or size[0], args.width or size[1]
@@ -105,7 +105,7 @@ def run_serve(args) -> int:
     sock = _bind(args.host, args.port)
     from .server import serve
 
-    return serve(args, world, config, model, limits, adapter, sock)
+    return serve(args, world, options.config, model, limits, adapter, sock)
 
 
 def _size(text: str, limits, defaults, adapter) -> tuple[int, int]:

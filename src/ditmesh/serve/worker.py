@@ -70,8 +70,8 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     args = argparse.Namespace(**options)
     device = default_device()
     _init_distributed(device)
-    config, model = validate(args, world)
-    loaded = load_pipeline(args, config, model, device, rank, world)
+    options, model = validate(args, world)
+    loaded = load_pipeline(args, options, model, device, rank, world)
     loaded.pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
     # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled before a client

@@ -327,7 +327,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
     from pathlib import Path
 
-    from ..cache import CacheConfig
+    from ..options import CacheConfig
     from ..config import ConfigError
 
     for name in ("threads", "steps", "images_per_caption", "batch_size"):
