@@ -145,9 +145,11 @@ def test_openai_and_native_requests_return_the_pictures(server):
 
 @pytest.mark.parametrize("body, status, needle", [
     ({"prompt": "x", "height": 70}, 400, "height 70 must be a positive multiple of 16"),
-    ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384"),
-    ({"prompt": "x", "steps": 9}, 422, "steps 9 must be between 1 and 8"),
-    ({"prompt": "x", "n": 3}, 422, "n 3 must be between 1 and 2"),
+    ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384 (--max-pixels)"),
+    ({"prompt": "x", "steps": 9}, 422, "steps 9 is over this server's limit: 1 to 8 (--max-steps)"),
+    ({"prompt": "x", "n": 3}, 422, "n 3 is over this server's limit: 1 to 2 (--max-n)"),
+    ({"prompt": "x", "n": 0}, 400, "n 0 must be >= 1 (this server takes 1 to 2)"),
+    ({"prompt": "x", "steps": -3}, 400, "steps -3 must be >= 1 (this server takes 1 to 8)"),
     ({"prompt": "x", "frames": 5}, 400, "frames 5: flux pipelines generate images"),
     ({"prompt": "x", "out": "/etc/passwd"}, 400, "unknown field 'out'"),
     ({"prompt": "x", "steps": "many"}, 400, "steps must be a number"),
@@ -241,7 +243,8 @@ def test_metrics_are_prometheus_text(server):
     for name in ("ditmesh_queue_length", "ditmesh_images_total", "ditmesh_failures_total",
                  'ditmesh_request_latency_seconds_bucket{le="+Inf"}', "ditmesh_request_latency_seconds_count"):
         assert any(line.startswith(name + " ") for line in text.splitlines()), name
-    assert _metric(server, "ditmesh_images_total") >= 1 and _metric(server, "ditmesh_failures_total") >= 1
+    assert _metric(server, "ditmesh_images_total") >= 1
+    assert _metric(server, 'ditmesh_requests_total{outcome="bad_request"}') >= 1
 
 
 # -- the web page in a real browser -----------------------------------------------------------------------------
@@ -432,8 +435,8 @@ def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
 
 @pytest.mark.parametrize("argv, line", [
     (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
-    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
-                                             "and 10"),
+    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 is over this "
+                                             "server's limit: 1 to 10 (--max-steps)"),
     (["--nproc", "2", "--ulysses", "4"], None),
     (["--dp", "2", "--replicas", "2"], "--dp 2 and --replicas 2 both ask for replicas (the service runs --dp as "
                                        "replicas); give one of them"),
@@ -585,3 +588,38 @@ def test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_
     finally:
         replica.release.set()
         service.stop()
+
+
+@pytest.mark.parametrize("path, body, status, field, needle", [
+    ("/generate", {"prompt": "x", "n": 0}, 400, "n", "n 0 must be >= 1 (this server takes 1 to 2)"),
+    ("/generate", {"prompt": "x", "steps": -3}, 400, "steps", "steps -3 must be >= 1 (this server takes 1 to 8)"),
+    ("/generate", {"prompt": "x", "steps": 9}, 422, "steps", "steps 9 is over this server's limit: 1 to 8"),
+    ("/generate", {"prompt": "x", "height": 256, "width": 256}, 422, "height, width", "at most 16384"),
+    ("/generate", {"prompt": "x", "height": 70}, 400, "height", "height 70 must be a positive multiple of 16"),
+    ("/generate", {"prompt": "x", "seed": "s"}, 400, "seed", "seed must be a number"),
+    ("/v1/images/generations", {"prompt": "x", "size": "64x65"}, 400, "size", "height 65 must be a positive multiple"),
+    ("/v1/images/generations", {"prompt": "x", "n": 0}, 400, "n", "n 0 must be >= 1"),
+])
+def test_a_bad_value_is_a_400_naming_its_field_and_counts_as_a_bad_request_not_a_failure(path, body, status, field,
+                                                                                          needle):
+    # 400: no server would run it; 422: over this server's limits (serve/requests.py). The service's failures
+    # (ditmesh_failures_total) are its own, not the client's: in-process app, no replica is asked
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from ditmesh.serve.app import Service, create_app
+    from ditmesh.serve.requests import Limits
+
+    defaults = SimpleNamespace(prompt="x", steps=2, seed=0, height=64, width=64, frames=None, images_per_prompt=1,
+                               guidance=3.5)
+    service = Service([_HeldReplica()], limits=Limits(max_pixels=128 * 128, max_steps=8, max_frames=9, max_n=2),
+                      defaults=defaults)
+    client = TestClient(create_app(service))
+    r = client.post(path, json=body)
+    assert r.status_code == status and r.json()["error"]["field"] == field, r.text
+    assert needle in r.json()["error"]["message"] and len(r.json()["error"]["message"].splitlines()) == 1
+    text = client.get("/metrics").text
+    assert 'ditmesh_requests_total{outcome="bad_request"} 1' in text.splitlines()
+    assert "ditmesh_failures_total 0" in text.splitlines()
+    assert service.queue.qsize() == 0  # refused before it was queued

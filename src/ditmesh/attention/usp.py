@@ -12,7 +12,7 @@ Sizes, all from global lengths: ``seq_sizes`` has one entry per sp rank; the Uly
 
 Placement: Ulysses is a latency-bound all-to-all on the critical path, so it takes the inner mesh axis
 (consecutive ranks, the fastest links); the ring's point-to-point transfers overlap compute, so it takes
-the outer axis and can cross slower links (see docs/architecture.md).
+the outer axis and can cross slower links (see docs/sequence-parallel.md).
 
 Masks: the ring's key order is the sp ranks' chunks in order, the order a Ulysses-only all-to-all gives. A mask
 in that order (``[B, S_total]`` or ``[B, 1 or H, S_total, S_total]``) goes to the ring with this Ulysses rank's

@@ -31,6 +31,7 @@ METHODS = {
     "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
+    "tp4-ulysses": lambda g: {"tp": 4, "ulysses": g // 4} if g >= 8 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
@@ -300,6 +301,7 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
+    retried: dict[tuple, str] = {}
     variants = [(c, a, q) for q in s.get("quants", ["off"]) for c in s.get("comm_dtypes", ["auto"])
                 for a in s.get("attentions", ["default"])]
     # ditmesh's rows (not the peers', not plain diffusers') run once per --quant x --comm-dtype x --attention variant
@@ -328,14 +330,24 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                  f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"
                  f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)
+        causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
         try:
-            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))
+            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
+                         on_retry=causes.append)
         except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
             raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
                              "error": str(exc).splitlines()[0]})
-    return _derive([json.loads(line) for line in open(tmp / "rows.jsonl")], tmp, s)
+        if causes:
+            print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
+            retried[(method, g, comp, graph)] = causes[0]
+    rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
+    for r in rows:  # the row records why its first start failed
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph")))
+        if cause:
+            r["rendezvous_retry"] = cause
+    return _derive(rows, tmp, s)
 
 
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:

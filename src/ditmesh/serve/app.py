@@ -28,6 +28,8 @@ from .requests import BadRequest, Limits, native_options, openai_options, parse_
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: how long a finished job's result stays available to ``GET /jobs/<id>`` (the web page reads it once)
 KEEP_FINISHED = 64
+#: the outcomes of ``ditmesh_requests_total`` that ``ditmesh_failures_total`` adds up: the service's, not the client's
+SERVICE_FAILURES = ("refused", "fault", "queue_full", "unavailable")
 
 
 @dataclass
@@ -292,9 +294,12 @@ class Service:
                     "queue_full": c["failures_queue_full"], "cancelled": c["cancelled"], "bad_request": c["bad_request"],
                     "unauthorized": c["unauthorized"], "unavailable": c["failures_unavailable"]}
         lines += [f'ditmesh_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
-        lines += ["# HELP ditmesh_failures_total Requests that failed (refused, rank faults, full queue, bad requests).",
+        # a failure is the service's: a request it took and could not answer with pictures. Bad requests and missing
+        # tokens are the client's, counted by outcome above and not here.
+        lines += ["# HELP ditmesh_failures_total Requests the service failed to answer (refused by the pipeline, rank "
+                  "faults, full queue, unavailable); bad requests are requests_total{outcome=\"bad_request\"}.",
                   "# TYPE ditmesh_failures_total counter",
-                  f"ditmesh_failures_total {sum(v for k, v in outcomes.items() if k not in ('ok', 'cancelled'))}",
+                  f"ditmesh_failures_total {sum(outcomes[k] for k in SERVICE_FAILURES)}",
                   "# HELP ditmesh_rank_faults_total Ranks found dead, hung or stopped.",
                   "# TYPE ditmesh_rank_faults_total counter", f"ditmesh_rank_faults_total {c['faults']}",
                   "# HELP ditmesh_restarts_total Replica restarts.", "# TYPE ditmesh_restarts_total counter",
@@ -320,8 +325,9 @@ def create_app(service: Service, token: str | None = None):
     app = FastAPI(title="ditmesh serve", docs_url=None, redoc_url=None, openapi_url=None)
     page = (Path(__file__).resolve().parent.parent / "assets" / "serve" / "index.html").read_text()
 
-    def refuse(status: int, message: str):
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+    def refuse(status: int, message: str, field: str | None = None):
+        error = {"message": message, "code": status} | ({"field": field} if field else {})
+        return JSONResponse({"error": error}, status_code=status)
 
     def authorized(request: Request) -> bool:
         if token is None:
@@ -339,7 +345,7 @@ def create_app(service: Service, token: str | None = None):
     @app.exception_handler(BadRequest)
     async def bad_request(request, exc: BadRequest):  # noqa: ARG001
         service.counts["bad_request"] += 1
-        return refuse(exc.status, str(exc))
+        return refuse(exc.status, str(exc), exc.field)
 
     @app.exception_handler(_Answered)
     async def answered(request, exc: _Answered):  # noqa: ARG001
