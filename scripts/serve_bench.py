@@ -497,6 +497,25 @@ def phase_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def e2e_rows(report: dict) -> list[dict]:
+    """Rows of ``scripts/e2e_bench.py``'s table from a report of this script: per layout and clients, ``wall_s`` the
+    mean latency a client saw, and ``overhead_s`` that minus the steps at the steady step (the timelines' median
+    later step, times ``--steps``): the service's own cost, which issue 32 bounds at 0.15 s for a lone client."""
+    args = report.get("serve_args") or []
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 28
+    rows = []
+    for layout in report["layouts"]:
+        for row in layout["rows"]:
+            phases, latency = row.get("phases_s") or {}, row.get("latency_s") or {}
+            if "step" not in phases or "mean" not in latency:
+                continue
+            rows.append({"row": f"serve {layout['layout']} x {row['clients']} client(s)", "wall_s": latency["mean"],
+                         "steady_step_s": phases["step"], "steps": steps,
+                         "overhead_s": round(latency["mean"] - steps * phases["step"], 4),
+                         "images_per_s": row["images_per_s"], "phases_s": phases})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.logs:

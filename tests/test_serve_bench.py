@@ -103,6 +103,16 @@ def test_the_gpu_serve_preset_runs_issue_32s_rows_each_with_its_clients(tmp_path
     assert "give at least one --layout, or --preset gpu-serve" in capsys.readouterr().err
 
 
+def test_e2e_rows_take_the_steps_at_the_steady_step_out_of_the_mean_latency():
+    bench = load_script("serve_bench")
+    row = {"clients": 1, "latency_s": {"mean": 1.5}, "phases_s": {"step": 0.05, "steps": 1.45}, "images_per_s": 0.7}
+    report = {"serve_args": ["--compile", "--steps", "28"],
+              "layouts": [{"layout": "--nproc 4 --ulysses 4", "rows": [row, dict(row, phases_s={})]}]}
+    (only,) = bench.e2e_rows(report)  # a row without timelines has no steady step: left out
+    assert only["row"] == "serve --nproc 4 --ulysses 4 x 1 client(s)" and only["steps"] == 28
+    assert only["overhead_s"] == pytest.approx(1.5 - 28 * 0.05) and only["wall_s"] == 1.5
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--clients", "0"], "--clients [0]: every count must be >= 1"),
     (["--clients", "a,b"], "--clients 'a,b': give comma-separated counts"),

@@ -48,6 +48,7 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         for t in threads:
             t.join()
     except KeyboardInterrupt:
+        _ignore_signals()  # a second Ctrl-C must not cut the stop short
         _say_stopped([(r.index, *rank) for r in replicas for rank in r.close()], "while starting")
         return 0
     if errors:
@@ -67,8 +68,14 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
     except KeyboardInterrupt:  # a signal before the HTTP server took them over, or after it gave them back
         service.shutdown("interrupted")
     finally:
+        _ignore_signals()
         _say_stopped(service.stop(), f"on {server.reason}" if server.reason else "")
     return 0
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _server_class():
