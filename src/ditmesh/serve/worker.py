@@ -83,8 +83,7 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     args = argparse.Namespace(**options)
     device = default_device()
     _init_distributed(device)
-    options, model = validate(args, world)
-    run_options = options
+    run_options, model = validate(args, world)
     loaded = load_pipeline(args, run_options, model, device, rank, world)
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
