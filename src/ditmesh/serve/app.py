@@ -268,7 +268,10 @@ class Service:
                 for member in batch:
                     self.batch_of.pop(member.id, None)
         phases = dict(phases, handoff=round(max(0.0, time.time() - dispatched - phases.get("call", 0.0)), 4))
-        self.encoders.submit(self._deliver, batch, pictures, phases)
+        try:
+            self.encoders.submit(self._deliver, batch, pictures, phases)
+        except RuntimeError:  # the encoders were shut down: the server stopped (its jobs are answered)
+            fail("failed", (503, "the server is stopping"))
 
     def _deliver(self, batch: list[Job], pictures: list, phases: dict) -> None:
         """Encode a call's pictures and answer each job of ``batch`` with its own (in an encoder thread)."""
@@ -436,16 +439,16 @@ def create_app(service: Service, token: str | None = None):
         job = service.submit(await read_options(request, native_options))
         result = await answer(job)
         return respond({"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
-                             "timeline": result["timeline"],
-                             "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
-                                        for kind, data in result["images"]]})
+                        "timeline": result["timeline"],
+                        "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
+                                   for kind, data in result["images"]]})
 
     @app.post("/v1/images/generations")
     async def openai_generations(request: Request):
         job = service.submit(await read_options(request, openai_options))
         result = await answer(job)
         return respond({"created": int(time.time()),
-                             "data": [{"b64_json": base64.b64encode(data).decode()} for _, data in result["images"]]})
+                        "data": [{"b64_json": base64.b64encode(data).decode()} for _, data in result["images"]]})
 
     @app.post("/jobs", status_code=202)
     async def submit_job(request: Request):
