@@ -7,7 +7,7 @@ Sections (``--only`` picks some; default all, in this order):
 * ``comm8-flux``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs: diffusers' 1-GPU eager row (the error
   reference), its compiled row, ditmesh's 1-GPU graph row, and ulysses 4 with payloads in bf16 and in fp8.
 * ``comm8-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
-  reference) and ulysses 4 with {bf16, fp8 payloads} x {exact, int8 attention}.
+  reference) and ulysses 4 with {bf16, fp8 payloads} x {default (exact), int8 attention}.
 
 Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
 
@@ -34,11 +34,11 @@ SECTIONS = {
                    "--compile", "on", "--comm-dtype", "auto,fp8", "--steps", "5", "--warmup", "2"],
     "comm8-wan": ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--gpus", "1,4",
                   "--methods", "ulysses", "--compile", "off", "--no-cuda-graph", "--comm-dtype", "auto,fp8",
-                  "--attention", "exact,int8", "--steps", "3", "--warmup", "1"],
+                  "--attention", "default,int8", "--steps", "3", "--warmup", "1"],
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
-       "1,4": "1,2", "on": "off", "exact,int8": "exact,int8-emulated"}
+       "1,4": "1,2", "on": "off", "default,int8": "default,int8-emulated"}
 
 
 def bench_args(section: str, dry: bool) -> list[str]:
