@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> (8-bit attention on one process) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -25,7 +25,7 @@ from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .options import RunOptions
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
+from .parallel import batch, chunk, consistency, displaced as displaced_attention, eight, graph, lora, pipefusion, sequence, tensor
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -257,6 +257,15 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         loras: LoRA adapters (``PATH[:SCALE]`` or ``NAME=PATH[:SCALE]``) loaded once the pipeline is parallelized
             (under tensor parallelism each rank keeps its shard: ``ditmesh.parallel.lora``); ``fuse_lora``: fused
             into the weights with their scales and peft's layers taken out.
+        comm_dtype: ``"auto"`` (default: payloads in the activations' dtype) or ``"fp8"``: the Ulysses all-to-alls (Q/K/V
+            in, the attention output back) and the ring's K/V chunks travel as float8_e4m3fn with a float32 scale per
+            token and head, dequantized on arrival (``comm.fp8_pack``); needs ulysses or ring > 1; not with pp,
+            displaced or transport=symm (docs/quantization.md).
+        attention: ``"default"`` (the backend's exact kernels), ``"int8"``: Q and K in int8 per token and head, a
+            Triton kernel (CUDA; ``attention.int8``), or ``"int8-emulated"``: its rounding in float32 math (any device;
+            for tests and quality measurements). On one process or under ulysses alone; no attention masks.
+        attention_bf16_steps: with the 8-bit attention, the first and last this many steps of each run attend exactly
+            (default 0); not with CUDA graphs.
     """
     if not isinstance(options, RunOptions):  # the keyword form: degrees and options as keywords
         options = RunOptions.create(options, **keywords)
@@ -290,6 +299,8 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models, options=options)
     ctx = runtime.context
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
+    eight_local = (None if options.attention == "default" else
+                   eight.EightBitAttention(options.attention, options.attention_bf16_steps, ctx, chunks=pieces))
     check = options.check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
@@ -313,7 +324,7 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
             model, runtime.sequence(name), adapter_for(model), ctx, name, displaced_warmup, cuda_graph)
         keep(undo)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> (8-bit attention) -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -323,10 +334,14 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
-        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device),
-                                                                          pieces if config.sp == 1 else None))),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
-         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(
+            m, a, chunk_tokens, torch.device(device), pieces if config.sp == 1 and eight_local is None else None))),
+        (f"attention({options.attention}, exact steps={options.attention_bf16_steps})",
+         lambda: each(lambda m, a: eight.apply(m, a, eight.OneProcessAttention(eight_local, pieces)))
+         if eight_local is not None and config.sp == 1 else None),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses}, comm={options.comm_dtype})",
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces,
+                                                  options.comm_dtype, eight_local))),
         (f"displaced(warmup={displaced_warmup})",
          lambda: [displaced_step(name, m) for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,

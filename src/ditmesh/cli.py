@@ -135,6 +135,14 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="decode with the VAE's residual blocks and up-samplers run on pieces of at most ROWS rows "
                              "of their input, with halo rows (exact; lowers the decode's peak memory on one GPU; "
                              "2-D KL VAEs), or auto: sized from free GPU memory (default: whole)")
+    parser.add_argument("--comm-dtype", default=None, metavar="DTYPE",
+                        help="sequence-parallel payloads: auto (default: the activations' dtype) or fp8 (Ulysses "
+                             "all-to-alls and ring K/V as float8 with a scale per token and head; docs/quantization.md)")
+    parser.add_argument("--attention", default=None, metavar="KERNEL",
+                        help="default (exact), int8 (Q and K in int8 per token and head, a Triton kernel: CUDA, one GPU "
+                             "or --ulysses alone) or int8-emulated (its rounding in float32 math, slow)")
+    parser.add_argument("--attention-bf16-steps", type=int, default=None, metavar="W",
+                        help="with --attention int8: the first and last W steps of a run attend exactly (default 0)")
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
 

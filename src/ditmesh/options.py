@@ -34,11 +34,14 @@ VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 #: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype)
 QUANT_MODES = ("off",)
 
-#: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations')
-COMM_DTYPES = ("auto",)
+#: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations'; ``fp8``: float8_e4m3fn
+#: with a float32 scale per token and head, ``comm.fp8_pack``; docs/quantization.md)
+COMM_DTYPES = ("auto", "fp8")
 
-#: ``attention``: the attention kernel (``default``: the exact one of the backend)
-ATTENTION_MODES = ("default",)
+#: ``attention``: the attention kernel (``default``: the exact one of the backend; ``int8``: Q and K in int8 per token
+#: and head, the Triton kernel of ``attention.int8``, CUDA; ``int8-emulated``: its rounding in float32 math, any device,
+#: for tests and quality measurements)
+ATTENTION_MODES = ("default", "int8", "int8-emulated")
 
 #: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -239,6 +242,8 @@ class RunOptions:
     quant: str = "off"
     comm_dtype: str = "auto"
     attention: str = "default"
+    #: with the 8-bit attention: the first and last this many steps of each run attend exactly
+    attention_bf16_steps: int = 0
 
     # ---- building ------------------------------------------------------------------------------------------
 
@@ -366,6 +371,7 @@ class RunOptions:
                 raise ConfigError(f"{flag('ulysses_chunks')}{self.ulysses_chunks} must be >= 1 (1 = no pipelining)")
         self._check_stale(flag)
         self._check_loras(flag)
+        self._check_eight_bit(flag)
         if self.cuda_graph:
             if c.dp > 1 or c.cfg > 1:
                 raise ConfigError(f"CUDA graphs do not run with dp={c.dp}, cfg={c.cfg} (their hooks choose per call "
@@ -437,6 +443,35 @@ class RunOptions:
                 raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token "
                                   "chunks; e.g. ulysses=4 with displaced")
 
+    def _check_eight_bit(self, flag) -> None:
+        """``comm_dtype``, ``attention`` and ``attention_bf16_steps`` against the degrees and the other options."""
+        c, steps = self.config, self.attention_bf16_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"{flag('attention_bf16_steps')}{steps!r} must be a step count >= 0 (0: every step in "
+                              "8 bits)")
+        if self.comm_dtype == "fp8":
+            if c.sp == 1:
+                raise ConfigError(f"{flag('comm_dtype')}fp8 sends the sequence-parallel payloads (ulysses all-to-alls, "
+                                  "ring K/V) in fp8, and ulysses=ring=1 sends none; drop it or set ulysses/ring > 1")
+            if self.transport != "nccl":
+                raise ConfigError(f"{flag('comm_dtype')}fp8 packs the all-to-all payloads itself and "
+                                  f"transport={self.transport} moves unpacked ones; use transport nccl with fp8")
+            if self.stale:
+                what = f"PipeFusion (pp={c.pp})" if c.pp > 1 else "displaced attention"
+                raise ConfigError(f"{flag('comm_dtype')}fp8 does not run with {what} yet; drop one of them")
+        if self.attention == "default":
+            if steps:
+                raise ConfigError(f"{flag('attention_bf16_steps')}{steps} keeps steps out of 8-bit attention, and "
+                                  f"the attention is the default one; drop it or use {flag('attention')}int8")
+            return
+        if c.ring > 1 or self.stale:
+            what = f"ring={c.ring}" if c.ring > 1 else f"pp={c.pp}" if c.pp > 1 else "displaced"
+            raise ConfigError(f"{flag('attention')}{self.attention} runs on one process or under ulysses alone, and "
+                              f"{what} merges partial attention over key chunks; use the default attention there")
+        if steps and self.cuda_graph:
+            raise ConfigError(f"{flag('attention_bf16_steps')}{steps} switches attention per step on the host, which "
+                              "a CUDA graph's replay does not see; drop one of them")
+
     def _check_loras(self, flag) -> None:
         names = [lora.name or f"lora{i}" for i, lora in enumerate(self.loras)]
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -456,6 +491,16 @@ class RunOptions:
 
     def _check_device(self, device, flag, local_world: int | None) -> None:
         kind = getattr(device, "type", str(device).split(":")[0])
+        if self.attention == "int8":
+            if kind != "cuda":
+                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel on CUDA GPUs, and this rank runs on "
+                                  f"{kind}; use the default attention (int8-emulated gives its rounding in float32 "
+                                  "math, for measurements)")
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is None:
+                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel and triton is not installed here; "
+                                  "pip install 'ditmesh[int8]', or use the default attention")
         if self.cuda_graph and kind != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {kind}; drop the graph option")
         if self.transport == "symm":

@@ -81,6 +81,13 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cache", default=None, metavar="POLICY",
                    help="ditmesh rows run with this step cache (--cache of generate); the timed calls are steps "
                         "0, 1, ... of one run, on the same inputs (rows note the cached steps)")
+    b.add_argument("--comm-dtype", default="auto", metavar="LIST",
+                   help="ditmesh rows' sequence-parallel payloads: auto, fp8, or a comma list (auto,fp8: each row "
+                        "twice, side by side; fp8 only on rows with ulysses or ring > 1). docs/quantization.md")
+    b.add_argument("--attention", default="default", metavar="LIST",
+                   help="ditmesh rows' attention: default (exact), int8 (CUDA), int8-emulated, or a comma list "
+                        "(default,int8: each "
+                        "row twice); int8 on one GPU or under ulysses alone")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
@@ -193,6 +200,7 @@ def _settings(args) -> dict:
     lora = _lora_rank(args)
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
+    comm_dtypes, attentions = _eight_variants(args, methods)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -207,8 +215,28 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
-                lora=lora,
+                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
+
+
+def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
+    """``--comm-dtype`` and ``--attention`` as lists, each value checked (``options.RunOptions.validate``)."""
+    from ..config import ConfigError
+    from ..options import ATTENTION_MODES, COMM_DTYPES
+
+    comm = [c.strip() for c in args.comm_dtype.split(",") if c.strip()]
+    attention = [a.strip() for a in args.attention.split(",") if a.strip()]
+    for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTION_MODES)):
+        bad = [v for v in values if v not in known] or ([] if values else [""])
+        if bad:
+            raise ConfigError(f"{flag} {bad[0]!r} is not one of {', '.join(known)} (a comma list of them runs each)")
+    if "int8" in attention and not torch.cuda.is_available():
+        raise ConfigError("--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here; use "
+                          "int8-emulated for its rounding in float32 math")
+    if (set(attention) - {"default"}) and any(m.startswith(("ring", "usp", "pp", "displaced")) for m in methods):
+        raise ConfigError(f"--attention {args.attention}: the 8-bit attention runs on one GPU or under ulysses "
+                          "alone; leave ring, usp, pp and displaced out of --methods")
+    return comm, attention
 
 
 def _lora_rank(args) -> int | None:
@@ -249,7 +277,12 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
     retried: dict[tuple, str] = {}
-    for method, g, comp, graph in plan:
+    variants = [(c, a) for c in s.get("comm_dtypes", ["auto"]) for a in s.get("attentions", ["default"])]
+    # ditmesh's rows (not the peers', not plain diffusers') run once per --comm-dtype x --attention variant that fits
+    plan = [(m, g, c, graph, variant) for m, g, c, graph in plan
+            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "default")])
+            if variant[0] == "auto" or g > 1]
+    for method, g, comp, graph, (comm_dtype, attention) in plan:
         degrees = METHODS[method](g)
         product = 1
         for d in degrees.values():
@@ -263,8 +296,11 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     warmup=max(s["warmup"], GRAPH_WARMUP.get(method, 2) if graph else 0), compile=comp, graph=graph,
                     chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
-                    cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
-        label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+                    cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp),
+                    comm_dtype=comm_dtype, attention=attention)
+        label = (f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+                 f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"
+                 f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)
         causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
         try:
@@ -277,10 +313,11 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                              "error": str(exc).splitlines()[0]})
         if causes:
             print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
-            retried[(method, g, comp, graph)] = causes[0]
+            retried[(method, g, comp, graph, comm_dtype, attention)] = causes[0]
     rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
     for r in rows:  # the row records why its first start failed
-        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph")))
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph"),
+                             r.get("comm_dtype", "auto"), r.get("attention", "default")))
         if cause:
             r["rendezvous_retry"] = cause
     return _derive(rows, tmp, s)

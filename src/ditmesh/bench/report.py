@@ -103,7 +103,7 @@ def rows_table(rows: list[dict]) -> str:
             f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
             f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
             f"| {'' if err is None else f'{err:.2e}'} | {split} |{extra} "
-            f"{r.get('error', '') or r.get('lora_error', '') or _cache_note(r)}"
+            f"{r.get('error', '') or r.get('lora_error', '') or _cache_note(r) or _eight_note(r)}"
             f"{' (started again after: ' + r['rendezvous_retry'] + ')' if r.get('rendezvous_retry') else ''} |"
         )
     return "\n".join(lines)
@@ -115,6 +115,12 @@ def _lora_cell(row: dict, phase: str) -> str:
         return ""
     overhead = row.get(f"lora_{phase}_overhead")
     return f"{row[f'step_ms_lora_{phase}']}" + ("" if overhead is None else f" ({overhead:+.1%})")
+
+
+def _eight_note(row: dict) -> str:
+    """A row's 8-bit options: ``comm fp8, attention int8`` (empty for the defaults)."""
+    return ", ".join(f"{name} {row[key]}" for key, name in (("comm_dtype", "comm"), ("attention", "attention"))
+                     if row.get(key))
 
 
 def _cache_note(row: dict) -> str:

@@ -25,8 +25,10 @@ def error_text(exc: BaseException) -> str:
 
 
 def row_key(row: dict) -> str:
-    """The file stem of a row's saved output: method, process count, compiled (c/e), CUDA graph (g)."""
-    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}"
+    """The file stem of a row's saved output: method, process count, compiled (c/e), CUDA graph (g), and the payload
+    dtype and attention where they are not the defaults."""
+    eight = "".join(f"-{row[k]}" for k in ("comm_dtype", "attention") if row.get(k))
+    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}{eight}"
 
 
 def append_row(tmp: str | Path, row: dict) -> None:
@@ -172,9 +174,14 @@ def run_worker(spec: dict) -> None:
             options = RunOptions.create(ParallelConfig(**spec["degrees"]), cuda_graph=row["graph"],
                                         ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
                                         transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
-                                        cache=row.get("cache"), displaced=spec["method"] == "displaced")
+                                        cache=row.get("cache"), displaced=spec["method"] == "displaced",
+                                        comm_dtype=spec.get("comm_dtype", "auto"),
+                                        attention=spec.get("attention", "default"))
             runtime = parallelize(_Pipe, options, device=device)
             ours = True
+            for key, default in (("comm_dtype", "auto"), ("attention", "default")):
+                if spec.get(key, default) != default:
+                    row[key] = spec[key]
             if spec.get("fuse_qkv"):
                 row["fuse_qkv"] = True
             sp = runtime.sequence()
