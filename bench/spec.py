@@ -30,6 +30,7 @@ UNMEASURED_DOC = "docs/benchmarks.md"
 BENCHMARKS = "docs/benchmarks.md"
 CACHING = "docs/caching.md"
 PLANNER = "docs/planner.md"
+QUANTIZATION = "docs/quantization.md"
 
 
 # -- how a row reads -----------------------------------------------------------------------------------------------
@@ -317,6 +318,24 @@ EVAL = [("run", lambda r: r["_file"].rsplit("/", 1)[1][5:-5]), ("images", "n"), 
         ("all three", "all", ".1%")]
 
 
+def eight_mode(r: dict) -> str:
+    """An ``eval-tiny --quant-sweep`` / ``--eight-sweep`` row's mode: block linears, payloads, attention."""
+    if "quant" in r:
+        return "exact (model dtype)" if r["quant"] == "off" else f"`--quant {r['quant']}`"
+    parts = [f"comm {r['comm']}"] if r.get("comm", "auto") != "auto" else []
+    if r.get("attention", "exact") not in ("exact", "default"):
+        steps = r.get("exact_steps") or 0
+        parts.append(f"attention {r['attention']}" + (f", first and last {steps} steps exact" if steps else ""))
+    return ", ".join(parts) or "exact (model dtype)"
+
+
+#: ``eval-tiny --quant-sweep`` / ``--eight-sweep``: each mode's images against the exact images of the same captions
+EIGHT_QUALITY = [("mode", eight_mode), ("images that lost an attribute", "lost"),
+                 ("PSNR dB", lambda r: r["psnr"] if r["psnr"] != float("inf") else "(reference)", ".2f"),
+                 ("SSIM", "ssim", ".4f"),
+                 ("captions × images", lambda r: f"{r['_doc']['captions']} × {r['_doc']['images'] // r['_doc']['captions']}")]
+
+
 # -- the tables ------------------------------------------------------------------------------------------------
 H200X4 = "2026-11-26_h200x4"
 H100X4 = "2026-11-26_h100x4"
@@ -448,6 +467,9 @@ TABLES = [
          columns=[("tp", "tp"), ("style", "style"), ("mode", "mode"), ("ms per block pair", "ms", ".2f"),
                   ("rel. err vs unsharded", "rel_err", ".1e"),
                   ("peak GiB", lambda r: r["peak_memory_bytes"] / GIB if r.get("peak_memory_bytes") else None, ".2f")]),
+    # docs/quantization.md: the 8-bit modes' quality on the tiny trained pipeline (CPU, the rounding emulated)
+    dict(name="quant-tiny", doc=QUANTIZATION, files=[f"{CPU}/quant/eval-tiny-quant.json"], columns=EIGHT_QUALITY),
+    dict(name="eight-tiny", doc=QUANTIZATION, files=[f"{CPU}/quant/eval-tiny-eight.json"], columns=EIGHT_QUALITY),
 ]
 
 #: the tiny pipeline's quality on CPU (``eval-tiny --json``), from suite ``quality``: not in ``TABLES`` while its
@@ -462,6 +484,8 @@ CPU_TABLES = [
 #: tables with units that stay hand-written for now, each with the reason; an entry whose table is gone is an error
 #: (``scripts/tables.py --check``), so the list cannot outlive its tables
 NOT_GENERATED = [
+    ("docs/timeline.md", "| seconds (median) | baseline (42e3be5) |",
+     "written from bench/results/2026-11-28_cpu2/startup.json by scripts/startup_bench.py --doc"),
     ("docs/pipefusion.md", "  | pp | patches | warm-up steps | colour |",
      "eval-tiny --pp-sweep on CPU, no result file yet"),
     ("docs/displaced.md", "  | mode | warm-up steps | colour |",

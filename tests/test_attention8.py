@@ -129,3 +129,17 @@ def test_eight_bit_options_are_refused_before_any_import(config, options, messag
 
     with pytest.raises(ConfigError, match=message):
         RunOptions.create(ParallelConfig(**config), cli=True, **options)
+
+
+def test_eval_tiny_eight_sweep_settings_are_read_before_any_work():
+    from ditmesh.config import ConfigError
+    from ditmesh.tiny.evaluate import parse_eight_setting
+
+    assert parse_eight_setting("comm=fp8,attention=int8,exact-steps=2") == {"comm": "fp8", "attention": "int8",
+                                                                          "exact_steps": 2}
+    assert parse_eight_setting("attention=int8") == {"comm": "auto", "attention": "int8", "exact_steps": 0}
+    for text, needle in (("comm=fp16", "give comm=fp8, attention=int8 and exact-steps=W"),
+                         ("exact-steps=2", "exact-steps keeps steps out of 8-bit attention; add attention=int8"),
+                         ("", "names no 8-bit mode")):
+        with pytest.raises(ConfigError, match=needle):
+            parse_eight_setting(text)

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -29,17 +30,23 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @contextlib.contextmanager
-def running_server(*argv, ready_s: float = 180):
-    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process). At the end
-    SIGINT must stop it and its ranks."""
+def running_server(*argv, ready_s: float = 180, tmp=None):
+    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process); its output's
+    lines collect in ``proc.lines``. ``tmp``: its temporary folder ($TMPDIR). At the end SIGINT must stop it and its
+    ranks."""
     port = free_port()
+    env = dict(os.environ, **({"TMPDIR": str(tmp)} if tmp else {}))
     proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(port), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.lines = []
+    reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    proc.reader = reader
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + ready_s
     try:
         while True:
-            assert proc.poll() is None, f"the server exited: {proc.stdout.read()[-3000:]}"
+            assert proc.poll() is None, f"the server exited: {''.join(proc.lines)[-3000:]}"
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
@@ -153,6 +160,7 @@ def test_openai_and_native_requests_return_the_pictures(server):
     ({"prompt": "x", "frames": 5}, 400, "frames 5: flux pipelines generate images"),
     ({"prompt": "x", "out": "/etc/passwd"}, 400, "unknown field 'out'"),
     ({"prompt": "x", "steps": "many"}, 400, "steps must be a number"),
+    ({"prompt": "x", "lora": "ink"}, 400, "lora 'ink': this server has no named LoRA adapters"),
     ({"prompt": ""}, 400, "prompt is empty"),
 ])
 def test_bad_requests_get_one_clear_4xx(server, body, status, needle):
@@ -354,9 +362,10 @@ def _progress_then(client, job_id: str, min_step: int, action) -> tuple[str, dic
     raise AssertionError("the event stream ended without an answer")
 
 
-def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it():
+def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it(
+        tmp_path):
     with running_server("--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64", "--width", "64",
-                        "--step-timeout", "4", "--max-steps", "200") as (base, _):
+                        "--step-timeout", "4", "--max-steps", "200", tmp=tmp_path) as (base, proc):
         with httpx.Client(base_url=base, timeout=180) as client:
             pids = client.get("/health").json()["replicas"][0]["pids"]
             # killed: the request in flight fails naming rank 1; one queued behind it runs after the restart
@@ -388,6 +397,50 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
             assert ok.status_code == 200, ok.text
             assert client.get("/health").json()["replicas"][0]["restarts"] == 2
             assert _metric(client, "ditmesh_rank_faults_total") == 2
+            _sigterm_with_requests_in_flight(client, proc, tmp_path)
+
+
+def _sigterm_with_requests_in_flight(client, proc, tmp):
+    """SIGTERM while one request runs and two wait: each client gets a 503 JSON naming its request, the log says
+    one line per rank and nothing else (no traceback, no leaked semaphore), no process and no temporary file is
+    left, and the exit code is 0."""
+    import psutil
+
+    answers = [None] * 3
+
+    def send(i, steps):
+        answers[i] = client.post("/generate", json={"prompt": f"in flight {i}", "steps": steps})
+
+    senders = [threading.Thread(target=send, args=(i, 200 if i == 0 else 2)) for i in range(3)]
+    senders[0].start()
+    while _metric(client, "ditmesh_busy_replicas") < 1:
+        time.sleep(0.05)
+    for t in senders[1:]:
+        t.start()
+    while _metric(client, "ditmesh_queue_length") < 2:
+        time.sleep(0.05)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert len(family) >= 2  # the two ranks (and multiprocessing's resource tracker)
+    seen = len(proc.lines)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    for t in senders:
+        t.join(timeout=30)
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == 503 and f"request {error['job']} was stopped" in error["message"], error
+        assert "stopping (SIGTERM)" in error["message"]
+    assert len({a.json()["error"]["job"] for a in answers}) == 3
+    assert sum("at step" in a.json()["error"]["message"] for a in answers) == 1  # the running one
+    proc.reader.join(timeout=10)
+    log = proc.lines[seen:]
+    assert len(log) == 2 and all(re.fullmatch(r"ditmesh: stopped rank [01] of replica 0 \(pid \d+, exit code -9\) "
+                                              r"on SIGTERM\n", line) for line in log), log
+    assert not [line for line in proc.lines if "Traceback" in line or "leaked semaphore" in line]
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, alive
+    assert not list(tmp.iterdir())
 
 
 class _Process:
@@ -468,8 +521,8 @@ class _ReplicaThatWillNotStart:
     def pids(self):
         return []
 
-    def stop(self):
-        pass
+    def close(self):
+        return []
 
 
 def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():
@@ -496,13 +549,18 @@ def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503
         service.stop()
 
 
-def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures():
+def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures(tmp_path):
     import numpy as np
 
+    from cases_lora import make_lora
+    from ditmesh.tiny import default_model_path
+
     asks = [("a red circle at the top left", 3), ("a blue square at the bottom", 4), ("a green triangle", 5)]
+    ink = make_lora(default_model_path(), str(tmp_path / "ink"), seed=1)
     with running_server("--steps", "2", "--height", "64", "--width", "64", "--max-steps", "400",
-                        "--max-batch", "3") as (base, _):
+                        "--max-batch", "3", "--lora", f"ink={ink}:0.8") as (base, _):
         with httpx.Client(base_url=base, timeout=120) as client:
+            _named_adapter_requests(client)
             # the one replica is busy with a long request while three compatible ones arrive; cancelling it lets
             # them run, as one call
             long = client.post("/jobs", json={"prompt": "long", "steps": 400}).json()["id"]
@@ -525,6 +583,29 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
     assert not np.array_equal(firsts[0], firsts[1])  # each its own prompt and seed
 
 
+def _named_adapter_requests(client):
+    """A server started with ``--lora ink=...``: the adapter is off unless a request names it (native or
+    OpenAI-shaped), the same request gives the same picture, and an unknown name is refused naming ``ink``."""
+    import numpy as np
+
+    def picture(route, body):
+        r = client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return np.asarray(decode(data["images"][0]["b64"] if "images" in data else data["data"][0]["b64_json"]))
+
+    body = {"prompt": "a lighthouse", "seed": 9}
+    base, inked = picture("/generate", body), picture("/generate", dict(body, lora="ink"))
+    assert np.abs(base.astype(int) - inked.astype(int)).max() > 8  # the adapter changes the picture
+    assert np.array_equal(picture("/generate", dict(body, lora=None)), base)
+    assert np.array_equal(picture("/generate", dict(body, lora="ink")), inked)
+    assert np.array_equal(picture("/v1/images/generations", {"prompt": "a lighthouse", "lora": "ink"}),
+                          picture("/generate", {"prompt": "a lighthouse", "lora": "ink"}))
+    r = client.post("/generate", json=dict(body, lora="clay"))
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "lora 'clay' is not loaded; the adapters are: ink (or null for none)"
+
+
 class _HeldReplica:
     """Stands in for a Replica: records each call's options and holds it until released."""
 
@@ -539,7 +620,7 @@ class _HeldReplica:
         assert self.release.wait(10)
         self.release.clear()
         prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
-        return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], 0.0
+        return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], {"call": 0.0}
 
     def cancel(self, job_id):
         return False
@@ -550,8 +631,8 @@ class _HeldReplica:
     def pids(self):
         return []
 
-    def stop(self):
-        pass
+    def close(self):
+        return []
 
 
 def test_a_batch_takes_only_compatible_requests_in_order_and_a_cancelled_member_leaves_the_others_running():

@@ -15,7 +15,7 @@ import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
 from .shared import one_line
-from .shared import strip_option
+from .shared import add_quant_flags, strip_option
 
 
 def _quiet_libraries() -> None:
@@ -146,16 +146,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
     add_quant_flags(parser)
-
-
-def add_quant_flags(parser: argparse.ArgumentParser) -> None:
-    """``--quant`` and ``--quant-keep-modulation`` (generate, serve, bench, plan)."""
-    parser.add_argument("--quant", default=None, metavar="MODE",
-                        help="the linears of the transformer blocks in 8 bits: fp8 (weights and activations, per-row "
-                             "scales; GPUs with fp8: Ada, Hopper), fp8-weight (weights alone), int8-weight (weights "
-                             "alone; any device), off (default). docs/quantization.md")
-    parser.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
-                        default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype")
 
 
 class _Parser(argparse.ArgumentParser):

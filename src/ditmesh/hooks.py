@@ -54,18 +54,20 @@ import weakref
 from dataclasses import dataclass, field
 
 #: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
-#: added. ``timeline`` times a whole call for the run's timeline (``ditmesh.runtime.trace``); ``context`` opens
-#: the per-call state; ``graph`` replays everything inside it from a CUDA graph; ``consistency`` sees the full,
-#: replicated inputs; ``batch`` (dp/cfg) splits or skips the call before ``pipefusion`` runs a transformer call as
-#: patches through the pipeline stages (on a block: skips the blocks of other stages and passes activations between
-#: stages; ``ditmesh.parallel.pipefusion``), then ``sequence`` splits each patch's tokens over the sequence-parallel
-#: ranks; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a transformer block (step caching,
-#: ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers (``ditmesh.parallel.vae``); ``vae_chunk``
-#: runs a VAE's residual blocks and up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``); ``lora`` wraps
-#: the LoRA loading of a pipeline (``lora_state_dict``) and of a transformer (``load_lora_adapter``),
-#: ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the sequence (``ditmesh.parallel.chunk``).
-ORDER = ("timeline", "context", "graph", "consistency", "batch", "pipefusion", "sequence", "encode_once", "cache", "vae",
-         "vae_chunk", "lora", "chunk")
+#: added. ``timeline`` times a phase of a call: the run's timeline of ``generate`` (``ditmesh.runtime.trace``) or a
+#: served request's phases (``ditmesh.serve.phases``); ``context`` opens the per-call state; ``graph`` replays
+#: everything inside it from a CUDA graph; ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg)
+#: splits or skips the call before ``pipefusion`` runs a transformer call as patches through the pipeline stages (on
+#: a block: skips the blocks of other stages and passes activations between stages; ``ditmesh.parallel.pipefusion``),
+#: then ``sequence`` splits each patch's tokens over the sequence-parallel ranks; ``prompt_cache`` answers a
+#: pipeline's ``encode_prompt`` of a prompt it encoded before (``ditmesh.serve.phases``); ``encode_once`` wraps a
+#: pipeline's ``encode_prompt``; ``cache`` wraps a transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps
+#: a VAE's decode/encode and its layers (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and
+#: up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline
+#: (``lora_state_dict``) and of a transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a
+#: feed-forward on pieces of the sequence (``ditmesh.parallel.chunk``).
+ORDER = ("timeline", "context", "graph", "consistency", "batch", "pipefusion", "sequence", "prompt_cache", "encode_once",
+         "cache", "vae", "vae_chunk", "lora", "chunk")
 
 
 class Hook:

@@ -619,3 +619,20 @@ def _flagger(cli: bool):
     if cli:
         return lambda name: _CLI_FLAGS.get(name, "--" + name.replace("_", "-")) + " "
     return lambda name: f"{name}="
+
+
+def quant_variants(text: str) -> list[str]:
+    """``--quant``'s comma list, each ``MODE`` or ``MODE:keep-modulation`` checked."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for value in values or [""]:
+        mode, _, keep = value.partition(":")
+        if mode not in QUANT_MODES or keep not in ("", "keep-modulation") or (keep and mode == "off"):
+            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation;"
+                              " a comma list of them runs each)")
+    return values
+
+
+def quant_of(variant: str) -> dict:
+    """A ``--quant`` entry as RunOptions fields."""
+    mode, _, keep = variant.partition(":")
+    return {"quant": mode, "quant_modulation": not keep}

@@ -113,3 +113,13 @@ def hub_config_folder(repo_id: str, files: tuple[str, ...] = ("model_index.json"
         raise ValueError(f"--model {repo_id}: the hub id has no {files[-1]}; give a diffusers pipeline with a "
                          f"transformer")
     return folder
+
+
+def add_quant_flags(parser) -> None:
+    """``--quant`` and ``--quant-keep-modulation`` (generate, serve, bench, plan)."""
+    parser.add_argument("--quant", default=None, metavar="MODE",
+                        help="the linears of the transformer blocks in 8 bits: fp8 (weights and activations, per-row "
+                             "scales; GPUs with fp8: Ada, Hopper), fp8-weight (weights alone), int8-weight (weights "
+                             "alone; any device), off (default). docs/quantization.md")
+    parser.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
+                        default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype")

@@ -169,7 +169,7 @@ def _typed(args) -> list[str]:
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
     from ..config import ConfigError
-    from ..options import RunOptions
+    from ..options import RunOptions, quant_variants
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -222,26 +222,6 @@ def _settings(args) -> dict:
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
                 lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
-
-
-def quant_variants(text: str) -> list[str]:
-    """``--quant``'s comma list, each ``MODE`` or ``MODE:keep-modulation`` checked."""
-    from ..config import ConfigError
-    from ..options import QUANT_MODES
-
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    for value in values or [""]:
-        mode, _, keep = value.partition(":")
-        if mode not in QUANT_MODES or keep not in ("", "keep-modulation") or (keep and mode == "off"):
-            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation;"
-                              " a comma list of them runs each)")
-    return values
-
-
-def quant_of(variant: str) -> dict:
-    """A ``--quant`` entry as RunOptions fields."""
-    mode, _, keep = variant.partition(":")
-    return {"quant": mode, "quant_modulation": not keep}
 
 
 def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
@@ -337,14 +317,17 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
             raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
+            named = {k: v for k, v, default in (("quant", quant, "off"), ("comm_dtype", comm_dtype, "auto"),
+                                                ("attention", attention, "default")) if v != default}
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
-                             "error": str(exc).splitlines()[0]})
+                             **named, "error": str(exc).splitlines()[0]})
         if causes:
             print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
-            retried[(method, g, comp, graph)] = causes[0]
+            retried[(method, g, comp, graph, comm_dtype, attention, quant)] = causes[0]
     rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
     for r in rows:  # the row records why its first start failed
-        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph")))
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph"),
+                             r.get("comm_dtype", "auto"), r.get("attention", "default"), r.get("quant", "off")))
         if cause:
             r["rendezvous_retry"] = cause
     return _derive(rows, tmp, s)

@@ -119,7 +119,7 @@ def run_worker(spec: dict) -> None:
     from ..config import ParallelConfig
     from ..mesh import default_device
     from ..options import RunOptions
-    from .cli import quant_of
+    from ..options import quant_of
     from ..models.base import adapter_for
     from ..runtime.generate import _init_distributed
     from ..runtime.report import device_name

@@ -44,7 +44,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="count PipeFusion with M patches (generate --pp-patches; default: pp, the runtime's)")
     p.add_argument("--displaced", action="store_true",
                    help="also rank displaced attention (stale K/V, approximate) on every ulysses configuration it runs on")
-    from ..cli import add_quant_flags
+    from ..shared import add_quant_flags
 
     add_quant_flags(p)
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")

@@ -66,10 +66,12 @@ NATIVE_FIELDS = {
     "width": (int, "width"),
     "frames": (int, "frames"),
     "n": (int, "images_per_prompt"),
+    "lora": (str, "adapter"),
 }
 
-#: fields of OpenAI's image generation request that are accepted; ``model`` and ``user`` are taken and ignored
-OPENAI_FIELDS = ("prompt", "n", "size", "response_format", "model", "user")
+#: fields of OpenAI's image generation request that are accepted; ``model`` and ``user`` are taken and ignored;
+#: ``lora`` (the adapter, as in the native API) is the one field of ours, sent by OpenAI's clients as ``extra_body``
+OPENAI_FIELDS = ("prompt", "n", "size", "response_format", "model", "user", "lora")
 
 
 def parse_json(body: bytes) -> dict:
@@ -117,7 +119,7 @@ def native_options(body: dict, limits: Limits, defaults, adapter=None) -> dict:
     options = {}
     for name, value in body.items():
         kind, option = NATIVE_FIELDS[name]
-        if value is None and name in ("negative_prompt", "frames", "height", "width"):
+        if value is None and name in ("negative_prompt", "frames", "height", "width", "lora"):  # null: the default
             options[option] = None
             continue
         options[option] = _typed(name, value, kind)
@@ -149,6 +151,8 @@ def check_options(options: dict, limits: Limits, defaults, adapter=None) -> None
         raise BadRequest(f"seed {merged['seed']} must be between 0 and {MAX_SEED}", field="seed")
     if merged["guidance"] < 0:
         raise BadRequest(f"guidance {merged['guidance']} must be >= 0", field="guidance")
+    if "adapter" in options:
+        check_lora(options["adapter"], getattr(defaults, "lora_names", ()))
     frames = options.get("frames")
     if frames is not None:
         check_range("frames", frames, limits.max_frames, "--max-frames")
@@ -159,6 +163,18 @@ def check_options(options: dict, limits: Limits, defaults, adapter=None) -> None
             validate_frames(adapter, frames)
         except ConfigError as exc:
             raise BadRequest(str(exc).replace("--frames", "frames"), field="frames") from None
+
+
+def check_lora(name, known) -> None:
+    """``name`` (None: no adapter but those always on) must be one of the server's named adapters ``known``."""
+    if name is None:
+        return
+    if not known:
+        raise BadRequest(f"lora {name!r}: this server has no named LoRA adapters (start it with --lora NAME=PATH to "
+                         "choose one per request)", field="lora")
+    if name not in known:
+        raise BadRequest(f"lora {name!r} is not loaded; the adapters are: {', '.join(known)} (or null for none)",
+                         field="lora")
 
 
 def openai_options(body: dict, limits: Limits, defaults, adapter=None) -> dict:
@@ -172,6 +188,8 @@ def openai_options(body: dict, limits: Limits, defaults, adapter=None) -> dict:
     options = {"prompt": _typed("prompt", body["prompt"], str)}
     if "n" in body:
         options["images_per_prompt"] = _typed("n", body["n"], int)
+    if "lora" in body:
+        options["adapter"] = None if body["lora"] is None else _typed("lora", body["lora"], str)
     if body.get("response_format", "b64_json") != "b64_json":
         raise BadRequest(f"response_format {body['response_format']!r} is not served; use \"b64_json\"",
                          field="response_format")

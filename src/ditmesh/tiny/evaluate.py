@@ -334,7 +334,7 @@ def quant_sweep(model_path: str | None, variants: list[str], captions: list[str]
     CPU: the rounding in float32 math, ``parallel.quant.QuantLinear``). Each variant quantizes a freshly loaded
     pipeline (quantizing replaces the weights). Accuracies, lost attributes, PSNR / SSIM; ``on_row(row)`` per row."""
     from .. import ParallelConfig, parallelize
-    from ..bench.cli import quant_of
+    from ..options import quant_of
 
     prompts = [c for c in captions for _ in range(images_per_caption)]
 
@@ -446,7 +446,7 @@ def run_eval(args: argparse.Namespace) -> int:
     eight_settings = [parse_eight_setting(t) for t in (args.eight_sweep or "").split(";") if t]
     quant_variants_ = []
     if args.quant_sweep:
-        from ..bench.cli import quant_variants
+        from ..options import quant_variants
 
         quant_variants_ = [v for v in quant_variants(args.quant_sweep) if v != "off"]
     torch.set_num_threads(args.threads)
