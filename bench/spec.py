@@ -29,6 +29,7 @@ GIB = 2 ** 30
 UNMEASURED_DOC = "docs/benchmarks.md"
 BENCHMARKS = "docs/benchmarks.md"
 CACHING = "docs/caching.md"
+TIMELINE = "docs/timeline.md"
 PLANNER = "docs/planner.md"
 QUANTIZATION = "docs/quantization.md"
 
@@ -292,6 +293,33 @@ PREDICTED = [("model", "model"), ("size", "size"), ("CFG", "cfg"), ("#", "rank")
              ("hardware", "hardware")]
 
 
+STARTUP_ROWS = (("one import (`import torch, diffusers; from diffusers import FluxPipeline`)", "one_import_s", ""),
+                ("ditmesh's own modules in `import ditmesh.cli` (-X importtime, self)", "cli_import_ditmesh_s", "<= 0.3"),
+                ("ditmesh's own modules in a tiny generate (-X importtime, self)", "generate_import_ditmesh_s",
+                 "<= 0.3"),
+                ("`ditmesh synth --list`", "synth_list_s", "<= 2"),
+                ("2-step tiny `generate`, 1 process", "generate_2step_s", "<= 1.5 x one import + 2"),
+                ("1.5 x one import + 2", "generate_target_s", ""))
+
+
+def startup_rows(doc: dict, rows: list[dict]) -> list[dict]:
+    """``scripts/startup_bench.py``: one row per measurement, a column per tree."""
+    trees = list(doc["rows"])
+    return [dict(what=what, target=target, _file=rows[0]["_file"], _doc=doc,
+                 **{f"t{i}": doc["rows"][tree][key] for i, tree in enumerate(trees)}) for what, key, target in STARTUP_ROWS]
+
+
+STARTUP = [("seconds (median of 3, 2 CPUs under load)", "what"), ("baseline 42e3be5", "t0", ".2f"),
+           ("this tree", "t1", ".2f"), ("target", "target")]
+
+E2E = [("row", "row"), ("GPUs", "nproc"), ("wall s", "wall_s", ".1f"), ("load s", "load_s", ".1f"),
+       ("first step's extra s", "first_step_extra_s", ".1f"), ("28 × steady step s", "steps_s", ".2f"),
+       ("overhead s", "overhead_s", ".1f"), ("one import s", "_doc.one_import_s", ".1f"),
+       ("launcher s", "split_s.launch", ".1f"), ("rank imports s", "split_s.imports", ".1f"),
+       ("text encoding s", "split_s.text_encoding", ".2f"), ("VAE s", "split_s.vae_decode", ".2f"),
+       ("writing s", "split_s.writing", ".2f"), ("dynamo s", "compile_breakdown_s.dynamo", ".1f")]
+
+
 def summary_rows(doc: dict, rows: list[dict]) -> list[dict]:
     """``plan --validate --json``'s summary: one row per group of rows."""
     return [dict(v, group=k, _file=rows[0]["_file"], _doc=doc) for k, v in doc["summary"].items()]
@@ -446,6 +474,11 @@ TABLES = [
                   ("step ms, steps 2-28 (median, range)", step_range)]),
     # docs/planner.md
     dict(name="planner-h200x4", doc=PLANNER, files=[f"{H200X4}/planner/validate.json"], columns=PLANNED),
+    dict(name="startup-cpu", doc=TIMELINE, files=["2026-11-28_cpu2/startup.json"], rows=startup_rows,
+         columns=STARTUP),
+    dict(name="e2e-h200x2", doc=TIMELINE, files=["2026-11-28_h200x2/e2e/e2e.json"], columns=E2E,
+         note="rows the call's deadline skipped: old:ulysses:warm, new:1gpu:warm, new:displaced:warm, new:pp:warm "
+              "(pp's warm-up was refused: the script asked pp for CUDA graphs)"),
     dict(name="gpu8-planned", doc=BENCHMARKS, files=["2026-11-28_plan-h200x8/gpu8/plan-*.json"], rows=planned_rows,
          columns=PREDICTED, note="predictions of `ditmesh plan`; the measured rows come from suite gpu8 when an "
                                  "8-GPU machine is lent"),

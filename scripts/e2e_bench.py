@@ -105,7 +105,7 @@ class Bench:
                "--out", str(self.work / f"{name}.png"), "--report", str(report), *a.extra]
         if a.compile:
             cmd.append("--compile")
-        if a.cuda_graph:
+        if a.cuda_graph and mode != "pp":  # PipeFusion runs no CUDA graphs (refused in one line)
             cmd.append("--cuda-graph")
         if trace:  # the timelines travel in e2e.json (ditmesh.timeline.chrome_trace makes a trace of any row)
             cmd += ["--trace", str(self.work / f"{name}.trace.json")]

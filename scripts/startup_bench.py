@@ -4,11 +4,10 @@ timed in the same call, for this checkout's source and optionally an older one (
 holding the ``ditmesh`` package, as ``bench --baseline-src`` takes; e.g. ``git archive 42e3be5 src | tar -x -C /tmp/base``
 then ``--baseline-src /tmp/base/src``).
 
-Prints a table; with ``--out FILE`` writes the rows as JSON; with ``--doc FILE`` puts the table between the
-``<!-- startup-table -->`` markers of that file (docs/timeline.md). Each time is the median of ``--repeat`` runs.
+Prints a table; with ``--out FILE`` writes the rows as JSON, from which ``scripts/tables.py`` generates the table of
+docs/timeline.md (put the file under bench/results). Each time is the median of ``--repeat`` runs.
 
-    python scripts/startup_bench.py --baseline-src /tmp/base/src --repeat 3 --out bench/results/<dir>/startup.json \\
-        --doc docs/timeline.md
+    python scripts/startup_bench.py --baseline-src /tmp/base/src --repeat 3 --out bench/results/<dir>/startup.json
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_IMPORT = "import torch, diffusers; from diffusers import FluxPipeline"
-MARK = "<!-- startup-table -->"
 
 
 def _env(src: Path) -> dict:
@@ -109,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--model", default="flux-tiny", help="the generate row's model (default flux-tiny)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
-    p.add_argument("--doc", default=None, help="put the table between the markers of this Markdown file")
     args = p.parse_args(argv)
     work = tempfile.mkdtemp(prefix="ditmesh-startup-")
     # the model folder once, outside the timings (synthesized into the cache on first use)
@@ -126,13 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if args.doc:
-        doc = Path(args.doc).read_text()
-        head, _, rest = doc.partition(MARK)
-        _, _, tail = rest.partition(MARK)
-        note = (f"\n\n{meta['cpus']} CPUs, load average {meta['load_average'][0]:.1f} at the start, median of "
-                f"{meta['repeat']}; `python scripts/startup_bench.py {' '.join(argv or sys.argv[1:])}`\n\n")
-        Path(args.doc).write_text(head + MARK + note + text + "\n\n" + MARK + tail)
     return 0
 
 
