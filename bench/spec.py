@@ -517,8 +517,6 @@ CPU_TABLES = [
 #: tables with units that stay hand-written for now, each with the reason; an entry whose table is gone is an error
 #: (``scripts/tables.py --check``), so the list cannot outlive its tables
 NOT_GENERATED = [
-    ("docs/timeline.md", "| seconds (median) | baseline (42e3be5) |",
-     "written from bench/results/2026-11-28_cpu2/startup.json by scripts/startup_bench.py --doc"),
     ("docs/pipefusion.md", "  | pp | patches | warm-up steps | colour |",
      "eval-tiny --pp-sweep on CPU, no result file yet"),
     ("docs/displaced.md", "  | mode | warm-up steps | colour |",
