@@ -73,9 +73,10 @@ DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "
        "1,4": "1,2", "4": "2", "on": "off", "default,int8": "default,int8-emulated"}
 
 
-def bench_args(section: str, dry: bool) -> list[str]:
-    """``ditmesh bench`` arguments of ``section`` (on GPUs, or the CPU dry run's)."""
-    args = list(SECTIONS[section])
+def bench_args(section: str, dry: bool, gpus: int = 4) -> list[str]:
+    """``ditmesh bench`` arguments of ``section`` (on GPUs, or the CPU dry run's); ``gpus``: the machine's GPU count,
+    which the sections' parallel rows use (their ulysses degree)."""
+    args = [{"4": str(gpus), "1,4": f"1,{gpus}"}.get(a, a) for a in SECTIONS[section]]
     if dry:
         args = [DRY.get(a, a) for a in args]
         args[args.index("--steps") + 1], args[args.index("--warmup") + 1] = "1", "0"
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder for the results (JSON, tables, plots)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny architectures on 2 CPU processes")
+    parser.add_argument("--gpus", type=int, default=4, help="the machine's GPUs: the parallel rows' degree (default 4)")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="seconds the whole script may take (default 570 on GPUs, none in the dry run)")
     args = parser.parse_args(argv)
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
             # the kernels need CUDA: the dry run runs the CPU tests of the same module instead
             command = [sys.executable, "-m", "pytest", "-q", *TESTS[section][args.cpu_dry_run]]
         else:
-            command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run),
+            command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run, args.gpus),
                        "--out", str(out / f"{section}.json")]
         print(f"== {section}: {' '.join(command[1:])}", flush=True)
         code = run_until(command, left)
