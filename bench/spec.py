@@ -479,6 +479,12 @@ TABLES = [
     dict(name="e2e-h200x2", doc=TIMELINE, files=["2026-11-28_h200x2/e2e/e2e.json"], columns=E2E,
          note="rows the call's deadline skipped: old:ulysses:warm, new:1gpu:warm, new:displaced:warm, new:pp:warm "
               "(pp's warm-up was refused: the script asked pp for CUDA graphs)"),
+    dict(name="quant-flux-h200x2", doc="docs/quantization.md", files=["2026-11-28_h200x2/quant/quant-flux-1gpu.json"],
+         columns=[("variant", lambda r: r.get("quant", "bf16") if r.get("graph") else
+                   ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))] + BENCH[1:5]
+         + MEMORY_ERROR + [("28 steps s", "e2e_28_steps_s", ".2f")],
+         note="the call's other sections (ulysses 2 with fp8 payloads, Wan2.1-14B, the modulation kept in bf16) were "
+              "skipped at its deadline; rel. err is one step against diffusers' eager bf16 output"),
     dict(name="gpu8-planned", doc=BENCHMARKS, files=["2026-11-28_plan-h200x8/gpu8/plan-*.json"], rows=planned_rows,
          columns=PREDICTED, note="predictions of `ditmesh plan`; the measured rows come from suite gpu8 when an "
                                  "8-GPU machine is lent"),
