@@ -1,0 +1,204 @@
+"""`ditmesh serve --ray` on a real Ray cluster of this machine (ray.cluster_utils.Cluster: a head that runs no
+rank and worker nodes of one logical CPU, each pinned to one core), the tiny pipeline over gloo (64x64, 2 steps):
+replicas of 2 and 1 ranks give the single-host service's pictures; a rank actor killed mid-request; a bounded load
+that scales the service up, a node removed under load, and the scale back down when idle. One cluster serves the
+module (Ray's start-up is the heavy part)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from ditmesh.testing import free_port
+
+from test_serve import _metric, _progress_then, decode, running_server
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+#: a Ray cluster of this machine on the loopback address only (Ray otherwise takes the address of the default route)
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1",
+           "RAY_raylet_start_wait_time_s": "120", "PYTHONPATH": os.pathsep.join(
+               [SRC, *filter(None, [os.environ.get("PYTHONPATH")])])}
+SMALL = ["--steps", "2", "--height", "64", "--width", "64", "--step-timeout", "20", "--load-timeout", "300"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (0 CPUs: the front door's side) and two worker nodes of 1 CPU, each pinned to one core; more are
+    added by the tests. Yields (cluster, add_node)."""
+    os.environ.update(RAY_ENV)
+    from ray.cluster_utils import Cluster
+
+    cores = sorted(os.sched_getaffinity(0))
+    added = []
+
+    def add_node():
+        os.sched_setaffinity(0, {cores[len(added) % len(cores)]})  # the node's processes inherit the core
+        try:
+            node = c.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+        finally:
+            os.sched_setaffinity(0, cores)
+        added.append(node)
+        return node
+
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=0, object_store_memory=80 * 2**20, include_dashboard=False,
+        _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
+    try:
+        add_node()
+        add_node()
+        yield c, add_node
+    finally:
+        c.shutdown()
+
+
+def _reference_pictures(argv: list[str], bodies: list[dict]) -> list[bytes]:
+    """The pixels the single-host service makes for ``bodies``: the options ``ditmesh serve ARGV`` gives its
+    replicas, run by a replica of rank processes on this machine (``replica.Replica``)."""
+    import ditmesh.serve.server as server
+    from ditmesh.cli import main
+    from ditmesh.serve.replica import Replica
+
+    captured = {}
+
+    def capture(args, world, config, model, limits, adapter, sock):
+        sock.close()
+        captured.update(args=args, world=world)
+        return 0
+
+    real = server.serve
+    server.serve = capture
+    try:
+        assert main(["serve", "--port", "0", *argv]) == 0
+    finally:
+        server.serve = real
+    args, world = captured["args"], captured["world"]
+    replica = Replica(0, world, {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}, 60, 300)
+    replica.start()
+    try:
+        return [_pixels(replica.run(f"ref{i}", body)[0][0][1]) for i, body in enumerate(bodies)]
+    finally:
+        replica.stop()
+
+
+def _pixels(picture) -> bytes:
+    image = picture if isinstance(picture, Image.Image) else Image.open(io.BytesIO(picture))
+    return image.convert("RGB").tobytes()
+
+
+def _health(client) -> dict:
+    return client.get("/health").json()
+
+
+def _wait(what: str, predicate, timeout_s: float = 120):
+    deadline = time.time() + timeout_s
+    while not (value := predicate()):
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+    return value
+
+
+BODIES = [{"prompt": "a red circle", "seed": 5}, {"prompt": "a blue square", "seed": 11}]
+
+
+def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_actor_fails_its_request_once(cluster):
+    c, _ = cluster
+    argv = ["--nproc", "2", "--ulysses", "2", *SMALL]
+    reference = _reference_pictures(argv, BODIES)
+    with running_server(*argv, "--ray", c.address, "--ray-cpus-per-rank", "0.5", ready_s=300) as (base, _):
+        with httpx.Client(base_url=base, timeout=180) as client:
+            pictures = [client.post("/generate", json=body) for body in BODIES]
+            assert [r.status_code for r in pictures] == [200, 200], pictures[0].text
+            assert [_pixels(decode(r.json()["images"][0]["b64"])) for r in pictures] == reference
+            replica = _health(client)["replicas"][0]
+            assert replica["ranks"] == 2 and replica["node"] and replica["state"] == "ready"
+            # rank 1's actor process killed while the request runs: that request fails once, naming the rank, its
+            # node and the cause; the one queued behind it runs on the rebuilt replica
+            job = client.post("/jobs", json={"prompt": "a long one", "steps": 200}).json()["id"]
+            queued = client.post("/jobs", json={"prompt": "queued behind", "seed": 1}).json()["id"]
+            event, data = _progress_then(client, job, 2, lambda: os.kill(replica["pids"][1], signal.SIGKILL))
+            assert event == "error" and data["status"] == 500, data
+            assert "rank 1 of replica 0" in data["message"] and "died" in data["message"], data
+            assert job in data["message"] and "running step" in data["message"], data
+            event, data = _progress_then(client, queued, 99, lambda: None)
+            assert event == "done", data
+            rebuilt = _health(client)["replicas"][0]
+            assert rebuilt["restarts"] == 1 and not set(rebuilt["pids"]) & set(replica["pids"])
+            assert client.post("/generate", json=BODIES[0]).json()["images"][0]["b64"] == \
+                pictures[0].json()["images"][0]["b64"]
+
+
+def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scale_down(cluster):
+    c, add_node = cluster
+    argv = SMALL
+    reference = _reference_pictures(argv, BODIES[:1])
+    with running_server(*argv, "--ray", c.address, "--min-replicas", "1", "--max-replicas", "2",
+                        "--scale-down-idle", "3", ready_s=300) as (base, _):
+        with httpx.Client(base_url=base, timeout=300) as client:
+            r = client.post("/generate", json=BODIES[0])
+            assert _pixels(decode(r.json()["images"][0]["b64"])) == reference[0]
+            assert len(_health(client)["replicas"]) == 1
+
+            # a bounded load from 8 clients: the queue makes the scaler add a replica on the other node
+            clients, per_client = 8, 7
+            answers = []
+
+            def client_loop(k):
+                with httpx.Client(base_url=base, timeout=300) as own:
+                    for i in range(per_client):
+                        r = own.post("/generate", json={"prompt": f"client {k} request {i}", "seed": k * 100 + i})
+                        answers.append((r.status_code, r.json().get("id")))
+
+            with ThreadPoolExecutor(clients) as pool:
+                list(pool.map(client_loop, range(clients)))
+            assert [s for s, _ in answers] == [200] * clients * per_client
+            assert len({i for _, i in answers}) == clients * per_client
+            assert _metric(client, "ditmesh_scale_ups_total") >= 1
+            replicas = _wait("two ready replicas", lambda: [r for r in _health(client)["replicas"]
+                                                            if r["state"] == "ready"] if len(
+                [r for r in _health(client)["replicas"] if r["state"] == "ready"]) == 2 else None)
+            assert len({r["node"] for r in replicas}) == 2  # one CPU per node: one replica each
+
+            # a node removed under load: its replica is rebuilt on a healthy node (added now), every request is
+            # answered once: 200, or 500 naming the lost rank (retried first if it had not finished a step)
+            spare = add_node()
+            victim = next(n for n in c.worker_nodes if n.node_id == replicas[0]["node"])
+            answers.clear()
+            stop = threading.Event()
+
+            def remove_when_busy():
+                _wait("the victim's replica busy", lambda: any(
+                    r["node"] == victim.node_id and r["state"] == "busy" for r in _health(client)["replicas"]))
+                c.remove_node(victim, allow_graceful=False)
+                stop.set()
+
+            remover = threading.Thread(target=remove_when_busy)
+            remover.start()
+            with ThreadPoolExecutor(clients) as pool:
+                list(pool.map(client_loop, range(clients)))
+            remover.join()
+            assert stop.is_set()
+            statuses = [s for s, _ in answers]
+            assert len({i for _, i in answers}) == len(answers) == clients * per_client
+            assert set(statuses) <= {200, 500} and statuses.count(500) <= 1, statuses
+            health = _wait("the replica rebuilt", lambda: (h := _health(client)) if all(
+                r["state"] == "ready" for r in h["replicas"]) and len(h["replicas"]) == 2 else None)
+            assert victim.node_id not in {r["node"] for r in health["replicas"]}
+            assert spare.node_id in {r["node"] for r in health["replicas"]}
+            assert _metric(client, "ditmesh_restarts_total") >= 1
+
+            # idle: back down to --min-replicas
+            _wait("the scale down", lambda: len(_health(client)["replicas"]) == 1, 60)
+            assert _metric(client, "ditmesh_scale_downs_total") == 1
+            assert client.post("/generate", json=BODIES[0]).status_code == 200
