@@ -6,90 +6,43 @@ module (Ray's start-up is the heavy part)."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
 
-from ditmesh.testing import free_port
 
 from test_serve import _metric, _progress_then, decode, running_server
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
-#: a Ray cluster of this machine on the loopback address only (Ray otherwise takes the address of the default route)
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1",
-           "RAY_raylet_start_wait_time_s": "120", "PYTHONPATH": os.pathsep.join(
-               [SRC, *filter(None, [os.environ.get("PYTHONPATH")])])}
 SMALL = ["--steps", "2", "--height", "64", "--width", "64", "--step-timeout", "20", "--load-timeout", "300"]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head (0 CPUs: the front door's side) and two worker nodes of 1 CPU, each pinned to one core; more are
-    added by the tests. Yields (cluster, add_node)."""
-    os.environ.update(RAY_ENV)
-    from ray.cluster_utils import Cluster
+    """A head (no CPU: the front door's driver) and two worker nodes of one CPU, each pinned to one core."""
+    from ditmesh.testing import PinnedRayCluster
 
-    cores = sorted(os.sched_getaffinity(0))
-    added = []
-
-    def add_node():
-        os.sched_setaffinity(0, {cores[len(added) % len(cores)]})  # the node's processes inherit the core
-        try:
-            node = c.add_node(num_cpus=1, object_store_memory=80 * 2**20)
-        finally:
-            os.sched_setaffinity(0, cores)
-        added.append(node)
-        return node
-
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=0, object_store_memory=80 * 2**20, include_dashboard=False,
-        _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
+    c = PinnedRayCluster(nodes=2)
     try:
-        add_node()
-        add_node()
-        yield c, add_node
+        yield c
     finally:
         c.shutdown()
 
 
 def _reference_pictures(argv: list[str], bodies: list[dict]) -> list[bytes]:
-    """The pixels the single-host service makes for ``bodies``: the options ``ditmesh serve ARGV`` gives its
-    replicas, run by a replica of rank processes on this machine (``replica.Replica``)."""
-    import ditmesh.serve.server as server
-    from ditmesh.cli import main
-    from ditmesh.serve.replica import Replica
-
-    captured = {}
-
-    def capture(args, world, config, model, limits, adapter, sock):
-        sock.close()
-        captured.update(args=args, world=world)
-        return 0
-
-    real = server.serve
-    server.serve = capture
-    try:
-        assert main(["serve", "--port", "0", *argv]) == 0
-    finally:
-        server.serve = real
-    args, world = captured["args"], captured["world"]
-    replica = Replica(0, world, {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}, 60, 300)
-    replica.start()
-    try:
-        return [_pixels(replica.run(f"ref{i}", body)[0][0][1]) for i, body in enumerate(bodies)]
-    finally:
-        replica.stop()
+    """The pixels the single-host service (``ditmesh serve ARGV``, its replicas rank processes of this machine)
+    returns for ``bodies``."""
+    with running_server(*argv) as (base, _):
+        with httpx.Client(base_url=base, timeout=180) as client:
+            answers = [client.post("/generate", json=body) for body in bodies]
+    assert [r.status_code for r in answers] == [200] * len(bodies), answers[0].text
+    return [_pixels(decode(r.json()["images"][0]["b64"])) for r in answers]
 
 
 def _pixels(picture) -> bytes:
@@ -113,7 +66,7 @@ BODIES = [{"prompt": "a red circle", "seed": 5}, {"prompt": "a blue square", "se
 
 
 def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_actor_fails_its_request_once(cluster):
-    c, _ = cluster
+    c = cluster
     argv = ["--nproc", "2", "--ulysses", "2", *SMALL]
     reference = _reference_pictures(argv, BODIES)
     with running_server(*argv, "--ray", c.address, "--ray-cpus-per-rank", "0.5", ready_s=300) as (base, _):
@@ -140,7 +93,7 @@ def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_act
 
 
 def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scale_down(cluster):
-    c, add_node = cluster
+    c = cluster
     argv = SMALL
     reference = _reference_pictures(argv, BODIES[:1])
     with running_server(*argv, "--ray", c.address, "--min-replicas", "1", "--max-replicas", "2",
@@ -172,15 +125,15 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
 
             # a node removed under load: its replica is rebuilt on a healthy node (added now), every request is
             # answered once: 200, or 500 naming the lost rank (retried first if it had not finished a step)
-            spare = add_node()
-            victim = next(n for n in c.worker_nodes if n.node_id == replicas[0]["node"])
+            spare = c.add_node()
+            victim = replicas[0]["node"]
             answers.clear()
             stop = threading.Event()
 
             def remove_when_busy():
                 _wait("the victim's replica busy", lambda: any(
-                    r["node"] == victim.node_id and r["state"] == "busy" for r in _health(client)["replicas"]))
-                c.remove_node(victim, allow_graceful=False)
+                    r["node"] == victim and r["state"] == "busy" for r in _health(client)["replicas"]))
+                c.remove_node(victim)
                 stop.set()
 
             remover = threading.Thread(target=remove_when_busy)
@@ -194,7 +147,7 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             assert set(statuses) <= {200, 500} and statuses.count(500) <= 1, statuses
             health = _wait("the replica rebuilt", lambda: (h := _health(client)) if all(
                 r["state"] == "ready" for r in h["replicas"]) and len(h["replicas"]) == 2 else None)
-            assert victim.node_id not in {r["node"] for r in health["replicas"]}
+            assert victim not in {r["node"] for r in health["replicas"]}
             assert spare.node_id in {r["node"] for r in health["replicas"]}
             assert _metric(client, "ditmesh_restarts_total") >= 1
 

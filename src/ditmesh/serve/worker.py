@@ -84,6 +84,7 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     loaded = load_pipeline(args, options, model, device, rank, world)
     loaded.pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
+    options = vars(args)  # requests update the server's options: a dict (validate returned the RunOptions)
     # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled before a client
     warmed = {}
     for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
