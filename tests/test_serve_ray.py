@@ -17,10 +17,10 @@ import httpx
 import pytest
 from PIL import Image
 
+from test_serve import _HeldReplica, _metric, _progress_then, decode, running_server
 
-from test_serve import _metric, _progress_then, decode, running_server
-
-SMALL = ["--steps", "2", "--height", "64", "--width", "64", "--step-timeout", "20", "--load-timeout", "300"]
+SMALL = ["--steps", "2", "--height", "64", "--width", "64", "--max-steps", "200", "--step-timeout", "20",
+         "--load-timeout", "300"]
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +155,52 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             _wait("the scale down", lambda: len(_health(client)["replicas"]) == 1, 60)
             assert _metric(client, "ditmesh_scale_downs_total") == 1
             assert client.post("/generate", json=BODIES[0]).status_code == 200
+
+
+class _FailingReplica(_HeldReplica):
+    """Stands in for a Replica whose group fails (RankFault) on the calls listed in ``faults``: call number ->
+    steps it finishes first; the others succeed. A failed group restarts at once."""
+
+    def __init__(self, faults: dict[int, int]):
+        self.index, self.state, self.restarts, self.served, self.world = 0, "ready", 0, 0, 1
+        self.load_s, self.warm_s, self.faults, self.calls, self.retired = [], {}, faults, [], False
+
+    def run(self, job_id, options, on_step=None):
+        from ditmesh.serve.replica import RankFault
+
+        self.calls.append(options["prompt"])
+        if len(self.calls) in self.faults:
+            for step in range(self.faults[len(self.calls)]):
+                on_step(step + 1, 2)
+            self.state = "failed"
+            raise RankFault(f"rank 0 of replica 0 died: its node died or left the cluster while {job_id}")
+        on_step(2, 2)
+        return [("image/png", options["prompt"].encode())], 0.0
+
+    def restart(self):
+        self.restarts += 1
+        self.state = "ready"
+
+
+def test_a_request_whose_replica_fails_before_its_first_step_runs_again_once_else_it_fails_naming_the_fault():
+    from types import SimpleNamespace
+
+    from ditmesh.serve.app import Service
+
+    # call 1 (a) fails before a step: a runs again (call 2) and succeeds; call 3 (b) fails after a step: b fails;
+    # calls 4 and 5 (c, then c again) fail before a step: c was retried once already, so it fails
+    replica = _FailingReplica({1: 0, 3: 1, 4: 0, 5: 0})
+    service = Service([replica], limits=None, defaults=SimpleNamespace(steps=2, seed=0), restart_delay_s=0.01)
+    jobs = [service.submit({"prompt": name}) for name in "abc"]
+    service.start()
+    try:
+        a, b, c = (job.future.result(10) for job in jobs)
+        assert a["error"] is None and a["images"] == [("image/png", b"a")]
+        assert b["error"][0] == 500 and "its node died" in b["error"][1], b
+        assert c["error"][0] == 500 and "its node died" in c["error"][1], c
+        assert replica.calls == ["a", "a", "b", "c", "c"]
+        assert [j.retried for j in jobs] == [True, False, True]
+        assert "ditmesh_retried_requests_total 2" in service.metrics()
+        assert 'ditmesh_requests_total{outcome="fault"} 2' in service.metrics()
+    finally:
+        service.stop()
