@@ -97,7 +97,7 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
     argv = SMALL
     reference = _reference_pictures(argv, BODIES[:1])
     with running_server(*argv, "--ray", c.address, "--min-replicas", "1", "--max-replicas", "2",
-                        "--scale-down-idle", "3", ready_s=300) as (base, _):
+                        "--scale-down-idle", "10", ready_s=300) as (base, _):
         with httpx.Client(base_url=base, timeout=300) as client:
             r = client.post("/generate", json=BODIES[0])
             assert _pixels(decode(r.json()["images"][0]["b64"])) == reference[0]
