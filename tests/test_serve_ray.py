@@ -204,3 +204,54 @@ def test_a_request_whose_replica_fails_before_its_first_step_runs_again_once_els
         assert 'ditmesh_requests_total{outcome="fault"} 2' in service.metrics()
     finally:
         service.stop()
+
+
+class _StartedReplica(_HeldReplica):
+    """Stands in for a RayReplica the scaler starts: its calls are held until ``release`` is set."""
+
+    def __init__(self, index: int, release: threading.Event):
+        super().__init__()
+        self.index, self.retired, self.release, self.node, self.node_ip = index, False, release, f"node{index}", ""
+        self.stopped = False
+
+    def start(self):
+        self.state = "ready"
+
+    def run(self, job_id, options, on_step=None):
+        self.calls.append(options)
+        assert self.release.wait(10)  # shared by every replica: not cleared
+        return [("image/png", options["prompt"].encode())], 0.0
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_the_scaler_adds_replicas_while_requests_wait_and_stops_idle_ones_down_to_the_minimum():
+    from types import SimpleNamespace
+
+    from ditmesh.serve.ray_scaling import RayService
+
+    release = threading.Event()
+    made = []
+
+    def new_replica(index):
+        made.append(_StartedReplica(index, release))
+        return made[-1]
+
+    service = RayService([new_replica(0)], limits=None, defaults=SimpleNamespace(steps=2, seed=0),
+                         new_replica=new_replica, min_replicas=1, max_replicas=3, scale_down_idle_s=1.0)
+    service.start()
+    try:
+        jobs = [service.submit({"prompt": f"p{i}"}) for i in range(6)]  # one runs, five wait: up to 3 replicas
+        _wait("three replicas", lambda: len(service.replicas) == 3, 20)
+        time.sleep(1.5)
+        assert len(made) == 3 and service.health()["scaling"] == {"min": 1, "max": 3, "starting": 0}
+        release.set()  # every held call returns at once from now on
+        assert [job.future.result(10)["error"] for job in jobs] == [None] * 6
+        assert sum(r.calls != [] for r in made) >= 2  # the added replicas took requests
+        _wait("the scale down", lambda: len(service.replicas) == 1, 20)
+        assert service.replicas == [made[0]] and made[1].stopped and made[2].stopped
+        assert "ditmesh_scale_ups_total 2" in service.metrics() and "ditmesh_scale_downs_total 2" in service.metrics()
+    finally:
+        release.set()
+        service.stop()
