@@ -112,7 +112,8 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
                 with httpx.Client(base_url=base, timeout=300) as own:
                     for i in range(per_client):
                         r = own.post("/generate", json={"prompt": f"client {k} request {i}", "seed": k * 100 + i})
-                        answers.append((r.status_code, r.json().get("id")))
+                        body = r.json()
+                        answers.append((r.status_code, body.get("id") or body["error"]["message"]))
 
             with ThreadPoolExecutor(clients) as pool:
                 list(pool.map(client_loop, range(clients)))
@@ -131,13 +132,12 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             answers.clear()
             stop = threading.Event()
 
-            def remove_when_busy():
-                _wait("the victim's replica busy", lambda: any(
-                    r["node"] == victim and r["state"] == "busy" for r in _health(client)["replicas"]))
+            def remove_mid_load():
+                _wait("a part of the load answered", lambda: len(answers) >= clients, 300)
                 c.remove_node(victim)
                 stop.set()
 
-            remover = threading.Thread(target=remove_when_busy)
+            remover = threading.Thread(target=remove_mid_load)
             remover.start()
             with ThreadPoolExecutor(clients) as pool:
                 list(pool.map(client_loop, range(clients)))
@@ -145,12 +145,15 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             assert stop.is_set()
             statuses = [s for s, _ in answers]
             assert len({i for _, i in answers}) == len(answers) == clients * per_client
-            assert set(statuses) <= {200, 500} and statuses.count(500) <= 1, statuses
-            health = _wait("the replica rebuilt", lambda: (h := _health(client)) if all(
-                r["state"] == "ready" for r in h["replicas"]) and len(h["replicas"]) == 2 else None)
-            nodes = {r["node"] for r in health["replicas"]}
-            assert victim not in nodes and len(nodes) == 2
-            assert _metric(client, "ditmesh_restarts_total") >= 1
+            assert set(statuses) <= {200, 500} and statuses.count(500) <= 1, answers
+            # a request that had finished a step when its node went fails naming the lost rank; one that had not
+            # ran again on the other replica
+            assert all("of replica" in i and ("died" in i or "stopped answering" in i) for s, i in answers
+                       if s == 500), answers
+            rebuilt = _wait("the lost replica rebuilt", lambda: next((
+                r for r in _health(client)["replicas"] if r["index"] == replicas[0]["index"] and r["restarts"] >= 1
+                and r["state"] == "ready"), None), 300)
+            assert rebuilt["node"] != victim and _metric(client, "ditmesh_restarts_total") >= 1
 
             # idle: back down to --min-replicas
             _wait("the scale down", lambda: len(_health(client)["replicas"]) == 1, 60)

@@ -148,12 +148,12 @@ def death_cause(exc: BaseException) -> str:
     """One line of why Ray says an actor died (its node, its process), from ActorDiedError's message."""
     text = " ".join(str(exc).split())
     lowered = text.lower()
+    if "worker process has died" in lowered or "worker died" in lowered:
+        return "its process died"
     if "node" in lowered and ("died" in lowered or "dead" in lowered or "removed" in lowered):
         return "its node died or left the cluster"
     if "ray.kill" in lowered or "killed by" in lowered:
         return "it was killed (ray.kill)"
-    if "worker process has died" in lowered or "worker died" in lowered or "exit" in lowered:
-        return "its process died"
     return text[:200]
 
 
