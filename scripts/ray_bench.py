@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -95,6 +96,7 @@ def main() -> int:
     import ray
     import torch
 
+    load_before = os.getloadavg()[0]
     rows = [measure(nodes, args.requests, args.clients) for nodes in (1, 2)]
     for row in rows:
         row["speedup"] = round(row["req_per_s"] / rows[0]["req_per_s"], 3)
@@ -104,7 +106,9 @@ def main() -> int:
            "command": "PYTHONPATH=src python scripts/ray_bench.py" + (
                f" --requests {args.requests}" if args.requests != 64 else "") + (
                f" --clients {args.clients}" if args.clients != 8 else ""),
-           "serve": SERVE, "versions": {"torch": torch.__version__, "ray": ray.__version__,
+           "serve": SERVE, "cores": len(os.sched_getaffinity(0)),
+           # other work on the machine shares the pinned cores: the 1-minute load average around the runs
+           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "versions": {"torch": torch.__version__, "ray": ray.__version__,
                                         "python": platform.python_version()},
            "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
