@@ -18,6 +18,9 @@ import pytest
 from PIL import Image
 
 from test_serve import _HeldReplica, _metric, _progress_then, decode, running_server
+from test_serve import test_serve_refuses_bad_options_before_any_rank_starts as _refused
+
+from ditmesh.testing import free_port
 
 SMALL = ["--steps", "2", "--height", "64", "--width", "64", "--max-steps", "200", "--step-timeout", "20",
          "--load-timeout", "300"]
@@ -262,3 +265,28 @@ def test_the_scaler_adds_replicas_while_requests_wait_and_stops_idle_ones_down_t
     finally:
         release.set()
         service.stop()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--min-replicas", "2"], "--min-replicas 2 scales replicas on a Ray cluster: add --ray ADDRESS (or --ray auto), "
+                              "or use --replicas N on this machine"),
+    (["--ray", "head"], "--ray head must be HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379) or auto"),
+    (["--ray", "auto", "--min-replicas", "3", "--max-replicas", "2"], "--max-replicas 2 is below --min-replicas 3"),
+    (["--ray", "auto", "--replicas", "2", "--min-replicas", "3"], "--replicas 2 and --min-replicas 3 disagree; with "
+                                                                  "--ray give --min-replicas (and --max-replicas)"),
+    (["--ray", "auto", "--ray-cpus-per-rank", "0"], "--ray-cpus-per-rank 0.0 must be > 0 (e.g. 1, or 0.5 to put two "
+                                                    "ranks on one CPU)"),
+])
+def test_serve_refuses_bad_ray_options_in_one_line(capsys, argv, line):
+    _refused(capsys, argv, line)
+
+
+def test_serve_says_at_once_when_no_ray_cluster_answers(capsys):
+    from ditmesh.cli import main
+
+    port = free_port()
+    t0 = time.time()
+    assert main(["serve", "--port", "0", "--ray", f"127.0.0.1:{port}"]) == 2
+    assert time.time() - t0 < 60  # not after Ray's minutes of retries
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"ditmesh: error: --ray 127.0.0.1:{port}: no Ray cluster answers there"), last

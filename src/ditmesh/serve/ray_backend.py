@@ -80,6 +80,15 @@ def connect(address: str) -> None:
     from ..config import ConfigError
     from ..shared import one_line
 
+    if address != "auto":  # Ray itself retries an address that does not answer for minutes: ask once first
+        import socket
+
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        except OSError as exc:
+            raise ConfigError(f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
+                              f"`ray start --head` and give its HOST:PORT, or auto on one of its nodes") from None
     try:
         ray.init(address=address, namespace="ditmesh", log_to_driver=False, logging_level="warning",
                  configure_logging=False)
