@@ -87,6 +87,7 @@ def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_act
             assert event == "error" and data["status"] == 500, data
             assert "rank 1 of replica 0" in data["message"] and "died" in data["message"], data
             assert job in data["message"] and "running step" in data["message"], data
+            print(f"\nray: rank actor killed: {data['message']}")
             event, data = _progress_then(client, queued, 99, lambda: None)
             assert event == "done", data
             rebuilt = _health(client)["replicas"][0]
@@ -159,7 +160,7 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             assert rebuilt["node"] != victim and _metric(client, "ditmesh_restarts_total") >= 1
             print(f"\nray: node removed under load: {statuses.count(200)} answered 200, {statuses.count(500)} 500, "
                   f"{_metric(client, 'ditmesh_retried_requests_total'):.0f} retried; replica {rebuilt['index']} "
-                  f"rebuilt on {rebuilt['node'][:12]}")
+                  f"rebuilt on {rebuilt['node'][:12]}; {[i for s, i in answers if s == 500]}")
 
             # idle: back down to --min-replicas
             _wait("the scale down", lambda: len(_health(client)["replicas"]) == 1, 60)
