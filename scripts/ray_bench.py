@@ -1,6 +1,7 @@
 """Throughput of ``ditmesh serve --ray`` on 1 versus 2 Ray nodes of this machine, each one pinned CPU core with a
 one-rank replica of the tiny pipeline: the same bounded load (REQUESTS from CLIENTS clients) on each, answered
-requests per second and latency percentiles, written as one JSON document of rows.
+requests per second and latency percentiles, written as one JSON document of rows (two alternating rounds by
+default; the speed-up is against the median of the one-node rounds).
 
     PYTHONPATH=src python scripts/ray_bench.py            # -> bench/results/2026-11-28_cpu/ray/throughput.json
     PYTHONPATH=src python scripts/ray_bench.py --requests 16 --out /tmp/ray.json   # a quick look
@@ -89,23 +90,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="rounds of (1 node, 2 nodes), alternating, so that other work on the machine weighs on "
+                             "both alike (default 2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    if args.requests < 1 or args.clients < 1:
-        parser.error("--requests and --clients must be >= 1")
+    if args.requests < 1 or args.clients < 1 or args.repeat < 1:
+        parser.error("--requests, --clients and --repeat must be >= 1")
     import ray
     import torch
 
     load_before = os.getloadavg()[0]
-    rows = [measure(nodes, args.requests, args.clients) for nodes in (1, 2)]
-    for row in rows:
-        row["speedup"] = round(row["req_per_s"] / rows[0]["req_per_s"], 3)
-        print(f"{row['nodes']} node(s): {row['req_per_s']:.2f} req/s, p50 {row['p50_s']:.2f} s, "
+    rows = [dict(measure(nodes, args.requests, args.clients), round=i + 1)
+            for i in range(args.repeat) for nodes in (1, 2)]
+    one_node = statistics.median(r["req_per_s"] for r in rows if r["nodes"] == 1)
+    for row in rows:  # against the median of the one-node rounds
+        row["speedup"] = round(row["req_per_s"] / one_node, 3)
+        print(f"round {row['round']}, {row['nodes']} node(s): {row['req_per_s']:.2f} req/s, p50 {row['p50_s']:.2f} s, "
               f"p99 {row['p99_s']:.2f} s, x{row['speedup']:.2f}", flush=True)
     doc = {"kind": "ray-throughput", "card": "CPU cores", "device": "cpu",
            "command": "PYTHONPATH=src python scripts/ray_bench.py" + (
                f" --requests {args.requests}" if args.requests != 64 else "") + (
-               f" --clients {args.clients}" if args.clients != 8 else ""),
+               f" --clients {args.clients}" if args.clients != 8 else "") + (
+               f" --repeat {args.repeat}" if args.repeat != 2 else ""),
            "serve": SERVE, "cores": len(os.sched_getaffinity(0)),
            # other work on the machine shares the pinned cores: the 1-minute load average around the runs
            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "versions": {"torch": torch.__version__, "ray": ray.__version__,
