@@ -168,17 +168,20 @@ class PinnedRayCluster:
 
         self.cores = sorted(os.sched_getaffinity(0))
         self.num_cpus = num_cpus
-        self.added = 0
-        # node deaths are noticed in about 5 s (Ray's default: 15 s)
-        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, object_store_memory=80 * 2**20, include_dashboard=False,
-            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
-        try:
-            for _ in range(nodes):
-                self.add_node()
-        except BaseException:
-            self.cluster.shutdown()
-            raise
+        for attempt in (1, 2):  # Ray gives a node 30 s to register: a loaded machine may need a second start
+            self.added = 0
+            # node deaths are noticed in about 5 s (Ray's default: 15 s)
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=0, object_store_memory=80 * 2**20, include_dashboard=False,
+                _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
+            try:
+                for _ in range(nodes):
+                    self.add_node()
+                break
+            except Exception as exc:
+                self.cluster.shutdown()
+                if attempt == 2 or "timed out during startup" not in str(exc):
+                    raise
         self.address = self.cluster.address
 
     def add_node(self):

@@ -76,6 +76,7 @@ class Service:
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
         self.last_restart_error = ""
         self.stopping = threading.Event()
+        self.retired: set[int] = set()  # replicas taken out of service (scaled down): their dispatchers leave
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
@@ -154,7 +155,7 @@ class Service:
             job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4)))
 
     def _dispatch(self, replica: Replica) -> None:
-        while not self.stopping.is_set() and not replica.retired:
+        while not self.stopping.is_set() and replica.index not in self.retired:
             if replica.state == "failed":
                 self._restart(replica)
                 if replica.state == "down":

@@ -52,7 +52,7 @@ class RayService(Service):
         idle_since: dict[int, float] = {}
         served: dict[int, int] = {}
         while not self.stopping.wait(SCALE_TICK_S):
-            live = [r for r in list(self.replicas) if not r.retired and r.state != "down"]
+            live = [r for r in list(self.replicas) if r.index not in self.retired and r.state != "down"]
             waiting = self.queue.qsize()
             free = sum(r.state == "ready" for r in live)
             if waiting > free + self.starting and len(live) + self.starting < self.max_replicas:
@@ -99,7 +99,7 @@ class RayService(Service):
     def _retire(self, replica) -> None:
         """Take ``replica`` out of service: its dispatcher leaves after the request it may hold, then its actors
         stop and it leaves the list."""
-        replica.retired = True
+        self.retired.add(replica.index)
 
         def leave():
             self.dispatchers[replica.index].join()
@@ -117,13 +117,13 @@ class RayService(Service):
         for entry in body["replicas"]:
             replica = where.get(entry["index"])
             if replica is not None:
-                entry.update(node=replica.node, node_ip=replica.node_ip, retired=replica.retired)
+                entry.update(node=replica.node, node_ip=replica.node_ip, retired=replica.index in self.retired)
         body["scaling"] = {"min": self.min_replicas, "max": self.max_replicas, "starting": self.starting}
         return body
 
     def metrics(self) -> str:
         c = self.counts
-        live = sum(not r.retired and r.state != "down" for r in list(self.replicas))
+        live = sum(r.index not in self.retired and r.state != "down" for r in list(self.replicas))
         return super().metrics() + "\n".join([
             "# HELP ditmesh_replicas Replicas serving (Ray).", "# TYPE ditmesh_replicas gauge",
             f"ditmesh_replicas {live}",

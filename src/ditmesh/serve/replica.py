@@ -71,7 +71,6 @@ class Replica:
         self.load_s: list[float] = []
         self.warm_s: dict[str, float] = {}
         self._in_request = False  # between sending a request and its answer
-        self.retired = False  # taken out of service (scaled down): its dispatcher leaves after its request
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
