@@ -485,6 +485,12 @@ TABLES = [
          + MEMORY_ERROR + [("28 steps s", "e2e_28_steps_s", ".2f")],
          note="the call's other sections (ulysses 2 with fp8 payloads, Wan2.1-14B, the modulation kept in bf16) were "
               "skipped at its deadline; rel. err is one step against diffusers' eager bf16 output"),
+    dict(name="ray-cpu-throughput", doc="docs/ray.md", files=["2026-11-28_cpu/ray/throughput.json"],
+         order=lambda r: (r["round"], r["nodes"]),
+         columns=[("round", "round"), ("pinned CPU nodes", "nodes"), ("one-rank replicas", "replicas"),
+                  ("requests / clients", lambda r: f"{r['requests']} / {r['clients']}"), ("req/s", "req_per_s", ".2f"),
+                  ("× 1 node (median)", "speedup", ".2f"), ("p50 s", "p50_s", ".2f"), ("p99 s", "p99_s", ".2f"),
+                  ("served per replica", lambda r: " / ".join(map(str, r["served_per_replica"])))]),
     dict(name="gpu8-planned", doc=BENCHMARKS, files=["2026-11-28_plan-h200x8/gpu8/plan-*.json"], rows=planned_rows,
          columns=PREDICTED, note="predictions of `ditmesh plan`; the measured rows come from suite gpu8 when an "
                                  "8-GPU machine is lent"),

@@ -3,6 +3,10 @@ replica is free, the routes, the metrics and the web page.
 
 Every job is answered exactly once: its future is set by the one dispatcher that took it (a result, a refusal
 by the pipeline, or the fault of its replica), or by a cancellation while it still waits in the queue.
+
+A replica that fails (a rank died, hung or stopped; on a Ray cluster also its node) while it holds a job: the job is
+run again once, at the head of the queue, if no step of it had finished (its client has seen no progress); else it
+is answered 500 naming the fault. A job is retried at most once, so a request that keeps killing replicas fails.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Job:
     steps: int = 0
     future: Future = field(default_factory=Future)
     timeline: dict = field(default_factory=dict)  # seconds per phase (PHASES), filled as they end
+    retried: bool = False  # queued again once after its replica failed before its first step
 
 
 def _batch_key(options: dict) -> tuple:
@@ -83,6 +88,7 @@ class Service:
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
         self.last_restart_error = ""
         self.stopping = threading.Event()
+        self.retired: set[int] = set()  # replicas taken out of service (scaled down): their dispatchers leave
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
@@ -188,7 +194,7 @@ class Service:
             job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4), timeline=job.timeline))
 
     def _dispatch(self, replica: Replica) -> None:
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and replica.index not in self.retired:
             if replica.state == "failed":
                 self._restart(replica)
                 if replica.state == "down":
@@ -261,7 +267,12 @@ class Service:
             return fail("failed", (422, f"the pipeline refused the request: {exc}"))
         except RankFault as exc:
             self.counts["faults"] += 1
-            return fail("failed", (500, f"{exc}; the replica is restarting, send the request again"))
+            for member in batch:
+                if member.step == 0 and not member.retried and not member.future.done():
+                    self._retry(member)
+                else:
+                    self._finish(member, "failed", error=(500, f"{exc}; the replica is restarting, send the "
+                                                                f"request again"))
         except Exception as exc:  # noqa: BLE001  (answer the jobs whatever happened)
             replica.state = "failed"
             return fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
@@ -289,6 +300,16 @@ class Service:
         for member, images in zip(batch, per_job):
             member.timeline.update(phases)
             self._finish(member, "done", {"images": images, "batch": len(batch)})
+
+    def _retry(self, job: Job) -> None:
+        """Queue ``job`` again, first in line, after its replica failed before its first step (once per job)."""
+        with self.lock:
+            job.state, job.retried = "queued", True
+            self.counts["retried"] += 1
+        with self.queue.mutex:  # at the head, past the queue's bound: it was accepted already
+            self.queue.queue.appendleft(job)
+            self.queue.unfinished_tasks += 1
+            self.queue.not_empty.notify()
 
     def _restart(self, replica: Replica) -> None:
         """Restart a failed replica (queued jobs wait for it, or for another). After ``restart_attempts`` failures in
@@ -363,6 +384,9 @@ class Service:
                   f"ditmesh_failures_total {sum(outcomes[k] for k in SERVICE_FAILURES)}",
                   "# HELP ditmesh_rank_faults_total Ranks found dead, hung or stopped.",
                   "# TYPE ditmesh_rank_faults_total counter", f"ditmesh_rank_faults_total {c['faults']}",
+                  "# HELP ditmesh_retried_requests_total Requests run again after their replica failed before "
+                  "their first step.", "# TYPE ditmesh_retried_requests_total counter",
+                  f"ditmesh_retried_requests_total {c['retried']}",
                   "# HELP ditmesh_restarts_total Replica restarts.", "# TYPE ditmesh_restarts_total counter",
                   f"ditmesh_restarts_total {c['restarts']}",
                   "# HELP ditmesh_request_phase_seconds_total Seconds of successful requests per phase "

@@ -63,6 +63,9 @@ def add_serve_parser(sub) -> None:
     group.add_argument("--restart-attempts", type=_positive_int, default=3, metavar="N",
                        help="a replica that fails N restarts in a row (retried after 1, 2, 4, ... s) is given up; "
                             "with every replica given up, requests are answered 503 (default 3)")
+    from .ray_backend import add_ray_options
+
+    add_ray_options(s)
 
 
 def run_serve(args) -> int:
@@ -85,6 +88,9 @@ def run_serve(args) -> int:
             raise ConfigError(f"--nproc {args.nproc} is not a multiple of --dp {args.dp} (with --dp, --nproc counts "
                               f"the ranks of all replicas)")
         args.replicas, args.nproc, args.dp = args.dp, args.nproc and args.nproc // args.dp, 1
+    from .ray_backend import check_ray_options
+
+    check_ray_options(args)
     world = args.nproc or math.prod(getattr(args, axis) for axis in AXIS_ORDER)
     if args.plan == "auto":
         if not args.nproc:

@@ -79,9 +79,14 @@ class Replica:
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the ranks and wait until every one has loaded and warmed up; RankFault otherwise."""
+        self._in_request = False
+        self._launch()
+        self._await_ready()
+
+    def _launch(self) -> None:
+        """Start the rank processes with fresh channels (``_requests``, ``_events``, ``_cancel``) and ``ranks``."""
         from .worker import rank_main
 
-        self._in_request = False
         ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._events = ctx.Queue()
@@ -105,6 +110,9 @@ class Replica:
         if self.closing:
             self.stop()
             raise RankFault(f"replica {self.index} was stopped while it started")
+
+    def _await_ready(self) -> None:
+        """Wait until every rank reported "ready" (loaded and warmed up); RankFault otherwise."""
         ready = {}
         deadline = time.time() + self.load_timeout
         while len(ready) < self.world:
@@ -249,10 +257,13 @@ class Replica:
         if not dead:
             return
         rank = min(dead, key=lambda k: (self.ranks[k].process.exitcode or 0) >= 0)
-        process = self.ranks[rank].process
         self.state = "failed"
-        raise RankFault(f"rank {rank} of replica {self.index} (pid {process.pid}) died with exit code "
-                        f"{process.exitcode} while {loading or self._doing(rank)}")
+        raise RankFault(f"rank {rank} of replica {self.index} {self._death(rank)} while {loading or self._doing(rank)}")
+
+    def _death(self, rank: int) -> str:
+        """How a dead rank died, as its fault message says it."""
+        process = self.ranks[rank].process
+        return f"(pid {process.pid}) died with exit code {process.exitcode}"
 
     def _doing(self, rank: int) -> str:
         if not self._in_request:

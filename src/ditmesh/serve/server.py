@@ -31,7 +31,13 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
     # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
-    replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
+    if args.ray:  # the replicas on a Ray cluster (ray_backend.py), the front door here
+        from .ray_backend import ray_service
+
+        replicas, service_class = ray_service(args, world, options)
+    else:
+        replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
+        service_class = Service
     t0 = time.perf_counter()
     errors = []
 
@@ -55,8 +61,8 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         for r in replicas:
             r.close()
         raise LaunchError(errors[0])
-    service = Service(replicas, limits, args, adapter, queue_size=args.queue_size,
-                      restart_attempts=args.restart_attempts, max_batch=args.max_batch)
+    service = service_class(replicas, limits, args, adapter, queue_size=args.queue_size,
+                            restart_attempts=args.restart_attempts, max_batch=args.max_batch)
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "

@@ -42,6 +42,14 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
     tqdm.tqdm.set_lock(threading.RLock())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    run_rank(rank, world, options, requests, events, cancel)
+
+
+def run_rank(rank: int, world: int, options: dict, requests, events, cancel, leave_on_load_error: bool = True) -> None:
+    """A rank's life once its group's environment is set (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK): the
+    heartbeat, loading and warm-up, then requests until the front end stops it. ``requests``, ``events`` and
+    ``cancel`` behave as queue.Queue / threading.Event. A rank process leaves when loading fails; a Ray actor
+    (``ray_replica.py``: leave_on_load_error=False) stays until the front end has read its report and removes it."""
     parent = os.getppid()
     threading.Thread(target=_heartbeat, args=(rank, events, parent), daemon=True).start()
     try:
@@ -50,7 +58,9 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
         from ..shared import one_line
 
         events.put(("load_error", rank, one_line(exc), traceback.format_exc()))
-        _leave(2)
+        if leave_on_load_error:
+            _leave(2)
+        return
     state.update(cancel=cancel, world=world)
     _serve(rank, world, state, requests, events, parent)
 
@@ -88,7 +98,7 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
-    options = vars(args)
+    options = vars(args)  # requests update the server's options: a dict (validate returned the RunOptions)
     switch = _lora_switch(pipe, run_options.loras)
     timeline, cache = instrument(pipe, device, options.get("prompt_cache", 0),
                                  lambda: switch.chosen if switch is not None else None)
