@@ -173,10 +173,6 @@ def test_the_readme_fits_a_screen_and_the_architecture_map_reads_in_ten_minutes(
     assert re.search(r"ditmesh generate --nproc 2 --ulysses 2", first_screen)
 
 
-#: docs other branches are writing, which the README's feature table links already
-PENDING_DOCS = {"docs/quantization.md", "docs/ray.md", "docs/timeline.md"}
-
-
 def test_every_relative_link_of_the_docs_resolves():
     broken = []
     for doc in DOCS:
@@ -184,6 +180,6 @@ def test_every_relative_link_of_the_docs_resolves():
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
             path = (doc.parent / target).resolve()
-            if not path.exists() and str(path.relative_to(ROOT)) not in PENDING_DOCS:
+            if not path.exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, broken
