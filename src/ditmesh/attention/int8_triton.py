@@ -74,7 +74,7 @@ def attention(q_i8, q_scale, k_i8, k_scale, v, scale: float, dtype: torch.dtype)
     ``[B, S, H]`` and ``v`` ``[B, S_k, H, D]``; returns ``[B, S_q, H, D]`` in ``dtype``."""
     b, s_q, heads, d = q_i8.shape
     s_k = k_i8.shape[1]
-    dim = max(16, 1 << (d - 1).bit_length())
+    dim = max(32, 1 << (d - 1).bit_length())  # an int8 tl.dot takes K >= 32 (sm90): smaller heads are zero-padded
     q_i8, k_i8, v = (_padded(t, dim) for t in (q_i8, k_i8, v))
     q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
     out = torch.empty(b, s_q, heads, dim, dtype=dtype, device=q_i8.device)
