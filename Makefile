@@ -1,31 +1,41 @@
 # Two commands do all set-up: `make demo` and `make test`. Both create/update .venv first (so does `make mutants`).
+# `make demo` installs ditmesh alone; `make test` adds the test extra (pytest, peft, the serve front end ...).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # CPU build of torch on machines without CUDA; a machine that already has torch keeps it.
 TORCH_SPEC ?= torch==2.13.0
-STAMP := $(VENV)/.ditmesh-installed
+BASE_STAMP := $(VENV)/.ditmesh-installed
+TEST_STAMP := $(VENV)/.ditmesh-test-installed
+# what `make test` runs (a folder or test files)
+TESTS ?= tests
 
 .PHONY: demo test mutants install clean
 
-$(STAMP): pyproject.toml Makefile
+$(BASE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e .
+	touch $(BASE_STAMP)
+
+$(TEST_STAMP): $(BASE_STAMP)
 	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
-install: $(STAMP)
+install: $(BASE_STAMP)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(VENV)/bin/ditmesh generate --nproc 2 --ulysses 2 --out out/demo.png --report out/demo.json
 
-test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+# pytest's exit code is written to $(PYTEST_RC) when it is set (.ci/run reads it: make itself returns 2 on any failure)
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(TESTS); rc=$$?; \
+	if [ -n "$(PYTEST_RC)" ]; then echo $$rc > "$(PYTEST_RC)"; fi; exit $$rc
 
 # Plants each hand-listed bug of the parallel core (scripts/mutants.py) in a temporary copy of src/ and runs the tests
 # that must catch it; the sampled, systematic check is `python scripts/mutate.py --budget-min N` (docs/testing.md).
-mutants: $(STAMP)
+mutants: $(TEST_STAMP)
 	$(PY) scripts/mutate.py --hand
 
 clean:

@@ -60,13 +60,32 @@ class Deadline(Exception):
     """The whole run's ``--deadline`` passed."""
 
 
+#: ``--preset gpu-serve``: issue 32's service rows on 4 GPUs, each (layout, its clients, the adapters its requests
+#: take turns with): ulysses 4 at 1 and 16 clients; 4 replicas of 1 GPU under 16 clients without and with batching;
+#: ulysses 4 with two named adapters of ``--lora-file`` (requests alternate a, b and none: the switch's cost is this
+#: row's 1-client latency against the first row's)
+GPU_SERVE_ROWS = (
+    ("--nproc 4 --ulysses 4", (1, 16), ()),
+    ("--nproc 1 --replicas 4", (16,), ()),
+    ("--nproc 1 --replicas 4 --max-batch 4", (16,), ()),
+    ("--nproc 4 --ulysses 4 --lora a={lora} --lora b={lora}:0.5", (1,), ("a", "b", None)),
+)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                 epilog="Options not listed here go to every `ditmesh serve` unchanged.")
     p.add_argument("--model", required=True, help="pipeline folder or synthetic architecture name (serve's --model)")
-    p.add_argument("--layout", action="append", required=True, metavar="OPTIONS",
+    p.add_argument("--layout", action="append", default=[], metavar="OPTIONS",
                    help="serve's rank options of one layout, quoted, e.g. \"--nproc 4 --ulysses 4\" or "
                         "\"--nproc 1 --replicas 4\"; repeat for several")
+    p.add_argument("--preset", choices=("gpu-serve",), default=None,
+                   help="gpu-serve: the service rows of issue 32 (ulysses 4 at 1 and 16 clients, 4 x 1 GPU under 16 "
+                        "clients with and without --max-batch 4, ulysses 4 switching two named adapters), each with "
+                        "its own clients, after any --layout")
+    p.add_argument("--lora-file", default=None, metavar="PATH",
+                   help="the adapter file of the preset's LoRA row (ditmesh synth --lora RANK --model DIR --out DIR "
+                        "writes one); without it that row is left out")
     p.add_argument("--clients", default="1,4,16", help="concurrent clients of each phase, comma-separated")
     p.add_argument("--requests-per-client", type=int, default=0, metavar="N",
                    help="requests each client sends one after the other (default: max(2, ceil(4 / clients)): "
@@ -96,7 +115,18 @@ def parse_args(argv=None):
     reserved = [a for a in serve_args if a.split("=")[0] in ("--port", "--host", "--token")]
     if reserved:
         p.error(f"{reserved[0]}: the benchmark sets serve's address itself (127.0.0.1, a free port, no token)")
-    args.layouts = [shlex.split(text) for text in args.layout]
+    rows = [(text, None, ()) for text in args.layout]
+    if args.preset == "gpu-serve":
+        rows += [(text.format(lora=args.lora_file), clients, loras) for text, clients, loras in GPU_SERVE_ROWS
+                 if args.lora_file or not loras]
+    if not rows:
+        p.error("give at least one --layout, or --preset gpu-serve")
+    if args.lora_file and not os.path.isfile(args.lora_file):
+        p.error(f"--lora-file {args.lora_file}: no such file (ditmesh synth --lora 64 --model DIR --out DIR writes "
+                "DIR/lora.safetensors)")
+    args.layouts = [shlex.split(text) for text, _, _ in rows]
+    args.layout_clients = [list(clients) if clients else None for _, clients, _ in rows]
+    args.layout_loras = [loras for _, _, loras in rows]
     args.serve_args = serve_args
     return args
 
@@ -265,11 +295,13 @@ def gpu_memory_by_pid() -> dict[int, float]:
 
 
 # -- the clients ---------------------------------------------------------------------------------------------------
-def generate(server: Server, prompt: str, seed: int, timeout: float) -> dict:
-    """One POST /generate: its outcome, latency (client side) and the id the server gave it."""
+def generate(server: Server, prompt: str, seed: int, timeout: float, lora: str | None = None) -> dict:
+    """One POST /generate (with ``lora``: that named adapter): its outcome, latency (client side), the id the server
+    gave it and the server's timeline of it (seconds per phase)."""
     t0 = time.perf_counter()
+    body = {"prompt": prompt, "seed": seed, **({"lora": lora} if lora else {})}
     try:
-        status, body = server.request("POST", "/generate", {"prompt": prompt, "seed": seed}, timeout=timeout)
+        status, body = server.request("POST", "/generate", body, timeout=timeout)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"ok": False, "seconds": time.perf_counter() - t0, "id": None, "error": f"{type(exc).__name__}: {exc}"}
     seconds = time.perf_counter() - t0
@@ -279,11 +311,13 @@ def generate(server: Server, prompt: str, seed: int, timeout: float) -> dict:
     if not body.get("images"):
         return {"ok": False, "seconds": seconds, "id": body.get("id"), "error": "answered 200 without a picture"}
     return {"ok": True, "seconds": seconds, "id": body["id"], "images": len(body["images"]),
-            "server_seconds": body.get("seconds"), "batch": body.get("batch", 1), "error": None}
+            "server_seconds": body.get("seconds"), "batch": body.get("batch", 1), "timeline": body.get("timeline", {}),
+            "error": None}
 
 
-def run_phase(server: Server, args, clients: int, seed0: int, deadline: float) -> dict:
-    """``clients`` threads, each sending its requests one after the other; the row of this phase."""
+def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, loras: tuple = ()) -> dict:
+    """``clients`` threads, each sending its requests one after the other (``loras``: request i of a client asks
+    for adapter ``loras[i % len(loras)]``, None for none); the row of this phase."""
     per_client = requests_per_client(args, clients)
     start = threading.Barrier(clients)
     interrupted = threading.Event()  # Ctrl-C or SIGTERM: each client sends nothing more
@@ -298,7 +332,7 @@ def run_phase(server: Server, args, clients: int, seed0: int, deadline: float) -
                                 if left <= 0 else "not sent: interrupted"})
                 continue
             answers.append(generate(server, f"{args.prompt} #{c}.{i}", seed0 + c * per_client + i,
-                                    min(args.timeout, left)))
+                                    min(args.timeout, left), loras[(c + i) % len(loras)] if loras else None))
         return answers
 
     with MemorySampler(server.rank_pids) as memory:
@@ -325,15 +359,25 @@ def run_phase(server: Server, args, clients: int, seed0: int, deadline: float) -
                           "max": round(max(latencies), 4)} if latencies else None),
            "latencies_s": [round(s, 4) for s in latencies],
            "server_seconds": [a["server_seconds"] for a in ok],
-           "batched": sum(a["batch"] > 1 for a in ok), "errors": errors[:5], **memory.peaks()}
+           "batched": sum(a["batch"] > 1 for a in ok), "errors": errors[:5], **memory.peaks(),
+           "phases_s": mean_phases([a["timeline"] for a in ok])}
     return row
+
+
+def mean_phases(timelines: list[dict]) -> dict:
+    """The mean seconds of each phase over the timelines that have it."""
+    names = [name for t in timelines for name in t]
+    return {name: round(sum(t[name] for t in timelines if name in t) / sum(name in t for t in timelines), 4)
+            for name in dict.fromkeys(names)}
 
 
 # -- one layout ----------------------------------------------------------------------------------------------------
 def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
+    clients, loras = args.layout_clients[index] or args.clients, args.layout_loras[index]
     command = [sys.executable, "-m", "ditmesh", "serve", "--model", args.model, "--port", "0", *layout,
                *args.serve_args]
-    result = {"layout": shlex.join(layout), "command": shlex.join(command), "rows": [], "error": None}
+    result = {"layout": shlex.join(layout), "command": shlex.join(command), "rows": [], "error": None,
+              "request_loras": list(loras)}
     log = os.path.join(args.logs, f"layout-{index}.log") if args.logs else None
     progress(f"layout {index + 1}/{len(args.layouts)} [{result['layout']}]: starting {result['command']}")
     server = Server(command, log)
@@ -354,14 +398,15 @@ def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
         result["first_request_s"] = round(first["seconds"], 3)
         progress(f"  first image {result['first_image_s']:.1f} s after launch (the request itself "
                  f"{first['seconds']:.2f} s)")
-        for phase, clients in enumerate(args.clients):
+        result["first_timeline"] = first.get("timeline")
+        for phase, count in enumerate(clients):
             if time.perf_counter() >= deadline:
                 raise Deadline()
-            progress(f"  {clients} client(s) x {requests_per_client(args, clients)} request(s) ...")
-            row = run_phase(server, args, clients, 1000 * (phase + 1), deadline)
+            progress(f"  {count} client(s) x {requests_per_client(args, count)} request(s) ...")
+            row = run_phase(server, args, count, 1000 * (phase + 1), deadline, loras)
             result["rows"].append(row)
             lat = row["latency_s"] or {}
-            progress(f"  {clients} client(s): {row['ok']}/{row['sent']} ok in {row['wall_s']:.1f} s, "
+            progress(f"  {count} client(s): {row['ok']}/{row['sent']} ok in {row['wall_s']:.1f} s, "
                      f"{row['images_per_s']:.3f} img/s, p50 {lat.get('p50', float('nan')):.2f} s, "
                      f"p99 {lat.get('p99', float('nan')):.2f} s"
                      + (f"; errors: {row['errors']}" if row["errors"] else ""))
@@ -437,6 +482,40 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: the phases of the second table, as the server's timelines name them
+TABLE_PHASES = ("queue", "lora_switch", "text_encode", "steps", "step", "vae_decode", "postprocess", "handoff", "encode")
+
+
+def phase_table(results: list[dict]) -> str:
+    """Mean seconds of each phase of a request (the server's timelines), per layout and clients."""
+    lines = ["| layout | clients | " + " | ".join(TABLE_PHASES) + " |", "|---|---|" + "---|" * len(TABLE_PHASES)]
+    for r in results:
+        for row in r["rows"]:
+            phases = row.get("phases_s") or {}
+            lines.append(f"| `{r['layout']}` | {row['clients']} | " + " | ".join(
+                f"{phases[name]:.3f}" if name in phases else "" for name in TABLE_PHASES) + " |")
+    return "\n".join(lines)
+
+
+def e2e_rows(report: dict) -> list[dict]:
+    """Rows of ``scripts/e2e_bench.py``'s table from a report of this script: per layout and clients, ``wall_s`` the
+    mean latency a client saw, and ``overhead_s`` that minus the steps at the steady step (the timelines' median
+    later step, times ``--steps``): the service's own cost, which issue 32 bounds at 0.15 s for a lone client."""
+    args = report.get("serve_args") or []
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 28
+    rows = []
+    for layout in report["layouts"]:
+        for row in layout["rows"]:
+            phases, latency = row.get("phases_s") or {}, row.get("latency_s") or {}
+            if "step" not in phases or "mean" not in latency:
+                continue
+            rows.append({"row": f"serve {layout['layout']} x {row['clients']} client(s)", "wall_s": latency["mean"],
+                         "steady_step_s": phases["step"], "steps": steps,
+                         "overhead_s": round(latency["mean"] - steps * phases["step"], 4),
+                         "images_per_s": row["images_per_s"], "phases_s": phases})
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.logs:
@@ -466,6 +545,8 @@ def main(argv=None) -> int:
         progress("interrupted; no server is left running")
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     print(table(report["layouts"]))
+    print()
+    print(phase_table(report["layouts"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

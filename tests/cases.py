@@ -70,28 +70,36 @@ def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int 
 
 def flux_generate(model: str, config: dict, steps: int = 2, height: int = 64, width: int = 64, prompt: str = "a red circle",
                   check_consistency: bool = False, count: bool = False, compile: bool = False, chunks: int = 1,
-                  fuse_qkv: bool = False):
-    """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call)."""
+                  fuse_qkv: bool = False, options: dict | None = None, emulate: dict | None = None):
+    """Run a FluxPipeline with ditmesh on this rank; returns (final latents, collective counts per transformer call).
+
+    ``options``: more keywords of ``parallelize``; then the bytes sent by (kind, dtype) are returned third.
+    ``emulate``: keywords of ``parallel.eight.emulate_fp8_comm`` (one process emulating fp8 payloads)."""
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize
-    from ditmesh.comm import count_collectives
+    from ditmesh.comm import BYTES, count_collectives
+    from ditmesh.parallel.eight import emulate_fp8_comm
 
     torch.manual_seed(0)
     pipe = FluxPipeline.from_pretrained(model, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile,
-                ulysses_chunks=chunks, fuse_qkv=fuse_qkv)
+    runtime = parallelize(pipe, ParallelConfig(**config), check_consistency=check_consistency, compile=compile,
+                          ulysses_chunks=chunks, fuse_qkv=fuse_qkv, **(options or {}))
+    if emulate:
+        emulate_fp8_comm(runtime, **emulate)
     final = {}
 
     def grab(p, i, t, kw):
         final["latents"] = kw["latents"].clone()
         return kw
 
-    with count_collectives() as counts:
+    with count_collectives() as counts, count_collectives(BYTES) as sent:
         pipe(prompt, height=height, width=width, num_inference_steps=steps, guidance_scale=3.5,
              generator=torch.Generator().manual_seed(42), max_sequence_length=32, output_type="latent",
              callback_on_step_end=grab)
+    if options is not None:
+        return final["latents"], dict(counts), dict(sent)
     return final["latents"], dict(counts)
 
 

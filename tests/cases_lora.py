@@ -142,3 +142,41 @@ def hook_on_row_parallel_case(model: str) -> dict:
     seen.clear()
     _run(pipe, {}, 1)
     return dict(during=during, after=after, removed=seen, width=linear.out_features)
+
+
+def switch_case(model: str, config: dict, loras: list, choices: list, call: dict | None = None, steps: int = 2,
+                compile_blocks: bool = False) -> dict:
+    """``serve``'s per-request adapters: ``loras`` ([(file, name, scale)]) loaded by ``parallelize`` as named
+    LoraSpecs, a :class:`~ditmesh.parallel.lora.Switch` over them, and one call per entry of ``choices`` (an
+    adapter's name, or None) after selecting it. ``compile_blocks``: every transformer block compiled first (dynamo
+    with the eager backend); ``graphs`` counts the graphs dynamo made after the first call and after the last.
+    Returns ``latents`` (one per choice) and ``switch_s`` (seconds of each selection)."""
+    import time
+
+    from ditmesh import ParallelConfig, RunOptions, parallelize
+    from ditmesh.options import LoraSpec
+    from ditmesh.parallel.lora import Switch
+
+    torch.manual_seed(0)
+    pipe = _pipeline_class(model).from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    specs = [LoraSpec(file, scale, name) for file, name, scale in loras]
+    parallelize(pipe, RunOptions.create(ParallelConfig(**config), loras=specs))
+    switch = Switch(pipe, [s.name for s in specs], [s.scale for s in specs], set())
+    counters = None
+    if compile_blocks:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        for blocks in (pipe.transformer.transformer_blocks, pipe.transformer.single_transformer_blocks):
+            for block in blocks:
+                block.compile(backend="eager")
+    latents, switch_s, graphs = [], [], []
+    for choice in choices:
+        start = time.perf_counter()
+        switch.select(choice)
+        switch_s.append(time.perf_counter() - start)
+        latents.append(_run(pipe, call or {}, steps))
+        if counters is not None:
+            graphs.append(counters["stats"]["unique_graphs"])
+    return dict(latents=latents, switch_s=switch_s, graphs=graphs)

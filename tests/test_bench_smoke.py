@@ -104,7 +104,11 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
              (["--dtype", "int3"], "--dtype 'int3' is not one of"),
              (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
              (["--steps", "0"], "give at least 1 timed step"),
-             (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left")]
+             (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left"),
+             (["--comm-dtype", "auto,fp4"], "--comm-dtype 'fp4' is not one of auto, fp8"),
+             (["--attention", "int8"], "--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here"),
+             (["--attention", "int8-emulated", "--methods", "ring"], "the 8-bit attention runs on one GPU or under "
+                                                                      "ulysses alone")]
     # the first as its own process (the exit code a shell sees), the others in this one (each a start-up less)
     proc = bench(cases[0][0], tmp_path)
     _, err = proc.communicate(timeout=120)

@@ -1,19 +1,22 @@
-"""The README's generality table is what the code gives: every transformer class of diffusers' pipelines, the
-family adapter that runs it (or none) and its axes."""
+"""The generality tables (README.md, docs/models.md) are what the code gives: every transformer class of diffusers'
+pipelines, the family adapter that runs it (or none) and its axes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_readme_table_is_the_generated_one():
-    from ditmesh.runtime.generality import END, START, markdown
+def test_the_tables_are_the_generated_ones():
+    # README.md: the families ditmesh runs; docs/models.md: every transformer class, and the pipelines not readable
+    from ditmesh.runtime.generality import FAMILIES, GENERALITY, families_markdown, markdown
 
-    text = README.read_text()
-    section = text[text.index(START):text.index(END) + len(END)]
-    assert section == markdown(), "regenerate it: python -m ditmesh.runtime.generality --write README.md"
+    for name, (start, end), make in (("README.md", FAMILIES, families_markdown),
+                                     ("docs/models.md", GENERALITY, markdown)):
+        text = (ROOT / name).read_text()
+        section = text[text.index(start):text.index(end) + len(end)]
+        assert section == make(), "regenerate: python -m ditmesh.runtime.generality --write README.md docs/models.md"
 
 
 def test_every_registered_family_appears_with_its_axes_and_unknown_classes_are_refused():

@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+
+from pytest import approx
 
 from ditmesh.testing import rel_err
 
@@ -39,17 +42,22 @@ def _run_generate(tmp_path, name, *extra):
     out = tmp_path / f"{name}.png"
     cmd = [sys.executable, "-m", "ditmesh", "generate", "--steps", "3", "--out", str(out),
            "--save-latents", str(tmp_path / f"{name}.safetensors"), *extra]
+    start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    wall_s = time.time() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_name(out.name + ".json").read_text())
+    report["measured_wall_s"] = wall_s  # timed from outside, as a user would
     latents = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
     return report, latents, np.asarray(Image.open(out)).astype(np.int32)
 
 
 def test_generate_ulysses2_matches_single_process(tmp_path, flux_tiny):
     r1, l1, img1 = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
-    r2, l2, img2 = generate(tmp_path, "uly2", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2")
+    trace = tmp_path / "uly2.trace.json"
+    r2, l2, img2 = generate(tmp_path, "uly2", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--trace", str(trace))
     assert rel_err(l2, l1) <= 1e-5
+    check_trace(json.loads(trace.read_text()), r2, steps=3)
     assert np.abs(img1 - img2).max() <= 1
     assert r2["world_size"] == 2 and r2["config"]["ulysses"] == 2
     # the image above was decoded with the VAE split over both ranks (the default)
@@ -75,6 +83,57 @@ def test_generate_pp2_x_tp2_with_every_step_exact_matches_single_process(tmp_pat
                          "--pp-warmup", "3")
     assert rel_err(l4, l1) <= 1e-5
     assert r4["config"]["pp"] == 2 and r4["config"]["tp"] == 2
+
+
+#: the phases every rank of a 2-rank ``generate --nproc 2`` has, in the order they start (depth 0 and nested)
+RANK_PHASES = ["launch", "interpreter start", "checks", "imports", "family checks", "rendezvous", "checks", "load",
+               "load components",
+               "to device", "parallelize", "communicators", "pipeline call", "text encoding", "prepare", "step 0",
+               "step 1", "step 2", "vae decode", "postprocess", "gather statistics"]
+#: the phases rank 0 adds (it writes the outputs)
+WRITER_PHASES = ["encode images", "write outputs", "write report"]
+
+
+def check_trace(trace: dict, report: dict, steps: int) -> None:
+    """A Chrome trace of a 2-rank run: one process per rank; every phase of the run present on each rank in the
+    order it ran; phases of one depth ordered and not overlapping; nested phases inside their parent; the trace
+    covers what the user waited for (its span against the wall measured from outside), and the report's
+    timeline holds the same phases."""
+    events = trace["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        spans = [e for e in events if e["pid"] == rank and e["ph"] == "X"]
+        assert all(e["dur"] >= 0 for e in spans)
+        started = [e["name"] for e in sorted(spans, key=lambda e: (e["ts"], e["cat"]))]
+        expected = RANK_PHASES + (WRITER_PHASES if rank == 0 else [])
+        assert [n for n in started if not n.startswith("load ") or n == "load components"] == expected
+        loaded = {n for n in started if n.startswith("load ") and n != "load components"}
+        assert {"load transformer", "load vae", "load text_encoder", "load text_encoder_2"} <= loaded
+        by_depth: dict = {}
+        for e in sorted(spans, key=lambda e: e["ts"]):
+            by_depth.setdefault(e["cat"], []).append(e)
+        for depth, level in by_depth.items():
+            for a, b in zip(level, level[1:]):
+                assert a["ts"] + a["dur"] <= b["ts"] + 1, (depth, a, b)  # 1 us: rounding
+        for child in (e for e in spans if e["cat"] != "depth0"):
+            parents = [p for p in by_depth["depth" + str(int(child["cat"][5:]) - 1)]
+                       if p["ts"] <= child["ts"] + 1 and child["ts"] + child["dur"] <= p["ts"] + p["dur"] + 1]
+            assert parents, child
+        top = by_depth["depth0"]
+        span_s = (top[-1]["ts"] + top[-1]["dur"] - top[0]["ts"]) / 1e6
+        covered_s = sum(e["dur"] for e in top) / 1e6
+        assert covered_s >= 0.95 * span_s  # the top phases leave no unexplained gap
+        if rank == 0:  # the command's start to rank 0's last write: most of what the user waited for
+            assert top[0]["ts"] == 0 and 0.6 * report["measured_wall_s"] <= span_s <= report["measured_wall_s"]
+    steps_in_trace = [e["dur"] / 1e6 for e in events if e["pid"] == 0 and e["name"].startswith("step ")]
+    assert len(steps_in_trace) == steps
+    assert steps_in_trace[1:] == [approx(s, abs=2e-3) for s in report["step_latency_s"][1:]]
+    timelines = report["timeline"]
+    assert [t["rank"] for t in timelines] == [0, 1]
+    assert [p["name"] for p in timelines[1]["phases"]] == [e["name"] for e in sorted(
+        (e for e in events if e["pid"] == 1 and e["ph"] == "X"), key=lambda e: (e["ts"], e["cat"]))]
 
 
 def test_synth_cli_writes_loadable_pipeline(tmp_path):

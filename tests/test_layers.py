@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "ditmesh"
 
 #: the library: what ``parallelize`` needs. Everything else is a tool built on it.
 CORE = {"__init__", "api", "config", "mesh", "comm", "hooks", "attention", "parallel", "models", "fusion", "symm",
-        "profiling", "redundancy", "cache"}
+        "profiling", "redundancy", "cache", "options", "timeline"}
 TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing", "analyze", "serve"}
 
 #: where naming a family is allowed: its adapter, the tiny trained FLUX pipeline, and the benchmark's peer drivers

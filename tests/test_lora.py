@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_lora import ATTENTION_FFN_TARGETS, hook_on_row_parallel_case, lora_case, make_lora
+from cases_lora import ATTENTION_FFN_TARGETS, hook_on_row_parallel_case, lora_case, make_lora, switch_case
 from ditmesh.testing import rel_err
 
 #: every call of a plan against one process
@@ -252,3 +252,39 @@ def test_synth_lora_writes_the_benchs_adapter_as_a_file_the_pipeline_loads(flux_
     assert all(layers[n].scaling["synth"] == 1.0 for n in layers)  # alpha = rank: the adapter at the bench's scale
     assert main(["synth", "--lora", "0", "--model", flux_tiny, "--out", str(tmp_path / "zero")]) == 2
     assert "--lora 0: give the adapter's rank" in capsys.readouterr().err and not (tmp_path / "zero").exists()
+
+
+#: serve's per-request adapters: each call's choice, and the reference plan on one process that loads both adapters
+#: and activates the chosen one alone with peft's set_adapters (disable_lora for none): the latents of entries 0, 1,
+#: 3 and 4 are those of the choices
+CHOICES = ["style", None, "detail", "style"]
+CHOICE_PLAN = [("adapters", ["style"], [0.8]), ("disable",), ("enable",), ("adapters", ["detail"], [-0.5]),
+               ("adapters", ["style"], [0.8])]
+CFG_CALL = {"prompt": "a red circle", "negative_prompt": "a blue square", "true_cfg_scale": 4.0}
+
+
+@pytest.mark.parametrize("config", [{"ulysses": 2}, {"tp": 2}, {"cfg": 2}], ids=["ulysses2", "tp2", "cfg2"])
+def test_adapters_chosen_per_call_match_that_adapter_alone_on_one_process(pools, flux_tiny, flux_loras, config):
+    """serve's ``--lora NAME=PATH:SCALE``: both adapters loaded, one chosen per call by writing the scale tensors
+    (ditmesh.parallel.lora.Switch); each call equals one process with the chosen adapter alone active (none: the
+    base model)."""
+    loras = [(file, name, scale) for (file, name), scale in zip(flux_loras, (0.8, -0.5))]
+    call = CFG_CALL if config == {"cfg": 2} else None
+    ref = _reference(flux_tiny, flux_loras, CHOICE_PLAN, call=call)["latents"]
+    want = [ref[0], ref[1], ref[3], ref[4]]
+    assert rel_err(want[0], want[1]) > 0.05 and rel_err(want[0], want[2]) > 0.05  # each choice changes the picture
+    for r in pools(2).run(switch_case, flux_tiny, config, loras, CHOICES, call=call):
+        for i, (out, expected) in enumerate(zip(r["latents"], want)):
+            assert rel_err(out, expected) <= TOLERANCE, (config, CHOICES[i], rel_err(out, expected))
+
+
+def test_choosing_an_adapter_recompiles_nothing_and_costs_microseconds(flux_tiny, flux_loras):
+    """Compiled blocks (dynamo) make their graphs in the first call; the switches after it make none, and the
+    graphs read the scales at run time: each choice gives its own latents, the same choice the same ones."""
+    loras = [(file, name, scale) for (file, name), scale in zip(flux_loras, (0.8, -0.5))]
+    compiled = switch_case(flux_tiny, {}, loras, CHOICES, compile_blocks=True)
+    assert compiled["graphs"][0] > 0 and compiled["graphs"] == [compiled["graphs"][0]] * len(CHOICES)
+    latents = compiled["latents"]
+    assert rel_err(latents[0], latents[1]) > 0.05 and rel_err(latents[2], latents[1]) > 0.05
+    assert torch.equal(latents[0], latents[3])  # "style" again
+    print(f"\nadapter switch: {1e6 * max(compiled['switch_s'][1:]):.0f} us at most (CPU, flux-tiny)")

@@ -239,7 +239,7 @@ def test_cli_json(capsys):
     (["--model", "flux-dev", "--gpus", "4", "--device", "tpu"], "unknown device 'tpu'; known:"),
     (["--model", "flux-dev", "--gpus", "0"], "gpus=0 must be a positive integer"),
     (["--model", "flux-dev", "--gpus", "4", "--height", "1000"], "height=1000"),
-    (["--model", "nope", "--gpus", "4"], "model 'nope' is neither"),
+    (["--model", "nope", "--gpus", "4"], "--model nope: no such folder; give a diffusers pipeline folder"),
     (["--model", "flux-dev", "--gpus", "4", "--nodes", "3"], "nodes=3"),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(capsys, argv, needle):

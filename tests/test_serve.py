@@ -9,11 +9,13 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,23 +24,30 @@ import pytest
 from PIL import Image
 
 from ditmesh.testing import free_port, process_alive
+from test_serve_jobs import _ScriptedReplica
 
 TOKEN = "test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @contextlib.contextmanager
-def running_server(*argv, ready_s: float = 180):
-    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process). At the end
-    SIGINT must stop it and its ranks."""
+def running_server(*argv, ready_s: float = 180, tmp=None):
+    """``ditmesh serve`` in a process of its own until it answers /health; yields (base URL, process); its output's
+    lines collect in ``proc.lines``. ``tmp``: its temporary folder ($TMPDIR). At the end SIGINT must stop it and its
+    ranks."""
     port = free_port()
+    env = dict(os.environ, **({"TMPDIR": str(tmp)} if tmp else {}))
     proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(port), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.lines = []
+    reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    proc.reader = reader
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + ready_s
     try:
         while True:
-            assert proc.poll() is None, f"the server exited: {proc.stdout.read()[-3000:]}"
+            assert proc.poll() is None, f"the server exited: {''.join(proc.lines)[-3000:]}"
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
@@ -144,12 +153,15 @@ def test_openai_and_native_requests_return_the_pictures(server):
 
 @pytest.mark.parametrize("body, status, needle", [
     ({"prompt": "x", "height": 70}, 400, "height 70 must be a positive multiple of 16"),
-    ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384"),
-    ({"prompt": "x", "steps": 9}, 422, "steps 9 must be between 1 and 8"),
-    ({"prompt": "x", "n": 3}, 422, "n 3 must be between 1 and 2"),
+    ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384 (--max-pixels)"),
+    ({"prompt": "x", "steps": 9}, 422, "steps 9 is over this server's limit: 1 to 8 (--max-steps)"),
+    ({"prompt": "x", "n": 3}, 422, "n 3 is over this server's limit: 1 to 2 (--max-n)"),
+    ({"prompt": "x", "n": 0}, 400, "n 0 must be >= 1 (this server takes 1 to 2)"),
+    ({"prompt": "x", "steps": -3}, 400, "steps -3 must be >= 1 (this server takes 1 to 8)"),
     ({"prompt": "x", "frames": 5}, 400, "frames 5: flux pipelines generate images"),
     ({"prompt": "x", "out": "/etc/passwd"}, 400, "unknown field 'out'"),
     ({"prompt": "x", "steps": "many"}, 400, "steps must be a number"),
+    ({"prompt": "x", "lora": "ink"}, 400, "lora 'ink': this server has no named LoRA adapters"),
     ({"prompt": ""}, 400, "prompt is empty"),
 ])
 def test_bad_requests_get_one_clear_4xx(server, body, status, needle):
@@ -240,7 +252,8 @@ def test_metrics_are_prometheus_text(server):
     for name in ("ditmesh_queue_length", "ditmesh_images_total", "ditmesh_failures_total",
                  'ditmesh_request_latency_seconds_bucket{le="+Inf"}', "ditmesh_request_latency_seconds_count"):
         assert any(line.startswith(name + " ") for line in text.splitlines()), name
-    assert _metric(server, "ditmesh_images_total") >= 1 and _metric(server, "ditmesh_failures_total") >= 1
+    assert _metric(server, "ditmesh_images_total") >= 1
+    assert _metric(server, 'ditmesh_requests_total{outcome="bad_request"}') >= 1
 
 
 # -- the web page in a real browser -----------------------------------------------------------------------------
@@ -350,9 +363,10 @@ def _progress_then(client, job_id: str, min_step: int, action) -> tuple[str, dic
     raise AssertionError("the event stream ended without an answer")
 
 
-def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it():
+def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica_restarts_and_cancel_stops_it(
+        tmp_path):
     with running_server("--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64", "--width", "64",
-                        "--step-timeout", "4", "--max-steps", "200") as (base, _):
+                        "--step-timeout", "4", "--max-steps", "200", tmp=tmp_path) as (base, proc):
         with httpx.Client(base_url=base, timeout=180) as client:
             pids = client.get("/health").json()["replicas"][0]["pids"]
             # killed: the request in flight fails naming rank 1; one queued behind it runs after the restart
@@ -384,12 +398,56 @@ def test_a_rank_killed_or_stopped_mid_request_fails_that_request_and_the_replica
             assert ok.status_code == 200, ok.text
             assert client.get("/health").json()["replicas"][0]["restarts"] == 2
             assert _metric(client, "ditmesh_rank_faults_total") == 2
+            _sigterm_with_requests_in_flight(client, proc, tmp_path)
+
+
+def _sigterm_with_requests_in_flight(client, proc, tmp):
+    """SIGTERM while one request runs and two wait: each client gets a 503 JSON naming its request, the log says
+    one line per rank and nothing else (no traceback, no leaked semaphore), no process and no temporary file is
+    left, and the exit code is 0."""
+    import psutil
+
+    answers = [None] * 3
+
+    def send(i, steps):
+        answers[i] = client.post("/generate", json={"prompt": f"in flight {i}", "steps": steps})
+
+    senders = [threading.Thread(target=send, args=(i, 200 if i == 0 else 2)) for i in range(3)]
+    senders[0].start()
+    while _metric(client, "ditmesh_busy_replicas") < 1:
+        time.sleep(0.05)
+    for t in senders[1:]:
+        t.start()
+    while _metric(client, "ditmesh_queue_length") < 2:
+        time.sleep(0.05)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert len(family) >= 2  # the two ranks (and multiprocessing's resource tracker)
+    seen = len(proc.lines)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    for t in senders:
+        t.join(timeout=30)
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == 503 and f"request {error['job']} was stopped" in error["message"], error
+        assert "stopping (SIGTERM)" in error["message"]
+    assert len({a.json()["error"]["job"] for a in answers}) == 3
+    assert sum("at step" in a.json()["error"]["message"] for a in answers) == 1  # the running one
+    proc.reader.join(timeout=10)
+    log = proc.lines[seen:]
+    assert len(log) == 2 and all(re.fullmatch(r"ditmesh: stopped rank [01] of replica 0 \(pid \d+, exit code -9\) "
+                                              r"on SIGTERM\n", line) for line in log), log
+    assert not [line for line in proc.lines if "Traceback" in line or "leaked semaphore" in line]
+    _, alive = psutil.wait_procs(family, timeout=10)
+    assert not alive, alive
+    assert not list(tmp.iterdir())
 
 
 @pytest.mark.parametrize("argv, line", [
     (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
-    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 must be between 1 "
-                                             "and 10"),
+    (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 is over this "
+                                             "server's limit: 1 to 10 (--max-steps)"),
     (["--nproc", "2", "--ulysses", "4"], None),
     (["--dp", "2", "--replicas", "2"], "--dp 2 and --replicas 2 both ask for replicas (the service runs --dp as "
                                        "replicas); give one of them"),
@@ -408,13 +466,18 @@ def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     assert line is None or lines[0] == f"ditmesh: error: {line}"
 
 
-def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures():
+def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures(tmp_path):
     import numpy as np
 
+    from cases_lora import make_lora
+    from ditmesh.tiny import default_model_path
+
     asks = [("a red circle at the top left", 3), ("a blue square at the bottom", 4), ("a green triangle", 5)]
+    ink = make_lora(default_model_path(), str(tmp_path / "ink"), seed=1)
     with running_server("--steps", "2", "--height", "64", "--width", "64", "--max-steps", "400",
-                        "--max-batch", "3") as (base, _):
+                        "--max-batch", "3", "--lora", f"ink={ink}:0.8") as (base, _):
         with httpx.Client(base_url=base, timeout=120) as client:
+            _named_adapter_requests(client)
             # the one replica is busy with a long request while three compatible ones arrive; cancelling it lets
             # them run, as one call
             long = client.post("/jobs", json={"prompt": "long", "steps": 400}).json()["id"]
@@ -435,3 +498,61 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
         assert np.abs(got - want).max() <= 1  # float32 on CPU: a batch of 3 rounds like a batch of 1, to a level
     firsts = [np.asarray(decode(data["images"][0].split(",", 1)[1])) for _, data in batched]
     assert not np.array_equal(firsts[0], firsts[1])  # each its own prompt and seed
+
+
+def _named_adapter_requests(client):
+    """A server started with ``--lora ink=...``: the adapter is off unless a request names it (native or
+    OpenAI-shaped), the same request gives the same picture, and an unknown name is refused naming ``ink``."""
+    import numpy as np
+
+    def picture(route, body):
+        r = client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return np.asarray(decode(data["images"][0]["b64"] if "images" in data else data["data"][0]["b64_json"]))
+
+    body = {"prompt": "a lighthouse", "seed": 9}
+    base, inked = picture("/generate", body), picture("/generate", dict(body, lora="ink"))
+    assert np.abs(base.astype(int) - inked.astype(int)).max() > 8  # the adapter changes the picture
+    assert np.array_equal(picture("/generate", dict(body, lora=None)), base)
+    assert np.array_equal(picture("/generate", dict(body, lora="ink")), inked)
+    assert np.array_equal(picture("/v1/images/generations", {"prompt": "a lighthouse", "lora": "ink"}),
+                          picture("/generate", {"prompt": "a lighthouse", "lora": "ink"}))
+    r = client.post("/generate", json=dict(body, lora="clay"))
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "lora 'clay' is not loaded; the adapters are: ink (or null for none)"
+
+
+@pytest.mark.parametrize("path, body, status, field, needle", [
+    ("/generate", {"prompt": "x", "n": 0}, 400, "n", "n 0 must be >= 1 (this server takes 1 to 2)"),
+    ("/generate", {"prompt": "x", "steps": -3}, 400, "steps", "steps -3 must be >= 1 (this server takes 1 to 8)"),
+    ("/generate", {"prompt": "x", "steps": 9}, 422, "steps", "steps 9 is over this server's limit: 1 to 8"),
+    ("/generate", {"prompt": "x", "height": 256, "width": 256}, 422, "height, width", "at most 16384"),
+    ("/generate", {"prompt": "x", "height": 70}, 400, "height", "height 70 must be a positive multiple of 16"),
+    ("/generate", {"prompt": "x", "seed": "s"}, 400, "seed", "seed must be a number"),
+    ("/v1/images/generations", {"prompt": "x", "size": "64x65"}, 400, "size", "height 65 must be a positive multiple"),
+    ("/v1/images/generations", {"prompt": "x", "n": 0}, 400, "n", "n 0 must be >= 1"),
+])
+def test_a_bad_value_is_a_400_naming_its_field_and_counts_as_a_bad_request_not_a_failure(path, body, status, field,
+                                                                                          needle):
+    # 400: no server would run it; 422: over this server's limits (serve/requests.py). The service's failures
+    # (ditmesh_failures_total) are its own, not the client's: in-process app, no replica is asked
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from ditmesh.serve.app import Service, create_app
+    from ditmesh.serve.requests import Limits
+
+    defaults = SimpleNamespace(prompt="x", steps=2, seed=0, height=64, width=64, frames=None, images_per_prompt=1,
+                               guidance=3.5)
+    service = Service([_ScriptedReplica()], limits=Limits(max_pixels=128 * 128, max_steps=8, max_frames=9, max_n=2),
+                      defaults=defaults)
+    client = TestClient(create_app(service))
+    r = client.post(path, json=body)
+    assert r.status_code == status and r.json()["error"]["field"] == field, r.text
+    assert needle in r.json()["error"]["message"] and len(r.json()["error"]["message"].splitlines()) == 1
+    text = client.get("/metrics").text
+    assert 'ditmesh_requests_total{outcome="bad_request"} 1' in text.splitlines()
+    assert "ditmesh_failures_total 0" in text.splitlines()
+    assert service.queue.qsize() == 0  # refused before it was queued

@@ -47,8 +47,14 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
         assert lat["min"] <= lat["p50"] <= lat["p99"] <= lat["max"] <= row["wall_s"]
         assert all(0 < s <= c + 0.05 for s, c in zip(sorted(row["server_seconds"]), sorted(row["latencies_s"])))
         assert row["peak_rss_mib_per_rank"] > 0
-    # one table line per layout x clients (a rank that outlived its server would have set the layout's error)
-    assert [line.split("|")[3].strip() for line in proc.stdout.splitlines()[2:]] == ["1", "3"]
+        # the server's timelines: the phases on rank 0 fit in its call, the call in the client's latency
+        phases = row["phases_s"]
+        assert phases["steps"] + phases["vae_decode"] <= phases["call"] <= lat["mean"]
+        assert phases["text_encode"] >= 0 and phases["encode"] > 0 and phases["queue"] >= 0
+    # one line per layout x clients in each table (a rank that outlived its server would have set the layout's error)
+    latency, phases = proc.stdout.split("\n\n")
+    assert [line.split("|")[3].strip() for line in latency.splitlines()[2:]] == ["1", "3"]
+    assert [line.split("|")[2].strip() for line in phases.strip().splitlines()[2:]] == ["1", "3"]
 
 
 class _StandInServer:
@@ -79,6 +85,32 @@ def test_a_phase_counts_a_repeated_answer_id_as_not_answered_once(repeat_id):
     assert server.calls == row["sent"] == row["ok"] == 6
     assert row["duplicate_ids"] == (1 if repeat_id else 0) and row["answered_once"] is (not repeat_id)
     assert row["images_per_s"] == pytest.approx(6 / row["wall_s"], rel=1e-3)
+
+
+def test_the_gpu_serve_preset_runs_issue_32s_rows_each_with_its_clients(tmp_path, capsys):
+    bench = load_script("serve_bench")
+    lora = tmp_path / "lora.safetensors"
+    lora.write_bytes(b"")
+    args = bench.parse_args(["--model", "m", "--preset", "gpu-serve", "--lora-file", str(lora), "--steps", "28"])
+    assert [" ".join(layout) for layout in args.layouts] == [
+        "--nproc 4 --ulysses 4", "--nproc 1 --replicas 4", "--nproc 1 --replicas 4 --max-batch 4",
+        f"--nproc 4 --ulysses 4 --lora a={lora} --lora b={lora}:0.5"]
+    assert args.layout_clients == [[1, 16], [16], [16], [1]]
+    assert args.layout_loras == [(), (), (), ("a", "b", None)] and args.serve_args == ["--steps", "28"]
+    assert len(bench.parse_args(["--model", "m", "--preset", "gpu-serve"]).layouts) == 3  # no adapter file: no LoRA row
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "m"])
+    assert "give at least one --layout, or --preset gpu-serve" in capsys.readouterr().err
+
+
+def test_e2e_rows_take_the_steps_at_the_steady_step_out_of_the_mean_latency():
+    bench = load_script("serve_bench")
+    row = {"clients": 1, "latency_s": {"mean": 1.5}, "phases_s": {"step": 0.05, "steps": 1.45}, "images_per_s": 0.7}
+    report = {"serve_args": ["--compile", "--steps", "28"],
+              "layouts": [{"layout": "--nproc 4 --ulysses 4", "rows": [row, dict(row, phases_s={})]}]}
+    (only,) = bench.e2e_rows(report)  # a row without timelines has no steady step: left out
+    assert only["row"] == "serve --nproc 4 --ulysses 4 x 1 client(s)" and only["steps"] == 28
+    assert only["overhead_s"] == pytest.approx(1.5 - 28 * 0.05) and only["wall_s"] == 1.5
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -53,7 +53,7 @@ class _ScriptedReplica:
                 self.state = "ready"
                 if what == "done":
                     prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
-                    return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], 0.0
+                    return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], {"call": 0.0}
                 if what == "cancelled":
                     raise RequestCancelled(f"request {job_id} was cancelled after step 1 of 2")
                 if what == "refused":
@@ -85,8 +85,8 @@ class _ScriptedReplica:
     def pids(self):
         return []
 
-    def stop(self):
-        pass
+    def close(self):
+        return []
 
 
 @pytest.fixture
@@ -303,9 +303,10 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
     replica.state = "ready"
     steps = []
     for event in [("beat", 1), ("step", 1, "other", 5, 2), ("step", 1, "k", 1, 2), ("step", 0, "k", 1, 2),
-                  ("done", 0, "k", True, [("image/png", b"x")], 0.25)]:
+                  ("done", 0, "k", True, [("image/png", b"x")], 0.25, {"call": 0.25})]:
         replica._events.put(event)
-    assert replica.run("k", {"prompt": "p"}, lambda step, of: steps.append((step, of))) == ([("image/png", b"x")], 0.25)
+    assert replica.run("k", {"prompt": "p"}, lambda step, of: steps.append((step, of))) == ([("image/png", b"x")],
+                                                                                             {"call": 0.25})
     assert replica._requests.get_nowait() == {"id": "k", "options": {"prompt": "p"}}
     assert steps == [(1, 2)] and [r.step for r in replica.ranks] == [1, 1]  # rank 0's steps drive the progress
     assert replica.state == "ready" and replica.served == 1 and not replica._in_request
@@ -318,7 +319,7 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
     with pytest.raises(RequestCancelled, match="^request m was cancelled after step 1 of 2$"):
         replica.run("m", {"prompt": "p"})
     assert replica.state == "ready" and not replica._in_request and replica.served == 1
-    replica._events.put(("done", 0, "n", False, "height 72 is not a multiple of 16", 0.0))
+    replica._events.put(("done", 0, "n", False, "height 72 is not a multiple of 16", 0.0, {}))
     t0 = time.time()
     with pytest.raises(RequestFailed, match="height 72"):
         replica.run("n", {"prompt": "p"})
@@ -345,7 +346,8 @@ def _stand_in_rank(rank, world, local_rank, port, options, requests, events, can
         steps = request["options"].get("steps", options["steps"])
         for step in range(1, steps + 1):
             events.put(("step", 0, request["id"], step, steps))
-        events.put(("done", 0, request["id"], True, [("image/png", request["options"]["prompt"].encode())], 0.1))
+        events.put(("done", 0, request["id"], True, [("image/png", request["options"]["prompt"].encode())], 0.1,
+                    {"call": 0.1}))
 
 
 def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(monkeypatch):
@@ -398,8 +400,8 @@ class _ReplicaThatWillNotStart:
     def pids(self):
         return []
 
-    def stop(self):
-        pass
+    def close(self):
+        return []
 
 
 def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():

@@ -13,4 +13,12 @@ if os.environ.get("DITMESH_ERROR_DIR") and "RANK" in os.environ:
 
 from .cli import main  # noqa: E402
 
-sys.exit(main())
+code = main()
+if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "generate":
+    # Everything is written and closed by now (outputs are written whole, then renamed). The interpreter's own
+    # finalization of a process that holds torch (and, in the launcher, the elastic agent's threads) takes seconds
+    # a user would wait for after the picture is there: leave at once, as the ranks do (runtime.generate.end_rank_process).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+sys.exit(code)

@@ -1,7 +1,7 @@
 """``parallelize(pipe, config)``: the one entry point, and ``remove(pipe)``: the way back.
 
 Dimensions are applied in a fixed, logged order: tensor -> (fused Q/K/V) -> LoRA loading -> (chunked
-feed-forwards and attention) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
+feed-forwards and attention) -> (8-bit attention on one process) -> sequence -> (displaced attention) -> pipefusion -> cfg/data -> (cache) -> VAE -> (VAE pieces) -> (8-bit linears) -> (compile) -> (CUDA graph), to every transformer of the pipeline (``transformer``, and ``transformer_2`` where a
 pipeline has two, as Wan 2.2 A14B does). The pipeline object is changed in place through named hooks
 (``ditmesh.hooks``), attention processors and swapped modules; no pipeline class is forked. Every rank
 calls ``pipe(...)`` with the same arguments and gets the same result. The runtime of a parallelized
@@ -25,7 +25,8 @@ from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
 from .mesh import ParallelMesh
 from .options import RunOptions
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
-from .parallel import batch, chunk, consistency, displaced as displaced_attention, graph, lora, pipefusion, sequence, tensor
+from .parallel import batch, chunk, consistency, displaced as displaced_attention, eight, graph, lora, pipefusion, sequence, tensor
+from .parallel import quant as quantized
 from .parallel import vae as parallel_vae
 from .parallel import vae_chunk as chunked_vae
 
@@ -192,6 +193,18 @@ def load_loras(pipe, options: RunOptions, keep) -> None:
         keep([pipe.unload_lora_weights])
 
 
+def quantize_step(pipe, runtime: ParallelRuntime, keep) -> None:
+    """The ``quant`` step (``parallel.quant``): every transformer's block linears in 8 bits, each tensor-parallel
+    shard on its own with the scales of one process. Fused LoRAs are loaded and fused first, so their sum with the
+    base weights is what is quantized (the ``loras`` step then has nothing left to do)."""
+    options, mesh = runtime.options, runtime.mesh
+    load_loras(pipe, options, keep)
+    group = mesh.group("tp") if mesh.size("tp") > 1 else None
+    for model in runtime.transformers.values():
+        keep(quantized.apply(model, adapter_for(model), options.quant, tp_group=group,
+                             quantize_modulation=options.quant_modulation))
+
+
 def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,
                 **keywords) -> ParallelRuntime:
     """Make a diffusers pipeline run as ``options`` describe across the ranks of the default process group.
@@ -257,6 +270,15 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         loras: LoRA adapters (``PATH[:SCALE]`` or ``NAME=PATH[:SCALE]``) loaded once the pipeline is parallelized
             (under tensor parallelism each rank keeps its shard: ``ditmesh.parallel.lora``); ``fuse_lora``: fused
             into the weights with their scales and peft's layers taken out.
+        comm_dtype: ``"auto"`` (default: payloads in the activations' dtype) or ``"fp8"``: the Ulysses all-to-alls (Q/K/V
+            in, the attention output back) and the ring's K/V chunks travel as float8_e4m3fn with a float32 scale per
+            token and head, dequantized on arrival (``comm.fp8_pack``); needs ulysses or ring > 1; not with pp,
+            displaced or transport=symm (docs/quantization.md).
+        attention: ``"default"`` (the backend's exact kernels), ``"int8"``: Q and K in int8 per token and head, a
+            Triton kernel (CUDA; ``attention.int8``), or ``"int8-emulated"``: its rounding in float32 math (any device;
+            for tests and quality measurements). On one process or under ulysses alone; no attention masks.
+        attention_bf16_steps: with the 8-bit attention, the first and last this many steps of each run attend exactly
+            (default 0); not with CUDA graphs.
     """
     if not isinstance(options, RunOptions):  # the keyword form: degrees and options as keywords
         options = RunOptions.create(options, **keywords)
@@ -290,6 +312,8 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
     runtime = ParallelRuntime(config=config, mesh=mesh, transformers=models, options=options)
     ctx = runtime.context
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
+    eight_local = (None if options.attention == "default" else
+                   eight.EightBitAttention(options.attention, options.attention_bf16_steps, ctx, chunks=pieces))
     check = options.check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):
@@ -313,7 +337,7 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
             model, runtime.sequence(name), adapter_for(model), ctx, name, displaced_warmup, cuda_graph)
         keep(undo)
 
-    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
+    # The fixed order: tensor -> (fused projections) -> lora -> chunk -> (8-bit attention) -> sequence -> (displaced) -> pipefusion -> cfg/data -> cache -> vae -> vae_chunk
     # -> compile -> graph. Every step does nothing at degree 1 and leaves the callables that undo it in runtime._undo.
     # The `lora` hooks let an adapter loaded later (pipe.load_lora_weights) fit the shards (ditmesh.parallel.lora). Hooks take
     # their place in the call chain from hooks.ORDER, whatever order they are added in.
@@ -323,10 +347,14 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
                                              keep(tensor.encode_once(pipe, mesh)))),
         ("fuse(qkv)", lambda: each(fusion.fuse_qkv) if fuse_qkv else None),
         ("lora", lambda: keep(lora.apply(pipe, models, mesh))),
-        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(m, a, chunk_tokens, torch.device(device),
-                                                                          pieces if config.sp == 1 else None))),
-        (f"sequence(ring={config.ring}, ulysses={config.ulysses})",
-         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces))),
+        (f"chunk({chunk_tokens})", lambda: each(lambda m, a: chunk.apply(
+            m, a, chunk_tokens, torch.device(device), pieces if config.sp == 1 and eight_local is None else None))),
+        (f"attention({options.attention}, exact steps={options.attention_bf16_steps})",
+         lambda: each(lambda m, a: eight.apply(m, a, eight.OneProcessAttention(eight_local, pieces)))
+         if eight_local is not None and config.sp == 1 else None),
+        (f"sequence(ring={config.ring}, ulysses={config.ulysses}, comm={options.comm_dtype})",
+         lambda: each(lambda m, a: sequence.apply(m, mesh, a, ctx, ulysses_chunks, compile, transport, pieces,
+                                                  options.comm_dtype, eight_local))),
         (f"displaced(warmup={displaced_warmup})",
          lambda: [displaced_step(name, m) for name, m in models.items()] if displaced else None),
         (f"pipefusion(pp={config.pp})", lambda: [keep(pipefusion.apply(m, mesh, adapter_for(m), ctx, name, pp_patches,
@@ -337,9 +365,10 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         (f"vae({vae_parallel})", lambda: keep(split_vae(pipe, mesh, vae_parallel))),
         (f"vae_chunk({vae_chunk})", lambda: keep(chunk_vae(pipe, vae_chunk, torch.device(device)))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
+        (f"quant({options.quant})", lambda: quantize_step(pipe, runtime, keep) if options.quant != "off" else None),
         ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),
-        ("loras", lambda: load_loras(pipe, options, keep)),
+        ("loras", lambda: load_loras(pipe, options, keep) if options.quant == "off" else None),  # quant loaded them
     ]
     try:
         for name, step in steps:

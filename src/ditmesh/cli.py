@@ -15,7 +15,7 @@ import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
 from .shared import one_line
-from .shared import strip_option
+from .shared import add_quant_flags, strip_option
 
 
 def _quiet_libraries() -> None:
@@ -135,8 +135,17 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="decode with the VAE's residual blocks and up-samplers run on pieces of at most ROWS rows "
                              "of their input, with halo rows (exact; lowers the decode's peak memory on one GPU; "
                              "2-D KL VAEs), or auto: sized from free GPU memory (default: whole)")
+    parser.add_argument("--comm-dtype", default=None, metavar="DTYPE",
+                        help="sequence-parallel payloads: auto (default: the activations' dtype) or fp8 (Ulysses "
+                             "all-to-alls and ring K/V as float8 with a scale per token and head; docs/quantization.md)")
+    parser.add_argument("--attention", default=None, metavar="KERNEL",
+                        help="default (exact), int8 (Q and K in int8 per token and head, a Triton kernel: CUDA, one GPU "
+                             "or --ulysses alone) or int8-emulated (its rounding in float32 math, slow)")
+    parser.add_argument("--attention-bf16-steps", type=int, default=None, metavar="W",
+                        help="with --attention int8: the first and last W steps of a run attend exactly (default 0)")
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
+    add_quant_flags(parser)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,6 +190,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                                                ".mp4 needs ditmesh[video], .gif and .png frames need nothing)")
     g.add_argument("--report", default=None, help="JSON report path (default: the output path + .json, e.g. out/image.png.json)")
     g.add_argument("--save-latents", default=None, metavar="FILE", help="save final latents (safetensors, key 'latents')")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the run's timeline (every rank's phases, from the command's start) as a Chrome trace "
+                        "(JSON) that chrome://tracing or ui.perfetto.dev opens; the report has it too (key timeline)")
     g.add_argument("--warmup-only", action="store_true",
                    help="load, compile and run one step at this shape and configuration, then exit: later runs "
                         "of the same shape find their compiled kernels in the cache ($DITMESH_CACHE/compile)")
@@ -225,6 +237,7 @@ EXTRA_COMMANDS = {
 
 def _cmd_generate(args, argv: list[str]) -> int:
     from .runtime import generate
+    from .timeline import phase
 
     if args.compile:
         generate.persist_compile_caches()  # before torch loads: inductor fixes its cache folder on first use
@@ -239,7 +252,15 @@ def _cmd_generate(args, argv: list[str]) -> int:
         argv = strip_option(argv, "--plan") + [f"--{a}={d}" for a, d in config.degrees().items()]
         if args.displaced and "--displaced" not in argv:  # the planner chose displaced attention (--allow-stale)
             argv.append("--displaced")
-    generate.validate(args, world)
+    with phase("checks"):
+        options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
+    if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
+        with phase("imports"):
+            import diffusers  # noqa: F401
+            import torch  # noqa: F401
+            from diffusers import DiffusionPipeline  # noqa: F401
+    with phase("family checks"):
+        generate.validate_family(args, options, model)
     if args.nproc and "RANK" not in os.environ:
         from .runtime.launch import launch
 
@@ -252,16 +273,18 @@ def _cmd_generate(args, argv: list[str]) -> int:
 
 
 def _cmd_synth(args) -> int:
-    from .synth import ARCHS, write_checkpoint, write_lora
+    if args.list:  # from the registry's table: no family (nor torch) is imported
+        from .models.registry import SYNTH
 
-    if args.list:
-        width = max(len(name) for name in ARCHS)
+        width = max(len(name) for name in SYNTH)
         try:
-            for name, arch in sorted(ARCHS.items()):
-                print(f"{name:<{width}}  {arch.description}", flush=True)
+            for name, (_, description) in sorted(SYNTH.items()):
+                print(f"{name:<{width}}  {description}", flush=True)
         except BrokenPipeError:  # the reader went away (`ditmesh synth --list | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    from .synth import ARCHS, write_checkpoint, write_lora
+
     if args.lora is not None:
         if args.model is None or args.out is None or args.arch is not None:
             raise ConfigError("synth --lora RANK needs --model DIR (the pipeline it adapts) and --out DIR, and no --arch")
@@ -278,6 +301,10 @@ def _cmd_synth(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ditmesh`` command; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .timeline import timeline
+
+    start = timeline()
+    start.add("interpreter start", start.process_start_unix - start.origin_unix, start.now())
     _quiet_libraries()
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)

@@ -21,24 +21,30 @@ import torch.distributed._functional_collectives as funcol
 #: when it is traced). Debug-only consistency checks are counted under ``"check"``.
 COUNTS: collections.Counter = collections.Counter()
 
+#: Bytes moved per ``(kind, dtype)`` since the last reset, as :data:`COUNTS` counts calls (the send side of each
+#: collective: what this rank hands to the transport). Tests read it to assert what travels (``--comm-dtype fp8``).
+BYTES: collections.Counter = collections.Counter()
+
 #: the functional all-gather: ``all_gather_single`` where torch has it (``all_gather_tensor`` is deprecated there)
 _ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def reset_counts() -> None:
-    """Zero :data:`COUNTS`."""
+    """Zero :data:`COUNTS` and :data:`BYTES`."""
     COUNTS.clear()
+    BYTES.clear()
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Context manager yielding a Counter of the collectives issued inside the block."""
-    before = collections.Counter(COUNTS)
+def count_collectives(counter: collections.Counter = COUNTS):
+    """Context manager yielding a Counter of the collectives issued inside the block (``counter=BYTES``: of the bytes
+    sent, by ``(kind, dtype)``)."""
+    before = collections.Counter(counter)
     delta: collections.Counter = collections.Counter()
     try:
         yield delta
     finally:
-        for key, value in COUNTS.items():
+        for key, value in counter.items():
             if value - before.get(key, 0):
                 delta[key] = value - before.get(key, 0)
 
@@ -61,15 +67,17 @@ def offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _count(kind: str) -> None:
+def _count(kind: str, *sent: torch.Tensor) -> None:
     # Counting is host-side bookkeeping for tests; inside a compiled region it would only run at trace time.
     if not torch.compiler.is_compiling():
         COUNTS[kind] += 1
+        for t in sent:
+            BYTES[kind, str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
 
 
 def all_to_all_single(x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group) -> torch.Tensor:
     """All-to-all of a 1-D buffer with per-peer element counts (even or uneven)."""
-    _count("all_to_all")
+    _count("all_to_all", x)
     out = funcol.all_to_all_single(x, output_split_sizes, input_split_sizes, group)
     return _waited(out)
 
@@ -81,7 +89,7 @@ def all_to_all_start(x: torch.Tensor, output_split_sizes: list[int], input_split
     so the compute between this call and :func:`wait` overlaps the transfer, in eager mode and in a
     compiled graph alike. Counted as one ``"all_to_all"``.
     """
-    _count("all_to_all")
+    _count("all_to_all", x)
     return torch.ops._c10d_functional.all_to_all_single(x, output_split_sizes, input_split_sizes, group_name(group))
 
 
@@ -110,13 +118,13 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int], group) -> tor
 
     Chunks are padded to the largest size for the transfer and trimmed after it.
     """
-    _count("all_gather")
     longest = max(sizes)
     local = x.size(dim)
     if local < longest:
         pad_shape = list(x.shape)
         pad_shape[dim] = longest - local
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+    _count("all_gather", x)
     gathered = _waited(_ALL_GATHER(x.contiguous(), gather_dim=dim, group=group))
     if longest * len(sizes) == sum(sizes):
         return gathered
@@ -149,7 +157,7 @@ def check_identical(t: torch.Tensor, group=None) -> bool:
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``group`` (functional: returns a new tensor)."""
-    _count("all_reduce")
+    _count("all_reduce", x)
     return _waited(funcol.all_reduce(x, "sum", group))
 
 
@@ -173,7 +181,7 @@ def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send
     ops += [dist.P2POp(dist.irecv, t, src, group=group) for t in recv if t.numel()]
     if not ops:
         return []
-    _count("ring_p2p")
+    _count("ring_p2p", *(t for t in send if t.numel()))
     return dist.batch_isend_irecv(ops)
 
 
@@ -284,9 +292,54 @@ def all_gather_start(x: torch.Tensor, group, kind: str = "all_gather", out: torc
 
     Calls the functional op directly, as :func:`all_to_all_start` does, so the compute between the start and the wait
     overlaps the transfer."""
-    _count(kind)
+    _count(kind, x)
     group = dist.group.WORLD if group is None else group
     args = (x.contiguous(), dist.get_world_size(group), group_name(group))
     if out is not None:
         return torch.ops._c10d_functional.all_gather_into_tensor_out(*args, out=out)
     return torch.ops._c10d_functional.all_gather_into_tensor(*args)
+
+
+# -- fp8 payloads (``comm_dtype="fp8"``): rows of a tensor as float8_e4m3fn bytes with a float32 scale each ---------
+#: the largest finite float8_e4m3fn value: a row's largest magnitude maps to it
+FP8_MAX = 448.0
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., D]`` quantized per row of its last dim: ``(q float8_e4m3fn [..., D], scale float32 [..., 1])`` with
+    ``scale = amax(|row|) / 448`` (an all-zero row gets a tiny scale and stays zero) and ``q = row / scale``, so that
+    ``q * scale`` is the row as it arrives. Computed in float32 from ``x``'s values, so a row gives the same bytes
+    wherever it is cut from (a sequence shard or the whole tensor)."""
+    rows = x.float()
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a receiver gets it when it travels in fp8 (:func:`fp8_pack` then :func:`fp8_unpack`), in ``x``'s dtype:
+    the one-process emulation of ``comm_dtype="fp8"`` applies this where the tensors would travel."""
+    q, scale = fp8_rows(x)
+    return (q.float() * scale).to(x.dtype)
+
+
+def fp8_pack(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` (any shape, ``dim`` elements per row, rows contiguous) as one 1-D uint8 payload of ``dim + 4`` bytes per
+    row: the row's float8_e4m3fn bytes, then its float32 scale's bytes (:func:`fp8_rows`). Rows stay in order, so a
+    payload of ``n`` elements splits at ``n // dim * (dim + 4)`` bytes, and gloo, which has no float8 type, moves
+    the bytes as they are."""
+    q, scale = fp8_rows(x.reshape(-1, dim))
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1).reshape(-1)
+
+
+def fp8_unpack(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D ``payload`` of :func:`fp8_pack` back to its values, ``[rows * dim]`` in ``dtype``."""
+    rows = payload.view(-1, dim + 4)
+    q = rows[:, :dim].view(torch.float8_e4m3fn)
+    scale = rows[:, dim:].contiguous().view(torch.float32)
+    return (q.float() * scale).to(dtype).reshape(-1)
+
+
+def fp8_bytes(numel: int, dim: int) -> int:
+    """Bytes of :func:`fp8_pack`'s payload for ``numel`` elements in rows of ``dim``."""
+    return numel // dim * (dim + 4)
+

@@ -13,6 +13,37 @@ exactly as long as the object: no global table keeps a model alive.
 Per-call state lives in one :class:`ForwardContext` per parallelized pipeline, shared by all its
 transformers and all dimensions: the step index (the scheduler's position in its timesteps), the CFG branch
 of the call, whether this rank skips it, and the token counts of each sequence stream.
+
+What is wrapped. A transformer's ``forward``; under tensor parallelism with the broadcast text path, a
+pipeline's ``encode_prompt``; for LoRA loading, a transformer's ``load_lora_adapter`` and, under tensor
+parallelism, a pipeline's ``lora_state_dict`` (a classmethod bound as the class binds it). Split points inside
+the model (SD3's ``pos_embed`` output, Wan's ``rope`` output and ``blocks.0`` input) and the gather at
+``proj_out`` are plain torch ``register_forward_(pre_)hook`` handles. The runtime of ``parallelize`` hangs on
+the ``context`` hook, so it too lives exactly as long as the model (a parallelized pipeline is freed with its
+last reference; tested).
+
+Counting steps and runs. The ``context`` hook opens each call: the step index is the scheduler's position in
+its timesteps (``scheduler.step_index``, or ``begin_index`` before the first step), and ``call_in_step`` counts
+the calls of that step, so sequential CFG's two calls (and a second transformer) share the step's index. A
+pipeline whose scheduler keeps no index (CogVideoX's DDIM and DPM schedulers have no ``step_index``) or that
+steps copies of its scheduler and never its own (SkyReels-V2's diffusion forcing keeps one per latent frame, so
+``scheduler.step_index`` stays None) is counted by its loop instead: a new step where the pipeline sets its
+``_current_timestep`` anew, which every diffusers denoising loop does once per iteration (a new tensor object
+each step; no host sync). A new pipeline run is recognised by a new timesteps tensor on the scheduler (each run
+sets it anew), and everything kept between steps (a pending CFG result, step-cache state, the probe's previous
+tensors) starts afresh with it. The batch dimension writes the call's CFG branch and whether this rank skips
+it; the sequence dimension writes each stream's chunk sizes; PipeFusion writes the patch it computes and keeps
+its K/V buffers there. Nothing travels through private attributes on the user's model.
+
+``remove()`` gives the pipeline back. Undo callables run in reverse: hooks and processors removed, swapped
+modules put back, tensor-parallel shards all-gathered (packed parts reordered, head counts restored), fused
+projections given their own storage again, compiled blocks uncompiled, text encoders that the broadcast path
+kept on the CPU put back on their device, the blocks PipeFusion emptied broadcast back from their stages.
+``tests/test_family_home.py`` parallelizes (tp 2 x ulysses 2 with fused Q/K/V, ring 2, cfg 2; SD3 and Wan 2.2
+under tp 2; FLUX and Wan 2.2 under pp 2), removes, and checks that every component's state dict, every module's
+attributes and processors, and the outputs equal a pipeline that was never parallelized. A transformer loaded
+as a shard (``load_sharded_transformer``) never held its whole weights; ``remove()`` takes its collectives off
+and raises an error that says so.
 """
 
 from __future__ import annotations
@@ -23,18 +54,20 @@ import weakref
 from dataclasses import dataclass, field
 
 #: Hook names, outermost first. A hook's place in the chain comes from this list, never from when it was
-#: added. ``context`` opens the per-call state; ``graph`` replays everything inside it from a CUDA graph;
-#: ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg) splits or skips the call before
-#: ``pipefusion`` runs a transformer call as patches through the pipeline stages (on a block: skips the blocks of
-#: other stages and passes activations between stages; ``ditmesh.parallel.pipefusion``), then ``sequence`` splits each
-#: patch's tokens over the sequence-parallel ranks; ``encode_once`` wraps a pipeline's ``encode_prompt``; ``cache`` wraps a
-#: transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps a VAE's decode/encode and its layers
-#: (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and up-samplers on pieces of rows
-#: (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline (``lora_state_dict``) and of a
-#: transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a feed-forward on pieces of the
-#: sequence (``ditmesh.parallel.chunk``).
-ORDER = ("context", "graph", "consistency", "batch", "pipefusion", "sequence", "encode_once", "cache", "vae", "vae_chunk", "lora",
-         "chunk")
+#: added. ``timeline`` times a phase of a call: the run's timeline of ``generate`` (``ditmesh.runtime.trace``) or a
+#: served request's phases (``ditmesh.serve.phases``); ``context`` opens the per-call state; ``graph`` replays
+#: everything inside it from a CUDA graph; ``consistency`` sees the full, replicated inputs; ``batch`` (dp/cfg)
+#: splits or skips the call before ``pipefusion`` runs a transformer call as patches through the pipeline stages (on
+#: a block: skips the blocks of other stages and passes activations between stages; ``ditmesh.parallel.pipefusion``),
+#: then ``sequence`` splits each patch's tokens over the sequence-parallel ranks; ``prompt_cache`` answers a
+#: pipeline's ``encode_prompt`` of a prompt it encoded before (``ditmesh.serve.phases``); ``encode_once`` wraps a
+#: pipeline's ``encode_prompt``; ``cache`` wraps a transformer block (step caching, ``ditmesh.cache``); ``vae`` wraps
+#: a VAE's decode/encode and its layers (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and
+#: up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline
+#: (``lora_state_dict``) and of a transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a
+#: feed-forward on pieces of the sequence (``ditmesh.parallel.chunk``).
+ORDER = ("timeline", "context", "graph", "consistency", "batch", "pipefusion", "sequence", "prompt_cache", "encode_once",
+         "cache", "vae", "vae_chunk", "lora", "chunk")
 
 
 class Hook:

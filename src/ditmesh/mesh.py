@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .config import AXIS_ORDER, ParallelConfig
+from .timeline import phase
 
 
 def default_device() -> torch.device:
@@ -47,7 +48,8 @@ class ParallelMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = tuple(getattr(config, a) for a in active)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(active))
+        with phase("communicators"):  # the sub-groups of every axis (a collective of the default group)
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=tuple(active))
         return cls(config=config, device=device, device_mesh=mesh)
 
     def size(self, axis: str) -> int:

@@ -31,14 +31,36 @@ TRANSPORTS = ("nccl", "symm")
 #: decode with its tiles spread over the ranks), ``off``
 VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 
-#: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype)
-QUANT_MODES = ("off",)
+#: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype; ``fp8``: weights and
+#: activations in float8 with per-row scales; ``fp8-weight``, ``int8-weight``: the weights alone; ``parallel.quant``)
+QUANT_MODES = ("off", "fp8", "fp8-weight", "int8-weight")
 
-#: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations')
-COMM_DTYPES = ("auto",)
+#: ``quant``: an fp8 layer of the text stream with at least this many input features keeps weight-only fp8
+#: (row-wise fp8 products of large K and few rows failed on H100: pytorch/ao#4582; ``parallel.quant``)
+WIDE_TEXT_INPUT = 8192
 
-#: ``attention``: the attention kernel (``default``: the exact one of the backend)
-ATTENTION_MODES = ("default",)
+
+def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, modulation: bool = True) -> str | None:
+    """The mode ``quant=mode`` gives the block linear at module path ``name`` (None: it stays in the model's dtype):
+    both sizes multiples of 16 (what fp8 products take); AdaLN modulation linears (a path part starting with ``norm``)
+    only with ``modulation``; in ``fp8``, a wide text-stream input (:data:`WIDE_TEXT_INPUT`) keeps weight-only fp8."""
+    if mode == "off" or in_features % 16 or out_features % 16:
+        return None
+    if not modulation and any(part.startswith("norm") for part in name.split(".")):
+        return None
+    if mode == "fp8" and "context" in name and in_features >= WIDE_TEXT_INPUT:
+        return "fp8-weight"
+    return mode
+
+
+#: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations'; ``fp8``: float8_e4m3fn
+#: with a float32 scale per token and head, ``comm.fp8_pack``; docs/quantization.md)
+COMM_DTYPES = ("auto", "fp8")
+
+#: ``attention``: the attention kernel (``default``: the exact one of the backend; ``int8``: Q and K in int8 per token
+#: and head, the Triton kernel of ``attention.int8``, CUDA; ``int8-emulated``: its rounding in float32 math, any device,
+#: for tests and quality measurements)
+ATTENTION_MODES = ("default", "int8", "int8-emulated")
 
 #: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -174,7 +196,8 @@ class LoraSpec:
 
 
 #: the command-line flag of each option whose flag is not ``--`` + its name with dashes
-_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora"}
+_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora",
+              "quant_modulation": "--quant-keep-modulation"}
 
 
 def _int_or_auto(value, flag: str, what: str, example: int):
@@ -237,8 +260,12 @@ class RunOptions:
     #: 8-bit linear layers (:data:`QUANT_MODES`), the sequence-parallel payloads' dtype (:data:`COMM_DTYPES`), the
     #: attention kernel (:data:`ATTENTION_MODES`)
     quant: str = "off"
+    #: with ``quant``: the AdaLN modulation linears of the blocks quantized too (False: kept in the model's dtype)
+    quant_modulation: bool = True
     comm_dtype: str = "auto"
     attention: str = "default"
+    #: with the 8-bit attention: the first and last this many steps of each run attend exactly
+    attention_bf16_steps: int = 0
 
     # ---- building ------------------------------------------------------------------------------------------
 
@@ -350,7 +377,8 @@ class RunOptions:
         """
         flag = _flagger(cli)
         c = self.config
-        for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora"):
+        for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora",
+                     "quant_modulation"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag(name)}{getattr(self, name)!r} is not true or false")
         _choice(self.transport, TRANSPORTS, flag("transport"), "transport")
@@ -366,6 +394,8 @@ class RunOptions:
                 raise ConfigError(f"{flag('ulysses_chunks')}{self.ulysses_chunks} must be >= 1 (1 = no pipelining)")
         self._check_stale(flag)
         self._check_loras(flag)
+        self._check_eight_bit(flag)
+        self._check_quant(flag)
         if self.cuda_graph:
             if c.dp > 1 or c.cfg > 1:
                 raise ConfigError(f"CUDA graphs do not run with dp={c.dp}, cfg={c.cfg} (their hooks choose per call "
@@ -437,6 +467,35 @@ class RunOptions:
                 raise ConfigError("displaced attention needs ulysses > 1: its patches are the ulysses ranks' token "
                                   "chunks; e.g. ulysses=4 with displaced")
 
+    def _check_eight_bit(self, flag) -> None:
+        """``comm_dtype``, ``attention`` and ``attention_bf16_steps`` against the degrees and the other options."""
+        c, steps = self.config, self.attention_bf16_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"{flag('attention_bf16_steps')}{steps!r} must be a step count >= 0 (0: every step in "
+                              "8 bits)")
+        if self.comm_dtype == "fp8":
+            if c.sp == 1:
+                raise ConfigError(f"{flag('comm_dtype')}fp8 sends the sequence-parallel payloads (ulysses all-to-alls, "
+                                  "ring K/V) in fp8, and ulysses=ring=1 sends none; drop it or set ulysses/ring > 1")
+            if self.transport != "nccl":
+                raise ConfigError(f"{flag('comm_dtype')}fp8 packs the all-to-all payloads itself and "
+                                  f"transport={self.transport} moves unpacked ones; use transport nccl with fp8")
+            if self.stale:
+                what = f"PipeFusion (pp={c.pp})" if c.pp > 1 else "displaced attention"
+                raise ConfigError(f"{flag('comm_dtype')}fp8 does not run with {what} yet; drop one of them")
+        if self.attention == "default":
+            if steps:
+                raise ConfigError(f"{flag('attention_bf16_steps')}{steps} keeps steps out of 8-bit attention, and "
+                                  f"the attention is the default one; drop it or use {flag('attention')}int8")
+            return
+        if c.ring > 1 or self.stale:
+            what = f"ring={c.ring}" if c.ring > 1 else f"pp={c.pp}" if c.pp > 1 else "displaced"
+            raise ConfigError(f"{flag('attention')}{self.attention} runs on one process or under ulysses alone, and "
+                              f"{what} merges partial attention over key chunks; use the default attention there")
+        if steps and self.cuda_graph:
+            raise ConfigError(f"{flag('attention_bf16_steps')}{steps} switches attention per step on the host, which "
+                              "a CUDA graph's replay does not see; drop one of them")
+
     def _check_loras(self, flag) -> None:
         names = [lora.name or f"lora{i}" for i, lora in enumerate(self.loras)]
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -454,8 +513,41 @@ class RunOptions:
             raise ConfigError(f"{flag('fuse_lora').strip('= ')} is given without {flag('loras').strip('= ')}: add "
                               "the adapters to fuse (PATH[:SCALE]) or drop it")
 
+    def _check_quant(self, flag) -> None:
+        if self.quant == "off":
+            if not self.quant_modulation:
+                given = "--quant-keep-modulation" if flag("quant").startswith("--") else "quant_modulation=False"
+                raise ConfigError(f"{given} is given without a {flag('quant').strip()} mode; add one (fp8, "
+                                  "fp8-weight, int8-weight) or drop it")
+            return
+        if self.loras and not self.fuse_lora:
+            raise ConfigError(f"{flag('quant')}{self.quant} with unfused LoRA adapters: add "
+                              f"{flag('fuse_lora').strip('= ')} (the fused weights are quantized), or drop the quant")
+
     def _check_device(self, device, flag, local_world: int | None) -> None:
         kind = getattr(device, "type", str(device).split(":")[0])
+        if self.quant != "off" and kind == "cuda":
+            import torch  # a device is given: torch is loaded already
+
+            if self.quant.startswith("fp8") and torch.cuda.get_device_capability(device) < (8, 9):
+                name = torch.cuda.get_device_name(device)
+                raise ConfigError(f"{flag('quant')}{self.quant} needs fp8 arithmetic (compute capability 8.9+: "
+                                  f"Ada, Hopper, Blackwell), and this {name} lacks it; use int8-weight")
+            import importlib.util
+
+            if importlib.util.find_spec("torchao") is None:
+                raise ConfigError(f"{flag('quant')}{self.quant} on CUDA runs torchao, which is not installed here; "
+                                  "pip install 'ditmesh[quant]' (or torchao), or use quant=off")
+        if self.attention == "int8":
+            if kind != "cuda":
+                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel on CUDA GPUs, and this rank runs on "
+                                  f"{kind}; use the default attention (int8-emulated gives its rounding in float32 "
+                                  "math, for measurements)")
+            import importlib.util
+
+            if importlib.util.find_spec("triton") is None:
+                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel and triton is not installed here; "
+                                  "pip install 'ditmesh[int8]', or use the default attention")
         if self.cuda_graph and kind != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {kind}; drop the graph option")
         if self.transport == "symm":
@@ -527,3 +619,20 @@ def _flagger(cli: bool):
     if cli:
         return lambda name: _CLI_FLAGS.get(name, "--" + name.replace("_", "-")) + " "
     return lambda name: f"{name}="
+
+
+def quant_variants(text: str) -> list[str]:
+    """``--quant``'s comma list, each ``MODE`` or ``MODE:keep-modulation`` checked."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for value in values or [""]:
+        mode, _, keep = value.partition(":")
+        if mode not in QUANT_MODES or keep not in ("", "keep-modulation") or (keep and mode == "off"):
+            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation;"
+                              " a comma list of them runs each)")
+    return values
+
+
+def quant_of(variant: str) -> dict:
+    """A ``--quant`` entry as RunOptions fields."""
+    mode, _, keep = variant.partition(":")
+    return {"quant": mode, "quant_modulation": not keep}

@@ -68,3 +68,58 @@ def strip_option(argv: list[str], name: str) -> list[str]:
         elif not a.startswith(name + "="):
             out.append(a)
     return out
+
+
+def model_source(model: str, arch_names) -> str:
+    """What a ``--model`` value names: ``"arch"`` (a ``ditmesh synth`` architecture), ``"folder"`` (a diffusers
+    pipeline folder) or ``"hub"`` (a Hugging Face hub id, ``org/name``). ``generate``, ``serve``, ``analyze`` and
+    ``plan`` take the same values; anything else is a ValueError with one line saying what would do.
+
+    ``arch_names()`` gives the architecture names; it is called only for a value without ``/`` (no architecture
+    name has one), so a path or a hub id is answered without importing the adapters (and torch).
+    """
+    if "/" not in model and model in arch_names():
+        return "arch"
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise ValueError(f"--model {model}: is a file; give the pipeline folder that holds model_index.json and "
+                         f"the component folders (e.g. one written by `ditmesh synth`), a hub id (org/name) or an "
+                         f"architecture name (`ditmesh synth --list`)")
+    if path.exists():
+        if not (path / "model_index.json").is_file():
+            raise ValueError(f"--model {model}: folder has no model_index.json; give a diffusers pipeline folder "
+                             f"(e.g. one written by `ditmesh synth`)")
+        return "folder"
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")) and all(model.split("/")):
+        return "hub"
+    names = ", ".join(sorted(arch_names()))
+    raise ValueError(f"--model {model}: no such folder; give a diffusers pipeline folder (e.g. one written by "
+                     f"`ditmesh synth`), a hub id (org/name) or a synthetic architecture ({names})")
+
+
+def hub_config_folder(repo_id: str, files: tuple[str, ...] = ("model_index.json", "transformer/config.json")) -> str:
+    """A local folder holding ``files`` of hub model ``repo_id`` (the Hugging Face cache, downloaded when missing;
+    offline, what the cache holds). Reading a configuration downloads no weights. ValueError (one line) naming the
+    id when they cannot be had (no network, unknown or gated id)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(repo_id, allow_patterns=list(files))
+    except Exception as exc:  # noqa: BLE001  (offline, not found, gated, ...: one line naming the id)
+        raise ValueError(f"--model {repo_id}: could not read {files[-1]} of this hub id ({one_line(exc)}); check the "
+                         f"id and the network (gated models need `hf auth login`), or `hf download {repo_id} "
+                         f"--local-dir DIR` and pass DIR") from None
+    if not (Path(folder) / files[-1]).is_file():
+        raise ValueError(f"--model {repo_id}: the hub id has no {files[-1]}; give a diffusers pipeline with a "
+                         f"transformer")
+    return folder
+
+
+def add_quant_flags(parser) -> None:
+    """``--quant`` and ``--quant-keep-modulation`` (generate, serve, bench, plan)."""
+    parser.add_argument("--quant", default=None, metavar="MODE",
+                        help="the linears of the transformer blocks in 8 bits: fp8 (weights and activations, per-row "
+                             "scales; GPUs with fp8: Ada, Hopper), fp8-weight (weights alone), int8-weight (weights "
+                             "alone; any device), off (default). docs/quantization.md")
+    parser.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
+                        default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype")

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .models import adapter_for_class, synth_archs
+from .models import adapter_for_class, registry
 from .models.base import SynthArch as Arch
 from .models.base import adapter_for
 from .shared import DTYPES, current_umask
@@ -40,7 +41,7 @@ WORDS = (
 
 
 #: every family's synthetic architectures, by name (each family's adapter lists its own: ``synth_archs``)
-ARCHS: dict[str, Arch] = synth_archs()
+ARCHS: Mapping[str, Arch] = registry.ARCHS  # loads an architecture's family when it is looked up
 
 
 class UnknownArchError(ValueError):

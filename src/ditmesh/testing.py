@@ -148,3 +148,58 @@ class ProcessPool:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+
+
+#: the environment of a Ray cluster on this machine's loopback address only (Ray otherwise takes the address of the
+#: default route), without usage reports, and patient with raylets that start slowly on a loaded machine
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DISABLE_USAGE_STATS": "1",
+                 "RAY_raylet_start_wait_time_s": "120"}
+
+
+class PinnedRayCluster:
+    """A real Ray cluster on this machine (``ray.cluster_utils.Cluster``): a head that offers no CPU (the front
+    door's driver joins there, no rank runs there) and worker nodes of ``num_cpus`` logical CPUs, node ``i`` pinned
+    to core ``i mod cores`` (its raylet and every actor it starts inherit the affinity). Sets
+    :data:`LOCAL_RAY_ENV` and puts ditmesh's source on the workers' PYTHONPATH. ``address`` is the head's."""
+
+    def __init__(self, nodes: int, num_cpus: float = 1):
+        src = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        os.environ.update(LOCAL_RAY_ENV, PYTHONPATH=os.pathsep.join(
+            [src, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]]))
+        from ray.cluster_utils import Cluster
+
+        self.cores = sorted(os.sched_getaffinity(0))
+        self.num_cpus = num_cpus
+        for attempt in (1, 2):  # Ray gives a node 30 s to register: a loaded machine may need a second start
+            self.added = 0
+            # node deaths are noticed in about 5 s (Ray's default: 15 s)
+            self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=0, object_store_memory=80 * 2**20, include_dashboard=False,
+                _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5}))
+            try:
+                for _ in range(nodes):
+                    self.add_node()
+                break
+            except Exception as exc:
+                self.cluster.shutdown()
+                if attempt == 2 or "timed out during startup" not in str(exc):
+                    raise
+        self.address = self.cluster.address
+
+    def add_node(self):
+        """One more worker node, pinned to the next core; returns Ray's node object (``node_id``)."""
+        os.sched_setaffinity(0, {self.cores[self.added % len(self.cores)]})
+        try:
+            node = self.cluster.add_node(num_cpus=self.num_cpus, object_store_memory=80 * 2**20)
+        finally:
+            os.sched_setaffinity(0, self.cores)
+        self.added += 1
+        return node
+
+    def remove_node(self, node_id: str) -> None:
+        """Take the worker node ``node_id`` out as a lost machine: every process of it killed at once."""
+        node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()

@@ -20,6 +20,11 @@ Uneven chunks: ``seq_sizes[j]`` is the K/V length rank ``j`` started with. Every
 from global lengths, so a receiver allocates the arriving chunk from ``seq_sizes`` alone; no sizes are
 exchanged and there is no host sync in the loop.
 
+fp8 payloads (``comm_dtype="fp8"``): each rank packs its own K and V once (:func:`~ditmesh.comm.fp8_pack`, a float32
+scale per token and head) and the packed bytes travel the whole ring unchanged; every rank, the owner included,
+attends over the dequantized chunk, so every key and value is :func:`~ditmesh.comm.fp8_round` of the original wherever
+it is used, quantized once.
+
 Cross-rank rule: all ranks of the ring group call :func:`ring_attention` for every attention layer, in
 the same order, with the same ``seq_sizes``.
 """
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import offsets, ring_exchange_start, ring_exchange_wait
+from ..comm import fp8_bytes, fp8_pack, fp8_unpack, offsets, ring_exchange_start, ring_exchange_wait
 from .local import QueryChunks, attention_with_lse, score_mask
 
 
@@ -62,6 +67,7 @@ def ring_attention(
     scale: float | None = None,
     mask: torch.Tensor | None = None,
     chunks: QueryChunks | None = None,
+    comm_dtype: str = "auto",
 ) -> torch.Tensor:
     """Attention of local queries ``[B, S_rank, H, D]`` over the keys of every rank; returns ``[B, S_rank, H, D]``.
 
@@ -70,7 +76,8 @@ def ring_attention(
     ``mask`` (optional, as :func:`attention_with_lse` takes it) covers the keys of every rank in ring order,
     ``sum(seq_sizes)`` columns, and either one row for all queries or the queries of every rank in that order
     (``[B, 1 or H, sum(seq_sizes), sum(seq_sizes)]``): this rank uses its own rows. ``chunks``: each round's
-    attention runs on pieces of the queries (``attention.local.in_query_chunks``).
+    attention runs on pieces of the queries (``attention.local.in_query_chunks``). ``comm_dtype="fp8"``: K/V
+    travel as fp8 payloads (module docstring).
     """
     world = len(seq_sizes)
     starts = offsets(seq_sizes)
@@ -80,7 +87,13 @@ def ring_attention(
     if key.shape[1] != seq_sizes[rank]:
         raise ValueError(f"ring rank {rank} holds {key.shape[1]} keys but seq_sizes says {seq_sizes[rank]}")
     send_to, recv_from = (rank + 1) % world, (rank - 1) % world
-    in_hand = [key.contiguous(), value.contiguous()]
+    fp8 = comm_dtype == "fp8"
+    # a chunk of n tokens is [B, n, H, D] of K and of V (fp8: D elements a row, a scale each)
+    outer = [(t.shape[0], t.shape[2], t.shape[3]) for t in (key, value)]
+    if fp8:
+        in_hand = [fp8_pack(t, t.shape[-1]) for t in (key, value)]
+    else:
+        in_hand = [key.contiguous(), value.contiguous()]
     out = lse = None
     for step in range(world):
         works = []
@@ -88,12 +101,20 @@ def ring_attention(
             # Allocate the arriving chunk from the globally known sizes and start its transfer now, so
             # it overlaps the attention on the chunk in hand.
             incoming_len = seq_sizes[(rank - step - 1) % world]
-            arriving = [t.new_empty(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
+            if fp8:
+                arriving = [t.new_empty(fp8_bytes(b * incoming_len * h * d, d)) for t, (b, h, d) in zip(in_hand, outer)]
+            else:
+                arriving = [t.new_empty(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
             works = ring_exchange_start(in_hand, arriving, send_to, recv_from, group)
-        if in_hand[0].shape[1]:
-            source = (rank - step) % world  # the rank this chunk started on: its key columns of the mask
+        source = (rank - step) % world  # the rank this chunk started on: its key columns of the mask
+        if seq_sizes[source]:
             chunk_mask = None if mask is None else mask.narrow(-1, starts[source], seq_sizes[source])
-            block_out, block_lse = attention_with_lse(query, in_hand[0], in_hand[1], scale, chunk_mask, chunks)
+            if fp8:
+                k, v = (fp8_unpack(t, d, x.dtype).view(b, seq_sizes[source], h, d)
+                        for t, x, (b, h, d) in zip(in_hand, (key, value), outer))
+            else:
+                k, v = in_hand
+            block_out, block_lse = attention_with_lse(query, k, v, scale, chunk_mask, chunks)
             out, lse = merge_partial(out, lse, block_out, block_lse)
         if step < world - 1:
             ring_exchange_wait(works)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from .. import symm
-from ..comm import all_to_all_start, offsets, split_sizes, wait
+from ..comm import all_to_all_start, fp8_bytes, fp8_pack, fp8_unpack, offsets, split_sizes, wait
 from .local import score_mask
 
 #: how the all-to-alls travel: NCCL kernels (any backend's functional all-to-all) or copy engines (``ditmesh.symm``)
@@ -79,7 +79,8 @@ def _pack_seq(x: torch.Tensor, seq_sizes: list[int]) -> torch.Tensor:
 
 
 def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_sizes: list[int],
-                       rank: int, group, transport: str = "nccl", slot: int = 0) -> Callable[[], tuple[torch.Tensor, ...]]:
+                       rank: int, group, transport: str = "nccl", slot: int = 0,
+                       comm_dtype: str = "auto") -> Callable[[], tuple[torch.Tensor, ...]]:
     """Issue the all-to-all that sends heads ``[head_starts[j], + head_sizes[j])`` of each of ``xs`` to rank ``j``.
 
     ``xs``: tensors (e.g. Q, K, V) of one shape ``[..., S_rank, H, D]``, sequence shards; they travel in one
@@ -90,6 +91,10 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
 
     ``transport="symm"`` sends through copy engines (:mod:`ditmesh.symm`, CUDA) into the receive buffer of
     head group ``slot``, which stays valid until the next transfer of that slot.
+
+    ``comm_dtype="fp8"``: the buffer travels as fp8 bytes with a float32 scale per token, tensor and head
+    (:func:`~ditmesh.comm.fp8_pack`) and is dequantized on arrival; the received tensors are then copies in the
+    senders' dtype, each row exactly :func:`~ditmesh.comm.fp8_round` of the row sent.
     """
     world = len(seq_sizes)
     lead = xs[0].shape[:-3]
@@ -101,10 +106,11 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
     else:
         send = _pack_heads(xs, head_starts, head_sizes)
         in_splits = [lead_numel * xs[0].shape[-3] * head_sizes[j] * dim for j in range(world)]
-        recv = all_to_all_start(send, out_splits, in_splits, group)
+        recv = _all_to_all_in(comm_dtype, send, out_splits, in_splits, dim, group)
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])
 
     def finish() -> tuple[torch.Tensor, ...]:
-        got = symm.wait(recv, group, "qkv", slot) if transport == "symm" else wait(recv)
+        got = symm.wait(recv, group, "qkv", slot) if transport == "symm" else _arrived(comm_dtype, recv, dim, dtype)
         if math.prod(lead) == 1:  # the source ranks' chunks lie in sequence order already: views, no copy
             full = got.view(*lead, sum(seq_sizes), len(xs), head_sizes[rank], dim)
         else:
@@ -117,12 +123,14 @@ def seq_to_heads_start(xs, seq_sizes: list[int], head_starts: list[int], head_si
 
 
 def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[int], rank: int,
-                       group, transport: str = "nccl", slot: int = 0) -> Callable[[], list[torch.Tensor]]:
+                       group, transport: str = "nccl", slot: int = 0,
+                       comm_dtype: str = "auto") -> Callable[[], list[torch.Tensor]]:
     """Inverse of :func:`seq_to_heads_start`: ``x`` is ``[..., S_total, head_sizes[rank], D]``.
 
     Returns ``finish()``, which waits and gives the list over source ranks ``j`` of
     ``[..., S_rank, head_sizes[j], D]`` (concatenated along heads by the caller). With
     ``transport="symm"`` this rank's own part is a view of ``x``, which therefore is read until ``finish``.
+    ``comm_dtype="fp8"``: as in :func:`seq_to_heads_start` (a scale per token and head).
     """
     world = len(seq_sizes)
     lead = x.shape[:-3]
@@ -136,10 +144,10 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     else:
         send = _pack_seq(x, seq_sizes)
         in_splits = [lead_numel * seq_sizes[j] * head_sizes[rank] * dim for j in range(world)]
-        recv = all_to_all_start(send, out_splits, in_splits, group)
+        recv = _all_to_all_in(comm_dtype, send, out_splits, in_splits, dim, group)
 
     def finish() -> list[torch.Tensor]:
-        got = symm.wait(recv, group, "out", slot) if transport == "symm" else wait(recv)
+        got = symm.wait(recv, group, "out", slot) if transport == "symm" else _arrived(comm_dtype, recv, dim, x.dtype)
         parts = [p.view(*lead, seq_sizes[rank], head_sizes[j], dim) for j, p in enumerate(got.split(out_splits))]
         if transport == "symm":
             parts[rank] = own
@@ -148,16 +156,31 @@ def heads_to_seq_start(x: torch.Tensor, seq_sizes: list[int], head_sizes: list[i
     return finish
 
 
-def seq_to_heads(xs, seq_sizes: list[int], rank: int, group) -> tuple[torch.Tensor, ...]:
+def _all_to_all_in(comm_dtype: str, send: torch.Tensor, out_splits: list[int], in_splits: list[int], dim: int, group):
+    """Start the all-to-all of ``send`` (element counts per peer), as fp8 bytes when ``comm_dtype`` is ``fp8``."""
+    if comm_dtype == "fp8":
+        send, out_splits, in_splits = (fp8_pack(send, dim), [fp8_bytes(n, dim) for n in out_splits],
+                                       [fp8_bytes(n, dim) for n in in_splits])
+    return all_to_all_start(send, out_splits, in_splits, group)
+
+
+def _arrived(comm_dtype: str, recv: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The finished all-to-all of :func:`_all_to_all_in`, in ``dtype``."""
+    got = wait(recv)
+    return fp8_unpack(got, dim, dtype) if comm_dtype == "fp8" else got
+
+
+def seq_to_heads(xs, seq_sizes: list[int], rank: int, group, comm_dtype: str = "auto") -> tuple[torch.Tensor, ...]:
     """Sequence shards ``xs`` (each ``[..., S_rank, H, D]``) -> one ``[..., S_total, h_rank, D]`` per tensor (blocking)."""
     head_sizes = split_sizes(xs[0].shape[-2], len(seq_sizes))
-    return seq_to_heads_start(xs, seq_sizes, offsets(head_sizes), head_sizes, rank, group)()
+    return seq_to_heads_start(xs, seq_sizes, offsets(head_sizes), head_sizes, rank, group, comm_dtype=comm_dtype)()
 
 
-def heads_to_seq(x: torch.Tensor, seq_sizes: list[int], num_heads: int, rank: int, group) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, seq_sizes: list[int], num_heads: int, rank: int, group,
+                 comm_dtype: str = "auto") -> torch.Tensor:
     """Inverse of :func:`seq_to_heads`: ``[..., S_total, h_rank, D]`` -> ``[..., S_rank, H, D]`` (blocking)."""
     head_sizes = split_sizes(num_heads, len(seq_sizes))
-    return torch.cat(heads_to_seq_start(x, seq_sizes, head_sizes, rank, group)(), dim=-2)
+    return torch.cat(heads_to_seq_start(x, seq_sizes, head_sizes, rank, group, comm_dtype=comm_dtype)(), dim=-2)
 
 
 def head_groups(num_heads: int, world: int, chunks: int) -> list[tuple[list[int], list[int]]]:
@@ -188,22 +211,25 @@ def ulysses_attention(
     chunks: int = 1,
     transport: str = "nccl",
     mask: torch.Tensor | None = None,
+    comm_dtype: str = "auto",
 ) -> torch.Tensor:
     """Attention over the full sequence from sequence shards ``[B, S_rank, H, D]``; returns ``[B, S_rank, H, D]``.
 
     ``local_attention(q, k, v)`` runs on ``[B, S_total, h, D]`` and returns the same layout; with a ``mask``
     (in the gathered order, module docstring) it is called as ``local_attention(q, k, v, mask)`` with the mask as
     ``[B, 1 or h, S_total or 1, S_total]``. ``chunks`` head groups are pipelined against the transfers (module
-    docstring). Collectives: 2 all-to-alls per non-empty head group, through ``transport`` (``ditmesh.options.TRANSPORTS``).
+    docstring). Collectives: 2 all-to-alls per non-empty head group, through ``transport`` (``ditmesh.options.TRANSPORTS``);
+    ``comm_dtype="fp8"``: their payloads travel as fp8 with a scale per token and head (:func:`seq_to_heads_start`),
+    so ``local_attention`` sees :func:`~ditmesh.comm.fp8_round` of Q, K and V and the caller gets it of the output.
     """
     world = len(seq_sizes)
     mask = score_mask(mask)
     qkv = (query, key, value)
     groups = head_groups(query.shape[-2], world, max(1, chunks))
-    pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group, transport, 0)
+    pending = seq_to_heads_start(qkv, seq_sizes, *groups[0], rank, group, transport, 0, comm_dtype)
     returning = []
     for c, (starts, sizes) in enumerate(groups):
-        following = (seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group, transport, c + 1)
+        following = (seq_to_heads_start(qkv, seq_sizes, *groups[c + 1], rank, group, transport, c + 1, comm_dtype)
                      if c + 1 < len(groups) else None)
         q, k, v = pending()
         if not sizes[rank]:
@@ -213,7 +239,7 @@ def ulysses_attention(
         else:
             heads = mask if mask.shape[1] == 1 else mask.narrow(1, starts[rank], sizes[rank])
             out = local_attention(q, k, v, heads)
-        returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group, transport, c))
+        returning.append(heads_to_seq_start(out, seq_sizes, sizes, rank, group, transport, c, comm_dtype))
         pending = following
     parts = [finish() for finish in returning]  # parts[c][j]: rank j's heads of group c
     return torch.cat([parts[c][j] for j in range(world) for c in range(len(groups))], dim=-2)

@@ -12,7 +12,7 @@ Sizes, all from global lengths: ``seq_sizes`` has one entry per sp rank; the Uly
 
 Placement: Ulysses is a latency-bound all-to-all on the critical path, so it takes the inner mesh axis
 (consecutive ranks, the fastest links); the ring's point-to-point transfers overlap compute, so it takes
-the outer axis and can cross slower links (see docs/architecture.md).
+the outer axis and can cross slower links (see docs/sequence-parallel.md).
 
 Masks: the ring's key order is the sp ranks' chunks in order, the order a Ulysses-only all-to-all gives. A mask
 in that order (``[B, S_total]`` or ``[B, 1 or H, S_total, S_total]``) goes to the ring with this Ulysses rank's
@@ -50,6 +50,7 @@ def usp_attention(
     scale: float | None = None,
     mask: torch.Tensor | None = None,
     chunks: QueryChunks | None = None,
+    comm_dtype: str = "auto",
 ) -> torch.Tensor:
     """Full-sequence attention from sp shards ``[B, S_sp, H, D]``; returns ``[B, S_sp, H, D]``.
 
@@ -57,7 +58,8 @@ def usp_attention(
     ``ring_rank``/``ulysses_rank`` are this rank's indices in ``ring_group``/``ulysses_group``.
     Collectives: 2 all-to-alls in the Ulysses group and ``ring - 1`` exchange rounds in the ring group.
     ``mask``: optional, over the sp ranks' chunks in order (module docstring). ``chunks``: the local attention
-    after the all-to-all runs on pieces of the queries.
+    after the all-to-all runs on pieces of the queries. ``comm_dtype="fp8"``: the all-to-alls and the ring's K/V travel
+    as fp8 payloads (K and V are then rounded twice: by the all-to-all, and again by the ring's packing).
     """
     group_sizes = seq_sizes[ring_rank * ulysses_degree : (ring_rank + 1) * ulysses_degree]
     num_heads = query.shape[-2]
@@ -65,7 +67,7 @@ def usp_attention(
     if mask is not None and mask.shape[1] != 1:  # this Ulysses rank's heads, as seq_to_heads gives them
         heads = split_sizes(num_heads, ulysses_degree)
         mask = mask.narrow(1, offsets(heads)[ulysses_rank], heads[ulysses_rank])
-    qkv = seq_to_heads((query, key, value), group_sizes, ulysses_rank, ulysses_group)
+    qkv = seq_to_heads((query, key, value), group_sizes, ulysses_rank, ulysses_group, comm_dtype)
     out = ring_attention(qkv[0], qkv[1], qkv[2], ring_chunk_sizes(seq_sizes, ulysses_degree), ring_rank, ring_group,
-                         scale, mask, chunks)
-    return heads_to_seq(out, group_sizes, num_heads, ulysses_rank, ulysses_group)
+                         scale, mask, chunks, comm_dtype)
+    return heads_to_seq(out, group_sizes, num_heads, ulysses_rank, ulysses_group, comm_dtype)

@@ -31,6 +31,7 @@ METHODS = {
     "usp": lambda g: {"ulysses": g // 2, "ring": 2} if g >= 4 else {"ulysses": 0},  # 2-D needs >= 4
     "tp": lambda g: {"tp": g},
     "tp-ulysses": lambda g: {"tp": 2, "ulysses": g // 2} if g >= 4 else {"tp": 0},
+    "tp4-ulysses": lambda g: {"tp": 4, "ulysses": g // 4} if g >= 8 else {"tp": 0},
     "cfg": lambda g: {"cfg": 2, "ulysses": g // 2} if g > 2 else {"cfg": 2},
     # PipeFusion (pp patches, 1 exact warm-up step; the measured steps are the stale pipeline's): approximate
     "pp": lambda g: {"pp": g},
@@ -80,6 +81,17 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--cache", default=None, metavar="POLICY",
                    help="ditmesh rows run with this step cache (--cache of generate); the timed calls are steps "
                         "0, 1, ... of one run, on the same inputs (rows note the cached steps)")
+    b.add_argument("--comm-dtype", default="auto", metavar="LIST",
+                   help="ditmesh rows' sequence-parallel payloads: auto, fp8, or a comma list (auto,fp8: each row "
+                        "twice, side by side; fp8 only on rows with ulysses or ring > 1). docs/quantization.md")
+    b.add_argument("--attention", default="default", metavar="LIST",
+                   help="ditmesh rows' attention: default (exact), int8 (CUDA), int8-emulated, or a comma list "
+                        "(default,int8: each "
+                        "row twice); int8 on one GPU or under ulysses alone")
+    b.add_argument("--quant", default="off", metavar="LIST",
+                   help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
+                        ":keep-modulation (the AdaLN modulation linears in the model's dtype), or a comma list of them "
+                        "(off,fp8: each row twice, side by side). docs/quantization.md")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
@@ -157,7 +169,7 @@ def _typed(args) -> list[str]:
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
     from ..config import ConfigError
-    from ..options import RunOptions
+    from ..options import RunOptions, quant_variants
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -192,6 +204,8 @@ def _settings(args) -> dict:
     lora = _lora_rank(args)
     if lora:  # the LoRA rows run without a CUDA graph (on GPUs the default is with one)
         cuda_graph = False
+    comm_dtypes, attentions = _eight_variants(args, methods)
+    quants = quant_variants(args.quant)
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -206,8 +220,28 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
-                lora=lora,
+                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
+
+
+def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
+    """``--comm-dtype`` and ``--attention`` as lists, each value checked (``options.RunOptions.validate``)."""
+    from ..config import ConfigError
+    from ..options import ATTENTION_MODES, COMM_DTYPES
+
+    comm = [c.strip() for c in args.comm_dtype.split(",") if c.strip()]
+    attention = [a.strip() for a in args.attention.split(",") if a.strip()]
+    for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTION_MODES)):
+        bad = [v for v in values if v not in known] or ([] if values else [""])
+        if bad:
+            raise ConfigError(f"{flag} {bad[0]!r} is not one of {', '.join(known)} (a comma list of them runs each)")
+    if "int8" in attention and not torch.cuda.is_available():
+        raise ConfigError("--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here; use "
+                          "int8-emulated for its rounding in float32 math")
+    if (set(attention) - {"default"}) and any(m.startswith(("ring", "usp", "pp", "displaced")) for m in methods):
+        raise ConfigError(f"--attention {args.attention}: the 8-bit attention runs on one GPU or under ulysses "
+                          "alone; leave ring, usp, pp and displaced out of --methods")
+    return comm, attention
 
 
 def _lora_rank(args) -> int | None:
@@ -247,7 +281,15 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]
-    for method, g, comp, graph in plan:
+    retried: dict[tuple, str] = {}
+    variants = [(c, a, q) for q in s.get("quants", ["off"]) for c in s.get("comm_dtypes", ["auto"])
+                for a in s.get("attentions", ["default"])]
+    # ditmesh's rows (not the peers', not plain diffusers') run once per --quant x --comm-dtype x --attention variant
+    # that fits
+    plan = [(m, g, c, graph, variant) for m, g, c, graph in plan
+            for variant in (variants if not peer(m) and (m != "single" or graph) else [("auto", "default", "off")])
+            if variant[0] == "auto" or g > 1]
+    for method, g, comp, graph, (comm_dtype, attention, quant) in plan:
         degrees = METHODS[method](g)
         product = 1
         for d in degrees.values():
@@ -261,17 +303,34 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     warmup=max(s["warmup"], GRAPH_WARMUP.get(method, 2) if graph else 0), compile=comp, graph=graph,
                     chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
-                    cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp))
-        label = f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+                    cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp),
+                    comm_dtype=comm_dtype, attention=attention, quant=quant)
+        label = (f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
+                 f"{' quant ' + quant if quant != 'off' else ''}"
+                 f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"
+                 f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)
+        causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
         try:
-            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"))
+            launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
+                         on_retry=causes.append)
         except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
             raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
+            named = {k: v for k, v, default in (("quant", quant, "off"), ("comm_dtype", comm_dtype, "auto"),
+                                                ("attention", attention, "default")) if v != default}
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
-                             "error": str(exc).splitlines()[0]})
-    return _derive([json.loads(line) for line in open(tmp / "rows.jsonl")], tmp, s)
+                             **named, "error": str(exc).splitlines()[0]})
+        if causes:
+            print(f"ditmesh bench: {label}: started again on a fresh store after: {causes[0]}", flush=True)
+            retried[(method, g, comp, graph, comm_dtype, attention, quant)] = causes[0]
+    rows = [json.loads(line) for line in open(tmp / "rows.jsonl")]
+    for r in rows:  # the row records why its first start failed
+        cause = retried.get((r.get("method"), r.get("gpus"), r.get("compiled"), r.get("graph"),
+                             r.get("comm_dtype", "auto"), r.get("attention", "default"), r.get("quant", "off")))
+        if cause:
+            r["rendezvous_retry"] = cause
+    return _derive(rows, tmp, s)
 
 
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:

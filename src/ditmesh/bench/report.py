@@ -17,7 +17,8 @@ The schema (``SCHEMA``), one JSON object per run:
   ``lora_layers_unloaded`` (LoRA layers left after ``unload_lora``: 0), ``lora_change`` (the adapted output
   against the plain one), ``lora_fused_rel_err`` (fused against unfused), ``lora_unloaded_rel_err`` (fused and
   unloaded against fused), ``rel_err_lora_vs_1gpu``, or ``lora_error``; ``error`` when the configuration could
-  not run); with ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
+  not run; ``rendezvous_retry``: why its ranks' first start could not meet, when it was started again); with
+  ``--baseline-src`` each row also has ``tree`` (``baseline`` or ``current``)
 
 Runs go to ``--out`` or, by default, to ``$DITMESH_BENCH_DIR`` (else ``bench/`` under ditmesh's cache
 folder, ``$DITMESH_CACHE`` or ``~/.cache/ditmesh``): never into a checkout unless asked. The project's
@@ -102,7 +103,8 @@ def rows_table(rows: list[dict]) -> str:
             f"| {r['method']} | {r['gpus']} | {r.get('compiled', '')} | {r.get('graph', False)} | {r.get('step_ms', '')} "
             f"| {r.get('speedup_vs_1gpu', '')} | {r.get('efficiency', '')} | {r.get('peak_gib_per_gpu', '')} "
             f"| {'' if err is None else f'{err:.2e}'} | {split} |{extra} "
-            f"{r.get('error', '') or r.get('lora_error', '') or _cache_note(r)} |"
+            f"{r.get('error', '') or r.get('lora_error', '') or _cache_note(r) or _eight_note(r)}"
+            f"{' (started again after: ' + r['rendezvous_retry'] + ')' if r.get('rendezvous_retry') else ''} |"
         )
     return "\n".join(lines)
 
@@ -113,6 +115,13 @@ def _lora_cell(row: dict, phase: str) -> str:
         return ""
     overhead = row.get(f"lora_{phase}_overhead")
     return f"{row[f'step_ms_lora_{phase}']}" + ("" if overhead is None else f" ({overhead:+.1%})")
+
+
+def _eight_note(row: dict) -> str:
+    """A row's 8-bit options: ``comm fp8, attention int8`` (empty for the defaults)."""
+    return ", ".join(f"{name} {row[key]}" for key, name in (("quant", "quant"), ("comm_dtype", "comm"),
+                                                           ("attention", "attention"))
+                     if row.get(key))
 
 
 def _cache_note(row: dict) -> str:

@@ -25,8 +25,10 @@ def error_text(exc: BaseException) -> str:
 
 
 def row_key(row: dict) -> str:
-    """The file stem of a row's saved output: method, process count, compiled (c/e), CUDA graph (g)."""
-    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}"
+    """The file stem of a row's saved output: method, process count, compiled (c/e), CUDA graph (g), and the payload
+    dtype and attention where they are not the defaults."""
+    eight = "".join(f"-{row[k]}".replace(":", "-") for k in ("quant", "comm_dtype", "attention") if row.get(k))
+    return f"{row['method']}-{row['gpus']}-{'c' if row.get('compiled') else 'e'}{'g' if row.get('graph') else ''}{eight}"
 
 
 def append_row(tmp: str | Path, row: dict) -> None:
@@ -117,6 +119,7 @@ def run_worker(spec: dict) -> None:
     from ..config import ParallelConfig
     from ..mesh import default_device
     from ..options import RunOptions
+    from ..options import quant_of
     from ..models.base import adapter_for
     from ..runtime.generate import _init_distributed
     from ..runtime.report import device_name
@@ -172,9 +175,15 @@ def run_worker(spec: dict) -> None:
             options = RunOptions.create(ParallelConfig(**spec["degrees"]), cuda_graph=row["graph"],
                                         ulysses_chunks=spec.get("chunks"), compile=spec["compile"],
                                         transport=spec.get("transport", "nccl"), fuse_qkv=spec.get("fuse_qkv", False),
-                                        cache=row.get("cache"), displaced=spec["method"] == "displaced")
+                                        cache=row.get("cache"), displaced=spec["method"] == "displaced",
+                                        comm_dtype=spec.get("comm_dtype", "auto"),
+                                        attention=spec.get("attention", "default"),
+                                        **quant_of(spec.get("quant", "off")))
             runtime = parallelize(_Pipe, options, device=device)
             ours = True
+            for key, default in (("comm_dtype", "auto"), ("attention", "default"), ("quant", "off")):
+                if spec.get(key, default) != default:
+                    row[key] = spec[key]
             if spec.get("fuse_qkv"):
                 row["fuse_qkv"] = True
             sp = runtime.sequence()

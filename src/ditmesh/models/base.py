@@ -516,18 +516,29 @@ def register(adapter: ModelAdapter) -> ModelAdapter:
 
 
 def adapters() -> list[ModelAdapter]:
-    """Every registered adapter, once each, in registration order."""
-    unique = {id(adapter): adapter for adapter in _REGISTRY.values()}
+    """Every adapter, once each, in the order of the registry's table (every family's module is imported)."""
+    from .registry import CLASSES, import_family
+
+    for module in dict.fromkeys(CLASSES.values()):
+        import_family(module)
+    unique = {id(_REGISTRY[name]): _REGISTRY[name] for name in CLASSES}
     return list(unique.values())
 
 
 def supported_classes() -> list[str]:
-    """Names of the diffusers transformer classes ditmesh can parallelize."""
-    return sorted(_REGISTRY)
+    """Names of the diffusers transformer classes ditmesh can parallelize (no family is imported)."""
+    from . import registry
+
+    return registry.supported_classes()
 
 
 def adapter_for_class(class_name: str) -> ModelAdapter:
-    """The adapter of the transformer class ``class_name``; NotImplementedError naming the supported ones."""
+    """The adapter of the transformer class ``class_name`` (its family's module imported on first use);
+    NotImplementedError naming the supported ones."""
+    from .registry import CLASSES, import_family
+
+    if class_name not in _REGISTRY and class_name in CLASSES:
+        import_family(CLASSES[class_name])
     if class_name not in _REGISTRY:
         raise NotImplementedError(
             f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
@@ -541,9 +552,17 @@ def adapter_for(model: torch.nn.Module) -> ModelAdapter:
 
 
 def vae_plan_for(vae: torch.nn.Module) -> VaePlan | None:
-    """The :class:`VaePlan` of ``vae``'s class (from any adapter whose plan names it), or None."""
-    for adapter in adapters():
-        if adapter.vae is not None and type(vae).__name__ in adapter.vae.class_names:
+    """The :class:`VaePlan` of ``vae``'s class (from the first adapter, in the registry's order, whose plan names
+    it), or None. Imports only the family the registry names for that class."""
+    from .registry import CLASSES, VAES, import_family
+
+    name = type(vae).__name__
+    if name not in VAES:
+        return None
+    import_family(VAES[name])
+    for cls in CLASSES:  # the adapters loaded so far, in the registry's order: the first match is VAES's family's
+        adapter = _REGISTRY.get(cls)
+        if adapter is not None and adapter.vae is not None and name in adapter.vae.class_names:
             return adapter.vae
     return None
 

@@ -181,3 +181,51 @@ def fuse(pipe) -> None:
             if getattr(model, "peft_config", None) is not None:
                 del model.peft_config
                 model._hf_peft_config_loaded = None
+
+
+class Switch:
+    """Adapters loaded together, one (or none) of them chosen per pipeline call without touching the compiled or
+    captured code: every adapter stays active in peft, and each LoRA layer multiplies an adapter's output by a
+    0-dim tensor on the layer's device instead of peft's Python float. Choosing an adapter writes those tensors in
+    place (its scale, 0 for the others), so a compiled block sees the same graph inputs (no guard fails, nothing
+    recompiles) and a CUDA graph reads the values at replay (nothing is captured again).
+
+    ``fixed`` adapters are on in every call, at their scale; the others are on only when chosen. A layer adds
+    ``0 * B(A(x))`` for an adapter that is off, which leaves its output exactly as without that adapter (the
+    adapters' outputs are finite), so a call equals one with only the chosen (and fixed) adapters loaded.
+
+    Cross-rank rule: every rank chooses the same adapter before the same call.
+    """
+
+    def __init__(self, pipe, names: list[str], scales: list[float], fixed: set[str]):
+        from peft.tuners.lora import LoraLayer
+
+        self.scales = dict(zip(names, scales))
+        self.fixed = set(fixed)
+        self.choices = [n for n in names if n not in self.fixed]
+        pipe.set_adapters(names, [1.0] * len(names))  # each layer's scaling is now its unit: alpha / r
+        #: (adapter, unit scaling, device) -> the 0-dim tensor its layers multiply by
+        self.slots: dict[tuple, torch.Tensor] = {}
+        for component in pipe.components.values():
+            if not isinstance(component, torch.nn.Module):
+                continue
+            for module in component.modules():
+                if not isinstance(module, LoraLayer):
+                    continue
+                for name in names:
+                    if name in module.scaling and name in module.lora_A:
+                        key = (name, float(module.scaling[name]), module.lora_A[name].weight.device)
+                        if key not in self.slots:
+                            self.slots[key] = torch.zeros((), dtype=torch.float32, device=key[2])
+                        module.scaling[name] = self.slots[key]
+        self.chosen: str | None = None
+        self.select(None)
+
+    def select(self, name: str | None) -> None:
+        """Turn ``name`` on (None: only the fixed adapters) and every other chosen-per-call adapter off."""
+        if name is not None and name not in self.choices:
+            raise ValueError(f"no adapter {name!r}; the adapters are: {', '.join(self.choices)}")
+        for (adapter, unit, _), value in self.slots.items():
+            on = adapter in self.fixed or adapter == name
+            value.fill_(unit * self.scales[adapter] if on else 0.0)
+        self.chosen = name

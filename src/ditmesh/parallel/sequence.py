@@ -53,7 +53,8 @@ class SequenceParallel:
     """
 
     def __init__(self, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext, chunks: int | None = None,
-                 compiled: bool = False, transport: str = "nccl", query_chunks: QueryChunks | None = None):
+                 compiled: bool = False, transport: str = "nccl", query_chunks: QueryChunks | None = None,
+                 comm_dtype: str = "auto", eight=None):
         self.adapter = adapter
         self.ctx = ctx
         self.plan = adapter.sequence_plan
@@ -74,6 +75,10 @@ class SequenceParallel:
         self.transport = transport
         #: pieces of the queries the local attention runs on, after the all-to-all (``parallel.chunk``); None: whole
         self.query_chunks = query_chunks
+        #: what the Ulysses all-to-alls and the ring's K/V travel as (``options.COMM_DTYPES``)
+        self.comm_dtype = comm_dtype
+        #: the 8-bit local attention after the Ulysses all-to-all (``parallel.eight.EightBitAttention``), or None
+        self.eight = eight
         #: local attention sequence length of each sp rank (sum over the streams split so far in this call)
         self.seq_sizes: list[int] = []
         #: (streams, their chunk sizes, device) -> (tokens, the mask reorder index or None) (:meth:`gathered_mask`)
@@ -102,7 +107,8 @@ class SequenceParallel:
         values of every sp rank in the sp ranks' order, :meth:`gathered_order`) instead of the dispatcher:
         PipeFusion's attention over its K/V buffer; it gets all of this rank's heads at once (one head group). Under
         ring (and USP) its keys and values are all-gathered over the ring group (:meth:`ring_gathered`) and its
-        queries are this ring rank's tokens.
+        queries are this ring rank's tokens. ``comm_dtype`` and the 8-bit attention (``eight``) apply to the
+        Ulysses, ring and USP paths; ``local``'s gathers travel in the activations' dtype.
         """
         # ``streams``: the streams this attention runs over (default: all, e.g. joint text+image); an
         # image-only attention inside a joint model (SD3.5 ``attn2``) passes ``("image",)``.
@@ -117,13 +123,18 @@ class SequenceParallel:
             def dispatched(q, k, v, mask=None):
                 return dispatched_attention(q, k, v, mask, backend, self.query_chunks)
 
+            if local is None and self.eight is not None:
+                self.eight.backend = backend
+                local = self.eight
             return ulysses_attention(query, key, value, seq_sizes, self.ulysses_rank, self.ulysses_group_name,
-                                     local or dispatched, chunks=chunks, transport=self.transport, mask=mask)
+                                     local or dispatched, chunks=chunks, transport=self.transport, mask=mask,
+                                     comm_dtype=self.comm_dtype)
         if self.ulysses_degree == 1:
             return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask,
-                                  chunks=self.query_chunks)
+                                  chunks=self.query_chunks, comm_dtype=self.comm_dtype)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                             self.ring_group, self.ulysses_group, mask=mask, chunks=self.query_chunks)
+                             self.ring_group, self.ulysses_group, mask=mask, chunks=self.query_chunks,
+                             comm_dtype=self.comm_dtype)
 
     def ring_gathered(self, query, key, value, seq_sizes: list[int], local):
         """``local`` over every sp rank's keys and values under ring or USP: after the Ulysses all-to-all (USP) the
@@ -417,14 +428,15 @@ def check_attention_selection(model: torch.nn.Module, adapter: ModelAdapter) -> 
 
 def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx: ForwardContext,
           chunks: int | None = None, compiled: bool = False, transport: str = "nccl",
-          query_chunks: QueryChunks | None = None) -> list:
+          query_chunks: QueryChunks | None = None, comm_dtype: str = "auto", eight=None) -> list:
     """Make ``model`` sequence-parallel over the mesh's ring and ulysses axes. Returns undo callables.
 
     Ulysses alone, ring alone, or both (USP) follow from the degrees. ``chunks``: Ulysses head groups
     pipelined against the all-to-alls (default :func:`default_chunks`, which depends on whether the blocks
     will be ``compiled``). ``transport``: how Ulysses-only attention moves its all-to-alls ("nccl" or
     "symm"; ring and USP always use the process group's backend). ``query_chunks``: the local attention runs on
-    pieces of the queries (``parallel.chunk``). The runtime state is the ``sequence``
+    pieces of the queries (``parallel.chunk``). ``comm_dtype``: what the payloads travel as (``options.COMM_DTYPES``);
+    ``eight``: the 8-bit local attention under Ulysses (``parallel.eight``). The runtime state is the ``sequence``
     hook's ``sp`` (``hooks.find_hook(model, "sequence").sp``). Does nothing (and returns ``[]``) when the
     sequence-parallel degree is 1.
     """
@@ -434,7 +446,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
         raise ConfigError(f"{adapter.name}: the halo exchange of its token grid's convolutions does not run inside "
                           "compiled blocks; use compile off with sequence parallelism, or compile with tp, cfg or dp")
     check_attention_selection(model, adapter)
-    sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport, query_chunks)
+    sp = SequenceParallel(mesh, adapter, ctx, chunks, compiled, transport, query_chunks, comm_dtype, eight)
     plan = adapter.sequence_plan
     entry = SequenceEntry(sp, plan.inputs.get("", {}), model.forward)
     undo = [add_hook(model, entry)]

@@ -5,7 +5,7 @@ rows ``[rank * out / tp, (rank + 1) * out / tp)`` and its output stays sharded; 
 the matching input columns, computes a partial product without bias, sums it over the tensor-parallel
 group with ONE functional all-reduce and adds its (whole, replicated) bias once after the sum. The
 module's parameter names do not change, so a rank can load its shard straight from a checkpoint
-(:func:`load_sharded_transformer`). docs/architecture.md says why this and not
+(:func:`load_sharded_transformer`). docs/tensor-parallel.md says why this and not
 ``torch.distributed.tensor.parallel``.
 
 Cross-rank rules:
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import all_gather_uneven, all_reduce_sum, broadcast_tensors
-from ..config import ConfigError
+from ..config import ConfigError, divisors
 from ..hooks import Hook, add_hook
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter, TensorPlan, adapter_for, name_pattern
@@ -125,9 +126,17 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
             if type(norm).__name__ != "RMSNorm":
                 raise ValueError(f"{name}: sharded_norms handles RMSNorm, not {type(norm).__name__}")
             shards[name] = LinearShard("norm", (_norm_width(norm),))
+    # tp must divide every width it splits, not only the heads: each column-parallel output (attention heads x head
+    # dim, the feed-forward's hidden width, each part of a packed projection), each row-parallel input, each sharded
+    # norm's width. The error lists the degrees that divide them all.
     for name, shard in shards.items():
         if any(p % size for p in shard.parts):
-            raise ConfigError(f"tp={size} does not divide the {shard.kind} dimension {shard.parts} of {name}")
+            attrs = [getattr(module, attr) for pattern, hits in _matching(model, plan.per_rank_attrs).items()
+                     for _, module in hits for attr in plan.per_rank_attrs[pattern]]
+            common = math.gcd(*(p for s in shards.values() for p in s.parts), *attrs)
+            raise ConfigError(f"tp={size} does not divide the {shard.kind} dimension {shard.parts} of {name} (tp must "
+                              f"divide every width it splits: heads and feed-forward widths); valid here: "
+                              f"{', '.join(str(d) for d in divisors(common) if d <= 64)}")
     return shards
 
 

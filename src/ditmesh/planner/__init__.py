@@ -209,6 +209,11 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
     if displaced:
         predictions += [predict(c, stats, hw, workload, cal, vae, displaced=True) for c in configs
                         if c.ulysses > 1 and c.ring == 1 and c.pp == 1]
+    if options is not None and options.quant != "off":  # the quantized rows beside the model's dtype
+        eight = dataclasses.replace(workload, quant=options.quant, quant_modulation=options.quant_modulation)
+        for p in [predict(c, stats, hw, eight, cal, vae) for c in configs]:
+            p.quant = options.quant
+            predictions.append(p)
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms
     return PlanResult(stats, hw, workload, rank(predictions), baseline, vae)

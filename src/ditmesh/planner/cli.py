@@ -44,6 +44,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="count PipeFusion with M patches (generate --pp-patches; default: pp, the runtime's)")
     p.add_argument("--displaced", action="store_true",
                    help="also rank displaced attention (stale K/V, approximate) on every ulysses configuration it runs on")
+    from ..shared import add_quant_flags
+
+    add_quant_flags(p)
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -77,7 +80,8 @@ def format_table(result, top: int = 20) -> str:
         lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
     lines += ["", f"recommended: {result.best.describe()}  "
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1)
-              + (" --displaced" if result.best.displaced else ""),
+              + (" --displaced" if result.best.displaced else "")
+              + (f" --quant {result.best.quant}" if result.best.quant != "off" else ""),
               f"why: {result.reason()}.",
               largest_line(result),
               "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
@@ -106,7 +110,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:  # the run's options as generate takes them (checked before torch loads); the planner counts their cost
         options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
                                     vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,
-                                    pp_patches=args.pp_patches, cli=True)
+                                    pp_patches=args.pp_patches, quant=args.quant or "off",
+                                    quant_modulation=args.quant_modulation is not False, cli=True)
     except ConfigError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..comm import split_sizes
 from ..config import AXIS_ORDER, PP_CHUNK_BYTES, ParallelConfig
+from ..options import quant_layer_mode
 from ..parallel.pipefusion import split_stages
 from .hardware import Device, Link
 from .stats import ModelStats, adapter_of
@@ -96,6 +97,9 @@ class Workload:
     vae_chunk: int | None = None
     #: ``parallelize(pp_patches=...)``: the patches PipeFusion cuts the image into (None: the runtime's default, pp)
     pp_patches: int | None = None
+    #: ``parallelize(quant=..., quant_modulation=...)``: the block linears in 8 bits
+    quant: str = "off"
+    quant_modulation: bool = True
 
     def vae_mode(self, world: int) -> str:
         """The :meth:`VaeDecode.peak` mode of a decode on ``world`` ranks."""
@@ -123,17 +127,20 @@ class Prediction:
     displaced: bool = False  # displaced attention over the ulysses axis (stale K/V; ``parallel.displaced``)
     #: PipeFusion: an exact call (warm-up: one patch, stage after stage); ``step_ms`` is a stale (pipelined) call
     exact_step_ms: float | None = None
+    #: the block linears' 8-bit mode (``off``: the model's dtype)
+    quant: str = "off"
 
     def options(self, base=None):
         """The :class:`~ditmesh.options.RunOptions` that runs this prediction: ``base`` (default: the defaults) with
         its degrees and displaced attention."""
         from ..options import RunOptions
 
-        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced)
+        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced, quant=self.quant)
 
     def describe(self) -> str:
         """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
-        return self.config.describe() + (" displaced" if self.displaced else "")
+        return (self.config.describe() + (" displaced" if self.displaced else "")
+                + (f" {self.quant}" if self.quant != "off" else ""))
 
     @property
     def effective_ms(self) -> float:
@@ -141,7 +148,7 @@ class Prediction:
 
     def as_dict(self) -> dict:
         return {
-            "config": self.describe(), "degrees": self.config.as_dict(), "displaced": self.displaced,
+            "config": self.describe(), "degrees": self.config.as_dict(), "displaced": self.displaced, "quant": self.quant,
             "step_ms": round(self.step_ms, 2), "compute_ms": round(self.compute_ms, 2),
             "comm_ms": round(self.comm_ms, 2), "overhead_ms": round(self.overhead_ms, 2),
             "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
@@ -241,6 +248,11 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     def gemm_eff(flops: float) -> float:
         return flops / (flops + cal.gemm_half_flops)
 
+    def quantized(lin) -> str | None:  # the 8-bit mode of a traced linear (``options.quant_layer_mode``)
+        if workload.quant == "off" or not in_block(lin.name):
+            return None
+        return quant_layer_mode(lin.name, lin.in_features, lin.out_features, workload.quant, workload.quant_modulation)
+
     def in_block(name: str) -> bool:
         return name.startswith(stats.block_prefixes)
 
@@ -260,7 +272,15 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
                 continue
             per_call = lin.flops * samples * (token_frac if lin.tokenwise else 1) / (tp if lin.tp_sharded else 1)
             per_kernel = per_call / (patches if lin.tokenwise and in_block(lin.name) else 1)
-            gemm_s += per_call / (rate * gemm_eff(per_kernel))
+            eight = quantized(lin)
+            # fp8 products run at twice the bf16 rate (Hopper, Ada) after a pass quantizing the activations (read,
+            # write one byte, per row); weight-only modes read 8-bit weights and widen them every call
+            gemm_s += per_call / (rate * (2 if eight == "fp8" else 1) * gemm_eff(per_kernel))
+            if eight:
+                weight = lin.in_features * lin.out_features / (tp if lin.tp_sharded else 1)
+                act = per_call / (2 * lin.out_features) if eight == "fp8" else 0.0  # rows x in_features
+                gemm_s += (weight * (1 + bpe) * (eight != "fp8") + act * (bpe + 1)) / (dev.hbm_gbps * 1e9
+                                                                                      * cal.hbm_efficiency)
         attn_s = 0.0
         for att in stats.attentions:
             if not on_stage(att.name, stage):
@@ -403,6 +423,9 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
     # ---- memory ------------------------------------------------------------------------------------
     replicated_block = stats.params_in_blocks - stats.params_tp_sharded
     weights = ((stats.params_tp_sharded / tp + replicated_block) / pp + stats.params_total - stats.params_in_blocks) * bpe
+    # 8-bit block linears: one byte a weight (and a float32 scale per output row) instead of bpe
+    weights -= sum((lin.in_features * (bpe - 1) - 4) * lin.out_features / (tp if lin.tp_sharded else 1) / pp
+                   for lin in {lin.name: lin for lin in stats.linears}.values() if quantized(lin))
     act_peak = ((stats.act_peak_bytes - stats.act_peak_sharded_bytes) + stats.act_peak_sharded_bytes / tp) * token_frac * samples
     largest = max(stats.attentions, key=lambda a: a.q_len, default=None)
     attn_buf = comm_buf = 0.0

@@ -79,15 +79,23 @@ class ModelSpec:
 
 
 def resolve_model(model: str, dtype: str | None = None) -> ModelSpec:
-    """A :class:`ModelSpec` for a ``ditmesh synth`` architecture name or a diffusers checkpoint folder."""
-    from ..synth import ARCHS
+    """A :class:`ModelSpec` for what ``generate --model`` takes: a ``ditmesh synth`` architecture name, a diffusers
+    checkpoint folder, or a hub id (its configurations read through the Hugging Face cache, no weights)."""
+    from ..shared import hub_config_folder, model_source
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         arch = ARCHS[model]
         adapter_of(arch.transformer_class)
         return ModelSpec(model, arch.transformer_class, json.dumps(arch.transformer, sort_keys=True),
                          arch.max_sequence_length, dtype or "bfloat16")
-    folder = Path(model)
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        try:
+            model_source(model, lambda: ARCHS)  # a file or a misspelt path: one line; else a hub id
+            folder = Path(hub_config_folder(model, ("model_index.json", "vae/config.json", "transformer/config.json")))
+        except ValueError as exc:
+            raise PlannerError(str(exc)) from None
     config_path = folder / "transformer" / "config.json"
     if not config_path.is_file():
         raise PlannerError(f"model {model!r} is neither a ditmesh synth architecture ({', '.join(sorted(ARCHS))}) "

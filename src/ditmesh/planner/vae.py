@@ -94,7 +94,7 @@ class VaeDecode:
 def _vae_source(spec) -> tuple[str, dict] | None:
     """(class name, config) of the VAE of a synth architecture or a checkpoint folder; None when it has none."""
     from ..models.base import adapter_for_class
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if spec.name in ARCHS:
         adapter = adapter_for_class(spec.transformer_class)

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import ConfigError, ParallelConfig
 from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
+from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
                      resolve_model)
@@ -27,9 +28,18 @@ def validate(args, world_size: int) -> tuple["RunOptions", str]:
     """Check everything that can be checked before any process starts; raises ConfigError with one line. Returns
     the run's options (:class:`~ditmesh.options.RunOptions`, from the command line) and the model to load.
 
-    The checks that need only the arguments come first and import neither torch nor diffusers, so a mistyped
-    value is answered at once; those that read the model's family (heads, frames, guidance) come after.
+    The checks that need only the arguments come first (:func:`validate_arguments`) and import neither torch nor
+    diffusers, so a mistyped value is answered at once; those that read the model's family (heads, frames,
+    guidance) come after.
     """
+    options, model = validate_arguments(args, world_size)
+    validate_family(args, options, model)
+    return options, model
+
+
+def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
+    """The checks of :func:`validate` that need no model (values, paths, the model's name or folder): torch-free.
+    Returns the run's options and the model to load."""
     options = RunOptions.from_args(args)
     config = options.config
     config.check_world_size(world_size)
@@ -45,7 +55,13 @@ def validate(args, world_size: int) -> tuple["RunOptions", str]:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_image_args(args)
     check_output_paths(args)
-    model = resolve_model(args.model)  # from here on, checks read the model's family
+    return options, resolve_model(args.model)
+
+
+def validate_family(args, options: "RunOptions", model: str) -> None:
+    """The checks of :func:`validate` that read the model's family (heads, frames, guidance, pipelines, the mode's
+    refusals, every option's check in ``options.validate``)."""
+    config = options.config
     tcfg = read_transformer_config(model)
     adapter = read_adapter(model)  # ConfigError for a pipeline ditmesh cannot run, before any weight is read
     if getattr(args, "frames", None) is not None:
@@ -64,7 +80,6 @@ def validate(args, world_size: int) -> tuple["RunOptions", str]:
                          model_name=(tcfg or {}).get("_class_name", "the transformer"), cli=True)
     except NotImplementedError as exc:  # the family's own refusal, before any rank starts
         raise ConfigError(str(exc)) from None
-    return options, model
 
 
 def check_size(args) -> None:
@@ -110,7 +125,7 @@ def check_output_paths(args) -> None:
         if Path(out).suffix.lower() not in allowed:
             raise ConfigError(f"--out {out}: unknown {'video' if video else 'image'} format; use one of {', '.join(allowed)}")
     for flag, value in (("--out", out), ("--report", getattr(args, "report", None)),
-                        ("--save-latents", getattr(args, "save_latents", None))):
+                        ("--save-latents", getattr(args, "save_latents", None)), ("--trace", getattr(args, "trace", None))):
         if value is None:
             continue
         if Path(value).is_dir():
@@ -219,7 +234,7 @@ def planned_setting(args, world_size: int):
 
 
 def _archs():
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     return ARCHS
 
@@ -259,6 +274,9 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
         generator=torch.Generator("cpu").manual_seed(args.seed),
         num_images_per_prompt=getattr(args, "images_per_prompt", 1),
         num_frames=getattr(args, "frames", None) or defaults.get("default_frames"),  # video pipelines only
+        # PixArt, Sana and HunyuanDiT would otherwise draw the nearest of their trained sizes and resize the picture
+        # to the one asked: the size asked is the size computed
+        use_resolution_binning=False,
     )
     if args.negative_prompt is not None:
         kwargs["negative_prompt"] = args.negative_prompt
@@ -321,25 +339,38 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         from ..parallel.tensor import load_sharded_transformer
 
         names = transformer_components(path)
-        pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
-        pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype, name)
-                                 for name in names})
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
+        with phase("load sharded transformer"):
+            pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype,
+                                                                    name) for name in names})
     elif config.pp > 1:
         # Each rank reads only its PipeFusion stage's block weights.
         from ..parallel.pipefusion import load_stage_transformer
 
         names = transformer_components(path)
-        pipe = pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)).to(device)
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
         stage = config.coordinate(rank, "pp")
-        pipe.register_modules(**{name: load_stage_transformer(path, stage, config.pp, device, dtype, name)
-                                 for name in names})
+        with phase("load stage transformer"):
+            pipe.register_modules(**{name: load_stage_transformer(path, stage, config.pp, device, dtype, name)
+                                     for name in names})
     else:
-        pipe = pipeline_class.from_pretrained(path, dtype=dtype).to(device)
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype))
     if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
-    runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
+    with phase("parallelize"):
+        runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
     loras = [(lora.path, lora.scale) for lora in options.loras]
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
+
+
+def _load_to(device, load):
+    """``load()`` (a ``from_pretrained``), each component it loads a phase of the timeline, then moved to ``device``."""
+    from .trace import timed_component_loading
+
+    with phase("load components"), timed_component_loading():
+        pipe = load()
+    with phase("to device"):
+        return pipe.to(device)
 
 
 def run(args) -> int:
@@ -352,16 +383,19 @@ def run(args) -> int:
     from .report import device_name, peak_memory_bytes, versions
 
     device = default_device()
-    _init_distributed(device)
+    with phase("rendezvous"):
+        _init_distributed(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    options, model = validate(args, world)
+    with phase("checks"):
+        options, model = validate(args, world)
     config = options.config
     if rank != 0:
         import diffusers
 
         diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
-    loaded = load_pipeline(args, options, model, device, rank, world)
+    with phase("load"):
+        loaded = load_pipeline(args, options, model, device, rank, world)
     pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype, loaded.loras,
                                                  loaded.load_s)
     defaults = read_defaults(path)
@@ -375,6 +409,7 @@ def run(args) -> int:
     def on_step_end(p, i, t, kw):
         _sync(device)
         marks.append(time.perf_counter())
+        phases.step_end()
         # the last step's latents are the result; a run that starts part-way (--strength) has fewer steps than
         # --steps, so every step's are kept (a reference: each step makes a new tensor) and the last one is saved
         final["latents"] = kw["latents"]
@@ -384,13 +419,20 @@ def run(args) -> int:
     if getattr(args, "warmup_only", False):
         return warm_up(pipe, call, config, world, rank, device, load_s, getattr(args, "compile", False))
     _sync(device)
+    from ..api import transformers_of
+    from .trace import CallPhases
+
+    phases = CallPhases(pipe, transformers_of(pipe), lambda: _sync(device), first_step_name(args))
     t0 = time.perf_counter()
-    result = pipe(**call, **step_callback(pipe, on_step_end))
-    _sync(device)
+    with phases:
+        result = pipe(**call, **step_callback(pipe, on_step_end))
+        _sync(device)
     total_s = time.perf_counter() - t0
     step_s = [b - a for a, b in zip([t0] + marks[:-1], marks)]
-    peaks = all_gather_object(peak_memory_bytes(device))
-    devices = all_gather_object(device_name(device))
+    with phase("gather statistics"):
+        peaks = all_gather_object(peak_memory_bytes(device))
+        devices = all_gather_object(device_name(device))
+    timelines = all_gather_object(timeline().as_dict(rank))  # rank 0 adds its writing phases to its own below
     warmup_costs = compile_breakdown(runtime) if getattr(args, "compile", False) or getattr(args, "cuda_graph", False) else None
 
     if rank == 0:
@@ -401,27 +443,31 @@ def run(args) -> int:
         if is_video:
             from .video import write_video
 
-            from ..api import transformers_of
             from ..models import adapter_for
 
             fps = adapter_for(next(iter(transformers_of(pipe).values()))).fps
-            for i, video in enumerate(result.frames):
-                target = out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-                paths += write_video(target, video, fps=fps)
+            with phase("write videos"):
+                for i, video in enumerate(result.frames):
+                    target = out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+                    paths += write_video(target, video, fps=fps)
         encoded = []  # encode everything first: a format error must not leave some files written
-        for i, image in enumerate(images):
-            p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-            buf = io.BytesIO()
-            fmt = Image.registered_extensions().get(p.suffix.lower(), "PNG")
-            image.save(buf, format=fmt)
-            encoded.append((p, buf.getvalue()))
-        for p, data in encoded:
-            atomic_write_bytes(p, data)
-            paths.append(str(p))
-        if args.save_latents:
-            from safetensors.torch import save as st_save
+        with phase("encode images"):
+            for i, image in enumerate(images):
+                p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+                buf = io.BytesIO()
+                fmt = Image.registered_extensions().get(p.suffix.lower(), "PNG")
+                image.save(buf, format=fmt)
+                encoded.append((p, buf.getvalue()))
+        with phase("write outputs"):
+            for p, data in encoded:
+                atomic_write_bytes(p, data)
+                paths.append(str(p))
+            if args.save_latents:
+                from safetensors.torch import save as st_save
 
-            atomic_write_bytes(args.save_latents, st_save({"latents": final["latents"].detach().float().cpu().contiguous()}))
+                atomic_write_bytes(args.save_latents,
+                                   st_save({"latents": final["latents"].detach().float().cpu().contiguous()}))
+        timelines[0] = timeline().as_dict(0)
         report = {
             "model": model,
             "config": config.as_dict(),
@@ -471,9 +517,17 @@ def run(args) -> int:
             "total_latency_s": round(total_s, 6),
             "peak_memory_bytes": peaks,
             "outputs": paths,
+            # per rank: its phases in seconds after the command started (ditmesh.timeline); rank 0's up to the report
+            "timeline": timelines,
         }
         report_path = args.report or default_report_path(out)
-        write_json(report_path, report)
+        with phase("write report"):
+            write_json(report_path, report)
+        if getattr(args, "trace", None):
+            from .trace import write_trace
+
+            timelines[0] = timeline().as_dict(0)
+            write_trace(args.trace, timelines)
         print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
               f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
     finish_rank()
@@ -496,6 +550,12 @@ def persist_compile_caches() -> dict:
             os.environ[env] = str(cache_dir() / "compile" / name)
         used[env] = os.environ[env]
     return used
+
+
+def first_step_name(args) -> str:
+    """The first step's phase name: what it pays beyond a steady step (compile, CUDA graph capture)."""
+    paid = [what for flag, what in (("compile", "compile"), ("cuda_graph", "capture")) if getattr(args, flag, False)]
+    return f"step 0 ({' + '.join(paid)})" if paid else "step 0"
 
 
 def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: float, compiled: bool) -> int:

@@ -7,10 +7,21 @@ processes with RANK/WORLD_SIZE/MASTER_* set, exactly as ``torchrun --nproc-per-n
 ``torchrun --nnodes M --rdzv-backend c10d`` would; a host that does not join within ``--rdzv-timeout``
 seconds ends the run with one line.
 
+A local run (one host) meets at a store of its own: the launcher's store binds a port the system picks
+(``127.0.0.1:0``, as ``torchrun --standalone`` does), so no port is chosen first and taken by someone else before
+it is bound, and every launch (every ``bench`` row) has a fresh store and run id. A local run whose ranks cannot
+meet at it (the store's connection fails) is started once more on a fresh store; ``on_retry`` hears why.
+
 Errors: a rank that fails writes its one-line message (and its traceback) into the run's folder and leaves
 quietly with code 2; the launcher prints the first failure once and exits 2. Ranks other than local rank 0
 write their output to that folder too, so nothing is printed once per rank. Ctrl-C ends every rank quietly
 (exit 130). The folder (torch's per-run log folder included) is removed at the end of every run.
+
+A failing rank leaves with ``os._exit(2)`` (no destructors: a gloo group torn down mid-collective prints
+nothing), and the launcher prints the earliest record's message. A launched rank keeps the default action of
+SIGINT and SIGTERM (set in ``ditmesh.__main__`` before anything is imported), so Ctrl-C ends it at once even
+inside a blocking collective. ``ditmesh --help`` and argument errors import neither torch nor diffusers
+(``ditmesh/__init__.py`` and the sub-commands' parsers load lazily).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import uuid
 from pathlib import Path
 
 from ..shared import one_line
-from ..testing import free_port
+from ..timeline import LAUNCH_START_ENV, timeline
 
 #: set by the launcher for its ranks: where a failing rank writes its error
 ERROR_DIR_ENV = "DITMESH_ERROR_DIR"
@@ -78,12 +89,50 @@ USER_ERRORS = ("ConfigError", "FileNotFoundError", "PermissionError", "NotImplem
                "OSError", "SafetensorError", "HeaderTooLarge", "EnvironmentError")
 
 
+class RendezvousFailed(LaunchError):
+    """The local ranks could not meet at their store (``cause``: the store's or the rendezvous' own message)."""
+
+    def __init__(self, cause: str):
+        super().__init__(f"the local ranks could not meet ({cause})")
+        self.cause = cause
+
+
+#: tries of a local run's rendezvous: the first, and one more on a fresh store when the first cannot connect
+LOCAL_TRIES = 2
+#: seconds a rank waits for the store to answer (the c10d rendezvous' ``read_timeout``)
+STORE_TIMEOUT_S = 60
+
+
+def local_endpoint(attempt: int) -> str:
+    """Where the ranks of a local run's ``attempt`` (0, 1, ...) meet: a port the store's own bind picks."""
+    return "127.0.0.1:0"
+
+
 def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
-           rdzv_timeout: int = 300, log_dir: str | None = None) -> int:
+           rdzv_timeout: int = 300, log_dir: str | None = None, on_retry=None) -> int:
     """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks (of ``nnodes`` hosts meeting at
     ``rdzv_endpoint``); return 0, or raise :class:`LaunchError` with the first rank's one-line error, or
     :class:`Interrupted`. The run's folder is created in ``log_dir`` (default: the temporary directory) and
-    removed at the end."""
+    removed at the end. A local run (no ``rdzv_endpoint``) whose ranks cannot meet is started once more on a fresh
+    store, after ``on_retry(cause)``; a second failure raises :class:`RendezvousFailed` naming both causes."""
+    if rdzv_endpoint:
+        return _launch_once(nproc, argv, nnodes, rdzv_endpoint, rdzv_timeout, log_dir, local=False)
+    causes = []
+    for attempt in range(LOCAL_TRIES):
+        try:
+            return _launch_once(nproc, argv, nnodes, local_endpoint(attempt), rdzv_timeout, log_dir, local=True)
+        except RendezvousFailed as exc:
+            causes.append(exc.cause)
+            if attempt + 1 == LOCAL_TRIES:
+                raise RendezvousFailed("; then, on a fresh store: ".join(causes)) from None
+            if on_retry is not None:
+                on_retry(exc.cause)
+    raise AssertionError("unreachable")
+
+
+def _launch_once(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_timeout: int, log_dir: str | None,
+                 local: bool) -> int:
+    """One start of the ranks meeting at ``endpoint`` (see :func:`launch`)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -98,7 +147,7 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
     os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
-    endpoint = rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    os.environ[LAUNCH_START_ENV] = str(timeline().process_start_unix)  # the ranks' timelines start where this did
     quiet = {r: Std.ALL for r in range(1, nproc)}  # local rank 0 keeps the console (progress bar, result line)
     config = LaunchConfig(
         min_nodes=nnodes,
@@ -106,10 +155,10 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         nproc_per_node=nproc,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
         # every host of one run must agree on the id: derived from the endpoint they share
-        run_id=f"ditmesh-{endpoint.replace(':', '-')}" if rdzv_endpoint else f"ditmesh-{uuid.uuid4().hex[:8]}",
+        run_id=f"ditmesh-{uuid.uuid4().hex[:8]}" if local else f"ditmesh-{endpoint.replace(':', '-')}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"join_timeout": rdzv_timeout, "last_call_timeout": 1},
+        rdzv_configs={"join_timeout": rdzv_timeout, "last_call_timeout": 1, "read_timeout": STORE_TIMEOUT_S},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -126,11 +175,18 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
         if nnodes > 1:
             raise LaunchError(f"not all {nnodes} hosts joined the rendezvous at {endpoint} within {rdzv_timeout} s; "
                               f"start the same command on every host (or raise --rdzv-timeout)") from None
-        raise LaunchError(f"the local ranks could not meet ({one_line(exc)})") from None
+        raise RendezvousFailed(_cause(exc)) from None
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(LAUNCH_START_ENV, None)
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
+
+
+def _cause(exc: BaseException) -> str:
+    """A rendezvous error in one line, with the error under it (the store's own message) when there is one."""
+    inner = exc.__cause__ or exc.__context__
+    return one_line(exc) + (f": {one_line(inner)}" if inner is not None else "")
 
 
 def _first_failure(run_dir: Path, exc, nproc: int) -> str:

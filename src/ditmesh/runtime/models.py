@@ -46,35 +46,36 @@ def synthesize_cached(arch_name: str, seed: int = 0) -> str:
 
 
 def resolve_model(model: str | None) -> str:
-    """Turn the user's ``--model`` into something ``from_pretrained`` loads; raises ConfigError if it can't be."""
-    from ..synth import ARCHS
+    """Turn the user's ``--model`` into something ``from_pretrained`` loads; raises ConfigError if it can't be
+    (:func:`ditmesh.shared.model_source` says what a value names)."""
+    from ..shared import model_source
 
     model = model or default_model()
-    if model in ARCHS:
-        return model  # synthesized lazily by local_model_path, once per machine
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "model_index.json").is_file():
-            raise ConfigError(f"--model {model}: folder has no model_index.json; give a diffusers pipeline folder "
-                              f"(e.g. one written by `ditmesh synth`)")
-        return str(path)
-    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if not looks_like_hub_id:
-        raise ConfigError(f"--model {model}: no such folder; give a pipeline folder, a hub id (org/name) "
-                          f"or a synthetic architecture ({', '.join(sorted(ARCHS))})")
-    return model
+    try:
+        kind = model_source(model, _arch_names)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if kind == "folder":
+        return str(Path(model).expanduser())
+    return model  # an architecture is synthesized lazily by local_model_path, once per machine; a hub id as given
+
+
+def _arch_names():
+    from ..models.registry import ARCHS  # the names alone: no family, no torch
+
+    return ARCHS
 
 
 def local_model_path(model: str) -> str:
     """Folder (or hub id) to load: synthesizes an architecture name into the cache."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     return synthesize_cached(model) if model in ARCHS else model
 
 
 def read_transformer_config(model: str) -> dict | None:
     """The transformer's config.json of a local pipeline folder or synthetic architecture (None for hub ids)."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         return dict(ARCHS[model].transformer, _class_name=ARCHS[model].transformer_class)
@@ -84,7 +85,7 @@ def read_transformer_config(model: str) -> dict | None:
 
 def read_pipeline_class(model: str) -> str | None:
     """The pipeline class a local folder or synthetic architecture was saved as (``model_index.json``), or None."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         return ARCHS[model].pipeline
@@ -118,7 +119,7 @@ def read_adapter(model: str):
 
 def read_defaults(model: str) -> dict:
     """Per-checkpoint defaults ditmesh stored next to the pipeline (size, text length)."""
-    from ..synth import ARCHS
+    from ..models.registry import ARCHS
 
     if model in ARCHS:
         a = ARCHS[model]

@@ -3,6 +3,10 @@ replica is free, the routes, the metrics and the web page.
 
 Every job is answered exactly once: its future is set by the one dispatcher that took it (a result, a refusal
 by the pipeline, or the fault of its replica), or by a cancellation while it still waits in the queue.
+
+A replica that fails (a rank died, hung or stopped; on a Ray cluster also its node) while it holds a job: the job is
+run again once, at the head of the queue, if no step of it had finished (its client has seen no progress); else it
+is answered 500 naming the fault. A job is retried at most once, so a request that keeps killing replicas fails.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import io
 import json
 import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +33,16 @@ from .requests import BadRequest, Limits, native_options, openai_options, parse_
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: how long a finished job's result stays available to ``GET /jobs/<id>`` (the web page reads it once)
 KEEP_FINISHED = 64
+#: the outcomes of ``ditmesh_requests_total`` that ``ditmesh_failures_total`` adds up: the service's, not the client's
+SERVICE_FAILURES = ("refused", "fault", "queue_full", "unavailable")
+#: zlib level of the PNG pictures: 1 takes markedly less time than Pillow's default 6 for a few percent more bytes
+#: (the pixels are the same: PNG is lossless)
+PNG_LEVEL = 1
+#: a request's phases as its ``timeline`` and ``/metrics`` name them, in the order they run: waiting in the queue,
+#: on rank 0 (the LoRA switch, text encoding, the steps, the VAE, the pictures out of the pipeline; ``call``: all of
+#: it), going to and from the ranks (``handoff``), PNG encoding in the front end, and building the answer
+PHASES = ("queue", "lora_switch", "text_encode", "steps", "vae_decode", "postprocess", "call", "handoff", "encode",
+          "respond")
 
 
 @dataclass
@@ -41,6 +56,8 @@ class Job:
     step: int = 0
     steps: int = 0
     future: Future = field(default_factory=Future)
+    timeline: dict = field(default_factory=dict)  # seconds per phase (PHASES), filled as they end
+    retried: bool = False  # queued again once after its replica failed before its first step
 
 
 def _batch_key(options: dict) -> tuple:
@@ -71,9 +88,13 @@ class Service:
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
         self.last_restart_error = ""
         self.stopping = threading.Event()
+        self.retired: set[int] = set()  # replicas taken out of service (scaled down): their dispatchers leave
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
+        self.phase_seconds = collections.Counter()  # phase -> seconds summed over the requests answered ok
+        #: PNG encoding off the dispatchers: a replica takes its next job while its last pictures are encoded
+        self.encoders = ThreadPoolExecutor(max(2, len(replicas)), thread_name_prefix="encode")
         self.threads = [threading.Thread(target=self._dispatch, args=(r,), daemon=True, name=f"dispatch-{r.index}")
                         for r in replicas]
 
@@ -81,17 +102,39 @@ class Service:
         for t in self.threads:
             t.start()
 
-    def stop(self) -> None:
+    def shutdown(self, reason: str) -> int:
+        """Take no more jobs and answer every waiting and running one 503, naming it (the server stops because of
+        ``reason``, e.g. ``SIGTERM``); the ranks are stopped by :meth:`stop`. Returns how many were answered."""
         self.stopping.set()
+        with self.lock:
+            open_jobs = [job for job in self.jobs.values() if not job.future.done()]
+        for job in open_jobs:
+            where = f"at step {job.step} of {job.steps}" if job.state == "running" else "before it ran"
+            self._finish(job, "failed", error=(503, f"the server is stopping ({reason}): request {job.id} was "
+                                                    f"stopped {where}; send it again once the server is back"))
+        while True:  # every queued job is answered: empty the queue for the dispatchers
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                return len(open_jobs)
+
+    def stop(self) -> list[tuple[int, int, int, int | None]]:
+        """Stop the ranks of every replica, then the dispatchers (a dispatcher waiting on its ranks sees them gone).
+        Returns (replica, rank, pid, exit code) of each rank that was running."""
+        self.stopping.set()
+        stopped = [(r.index, *rank) for r in self.replicas for rank in r.close()]
         for t in self.threads:
             t.join(timeout=5)
-        for r in self.replicas:
-            r.stop()
+        self.encoders.shutdown(wait=True, cancel_futures=True)
+        return stopped
 
     # -- jobs --------------------------------------------------------------------------------------------------
     def submit(self, options: dict) -> Job:
         """Queue a job (answered 429 when the queue is full, 503 when every replica is down)."""
         job = Job(options, steps=options.get("steps", self.defaults.steps))
+        if self.stopping.is_set():
+            self._finish(job, "failed", error=(503, f"the server is stopping: request {job.id} was not run"))
+            return job
         if self._all_down():
             self._finish(job, "failed", error=(503, self._down_message()))
             return job
@@ -142,14 +185,16 @@ class Service:
                 self.latency[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), -1)] += 1
                 self.latency_sum += seconds
                 self.counts["done"] += 1
+                self.counts["timed"] += bool(job.timeline)
+                self.phase_seconds.update(job.timeline)
             else:
                 self.counts[{429: "failures_queue_full", 500: "failures_fault", 499: "cancelled",
                              503: "failures_unavailable"}.get(
                     error[0], "failures_refused")] += 1
-            job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4)))
+            job.future.set_result(dict(result or {}, error=error, seconds=round(seconds, 4), timeline=job.timeline))
 
     def _dispatch(self, replica: Replica) -> None:
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and replica.index not in self.retired:
             if replica.state == "failed":
                 self._restart(replica)
                 if replica.state == "down":
@@ -160,6 +205,8 @@ class Service:
             try:
                 job = self.queue.get(timeout=0.5)
             except queue.Empty:
+                if self.stopping.is_set():
+                    return
                 try:
                     replica.check()
                 except RankFault:
@@ -209,29 +256,67 @@ class Service:
             for member in batch:
                 self._finish(member, state, error=error)
 
+        dispatched = time.time()
+        for member in batch:
+            member.timeline["queue"] = round(dispatched - member.arrived, 4)
         try:
-            pictures, _ = replica.run(first.id, options, on_step)
-            per_job = [pictures] if len(batch) == 1 else [[picture] for picture in pictures]
-            for member, images in zip(batch, per_job):
-                self._finish(member, "done", {"images": images, "batch": len(batch)})
+            pictures, phases = replica.run(first.id, options, on_step)
         except RequestCancelled as exc:
-            fail("cancelled", (499, str(exc)))
+            return fail("cancelled", (499, str(exc)))
         except RequestFailed as exc:
-            fail("failed", (422, f"the pipeline refused the request: {exc}"))
+            return fail("failed", (422, f"the pipeline refused the request: {exc}"))
         except RankFault as exc:
             self.counts["faults"] += 1
-            fail("failed", (500, f"{exc}; the replica is restarting, send the request again"))
+            for member in batch:
+                if member.step == 0 and not member.retried and not member.future.done():
+                    self._retry(member)
+                else:
+                    self._finish(member, "failed", error=(500, f"{exc}; the replica is restarting, send the "
+                                                                f"request again"))
+            return  # no pictures: the dispatcher goes on to restart the replica
         except Exception as exc:  # noqa: BLE001  (answer the jobs whatever happened)
             replica.state = "failed"
-            fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
+            return fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
         finally:
             with self.lock:
                 for member in batch:
                     self.batch_of.pop(member.id, None)
+        phases = dict(phases, handoff=round(max(0.0, time.time() - dispatched - phases.get("call", 0.0)), 4))
+        try:
+            self.encoders.submit(self._deliver, batch, pictures, phases)
+        except RuntimeError:  # the encoders were shut down: the server stopped (its jobs are answered)
+            fail("failed", (503, "the server is stopping"))
+
+    def _deliver(self, batch: list[Job], pictures: list, phases: dict) -> None:
+        """Encode a call's pictures and answer each job of ``batch`` with its own (in an encoder thread)."""
+        start = time.perf_counter()
+        try:
+            pictures = [encode_picture(kind, picture) for kind, picture in pictures]
+        except Exception as exc:  # noqa: BLE001
+            for member in batch:
+                self._finish(member, "failed", error=(500, f"encoding the picture failed: {exc}"))
+            return
+        phases = dict(phases, encode=round(time.perf_counter() - start, 4))
+        per_job = [pictures] if len(batch) == 1 else [[picture] for picture in pictures]
+        for member, images in zip(batch, per_job):
+            member.timeline.update(phases)
+            self._finish(member, "done", {"images": images, "batch": len(batch)})
+
+    def _retry(self, job: Job) -> None:
+        """Queue ``job`` again, first in line, after its replica failed before its first step (once per job)."""
+        with self.lock:
+            job.state, job.retried = "queued", True
+            self.counts["retried"] += 1
+        with self.queue.mutex:  # at the head, past the queue's bound: it was accepted already
+            self.queue.queue.appendleft(job)
+            self.queue.unfinished_tasks += 1
+            self.queue.not_empty.notify()
 
     def _restart(self, replica: Replica) -> None:
         """Restart a failed replica (queued jobs wait for it, or for another). After ``restart_attempts`` failures in
         a row, each retried after twice the delay of the one before, the replica is given up: state ``down``."""
+        if self.stopping.is_set():
+            return
         try:
             replica.restart()
             self.counts["restarts"] += 1
@@ -292,13 +377,26 @@ class Service:
                     "queue_full": c["failures_queue_full"], "cancelled": c["cancelled"], "bad_request": c["bad_request"],
                     "unauthorized": c["unauthorized"], "unavailable": c["failures_unavailable"]}
         lines += [f'ditmesh_requests_total{{outcome="{k}"}} {v}' for k, v in outcomes.items()]
-        lines += ["# HELP ditmesh_failures_total Requests that failed (refused, rank faults, full queue, bad requests).",
+        # a failure is the service's: a request it took and could not answer with pictures. Bad requests and missing
+        # tokens are the client's, counted by outcome above and not here.
+        lines += ["# HELP ditmesh_failures_total Requests the service failed to answer (refused by the pipeline, rank "
+                  "faults, full queue, unavailable); bad requests are requests_total{outcome=\"bad_request\"}.",
                   "# TYPE ditmesh_failures_total counter",
-                  f"ditmesh_failures_total {sum(v for k, v in outcomes.items() if k not in ('ok', 'cancelled'))}",
+                  f"ditmesh_failures_total {sum(outcomes[k] for k in SERVICE_FAILURES)}",
                   "# HELP ditmesh_rank_faults_total Ranks found dead, hung or stopped.",
                   "# TYPE ditmesh_rank_faults_total counter", f"ditmesh_rank_faults_total {c['faults']}",
+                  "# HELP ditmesh_retried_requests_total Requests run again after their replica failed before "
+                  "their first step.", "# TYPE ditmesh_retried_requests_total counter",
+                  f"ditmesh_retried_requests_total {c['retried']}",
                   "# HELP ditmesh_restarts_total Replica restarts.", "# TYPE ditmesh_restarts_total counter",
                   f"ditmesh_restarts_total {c['restarts']}",
+                  "# HELP ditmesh_request_phase_seconds_total Seconds of successful requests per phase "
+                  "(queue wait, LoRA switch, text encoding, steps, VAE decode, postprocess, the call on rank 0, the "
+                  "hand-off to and from the ranks, PNG encoding, building the answer).",
+                  "# TYPE ditmesh_request_phase_seconds_total counter",
+                  *(f'ditmesh_request_phase_seconds_total{{phase="{p}"}} {self.phase_seconds[p]:.6f}' for p in PHASES),
+                  "# HELP ditmesh_timed_requests_total Successful requests whose phases were timed.",
+                  "# TYPE ditmesh_timed_requests_total counter", f"ditmesh_timed_requests_total {c['timed']}",
                   "# HELP ditmesh_request_latency_seconds Arrival to answer of successful requests.",
                   "# TYPE ditmesh_request_latency_seconds histogram"]
         total = 0
@@ -315,13 +413,14 @@ def create_app(service: Service, token: str | None = None):
     import hmac
 
     from fastapi import FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     app = FastAPI(title="ditmesh serve", docs_url=None, redoc_url=None, openapi_url=None)
     page = (Path(__file__).resolve().parent.parent / "assets" / "serve" / "index.html").read_text()
 
-    def refuse(status: int, message: str):
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+    def refuse(status: int, message: str, field: str | None = None, job: str | None = None):
+        body = {"message": message, "code": status, **({"field": field} if field else {}), **({"job": job} if job else {})}
+        return JSONResponse({"error": body}, status_code=status)
 
     def authorized(request: Request) -> bool:
         if token is None:
@@ -339,11 +438,11 @@ def create_app(service: Service, token: str | None = None):
     @app.exception_handler(BadRequest)
     async def bad_request(request, exc: BadRequest):  # noqa: ARG001
         service.counts["bad_request"] += 1
-        return refuse(exc.status, str(exc))
+        return refuse(exc.status, str(exc), exc.field)
 
     @app.exception_handler(_Answered)
     async def answered(request, exc: _Answered):  # noqa: ARG001
-        return refuse(exc.status, exc.message)
+        return refuse(exc.status, exc.message, job=exc.job)
 
     async def read_options(request: Request, parse) -> dict:
         if request.headers.get("content-type", "application/json").split(";")[0].strip() != "application/json":
@@ -353,23 +452,33 @@ def create_app(service: Service, token: str | None = None):
     async def answer(job: Job) -> dict:
         result = await asyncio.wrap_future(job.future)
         if result["error"] is not None:
-            raise _Answered(*result["error"])
+            raise _Answered(*result["error"], job.id)
         return result
+
+    def respond(body: dict):
+        """The answer of a job that made pictures; the seconds building it count as its ``respond`` phase."""
+        start = time.perf_counter()
+        content = json.dumps(body).encode()
+        seconds = time.perf_counter() - start
+        with service.lock:
+            service.phase_seconds["respond"] += seconds
+        return Response(content, media_type="application/json")
 
     @app.post("/generate")
     async def generate(request: Request):
         job = service.submit(await read_options(request, native_options))
         result = await answer(job)
-        return {"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
-                "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
-                           for kind, data in result["images"]]}
+        return respond({"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
+                        "timeline": result["timeline"],
+                        "images": [{"media_type": kind, "b64": base64.b64encode(data).decode()}
+                                   for kind, data in result["images"]]})
 
     @app.post("/v1/images/generations")
     async def openai_generations(request: Request):
         job = service.submit(await read_options(request, openai_options))
         result = await answer(job)
-        return {"created": int(time.time()),
-                "data": [{"b64_json": base64.b64encode(data).decode()} for _, data in result["images"]]}
+        return respond({"created": int(time.time()),
+                        "data": [{"b64_json": base64.b64encode(data).decode()} for _, data in result["images"]]})
 
     @app.post("/jobs", status_code=202)
     async def submit_job(request: Request):
@@ -411,7 +520,7 @@ def create_app(service: Service, token: str | None = None):
                 await asyncio.sleep(0.05)
             result = job.future.result()
             if result["error"] is not None:
-                yield _sse("error", {"status": result["error"][0], "message": result["error"][1]})
+                yield _sse("error", {"status": result["error"][0], "message": result["error"][1], "job": job.id})
             else:
                 yield _sse("done", {"seconds": result["seconds"], "images": [
                     f"data:{kind};base64,{base64.b64encode(data).decode()}" for kind, data in result["images"]]})
@@ -440,10 +549,19 @@ def create_app(service: Service, token: str | None = None):
 class _Answered(Exception):
     """A job's error answer (status, message), raised out of a route to the handler that sends it."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, job: str | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.job = status, message, job
 
 
 def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
+
+
+def encode_picture(kind: str, picture) -> tuple[str, bytes]:
+    """A picture as (media type, bytes): a PIL image from the ranks (``kind`` "image") as PNG; bytes as they are."""
+    if kind != "image":
+        return kind, picture
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG", compress_level=PNG_LEVEL)
+    return "image/png", buf.getvalue()

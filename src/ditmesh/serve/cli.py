@@ -15,6 +15,9 @@ def add_serve_parser(sub) -> None:
     """Add ``ditmesh serve`` to the sub-command parsers (imports neither torch nor diffusers)."""
     from ..cli import _finite_float, _positive_int, add_run_options
 
+    def _non_negative_int(text: str) -> int:
+        return 0 if text.strip() == "0" else _positive_int(text)
+
     s = sub.add_parser(
         "serve", help="serve a pipeline over HTTP, loaded once on its ranks (OpenAI-shaped API, a web page)",
         description="Load a pipeline once on --nproc ranks per replica, parallelize and warm it up, then answer "
@@ -54,9 +57,15 @@ def add_serve_parser(sub) -> None:
     group.add_argument("--max-batch", type=_positive_int, default=1, metavar="N",
                        help="waiting requests that differ only in prompt and seed (one picture each) run as one "
                             "pipeline call of up to N pictures (default 1: one request per call)")
+    group.add_argument("--prompt-cache", type=_non_negative_int, default=16, metavar="N",
+                       help="text encodings of the last N distinct prompts kept on the ranks: a prompt sent again is "
+                            "not encoded again (default 16; 0: none)")
     group.add_argument("--restart-attempts", type=_positive_int, default=3, metavar="N",
                        help="a replica that fails N restarts in a row (retried after 1, 2, 4, ... s) is given up; "
                             "with every replica given up, requests are answered 503 (default 3)")
+    from .ray_backend import add_ray_options
+
+    add_ray_options(s)
 
 
 def run_serve(args) -> int:
@@ -79,6 +88,9 @@ def run_serve(args) -> int:
             raise ConfigError(f"--nproc {args.nproc} is not a multiple of --dp {args.dp} (with --dp, --nproc counts "
                               f"the ranks of all replicas)")
         args.replicas, args.nproc, args.dp = args.dp, args.nproc and args.nproc // args.dp, 1
+    from .ray_backend import check_ray_options
+
+    check_ray_options(args)
     world = args.nproc or math.prod(getattr(args, axis) for axis in AXIS_ORDER)
     if args.plan == "auto":
         if not args.nproc:
@@ -87,9 +99,15 @@ def run_serve(args) -> int:
     if not args.prompt:
         args.prompt = ["a red circle at the top left on a white background"]  # the warm-up's prompt
     args.token = args.token or os.environ.get(TOKEN_ENV) or None
-    if args.compile:
-        generate.persist_compile_caches()
+    # compiled kernels go to $DITMESH_CACHE/compile, read back by the next start of the same shape; set without
+    # --compile too, so that nothing of torch's (its inductor folder) is left in the temporary folder
+    generate.persist_compile_caches()
     options, model = generate.validate(args, world)
+    # adapters with a name are chosen per request (none by default); those without stay on, as generate runs them
+    args.lora_names = [lora.name for lora in options.loras if lora.name]
+    if args.lora_names and options.fuse_lora:
+        raise ConfigError(f"--fuse-lora fuses the adapters into the weights, but the named ones "
+                          f"({', '.join(args.lora_names)}) are chosen per request; drop --fuse-lora, or the names")
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [None, None]
     args.height, args.width = args.height or size[0], args.width or size[1]

@@ -20,8 +20,10 @@ restarts the group.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -71,25 +73,46 @@ class Replica:
         self.load_s: list[float] = []
         self.warm_s: dict[str, float] = {}
         self._in_request = False  # between sending a request and its answer
+        self._requests = self._events = self._cancel = None  # the channels of the running group
+        self.closing = False  # the server stops: no (re)start
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the ranks and wait until every one has loaded and warmed up; RankFault otherwise."""
+        self._in_request = False
+        self._launch()
+        self._await_ready()
+
+    def _launch(self) -> None:
+        """Start the rank processes with fresh channels (``_requests``, ``_events``, ``_cancel``) and ``ranks``."""
         from .worker import rank_main
 
-        self._in_request = False
         ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._events = ctx.Queue()
         self._cancel = ctx.Event()
         port = free_port()
         self.ranks = []
-        for rank in range(self.world):
-            process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
-                                  args=(rank, self.world, self.index * self.world + rank, port, self.options,
-                                        self._requests, self._events, self._cancel))
-            process.start()
-            self.ranks.append(RankState(process))
+        # the ranks are born with SIGINT and SIGTERM blocked (a spawned process keeps the signal mask of the thread
+        # that started it; each rank ignores both before it unblocks them): Ctrl-C in a terminal reaches the whole
+        # process group, and the front end alone answers the clients and stops the ranks (a rank whose front end
+        # is gone leaves by itself: worker._heartbeat)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for rank in range(self.world):
+                process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
+                                      args=(rank, self.world, self.index * self.world + rank, port, self.options,
+                                            self._requests, self._events, self._cancel))
+                process.start()
+                self.ranks.append(RankState(process))
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if self.closing:
+            self.stop()
+            raise RankFault(f"replica {self.index} was stopped while it started")
+
+    def _await_ready(self) -> None:
+        """Wait until every rank reported "ready" (loaded and warmed up); RankFault otherwise."""
         ready = {}
         deadline = time.time() + self.load_timeout
         while len(ready) < self.world:
@@ -106,13 +129,28 @@ class Replica:
         self.warm_s = ready[0][1]  # rank 0's seconds per warmed-up size
         self.state = "ready"
 
-    def stop(self) -> None:
-        """Kill every rank (they hold nothing to save) and wait for them."""
-        for r in self.ranks:
-            if r.process.is_alive():
-                r.process.kill()
+    def stop(self) -> list[tuple[int, int, int | None]]:
+        """Kill every rank (they hold nothing to save), wait for them and release the queues' semaphores (their
+        names would otherwise be reported leaked by multiprocessing's resource tracker at exit). Returns (rank,
+        pid, exit code) of each rank that was running."""
+        running = [rank for rank, r in enumerate(self.ranks) if r.process.is_alive()]
+        for rank in running:
+            self.ranks[rank].process.kill()
         for r in self.ranks:
             r.process.join(timeout=10)
+        for name in ("_requests", "_events"):
+            channel = getattr(self, name, None)
+            if channel is not None:
+                channel.cancel_join_thread()  # what a dead rank did not read is dropped
+                channel.close()
+        self._requests = self._events = self._cancel = None
+        gc.collect()  # the semaphores are unlinked when their last reference goes
+        return [(rank, self.ranks[rank].process.pid, self.ranks[rank].process.exitcode) for rank in running]
+
+    def close(self) -> list[tuple[int, int, int | None]]:
+        """Stop the ranks for good (the server stops): a start under way gives up. As :meth:`stop`."""
+        self.closing = True
+        return self.stop()
 
     def restart(self) -> None:
         """Stop the group and start it again (RankFault when it cannot start)."""
@@ -125,9 +163,10 @@ class Replica:
         return [r.process.pid for r in self.ranks]
 
     # -- requests ----------------------------------------------------------------------------------------------
-    def run(self, job_id: str, options: dict, on_step=None) -> tuple[list, float]:
-        """Run one request on the group: returns its pictures ``[(media type, bytes)]`` and the seconds it took
-        there. Raises RankFault (restart the group) or RequestFailed (the pipeline refused it)."""
+    def run(self, job_id: str, options: dict, on_step=None) -> tuple[list, dict]:
+        """Run one request on the group: returns its pictures (``("image", PIL image)`` or ``(media type, bytes)``)
+        and rank 0's timeline of it (``phases.Timeline.report``; ``call``: its seconds there). Raises RankFault
+        (restart the group) or RequestFailed (the pipeline refused it)."""
         now = time.time()
         for r in self.ranks:
             r.step, r.progress = 0, now
@@ -150,7 +189,7 @@ class Replica:
                 raise RequestCancelled(f"request {job_id} was cancelled after step {event[3]} of {event[4]}")
             elif kind == "done" and event[2] == job_id:
                 self.state, self._in_request = "ready", False
-                _, _, _, ok, payload, seconds = event
+                _, _, _, ok, payload, _, phases = event
                 if not ok:
                     if self.world > 1:  # a peer's death can reach rank 0 as an error of the call: look first
                         deadline = time.time() + FAULT_GRACE_S / 4
@@ -159,7 +198,7 @@ class Replica:
                             time.sleep(POLL_S / 4)
                     raise RequestFailed(payload)
                 self.served += 1
-                return payload, seconds
+                return payload, phases
 
     def cancel(self, job_id: str) -> bool:
         """Ask the ranks to stop ``job_id`` if it is the request in flight (they stop after the next step)."""
@@ -177,6 +216,8 @@ class Replica:
         """The next event of the ranks (None after :data:`POLL_S`), after checking that every rank lives, beats,
         and (in a request) steps; heartbeats are taken here."""
         self._check_alive(loading)
+        if self._events is None:  # stopped by the front end
+            raise RankFault(f"replica {self.index} was stopped")
         now = time.time()
         if deadline is not None and loading and now > deadline:
             self.state = "failed"
@@ -216,10 +257,13 @@ class Replica:
         if not dead:
             return
         rank = min(dead, key=lambda k: (self.ranks[k].process.exitcode or 0) >= 0)
-        process = self.ranks[rank].process
         self.state = "failed"
-        raise RankFault(f"rank {rank} of replica {self.index} (pid {process.pid}) died with exit code "
-                        f"{process.exitcode} while {loading or self._doing(rank)}")
+        raise RankFault(f"rank {rank} of replica {self.index} {self._death(rank)} while {loading or self._doing(rank)}")
+
+    def _death(self, rank: int) -> str:
+        """How a dead rank died, as its fault message says it."""
+        process = self.ranks[rank].process
+        return f"(pid {process.pid}) died with exit code {process.exitcode}"
 
     def _doing(self, rank: int) -> str:
         if not self._in_request:

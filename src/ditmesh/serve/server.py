@@ -1,7 +1,13 @@
-"""Start the replicas, then serve HTTP on the bound socket until interrupted; the ranks go with the front end."""
+"""Start the replicas, then serve HTTP on the bound socket until Ctrl-C or SIGTERM; the ranks go with the front end.
+
+A stop is quiet and complete: every waiting and running request is answered 503 with its id, the ranks are
+stopped (they ignore the terminal's SIGINT: ``replica.py``), each named on one line of the log, and the process
+exits 0 with no traceback and nothing left behind (processes, queues' semaphores).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -17,17 +23,21 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
     from .app import Service, create_app
     from .replica import RankFault, Replica
 
-    import os
-
     # a service stops on Ctrl-C and on SIGTERM, also when a shell started it in the background (SIGINT then arrives
-    # ignored, and children inherit that): until uvicorn takes both over for its graceful shutdown, each raises
-    # KeyboardInterrupt here, which stops the replicas' ranks
+    # ignored, and children inherit that): until the HTTP server takes both over, each raises KeyboardInterrupt
+    # here, which stops the replicas' ranks
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
-    replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
+    if args.ray:  # the replicas on a Ray cluster (ray_backend.py), the front door here
+        from .ray_backend import ray_service
+
+        replicas, service_class = ray_service(args, world, options)
+    else:
+        replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
+        service_class = Service
     t0 = time.perf_counter()
     errors = []
 
@@ -37,30 +47,71 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         except RankFault as exc:
             errors.append(str(exc))
 
-    threads = [threading.Thread(target=start, args=(r,)) for r in replicas]
-    for t in threads:
-        t.start()
+    threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in replicas]
     try:
+        for t in threads:
+            t.start()
         for t in threads:
             t.join()
     except KeyboardInterrupt:
-        for r in replicas:
-            r.stop()
-        raise
+        _ignore_signals()  # a second Ctrl-C must not cut the stop short
+        _say_stopped([(r.index, *rank) for r in replicas for rank in r.close()], "while starting")
+        return 0
     if errors:
         for r in replicas:
-            r.stop()
+            r.close()
         raise LaunchError(errors[0])
-    service = Service(replicas, limits, args, adapter, queue_size=args.queue_size,
-                      restart_attempts=args.restart_attempts, max_batch=args.max_batch)
+    service = service_class(replicas, limits, args, adapter, queue_size=args.queue_size,
+                            restart_attempts=args.restart_attempts, max_batch=args.max_batch)
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
           f"on {world} process(es); ready in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service, args.token), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = _Server(service, uvicorn.Config(create_app(service, args.token), log_level="warning", access_log=False,
+                                             timeout_graceful_shutdown=5))
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # a signal before the HTTP server took them over, or after it gave them back
+        service.shutdown("interrupted")
     finally:
-        service.stop()
+        _ignore_signals()
+        _say_stopped(service.stop(), f"on {server.reason}" if server.reason else "")
     return 0
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server whose first Ctrl-C or SIGTERM answers every open request 503 (then uvicorn sends those
+        answers and closes); the signal is not raised again once the server is down (uvicorn does by default, which
+        would end the process with a traceback)."""
+
+        def __init__(self, service, config):
+            super().__init__(config)
+            self.service, self.reason, self.answered = service, "", 0
+
+        def handle_exit(self, sig, frame):
+            if not self.reason:
+                self.reason = signal.Signals(sig).name
+                self.answered = self.service.shutdown(self.reason)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
+def _Server(service, config):  # noqa: N802  (a class built when uvicorn is imported)
+    return _server_class()(service, config)
+
+
+def _say_stopped(stopped: list[tuple[int, int, int, int | None]], why: str) -> None:
+    """One line per rank stopped."""
+    for replica, rank, pid, code in stopped:
+        print(f"ditmesh: stopped rank {rank} of replica {replica} (pid {pid}, exit code {code})"
+              + (f" {why}" if why else ""), file=sys.stderr, flush=True)

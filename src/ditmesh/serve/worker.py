@@ -14,7 +14,6 @@ peer) is found by the front end (``replica.py``), which restarts the group.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import threading
 import time
@@ -28,8 +27,29 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
     """The body of a rank process (``multiprocessing`` spawn target). ``options`` are the server's ``generate``
     options; ``requests`` (read by rank 0) carries requests, ``events`` carries this rank's reports, ``cancel``
     (an Event, read by rank 0) asks to stop the request in flight."""
+    import signal
+
+    # the front end answers the clients and stops the ranks: a terminal's Ctrl-C (sent to the whole process group)
+    # or a SIGTERM to every process of a unit must not end a rank first (it was born with both blocked: replica.py)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    # tqdm (diffusers' loading bars) would make a multiprocessing lock, a named semaphore registered with the front
+    # end's resource tracker, which a rank stopped by SIGKILL never releases ("leaked semaphore" at the front end's
+    # exit): a thread lock does the same for the one process
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    run_rank(rank, world, options, requests, events, cancel)
+
+
+def run_rank(rank: int, world: int, options: dict, requests, events, cancel, leave_on_load_error: bool = True) -> None:
+    """A rank's life once its group's environment is set (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK): the
+    heartbeat, loading and warm-up, then requests until the front end stops it. ``requests``, ``events`` and
+    ``cancel`` behave as queue.Queue / threading.Event. A rank process leaves when loading fails; a Ray actor
+    (``ray_replica.py``: leave_on_load_error=False) stays until the front end has read its report and removes it."""
     parent = os.getppid()
     threading.Thread(target=_heartbeat, args=(rank, events, parent), daemon=True).start()
     try:
@@ -38,7 +58,9 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
         from ..shared import one_line
 
         events.put(("load_error", rank, one_line(exc), traceback.format_exc()))
-        _leave(2)
+        if leave_on_load_error:
+            _leave(2)
+        return
     state.update(cancel=cancel, world=world)
     _serve(rank, world, state, requests, events, parent)
 
@@ -65,23 +87,41 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     from ..mesh import default_device
     from ..runtime.generate import _call_kwargs, _init_distributed, load_pipeline, validate, warm_up_call
     from ..runtime.models import read_defaults
+    from .phases import instrument
 
     diffusers.utils.logging.disable_progress_bar()
     args = argparse.Namespace(**options)
     device = default_device()
     _init_distributed(device)
-    options, model = validate(args, world)
-    loaded = load_pipeline(args, options, model, device, rank, world)
-    loaded.pipe.set_progress_bar_config(disable=True)
+    run_options, model = validate(args, world)
+    loaded = load_pipeline(args, run_options, model, device, rank, world)
+    pipe = loaded.pipe
+    pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
-    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled before a client
+    options = vars(args)  # requests update the server's options: a dict (validate returned the RunOptions)
+    switch = _lora_switch(pipe, run_options.loras)
+    timeline, cache = instrument(pipe, device, options.get("prompt_cache", 0),
+                                 lambda: switch.chosen if switch is not None else None)
+    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled (or read from
+    # the compile caches) before a client comes; every adapter of the switch runs in them (chosen or at 0)
     warmed = {}
     for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
-        warmed[f"{width}x{height}"] = round(warm_up_call(loaded.pipe, _call_kwargs(loaded.pipe, sized, defaults),
-                                                         device), 3)
+        warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device), 3)
     events.put(("ready", rank, round(loaded.load_s, 3), warmed))
-    return {"pipe": loaded.pipe, "defaults": defaults, "options": options, "device": device}
+    return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
+            "switch": switch, "prompt_cache": cache}
+
+
+def _lora_switch(pipe, loras):
+    """With named adapters (``--lora NAME=PATH[:SCALE]``): the switch that turns one of them on per request (the
+    unnamed ones stay on); None without any (every adapter stays on, as ``generate`` runs them)."""
+    if not any(lora.name for lora in loras):
+        return None
+    from ..parallel.lora import Switch
+
+    names = [lora.name or f"lora{i}" for i, lora in enumerate(loras)]
+    return Switch(pipe, names, [lora.scale for lora in loras], {n for n, lora in zip(names, loras) if not lora.name})
 
 
 def _serve(rank: int, world: int, state: dict, requests, events, parent: int) -> None:
@@ -118,9 +158,14 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
     seeds = args.seed if isinstance(args.seed, list) else None  # requests sharing one call: a seed per picture
     if seeds is not None:
         args.seed = seeds[0]
+    timeline = state["timeline"]
+    timeline.reset()
     start = time.perf_counter()
     try:
         pipe = state["pipe"]
+        if state["switch"] is not None:
+            state["switch"].select(request["options"].get("adapter"))
+            timeline.add("lora_switch", start)
         call = _call_kwargs(pipe, args, state["defaults"])
         if seeds is not None:  # each picture drawn from its own seed, as it would be alone
             import torch
@@ -133,13 +178,18 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
             stop = state["cancel"].is_set() if rank == 0 else None
             if state["world"] > 1:
                 stop = broadcast_tensors([stop], 0, None, state["device"])[0]
+            if i + 1 == steps:
+                timeline.sync()
+            timeline.step_ends.append(time.perf_counter())
             if stop:
                 raise _Cancelled(i + 1)
             return kw
 
         result = pipe(**call, **step_callback(pipe, on_step_end))
         if rank == 0:
-            events.put(("done", rank, job, True, _encode(result), round(time.perf_counter() - start, 4)))
+            pictures = _pictures(result)  # PNG-encoded by the front end, off the ranks' path
+            phases = timeline.report(start, time.perf_counter())
+            events.put(("done", rank, job, True, pictures, phases["call"], phases))
     except _Cancelled as exc:
         if rank == 0:
             events.put(("cancelled", rank, job, exc.step, steps))
@@ -147,7 +197,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
         if _collective_error(exc):
             _broken(rank, job, exc, events)
         if rank == 0:
-            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4)))
+            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4), {}))
 
 
 class _Cancelled(Exception):
@@ -176,15 +226,11 @@ def _broken(rank: int, job: str | None, exc: BaseException, events) -> None:
         time.sleep(3600)
 
 
-def _encode(result) -> list[tuple[str, bytes]]:
-    """The call's pictures as (media type, bytes): PNG per image; an animated GIF per video."""
-    out = []
+def _pictures(result) -> list[tuple[str, object]]:
+    """The call's pictures for the front end: ("image", a PIL image) each, which the front end encodes as PNG; an
+    animated GIF per video, as (media type, bytes)."""
     if hasattr(result, "frames") and not hasattr(result, "images"):
         from ..runtime.video import gif_bytes
 
         return [("image/gif", gif_bytes(video)) for video in result.frames]
-    for image in result.images:
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        out.append(("image/png", buf.getvalue()))
-    return out
+    return [("image", image) for image in result.images]

@@ -267,6 +267,95 @@ def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], 
     return rows
 
 
+#: what an ``--eight-sweep`` setting may name: comm=fp8, attention=int8, exact-steps=W
+EIGHT_KEYS = {"comm": ("fp8",), "attention": ("int8",)}
+
+
+def parse_eight_setting(text: str) -> dict:
+    """``comm=fp8,attention=int8,exact-steps=2`` -> ``{"comm": "fp8", "attention": "int8", "exact_steps": 2}`` (each
+    part optional; comm auto, attention exact and 0 exact steps by default)."""
+    from ..config import ConfigError
+
+    setting = {"comm": "auto", "attention": "exact", "exact_steps": 0}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key == "exact-steps" and value.isdigit():
+            setting["exact_steps"] = int(value)
+        elif value in EIGHT_KEYS.get(key, ()):
+            setting[key] = value
+        else:
+            raise ConfigError(f"--eight-sweep setting {text!r}: give comm=fp8, attention=int8 and exact-steps=W, joined "
+                              "by commas (e.g. comm=fp8,attention=int8,exact-steps=2)")
+    if setting == {"comm": "auto", "attention": "exact", "exact_steps": 0}:
+        raise ConfigError(f"--eight-sweep setting {text!r} names no 8-bit mode (comm=fp8 or attention=int8)")
+    if setting["exact_steps"] and setting["attention"] == "exact":
+        raise ConfigError(f"--eight-sweep setting {text!r}: exact-steps keeps steps out of 8-bit attention; add "
+                          "attention=int8")
+    return setting
+
+
+def eight_sweep(model_path: str | None, settings: list[dict], captions: list[str], steps: int = 28, seed: int = 0,
+                images_per_caption: int = 4, batch_size: int = 16, guidance_scale: float = 3.5, on_row=None) -> list[dict]:
+    """Quality of fp8 payloads and 8-bit attention (:func:`parse_eight_setting`) against the exact images of the same
+    captions, noise and batches, on one process: fp8 payloads rounded where Ulysses sends them
+    (``parallel.eight.emulate_fp8_comm``: Q, K, V and the attention output, per token and head; the images of a
+    Ulysses run with ``comm_dtype="fp8"`` up to float32 noise) and the int8 attention's rounding in float32 math
+    (``attention="int8-emulated"``); accuracies, lost attributes, PSNR / SSIM. ``on_row(row)`` as each row is done."""
+    from .. import ParallelConfig, parallelize, remove
+    from ..parallel.eight import emulate_fp8_comm
+
+    pipe = load_pipeline(model_path)
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [c for c in captions for _ in range(images_per_caption)]
+    start = time.time()
+    reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+    rows = [{"comm": "auto", "attention": "exact", "exact_steps": steps,
+             **against_reference(reference, reference, prompts), "seconds": round(time.time() - start, 1)}]
+    (on_row or (lambda row: None))(rows[0])
+    for setting in settings:
+        attention = "int8-emulated" if setting["attention"] == "int8" else "default"
+        if setting["comm"] == "fp8":
+            emulate_fp8_comm(parallelize(pipe, ParallelConfig()), "ulysses", attention, setting["exact_steps"])
+        else:
+            parallelize(pipe, ParallelConfig(), attention=attention, attention_bf16_steps=setting["exact_steps"])
+        start = time.time()
+        images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
+        rows.append({**setting, **against_reference(images, reference, prompts), "seconds": round(time.time() - start, 1)})
+        remove(pipe)
+        (on_row or (lambda row: None))(rows[-1])
+    return rows
+
+
+def quant_sweep(model_path: str | None, variants: list[str], captions: list[str], steps: int = 28, seed: int = 0,
+                images_per_caption: int = 1, batch_size: int = 16, guidance_scale: float = 3.5,
+                on_row=None) -> list[dict]:
+    """Quality of the 8-bit linears (``--quant`` variants as ``bench --quant`` names them: ``fp8``,
+    ``fp8:keep-modulation`` ...) against the exact images of the same captions, noise and batches, on one process (on
+    CPU: the rounding in float32 math, ``parallel.quant.QuantLinear``). Each variant quantizes a freshly loaded
+    pipeline (quantizing replaces the weights). Accuracies, lost attributes, PSNR / SSIM; ``on_row(row)`` per row."""
+    from .. import ParallelConfig, parallelize
+    from ..options import quant_of
+
+    prompts = [c for c in captions for _ in range(images_per_caption)]
+
+    def run(variant: str):
+        pipe = load_pipeline(model_path)
+        pipe.set_progress_bar_config(disable=True)
+        if variant != "off":
+            parallelize(pipe, ParallelConfig(), **quant_of(variant))
+        start = time.time()
+        return generate(pipe, prompts, steps, seed, batch_size, guidance_scale), round(time.time() - start, 1)
+
+    reference, seconds = run("off")
+    rows = [{"quant": "off", **against_reference(reference, reference, prompts), "seconds": seconds}]
+    (on_row or (lambda row: None))(rows[0])
+    for variant in variants:
+        images, seconds = run(variant)
+        rows.append({"quant": variant, **against_reference(images, reference, prompts), "seconds": seconds})
+        (on_row or (lambda row: None))(rows[-1])
+    return rows
+
+
 def write_samples(path: str, model_path: str | None = None, steps: int = 28, seed: int = 0, pipe=None) -> list[str]:
     """Draw :data:`SAMPLE_CAPTIONS` into one PNG grid (6 per row, 2x nearest upscale); returns the captions."""
     pipe = pipe or load_pipeline(model_path)
@@ -319,6 +408,14 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         help="semicolon-separated PipeFusion or displaced settings (e.g. 'pp=2,patches=2,warmup=1;"
                              "displaced=4,warmup=1'), each run on pp (displaced) local gloo processes: print accuracy, lost attributes and PSNR/SSIM against the "
                              "exact images of one process")
+    parser.add_argument("--quant-sweep", default=None, metavar="LIST",
+                        help="quality of the 8-bit linears: a comma list of --quant modes as bench names them (fp8, "
+                             "fp8-weight, int8-weight, fp8:keep-modulation), each against the exact images "
+                             "(docs/quantization.md)")
+    parser.add_argument("--eight-sweep", default=None, metavar="SETTINGS",
+                        help="semicolon-separated 8-bit settings (e.g. 'comm=fp8;attention=int8;attention=int8,"
+                             "exact-steps=2'), their rounding emulated in float32 on one process: print accuracy, lost "
+                             "attributes and PSNR/SSIM against the exact images (docs/quantization.md)")
     parser.set_defaults(func=run_eval)
     return parser
 
@@ -346,6 +443,12 @@ def run_eval(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             raise ConfigError(f"--cache-sweep setting {text!r}: {exc}") from None
     pp_settings = [parse_pp_setting(t) for t in (args.pp_sweep or "").split(";") if t]
+    eight_settings = [parse_eight_setting(t) for t in (args.eight_sweep or "").split(";") if t]
+    quant_variants_ = []
+    if args.quant_sweep:
+        from ..options import quant_variants
+
+        quant_variants_ = [v for v in quant_variants(args.quant_sweep) if v != "off"]
     torch.set_num_threads(args.threads)
     captions = eval_captions(args.split)[: args.limit]
     if args.cache_sweep:
@@ -376,6 +479,47 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+        return 0
+    if quant_variants_:
+        images = len(captions) * args.images_per_caption
+        print("| quant | colour | shape | position | all | lost an attribute | PSNR dB | SSIM | s |")
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
+        done = []
+
+        def quant_row(r):
+            print(f"| {r['quant']} | {r['colour']:.3f} | {r['shape']:.3f} | {r['position']:.3f} | {r['all']:.3f} "
+                  f"| {r['lost']} of {images} | {r['psnr']} | {r['ssim']} | {r['seconds']} |", flush=True)
+            done.append(r)
+            if args.json:  # written after every row: a sweep stopped part-way keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"captions": len(captions), "images": images, "steps": args.steps,
+                               "emulated": "8-bit linears rounded in float32 on one process (parallel.quant)",
+                               "rows": done}, f, indent=1)
+
+        quant_sweep(args.model, quant_variants_, captions, steps=args.steps, seed=args.seed,
+                    images_per_caption=args.images_per_caption, batch_size=min(args.batch_size, 16),
+                    guidance_scale=args.guidance_scale, on_row=quant_row)
+        return 0
+    if eight_settings:
+        images = len(captions) * args.images_per_caption
+        print("| comm | attention | exact steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        done = []
+
+        def eight_row(r):
+            print(f"| {r['comm']} | {r['attention']} | {r['exact_steps']} | {r['colour']:.3f} | {r['shape']:.3f} "
+                  f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {images} | {r['psnr']} | {r['ssim']} |",
+                  flush=True)
+            done.append(r)
+            if args.json:  # written after every row: a sweep stopped part-way keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump({"captions": len(captions), "images": images, "steps": args.steps,
+                               "emulated": "fp8 payloads and int8 attention rounded in float32 on one process",
+                               "rows": done}, f, indent=1)
+
+        eight_sweep(args.model, eight_settings, captions, steps=args.steps, seed=args.seed,
+                    images_per_caption=args.images_per_caption, batch_size=min(args.batch_size, 16),
+                    guidance_scale=args.guidance_scale, on_row=eight_row)
         return 0
     result = evaluate(args.model or default_model_path(), captions, steps=args.steps, seed=args.seed,
                       images_per_caption=args.images_per_caption, batch_size=args.batch_size,

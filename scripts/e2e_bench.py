@@ -1,0 +1,301 @@
+"""Seconds to an image as a user times them: ``ditmesh generate`` run from outside, row by row, in one call.
+
+Each row is ``TREE:MODE:CACHE``. TREE is ``new`` (this checkout's ``src``) or ``old`` (``--baseline-src DIR``, a
+folder holding an older ``ditmesh`` package, as ``ditmesh bench --baseline-src`` takes). MODE is one of ``1gpu``,
+``ulysses``, ``ring``, ``tp``, ``pp``, ``displaced`` (over ``--gpus`` processes, 1 for ``1gpu``). CACHE is ``cold``
+(compile caches empty: a fresh folder, copied into the shared one afterwards) or ``warm`` (the shared compile caches
+after an earlier run of the same tree and mode; a warm-up run of ``--warmup-steps`` steps is made first where
+there was none, several at once with ``--parallel-warmups``).
+
+Per row: the wall time from outside, and from the run's report ``load_s``, the steady step (median of the step
+latencies), the first step's extra, ``overhead = wall - load - steps x steady step``, and where the tree writes a
+timeline (``generate --trace``), its split: launcher, imports, checks, text encoding, VAE decode, writing, and what
+came after the report (exit). "One import" (``import torch, diffusers; from diffusers import FluxPipeline``) is
+timed in the same call. Writes ``e2e.json`` (every row, the reports' timelines included: ``ditmesh.timeline.
+chrome_trace`` makes a Chrome trace of any row) and ``e2e.md`` (the table) into ``--out``; prints the table.
+
+On GPUs (issue 32)::
+
+    python3 scripts/e2e_bench.py --synth flux-dev --model /tmp/flux-dev --gpus 4 --height 1024 --width 1024 \\
+        --steps 28 --compile --cuda-graph --baseline-src old/src --parallel-warmups --deadline-s 540 --out $OUT \\
+        --rows new:ulysses:cold,new:ulysses:warm,old:ulysses:warm,new:1gpu:warm,new:pp:warm,new:displaced:warm
+
+On CPU (a dry run: flux-tiny, gloo, 2 processes)::
+
+    python scripts/e2e_bench.py --cpu-dry-run --out /tmp/e2e --baseline-src /tmp/base/src \\
+        --rows new:ulysses:cold,new:ulysses:warm,old:ulysses:warm,new:1gpu:warm,new:pp:warm,new:displaced:warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_IMPORT = "import torch, diffusers; from diffusers import FluxPipeline"
+MODES = {"1gpu": [], "ulysses": ["--ulysses", "{n}"], "ring": ["--ring", "{n}"], "tp": ["--tp", "{n}"],
+         "pp": ["--pp", "{n}"], "displaced": ["--ulysses", "{n}", "--displaced"]}
+#: the compile caches a run reads and writes (inductor's FX graphs and AOT autograd results, triton's kernels)
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+#: a row's time when nothing of its kind ran yet, to decide whether it fits before the deadline (seconds)
+GUESS_S = {"cpu": 60.0, "gpu": 120.0}
+
+
+class Bench:
+    """One call's state: the settings, the shared compile caches, the rows measured and skipped."""
+
+    def __init__(self, args):
+        self.args = args
+        self.start = time.perf_counter()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix="ditmesh-e2e-"))
+        self.shared_cache = self.work / "compile"
+        self.warmed: set[tuple[str, str]] = set()
+        self.rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.walls: dict[str, float] = {}
+        self.warmups: list[dict] = []
+
+    # -- running one command -------------------------------------------------------------------------------------
+    def env(self, tree: str, cache: Path) -> dict:
+        src = str(ROOT / "src") if tree == "new" else str(Path(self.args.baseline_src).resolve())
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+                   TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+        if self.args.cpu_dry_run:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        env.pop("DITMESH_LAUNCH_START", None)
+        return env
+
+    def left_s(self) -> float:
+        return self.args.deadline_s - (time.perf_counter() - self.start)
+
+    def run(self, cmd: list[str], env: dict, log: Path) -> tuple[int, float]:
+        """Run ``cmd`` in its own process group (ended whole at the deadline); returns (exit code, wall seconds)."""
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=env, cwd=self.work, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=max(1.0, self.left_s()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code = -9
+        return code, time.perf_counter() - start
+
+    def generate(self, tree: str, mode: str, steps: int, name: str, cache: Path, trace: bool,
+                 env: dict | None = None) -> tuple[int, float, Path]:
+        a = self.args
+        nproc = 1 if mode == "1gpu" else a.gpus
+        flags = [f.format(n=nproc) for f in MODES[mode]]
+        report = self.work / f"{name}.json"
+        cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", a.model, "--nproc", str(nproc), *flags,
+               "--steps", str(steps), "--height", str(a.height), "--width", str(a.width),
+               "--out", str(self.work / f"{name}.png"), "--report", str(report), *a.extra]
+        if a.compile:
+            cmd.append("--compile")
+        if a.cuda_graph and mode != "pp":  # PipeFusion runs no CUDA graphs (refused in one line)
+            cmd.append("--cuda-graph")
+        if trace:  # the timelines travel in e2e.json (ditmesh.timeline.chrome_trace makes a trace of any row)
+            cmd += ["--trace", str(self.work / f"{name}.trace.json")]
+        code, wall = self.run(cmd, dict(self.env(tree, cache), **(env or {})), self.work / f"{name}.log")
+        return code, wall, report
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+    def warm_up(self, keys: list[tuple[str, str]]) -> None:
+        """A run of each (tree, mode) not run yet in the shared caches (``--warmup-steps`` steps: the stale steps of
+        pp and displaced compile too), several at once with ``--parallel-warmups``."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self.warmed]
+        if not todo:
+            return
+
+        workers = len(todo) if self.args.parallel_warmups else 1
+        processes = sum(1 if mode == "1gpu" else self.args.gpus for _, mode in todo) if workers > 1 else 1
+        # inductor starts a pool of compile workers per process: share the host's cores among the runs at once
+        threads = {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+
+        def one(key):
+            tree, mode = key
+            code, wall, _ = self.generate(tree, mode, self.args.warmup_steps, f"warmup-{tree}-{mode}",
+                                          self.shared_cache, trace=False, env=threads if workers > 1 else None)
+            return key, code, wall
+
+        with ThreadPoolExecutor(workers) as pool:
+            for (tree, mode), code, wall in pool.map(one, todo):
+                print(f"e2e: warm-up {tree} {mode}: {wall:.1f} s (exit {code})", flush=True)
+                self.warmups.append({"tree": tree, "mode": mode, "wall_s": round(wall, 3), "exit": code,
+                                     "at_once": workers})
+                if code == 0:
+                    self.warmed.add((tree, mode))
+
+    def row(self, spec: str) -> None:
+        tree, mode, cache = spec.split(":")
+        name = spec.replace(":", "-")
+        guess = self.walls.get(f"{tree}:{mode}", GUESS_S["cpu" if self.args.cpu_dry_run else "gpu"])
+        if self.left_s() < guess * (1.6 if cache == "warm" and (tree, mode) not in self.warmed else 1.0):
+            self.skipped.append({"row": spec, "why": f"{self.left_s():.0f} s left before the deadline"})
+            print(f"e2e: skipped {spec} ({self.left_s():.0f} s left)", flush=True)
+            return
+        if cache == "cold":
+            private = self.work / f"compile-{name}"
+            code, wall, report = self.generate(tree, mode, self.args.steps, name, private, trace=tree == "new")
+            shutil.copytree(private, self.shared_cache, dirs_exist_ok=True)  # content-addressed: merging is safe
+            if code == 0:
+                self.warmed.add((tree, mode))
+        else:
+            self.warm_up([(tree, mode)])
+            code, wall, report = self.generate(tree, mode, self.args.steps, name, self.shared_cache, trace=tree == "new")
+        self.walls[f"{tree}:{mode}"] = wall
+        if code != 0:
+            self.skipped.append({"row": spec, "why": f"exit {code}; log {name}.log",
+                                 "log_tail": (self.work / f"{name}.log").read_text()[-2000:]})
+            print(f"e2e: {spec} failed (exit {code}):\n{(self.work / f'{name}.log').read_text()[-2000:]}", flush=True)
+            return
+        result = summarize(json.loads(report.read_text()), wall, self.args.steps)
+        result.update(row=spec, tree=tree, mode=mode, cache=cache, nproc=1 if mode == "1gpu" else self.args.gpus)
+        self.rows.append(result)
+        print(f"e2e: {spec}: wall {wall:.1f} s, load {result['load_s']:.1f} s, overhead {result['overhead_s']:.1f} s",
+              flush=True)
+
+
+def _phase_s(timeline: dict, *names: str) -> float | None:
+    spans = [p["end_s"] - p["start_s"] for p in timeline["phases"] if p["name"] in names]
+    return round(sum(spans), 3) if spans else None
+
+
+def summarize(report: dict, wall_s: float, steps: int) -> dict:
+    """A row from a ``generate`` report and the wall time measured outside it."""
+    latencies = report["step_latency_s"]
+    steady = statistics.median(latencies)
+    row = {"wall_s": round(wall_s, 3), "load_s": report["load_s"], "steady_step_s": round(steady, 5),
+           "first_step_extra_s": report.get("first_step_extra_s"), "steps": len(latencies),
+           "steps_s": round(steady * len(latencies), 3),
+           "overhead_s": round(wall_s - report["load_s"] - steady * len(latencies), 3),
+           "total_latency_s": report["total_latency_s"], "compile_breakdown_s": report.get("compile_breakdown_s"),
+           "devices": report.get("devices"), "versions": report.get("versions"), "config": report.get("config")}
+    timelines = report.get("timeline")
+    if timelines:
+        rank0 = timelines[0]
+        end = max(p["end_s"] for p in rank0["phases"])
+        row["split_s"] = {
+            "launch": _phase_s(rank0, "launch"), "imports": _phase_s(rank0, "imports"),
+            "checks": _phase_s(rank0, "checks", "family checks"), "rendezvous": _phase_s(rank0, "rendezvous"),
+            "load": _phase_s(rank0, "load"), "text_encoding": _phase_s(rank0, "text encoding"),
+            "vae_decode": _phase_s(rank0, "vae decode"),
+            "writing": _phase_s(rank0, "encode images", "write outputs", "write videos", "write report"),
+            "after_report": round(wall_s - end, 3)}
+        row["timeline"] = timelines
+    return row
+
+
+def serve_rows(bench: Bench) -> list[dict]:
+    """Rows of a warm ``ditmesh serve`` (1 and 16 clients), timed from outside: none yet (issue 32, part 3). Each row
+    is a dict with at least ``row``, ``wall_s`` and ``overhead_s``, added to the table and ``e2e.json``."""
+    return []
+
+
+def one_import_s(env: dict, runs: int) -> float:
+    """Seconds of ``python -c "import torch, diffusers; from diffusers import FluxPipeline"``, the last of ``runs``
+    (the earlier ones leave the bytecode and the files warm)."""
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", ONE_IMPORT], env=env, check=True, capture_output=True)
+    return round(time.perf_counter() - start, 3)
+
+
+def table(rows: list[dict], one_import: float) -> str:
+    head = ("| row | wall s | load s | first step's extra s | steps x steady s | overhead s | overhead - one import s "
+            "| launcher s | imports s | text enc s | VAE s | writing s | after report s |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        split = r.get("split_s") or {}
+
+        def cell(key):
+            return "" if split.get(key) is None else f"{split[key]:.2f}"
+
+        extra = r.get("first_step_extra_s")
+        lines.append(f"| {r['row']} | {r['wall_s']:.1f} | {r['load_s']:.1f} | "
+                     f"{'' if extra is None else f'{extra:.1f}'} | {r['steps_s']:.2f} | {r['overhead_s']:.1f} | "
+                     f"{r['overhead_s'] - one_import:.1f} | {cell('launch')} | {cell('imports')} | "
+                     f"{cell('text_encoding')} | {cell('vae_decode')} | {cell('writing')} | {cell('after_report')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", required=True, help="comma-separated TREE:MODE:CACHE, run in this order")
+    p.add_argument("--model", default=None, help="pipeline folder (with --synth: written there once)")
+    p.add_argument("--synth", default=None, metavar="ARCH", help="write --model with `ditmesh synth --arch ARCH` first "
+                                                                 "(timed), unless it is there")
+    p.add_argument("--gpus", type=int, default=4, help="processes of the multi-GPU modes (default 4)")
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=28)
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps of a warm-up run (default 3)")
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--baseline-src", default=None, metavar="DIR", help="folder holding the old tree's ditmesh package")
+    p.add_argument("--parallel-warmups", action="store_true", help="run the warm-ups a row needs at the same time")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="skip rows that would end after this (default 540)")
+    p.add_argument("--cpu-dry-run", action="store_true", help="flux-tiny on CPU processes (gloo), 2 of them, 64x64, "
+                                                             "2 steps: the whole flow in a few minutes")
+    p.add_argument("--out", required=True, help="folder for e2e.json, e2e.md and the traces")
+    p.add_argument("extra", nargs="*", help="after --: more generate options for every row")
+    args = p.parse_args(argv)
+    specs = [s.strip() for s in args.rows.split(",") if s.strip()]
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] not in ("new", "old") or parts[1] not in MODES or parts[2] not in ("cold", "warm"):
+            p.error(f"--rows: {spec!r} is not TREE:MODE:CACHE (TREE new|old, MODE {'|'.join(MODES)}, CACHE cold|warm)")
+        if parts[0] == "old" and not args.baseline_src:
+            p.error(f"--rows {spec}: an old row needs --baseline-src DIR")
+    if args.cpu_dry_run:
+        args.gpus, args.height, args.width, args.steps, args.warmup_steps = 2, 64, 64, 2, 3
+        args.synth = args.synth or "flux-tiny"
+    bench = Bench(args)
+    if args.model is None:
+        args.model = str(bench.work / (args.synth or "model"))
+    synth_s = None
+    if args.synth and not (Path(args.model) / "model_index.json").is_file():
+        code, synth_s = bench.run([sys.executable, "-m", "ditmesh", "synth", "--arch", args.synth, "--out", args.model],
+                                  bench.env("new", bench.shared_cache), bench.work / "synth.log")
+        if code != 0:
+            raise SystemExit(f"e2e: synth failed: {(bench.work / 'synth.log').read_text()[-2000:]}")
+        print(f"e2e: synth {args.synth}: {synth_s:.1f} s", flush=True)
+    # synth imported the same packages just before: the bytecode is written and the files are in memory
+    one_import = one_import_s(bench.env("new", bench.shared_cache), runs=1 if synth_s else 2)
+    print(f"e2e: one import: {one_import:.2f} s", flush=True)
+    cold = [s for s in specs if s.endswith(":cold")]
+    for spec in cold:  # first, while the shared caches are empty of their modes
+        bench.row(spec)
+    if args.parallel_warmups:
+        bench.warm_up([tuple(s.split(":")[:2]) for s in specs if s.endswith(":warm")])
+    for spec in specs:
+        if spec not in cold:
+            bench.row(spec)
+    bench.rows += serve_rows(bench)
+    text = table(bench.rows, one_import)
+    print(text)
+    result = {"schema": "ditmesh-e2e/1", "command": [Path(sys.argv[0]).name, *(argv or sys.argv[1:])],
+              "settings": {k: v for k, v in vars(args).items()}, "one_import_s": one_import, "synth_s": synth_s,
+              "wall_s": round(time.perf_counter() - bench.start, 1), "rows": bench.rows, "warmups": bench.warmups,
+              "skipped": bench.skipped}
+    (bench.out / "e2e.json").write_text(json.dumps(result, indent=1))
+    (bench.out / "e2e.md").write_text(text + "\n")
+    shutil.rmtree(bench.work, ignore_errors=True)
+    return 0 if not bench.skipped else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The 8-bit GPU rows in one call of at most 570 s on 4 GPUs: each row's speed, peak memory and one-step error.
+
+Sections in order of priority (``--only`` picks some; default all); each starts only when its expected seconds
+(:data:`EXPECTED_S`, on 4 H200s) fit in what is left of ``--deadline-s``, and one still running at the deadline is
+ended (its rows are lost, the earlier sections' files stay):
+
+* ``quant-test``: tests/gpu/test_quant_gpu.py, the 8-bit linears' float32 emulation (what the CPU tests run) against
+  torchao's kernels: weights and scales bit for bit, products within 1e-2.
+* ``attention8-test``: tests/gpu/test_attention8_gpu.py, the int8 attention's Triton kernel against its float32
+  emulation.
+* ``quant-flux-1gpu``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs, one GPU: diffusers' eager row (the
+  error reference) and compiled row, ditmesh's rows with the block linears in bf16, fp8 and fp8-weight.
+* ``quant-flux-x4``: the same at ulysses 4, ditmesh's rows only: {bf16, fp8} block linears x {bf16, fp8 payloads}
+  (the speedups against quant-flux-1gpu's rows of the same mode are printed at the end; the error of a parallel
+  row against its one-process run is what the CPU tests check).
+* ``quant-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
+  reference) and ulysses 4 with {bf16, fp8} block linears x {default (exact), int8 attention}.
+* ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
+
+Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
+
+    bash scripts/gpu.sh python3 scripts/gpu_fp8.py --out "$OUT/quant"
+
+``--cpu-dry-run``: the same commands with the tiny architectures on 2 CPU processes, the int8 attention as its
+float32 emulation and no graphs or compile (what this machine can run), to check the script end to end; the
+deadline applies there only when ``--deadline-s`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: pytest sections: (the GPU test, the CPU tests of the same module the dry run runs instead)
+TESTS = {
+    "quant-test": (["tests/gpu/test_quant_gpu.py", "-s"], ["tests/test_quant.py", "-k", "rounding"]),
+    "attention8-test": (["tests/gpu/test_attention8_gpu.py"], ["tests/test_attention8.py", "-k", "rounding or interpreter"]),
+}
+FLUX = ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--methods", "ulysses", "--compile", "on",
+        "--steps", "3", "--warmup", "1"]
+WAN = ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--methods", "ulysses",
+       "--compile", "off", "--no-cuda-graph", "--steps", "2", "--warmup", "1"]
+#: section -> arguments of ``ditmesh bench`` on GPUs (None: a pytest section, :data:`TESTS`), in order of priority
+SECTIONS = {
+    "quant-test": None,
+    "attention8-test": None,
+    "quant-flux-1gpu": FLUX + ["--gpus", "1", "--quant", "off,fp8,fp8-weight"],
+    "quant-flux-x4": FLUX + ["--gpus", "4", "--no-single", "--quant", "off,fp8", "--comm-dtype", "auto,fp8"],
+    "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
+    "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
+}
+#: a section's expected wall seconds on 4 H200s (a compiled FLUX row: ~15 s of imports, process start and weights,
+#: 15-25 s compiling cold (fp8's graphs are new to the cache: ~+20 s), 1 s of steps; an eager Wan row: ~15 s of
+#: start and weights, then 3 steps of 0.9 s (ulysses 4) or 3.2 s (1 GPU)); 535 s before the optional last section
+EXPECTED_S = {
+    "quant-test": 35,         # pytest start, torchao's kernels on a few layers
+    "attention8-test": 30,    # Triton compiles the kernel once per shape
+    "quant-flux-1gpu": 185,   # 5 rows: diffusers eager 15, compiled 35; ditmesh bf16 30, fp8 55, fp8-weight 50
+    "quant-flux-x4": 170,     # 4 rows: bf16 35, bf16 + fp8 payloads 35, fp8 50, fp8 + fp8 payloads 50
+    "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, int8} ~21 each
+    "quant-flux-keep": 50,    # 1 row, compiled cold
+}
+#: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
+DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
+       "1,4": "1,2", "4": "2", "on": "off", "default,int8": "default,int8-emulated"}
+
+
+def bench_args(section: str, dry: bool, gpus: int = 4) -> list[str]:
+    """``ditmesh bench`` arguments of ``section`` (on GPUs, or the CPU dry run's); ``gpus``: the machine's GPU count,
+    which the sections' parallel rows use (their ulysses degree)."""
+    args = [{"4": str(gpus), "1,4": f"1,{gpus}"}.get(a, a) for a in SECTIONS[section]]
+    if dry:
+        args = [DRY.get(a, a) for a in args]
+        args[args.index("--steps") + 1], args[args.index("--warmup") + 1] = "1", "0"
+    return args
+
+
+def run_until(command: list[str], seconds: float | None) -> int:
+    """Run ``command`` in its own process group; end the whole group when ``seconds`` pass (exit code 124)."""
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return 124
+
+
+def speedups(out: Path) -> list[str]:
+    """quant-flux-x4's rows against quant-flux-1gpu's ditmesh row of the same block-linear mode (Markdown lines)."""
+    paths = [out / f"quant-flux-{name}.json" for name in ("1gpu", "x4")]
+    if not all(p.exists() for p in paths):
+        return []
+    one, four = (json.loads(p.read_text())["rows"] for p in paths)
+    single = {r.get("quant", "off"): r["step_ms"] for r in one if r.get("graph") and "step_ms" in r}
+    lines = ["| ulysses 4 row | step ms | 1-GPU ditmesh row of the same mode, ms | speedup |", "|---|---|---|---|"]
+    for r in four:
+        base = single.get(r.get("quant", "off"))
+        if "step_ms" in r and base:
+            name = f"quant {r.get('quant', 'off')}, comm {r.get('comm_dtype', 'auto')}"
+            lines.append(f"| {name} | {r['step_ms']:.1f} | {base:.1f} | {base / r['step_ms']:.2f}x |")
+    return lines if len(lines) > 2 else []
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for the results (JSON, tables, plots)")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="tiny architectures on 2 CPU processes")
+    parser.add_argument("--gpus", type=int, default=4, help="the machine's GPUs: the parallel rows' degree (default 4)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="seconds the whole script may take (default 570 on GPUs, none in the dry run)")
+    args = parser.parse_args(argv)
+    sections = [s for s in args.only.split(",") if s]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        print(f"gpu_fp8.py: unknown section {unknown[0]!r}; known: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    deadline = args.deadline_s if args.deadline_s is not None else (None if args.cpu_dry_run else 570.0)
+    if deadline is not None and deadline <= 0:
+        print(f"gpu_fp8.py: --deadline-s {args.deadline_s}: give a number of seconds above 0, e.g. 570", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    failed, skipped = 0, []
+    for section in sections:
+        left = None if deadline is None else deadline - (time.time() - start)
+        expected = 0 if args.cpu_dry_run else EXPECTED_S[section]
+        if left is not None and left < expected:
+            print(f"== {section}: skipped ({left:.0f} s left, it takes ~{expected} s)", flush=True)
+            skipped.append(section)
+            continue
+        begun = time.time()
+        if SECTIONS[section] is None:
+            # the kernels need CUDA: the dry run runs the CPU tests of the same module instead
+            command = [sys.executable, "-m", "pytest", "-q", *TESTS[section][args.cpu_dry_run]]
+        else:
+            command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run, args.gpus),
+                       "--out", str(out / f"{section}.json")]
+        print(f"== {section}: {' '.join(command[1:])}", flush=True)
+        code = run_until(command, left)
+        failed += code != 0
+        ended = " (ended at the deadline)" if code == 124 else ""
+        print(f"== {section}: {time.time() - begun:.0f} s (expected ~{EXPECTED_S[section]} s on GPUs){ended}",
+              flush=True)
+    lines = speedups(out)
+    if lines:
+        print("\n".join(["", "ulysses 4 against one GPU, the same block-linear mode:", *lines]))
+    print(f"== all: {time.time() - start:.0f} s{'; skipped: ' + ', '.join(skipped) if skipped else ''}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

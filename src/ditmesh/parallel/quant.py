@@ -1,0 +1,243 @@
+"""8-bit linear layers in the transformer blocks (``quant``), after sharding and before compile and CUDA graphs.
+
+Modes (:data:`MODES`):
+
+- ``fp8``: weights in float8_e4m3fn with a float32 scale per output row, activations quantized the same way per
+  token row (over the input features) at every call (dynamic scales), the product in fp8;
+- ``fp8-weight``: the weights alone in fp8 (per output row), dequantized to the activations' dtype for the product;
+- ``int8-weight``: the weights alone in int8, symmetric per output row (CPUs and GPUs without fp8 arithmetic).
+
+Which linears: every ``nn.Linear`` inside the family's repeated blocks (``adapter.blocks``) whose both sizes are
+multiples of 16 (what fp8 matrix products take); embeddings, norms, the final projection and the x/context embedders
+sit outside the blocks and stay in the model's dtype. The AdaLN modulation linears (a path part starting with
+``norm``, e.g. FLUX's ``norm1.linear``) are quantized unless ``modulation=False`` (docs/quantization.md measures
+both). In ``fp8``, a text-stream linear of at least 8192 input features (FLUX's ``ff_context.net.2``: K = 12288, 128
+rows a rank under ulysses 4) keeps fp8 weights with products in the activations' dtype: row-wise fp8 products of
+that shape have failed on H100 (pytorch/ao#4582), and the text stream's few rows make its time negligible.
+
+Where: on CUDA, torchao does the work (``torchao.quantization.quantize_`` with
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``, ``Float8WeightOnlyConfig``,
+``Int8WeightOnlyConfig``), except for the row-parallel linears of tensor parallelism. Those, and every layer on
+other devices, become a :class:`QuantLinear`: 8-bit weights and scales held, the rounding of the activations done
+in float32 math (on CUDA the fp8 product by ``torch._scaled_mm``). The rounding is torchao's: scale = amax / 448
+(fp8) or amax / 127.5 (int8), divided in the tensor's dtype (bf16 on GPUs), values divided by the scale in float32,
+clamped and cast (int8: multiplied by the reciprocal, rounded to nearest even). tests/gpu/test_quant_gpu.py checks that torchao's 8-bit weights
+and scales are these, bit for bit.
+
+Tensor parallelism: a column-parallel shard keeps whole rows, so its per-row weight scales are one process's; a
+row-parallel shard holds a slice of every row, so its weight row amax is reduced (max) over the tp group once, and
+in ``fp8`` its input's per-token amax is reduced over the group at every call: every scale is the one a single
+process takes, and each shard holds exactly one process's 8-bit values for its slice.
+
+torchao is imported only when a CUDA run asks for a mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from ..options import quant_layer_mode
+
+log = logging.getLogger("ditmesh")
+
+MODES = ("fp8", "fp8-weight", "int8-weight")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+#: the smallest amax a scale is taken from (an all-zero row would give 0 / 0)
+TINY = 1e-12
+
+
+# ---- the rounding (torchao's formulas, on any device) ---------------------------------------------------------
+
+def fp8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row float32 scale of an fp8 tensor of ``dtype`` from its row amax, divided in ``dtype`` as torchao does."""
+    return (amax.to(dtype).clamp(min=TINY) / FP8_MAX).float()
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` clamped to the fp8 range and cast to float8_e4m3fn (round to nearest even)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def int8_scale(amax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row float32 scale of a symmetric int8 tensor of ``dtype`` from its row amax (range [-128, 127], step
+    amax / 127.5, divided in ``dtype`` as torchao does)."""
+    return (amax.to(dtype) / 127.5).clamp(min=torch.finfo(torch.float32).eps).float()
+
+
+def int8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(x.float() * (1.0 / scale)).clamp(-128, 127).to(torch.int8)
+
+
+def row_amax(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``|x|``'s max over the last dim, ``[..., 1]`` in float32; reduced (max) over ``group`` when given."""
+    amax = x.detach().abs().amax(-1, keepdim=True).float()
+    if group is not None:  # the functional collective: traceable inside a compiled block
+        from ..comm import _count, _waited
+
+        _count("all_reduce")
+        amax = _waited(funcol.all_reduce(amax, "max", group))
+    return amax
+
+
+# ---- recording the activation scales (tests) ------------------------------------------------------------------
+
+_RECORD: list | None = None
+
+
+@contextlib.contextmanager
+def record_scales():
+    """Collect ``(layer name, activation scales [rows, 1])`` of every ``fp8`` :class:`QuantLinear` call inside."""
+    global _RECORD
+    outer, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = outer
+
+
+# ---- the layer ------------------------------------------------------------------------------------------------
+
+class QuantLinear(torch.nn.Module):
+    """A linear with 8-bit weights (``qweight``: float8_e4m3fn or int8, ``[out, in]``) and a float32 scale per output
+    row (``scale``: ``[out, 1]``), built from ``linear`` (whose weight it replaces). ``group``: the tp group of a
+    row-parallel shard (scales reduced over it, the product summed over it, the bias added once after the sum).
+    ``scaled_mm``: the fp8 product by ``torch._scaled_mm`` (CUDA) rather than in the activations' dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, mode: str, name: str = "", group=None, scaled_mm: bool = False):
+        super().__init__()
+        self.mode, self.name, self.group, self.scaled_mm = mode, name, group, scaled_mm
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        amax = row_amax(weight, group)
+        scale = (int8_scale if mode == "int8-weight" else fp8_scale)(amax, weight.dtype)
+        quantize = int8_quantize if mode == "int8-weight" else fp8_quantize
+        self.register_buffer("qweight", quantize(weight, scale))
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+        self.dtype = weight.dtype
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.qweight.float() * self.scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "fp8":
+            xs = fp8_scale(row_amax(x, self.group), x.dtype)
+            xq = fp8_quantize(x, xs)
+            if _RECORD is not None and not torch.compiler.is_compiling():
+                _RECORD.append((self.name, xs.detach().reshape(-1, 1).clone()))
+            if self.scaled_mm:
+                out = torch._scaled_mm(xq.reshape(-1, self.in_features), self.qweight.t(),
+                                       scale_a=xs.reshape(-1, 1), scale_b=self.scale.reshape(1, -1),
+                                       out_dtype=x.dtype).reshape(*x.shape[:-1], self.out_features)
+            else:
+                out = F.linear((xq.float() * xs).to(x.dtype), self.dequantized(x.dtype))
+        else:
+            out = F.linear(x, self.dequantized(x.dtype))
+        if self.group is not None:
+            from ..comm import all_reduce_sum
+
+            out = all_reduce_sum(out, self.group)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, mode={self.mode}, tp={'yes' if self.group else 'no'}"
+
+
+# ---- choosing and replacing the layers ------------------------------------------------------------------------
+
+def targets(model: torch.nn.Module, adapter, mode: str, quantize_modulation: bool = True) -> dict:
+    """``{module name: (linear, its mode)}`` of the block linears ``mode`` quantizes (see the module docstring)."""
+    if not adapter.blocks:
+        raise ConfigError(f"quant={mode} quantizes the linears of the transformer blocks, and {adapter.name} declares "
+                          "no block lists; use quant=off")
+    from .tensor import lora_layer
+
+    blocks = {id(b) for b in adapter.block_modules(model)}
+    out = {}
+    for block_name, block in model.named_modules():
+        if id(block) not in blocks:
+            continue
+        for name, module in block.named_modules():
+            full = f"{block_name}.{name}"
+            if lora_layer(module):
+                raise ConfigError(f"quant={mode}: {full} carries an unfused LoRA adapter; fuse it (fuse_lora) so the "
+                                  "fused weights are quantized")
+            # (a PipeFusion stage holds no weights of the other stages' blocks)
+            if (type(module).__name__ in ("Linear", "RowParallelLinear") and isinstance(module, torch.nn.Linear)
+                    and module.weight.numel()):
+                chosen = quant_layer_mode(name, module.in_features, module.out_features, mode, quantize_modulation)
+                if chosen is not None:
+                    out[full] = (module, chosen)
+    return out
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def _torchao_config(mode: str):
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
+                                      Int8WeightOnlyConfig, PerRow)
+
+    if mode == "fp8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Float8WeightOnlyConfig() if mode == "fp8-weight" else Int8WeightOnlyConfig()
+
+
+def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None, quantize_modulation: bool = True,
+          backend: str = "auto") -> list:
+    """Quantize ``model``'s block linears in ``mode`` in place (after tensor parallelism: ``tp_group`` is the tp
+    group where tp > 1). ``backend``: ``auto`` (torchao on CUDA, else :class:`QuantLinear`), ``torchao`` or
+    ``emulated`` (:class:`QuantLinear` everywhere, products in the activations' dtype). Returns undo callables.
+
+    Quantized weights replace the originals (that is the memory saved), so the undo puts back linears holding the
+    dequantized weights and raises RuntimeError saying so."""
+    if mode == "off":
+        return []
+    device = torch.device(device if device is not None else next(model.parameters()).device)
+    torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda")
+    chosen = targets(model, adapter, mode, quantize_modulation)
+    replaced: dict[str, torch.nn.Module] = {}
+    by_mode: dict[str, set] = {}
+    for name, (linear, layer) in chosen.items():
+        group = getattr(linear, "group", None) if type(linear).__name__ == "RowParallelLinear" else None
+        if group is None and torchao:
+            by_mode.setdefault(layer, set()).add(id(linear))
+            continue
+        q = QuantLinear(linear, layer, name, group, scaled_mm=torchao and layer == "fp8")
+        linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)  # drop the original
+        _set(model, name, q)
+        replaced[name] = linear
+    if by_mode:
+        from torchao.quantization import quantize_
+
+        for layer, ids in by_mode.items():
+            quantize_(model, _torchao_config(layer), filter_fn=lambda m, fqn, ids=ids: id(m) in ids)
+    counts = {}
+    for _, layer in chosen.values():
+        counts[layer] = counts.get(layer, 0) + 1
+    log.info("ditmesh: quant=%s on %s: %s", mode, type(model).__name__,
+             ", ".join(f"{n} linears {m}" for m, n in sorted(counts.items())) or "no linear")
+    torchao_names = [name for name, (linear, layer) in chosen.items() if name not in replaced]
+
+    def undo():
+        for name, linear in replaced.items():
+            q = model.get_submodule(name)
+            linear.weight = torch.nn.Parameter(q.dequantized(q.dtype), requires_grad=False)
+            _set(model, name, linear)
+        for name in torchao_names:
+            linear = model.get_submodule(name)
+            linear.weight = torch.nn.Parameter(linear.weight.dequantize(), requires_grad=False)
+        raise RuntimeError(f"quant={mode}: the original weights of {len(chosen)} linears were replaced by their "
+                           "8-bit values; the linears hold the dequantized weights (load the model again for the "
+                           "originals)")
+
+    return [undo]

@@ -1,0 +1,143 @@
+"""What a served request spends its time on, per rank (its timeline), and the cache of prompt embeddings.
+
+A rank times each phase of a pipeline call with ``timeline`` hooks (the outermost of each chain): the text
+encoding (``encode_prompt``) and the VAE decode (``vae.decode``), each ended by a device synchronization so that
+the seconds are the device's; the steps are timed by the step callback. ``prompt_cache`` answers
+``encode_prompt`` for arguments it has seen, with a copy of what the encoders returned then (the same values:
+a served picture does not change), the least recently used entry going first.
+
+Cross-rank rule: every rank runs the same calls in the same order, so every rank's cache holds the same entries
+and hits on the same call (a tensor-parallel group's ``encode_once`` broadcast is skipped on every rank alike).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from ..hooks import Hook, add_hook
+
+#: the phases a rank reports, in the order they run
+RANK_PHASES = ("lora_switch", "text_encode", "steps", "vae_decode", "postprocess")
+
+
+class Timeline:
+    """The phase seconds of the call in flight on this rank."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.ended: dict[str, float] = {}  # phase -> when it last ended (perf_counter)
+        self.step_ends: list[float] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def add(self, phase: str, start: float) -> float:
+        """Count ``perf_counter() - start`` to ``phase`` (after a device synchronization); returns the end."""
+        self.sync()
+        end = time.perf_counter()
+        self.seconds[phase] += end - start
+        self.ended[phase] = end
+        return end
+
+    def report(self, start: float, end: float) -> dict:
+        """The call's phases (seconds): those timed by hooks, ``steps`` (from the end of the text encoding, or the
+        call's start, to the last step's end), ``postprocess`` (the rest after the VAE), the first step's and the
+        median later step's seconds, and ``call`` (all of it)."""
+        out = {k: round(v, 4) for k, v in self.seconds.items()}
+        if self.step_ends:
+            begin = self.ended.get("text_encode", start)
+            out["steps"] = round(self.step_ends[-1] - begin, 4)
+            out["first_step"] = round(self.step_ends[0] - begin, 4)
+            later = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
+            if later:
+                out["step"] = round(later[len(later) // 2], 4)
+        after = self.ended.get("vae_decode", self.step_ends[-1] if self.step_ends else start)
+        out["postprocess"] = round(end - after, 4)
+        out["call"] = round(end - start, 4)
+        return out
+
+
+class Timed(Hook):
+    """The ``timeline`` hook: the seconds of the method it wraps go to ``phase``."""
+
+    name = "timeline"
+
+    def __init__(self, timeline: Timeline, phase: str):
+        self.timeline, self.phase = timeline, phase
+
+    def __call__(self, owner, call_next, args, kwargs):
+        start = time.perf_counter()
+        out = call_next(args, kwargs)
+        self.timeline.add(self.phase, start)
+        return out
+
+
+class PromptCache(Hook):
+    """The ``prompt_cache`` hook around ``encode_prompt``: up to ``size`` results kept by their arguments (and
+    ``context()``, e.g. the LoRA adapter chosen, which may adapt the text encoders). A call whose arguments hold
+    a tensor (embeddings given) goes through."""
+
+    name = "prompt_cache"
+
+    def __init__(self, size: int, context=lambda: None):
+        self.size, self.context = size, context
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    def __call__(self, owner, call_next, args, kwargs):
+        key = _key((args, sorted(kwargs.items()), self.context()))
+        if key is None:
+            return call_next(args, kwargs)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return _copy(self.entries[key])
+        self.misses += 1
+        out = call_next(args, kwargs)
+        self.entries[key] = _copy(out)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return out
+
+
+def _key(value):
+    """A hashable form of ``value`` (strings, numbers, devices, dtypes, None, and sequences of them); None when it
+    holds anything else (a tensor)."""
+    if value is None or isinstance(value, (str, int, float, bool, torch.device, torch.dtype)):
+        return (type(value).__name__, value)
+    if isinstance(value, (list, tuple)):
+        items = [_key(v) for v in value]
+        return None if any(i is None for i in items) else (type(value).__name__, tuple(items))
+    return None
+
+
+def _copy(value):
+    """``value`` with every tensor in it cloned (the pipeline may write into what it is given)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+def instrument(pipe, device, prompt_cache: int, context=lambda: None) -> tuple[Timeline, PromptCache | None]:
+    """Time ``pipe``'s text encoding and VAE decode, and cache up to ``prompt_cache`` encodings (0: none)."""
+    timeline = Timeline(device)
+    cache = None
+    if hasattr(pipe, "encode_prompt"):
+        add_hook(pipe, Timed(timeline, "text_encode"), method="encode_prompt")
+        if prompt_cache > 0:
+            cache = PromptCache(prompt_cache, context)
+            add_hook(pipe, cache, method="encode_prompt")
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and hasattr(vae, "decode"):
+        add_hook(vae, Timed(timeline, "vae_decode"), method="decode")
+    return timeline, cache
