@@ -26,10 +26,6 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    # torchao (imported by diffusers when installed) warns about its optional CUDA kernels on machines without them,
-    # and registers enums with torch's pytree, which warns on torch >= 2.12
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def add_degree_flags(parser: argparse.ArgumentParser) -> None:
