@@ -17,7 +17,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from test_serve import _HeldReplica, _metric, _progress_then, decode, running_server
+from test_serve import _metric, _progress_then, decode, running_server
 from test_serve import test_serve_refuses_bad_options_before_any_rank_starts as _refused
 
 from ditmesh.testing import free_port
@@ -168,6 +168,38 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             assert client.post("/generate", json=BODIES[0]).status_code == 200
 
 
+
+class _HeldReplica:
+    """Stands in for a Replica: records each call's options and holds it until released."""
+
+    def __init__(self):
+        self.index, self.state, self.restarts, self.served, self.world = 0, "ready", 0, 0, 1
+        self.load_s, self.warm_s, self.calls = [], {}, []
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def run(self, job_id, options, on_step=None):
+        self.calls.append(options)
+        self.entered.set()
+        assert self.release.wait(10)
+        self.release.clear()
+        prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
+        return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], {"call": 0.0}
+
+    def cancel(self, job_id):
+        return False
+
+    def check(self):
+        pass
+
+    def pids(self):
+        return []
+
+    def stop(self):
+        pass
+
+    def close(self):
+        return []
+
 class _FailingReplica(_HeldReplica):
     """Stands in for a Replica whose group fails (RankFault) on the calls listed in ``faults``: call number ->
     steps it finishes first; the others succeed. A failed group restarts at once."""
@@ -186,7 +218,7 @@ class _FailingReplica(_HeldReplica):
             self.state = "failed"
             raise RankFault(f"rank 0 of replica 0 died: its node died or left the cluster while {job_id}")
         on_step(2, 2)
-        return [("image/png", options["prompt"].encode())], 0.0
+        return [("image/png", options["prompt"].encode())], {"call": 0.0}
 
     def restart(self):
         self.restarts += 1
@@ -231,7 +263,7 @@ class _StartedReplica(_HeldReplica):
     def run(self, job_id, options, on_step=None):
         self.calls.append(options)
         assert self.release.wait(10)  # shared by every replica: not cleared
-        return [("image/png", options["prompt"].encode())], 0.0
+        return [("image/png", options["prompt"].encode())], {"call": 0.0}
 
     def stop(self):
         self.stopped = True
