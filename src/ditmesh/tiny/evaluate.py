@@ -420,6 +420,22 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _sweep_rows(args, captions: int, images: int, emulated: str, line):
+    """A sweep's ``on_row``: prints each row's table ``line(row)`` and, with ``--json``, writes every row so far after
+    each one (a sweep stopped part-way keeps what it measured)."""
+    done = []
+
+    def on_row(r):
+        print(line(r), flush=True)
+        done.append(r)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"captions": captions, "images": images, "steps": args.steps, "emulated": emulated,
+                           "rows": done}, f, indent=1)
+
+    return on_row
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``ditmesh eval-tiny``: print the accuracies; exit status 1 if a target is missed."""
     from pathlib import Path
@@ -484,17 +500,10 @@ def run_eval(args: argparse.Namespace) -> int:
         images = len(captions) * args.images_per_caption
         print("| quant | colour | shape | position | all | lost an attribute | PSNR dB | SSIM | s |")
         print("|---|---|---|---|---|---|---|---|---|", flush=True)
-        done = []
-
-        def quant_row(r):
-            print(f"| {r['quant']} | {r['colour']:.3f} | {r['shape']:.3f} | {r['position']:.3f} | {r['all']:.3f} "
-                  f"| {r['lost']} of {images} | {r['psnr']} | {r['ssim']} | {r['seconds']} |", flush=True)
-            done.append(r)
-            if args.json:  # written after every row: a sweep stopped part-way keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump({"captions": len(captions), "images": images, "steps": args.steps,
-                               "emulated": "8-bit linears rounded in float32 on one process (parallel.quant)",
-                               "rows": done}, f, indent=1)
+        quant_row = _sweep_rows(args, len(captions), images, "8-bit linears rounded in float32 on one process "
+                                "(parallel.quant)", lambda r: f"| {r['quant']} | {r['colour']:.3f} | {r['shape']:.3f} "
+                                f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {images} | {r['psnr']} "
+                                f"| {r['ssim']} | {r['seconds']} |")
 
         quant_sweep(args.model, quant_variants_, captions, steps=args.steps, seed=args.seed,
                     images_per_caption=args.images_per_caption, batch_size=min(args.batch_size, 16),
@@ -504,18 +513,10 @@ def run_eval(args: argparse.Namespace) -> int:
         images = len(captions) * args.images_per_caption
         print("| comm | attention | exact steps | colour | shape | position | all | lost an attribute | PSNR dB | SSIM |")
         print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-        done = []
-
-        def eight_row(r):
-            print(f"| {r['comm']} | {r['attention']} | {r['exact_steps']} | {r['colour']:.3f} | {r['shape']:.3f} "
-                  f"| {r['position']:.3f} | {r['all']:.3f} | {r['lost']} of {images} | {r['psnr']} | {r['ssim']} |",
-                  flush=True)
-            done.append(r)
-            if args.json:  # written after every row: a sweep stopped part-way keeps what it measured
-                with open(args.json, "w") as f:
-                    json.dump({"captions": len(captions), "images": images, "steps": args.steps,
-                               "emulated": "fp8 payloads and int8 attention rounded in float32 on one process",
-                               "rows": done}, f, indent=1)
+        eight_row = _sweep_rows(args, len(captions), images, "fp8 payloads and int8 attention rounded in float32 on "
+                                "one process", lambda r: f"| {r['comm']} | {r['attention']} | {r['exact_steps']} "
+                                f"| {r['colour']:.3f} | {r['shape']:.3f} | {r['position']:.3f} | {r['all']:.3f} "
+                                f"| {r['lost']} of {images} | {r['psnr']} | {r['ssim']} |")
 
         eight_sweep(args.model, eight_settings, captions, steps=args.steps, seed=args.seed,
                     images_per_caption=args.images_per_caption, batch_size=min(args.batch_size, 16),
