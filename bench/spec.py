@@ -299,14 +299,15 @@ STARTUP_ROWS = (("one import (`import torch, diffusers; from diffusers import Fl
                  "<= 0.3"),
                 ("`ditmesh synth --list`", "synth_list_s", "<= 2"),
                 ("2-step tiny `generate`, 1 process", "generate_2step_s", "<= 1.5 x one import + 2"),
-                ("1.5 x one import + 2", "generate_target_s", ""))
+                ("1.5 x one import + 2", "generate_target_s", ""),
+                ("`ditmesh plan --model flux-dev --gpus 4`, cold trace cache", "plan_cold_s", "<= 10"))
 
 
 def startup_rows(doc: dict, rows: list[dict]) -> list[dict]:
     """``scripts/startup_bench.py``: one row per measurement, a column per tree."""
     trees = list(doc["rows"])
     return [dict(what=what, target=target, _file=rows[0]["_file"], _doc=doc,
-                 **{f"t{i}": doc["rows"][tree][key] for i, tree in enumerate(trees)}) for what, key, target in STARTUP_ROWS]
+                 **{f"t{i}": doc["rows"][tree].get(key, "not measured") for i, tree in enumerate(trees)}) for what, key, target in STARTUP_ROWS]
 
 
 STARTUP = [("seconds (median of 3, 2 CPUs under load)", "what"), ("baseline 42e3be5", "t0", ".2f"),

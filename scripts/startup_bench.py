@@ -1,5 +1,5 @@
 """What ditmesh costs before any work, on this machine: its own modules' import time, ``synth --list``, a 2-step
-tiny ``generate`` on one process, and "one import" (``import torch, diffusers; from diffusers import FluxPipeline``)
+tiny ``generate`` on one process, ``plan`` of FLUX.1-dev with a cold trace cache, and "one import" (``import torch, diffusers; from diffusers import FluxPipeline``)
 timed in the same call, for this checkout's source and optionally an older one (``--baseline-src DIR``, a folder
 holding the ``ditmesh`` package, as ``bench --baseline-src`` takes; e.g. ``git archive 42e3be5 src | tar -x -C /tmp/base``
 then ``--baseline-src /tmp/base/src``).
@@ -59,7 +59,10 @@ def measure(trees: dict[str, Path], repeat: int, model: str, work: str) -> dict[
     py = sys.executable
     gen = ["-m", "ditmesh", "generate", "--model", model, "--steps", "2", "--height", "64", "--width", "64",
            "--out", os.path.join(work, "startup.png")]
-    keys = ("one_import_s", "cli_import_ditmesh_s", "generate_import_ditmesh_s", "synth_list_s", "generate_2step_s")
+    plan = ["-m", "ditmesh", "plan", "--model", "flux-dev", "--height", "1024", "--width", "1024", "--gpus", "4",
+            "--link", "nvlink-h100"]
+    keys = ("one_import_s", "cli_import_ditmesh_s", "generate_import_ditmesh_s", "synth_list_s", "generate_2step_s",
+            "plan_cold_s")
     samples = {name: {k: [] for k in keys} for name in trees}
     for _ in range(repeat):
         for name, src in trees.items():
@@ -70,6 +73,8 @@ def measure(trees: dict[str, Path], repeat: int, model: str, work: str) -> dict[
             got["synth_list_s"].append(_timed([py, "-m", "ditmesh", "synth", "--list"], env, work)[0])
             got["generate_import_ditmesh_s"].append(ditmesh_import_s(_timed([py, "-X", "importtime", *gen], env, work)[1]))
             got["generate_2step_s"].append(_timed([py, *gen], env, work)[0])
+            with tempfile.TemporaryDirectory() as cache:  # cold: the model is traced
+                got["plan_cold_s"].append(_timed([py, *plan], dict(env, DITMESH_PLAN_CACHE=cache), work)[0])
     rows = {}
     for name, src in trees.items():
         row = {k: round(statistics.median(v), 3) for k, v in samples[name].items()}
@@ -85,17 +90,14 @@ def _commit(src: Path) -> str | None:
 
 
 def table(rows: dict[str, dict]) -> str:
-    """Markdown table of the rows (one column per source tree)."""
+    """Markdown table of the rows (one column per source tree; the rows of bench/spec.py's startup table)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.spec import STARTUP_ROWS
+
     names = list(rows)
     lines = ["| seconds (median) | " + " | ".join(names) + " | target |", "|---|" + "---|" * (len(names) + 1)]
-    spec = [("one import (`" + ONE_IMPORT + "`)", "one_import_s", ""),
-            ("ditmesh's own modules in `import ditmesh.cli` (-X importtime, self)", "cli_import_ditmesh_s", "<= 0.3"),
-            ("ditmesh's own modules in a tiny generate (-X importtime, self)", "generate_import_ditmesh_s", "<= 0.3"),
-            ("`ditmesh synth --list`", "synth_list_s", "<= 2"),
-            ("2-step tiny `generate`, 1 process", "generate_2step_s", "<= 1.5 x one import + 2")]
-    for label, key, target in spec:
+    for label, key, target in STARTUP_ROWS:
         lines.append(f"| {label} | " + " | ".join(f"{rows[n][key]:.2f}" for n in names) + f" | {target} |")
-    lines.append("| 1.5 x one import + 2 | " + " | ".join(f"{rows[n]['generate_target_s']:.2f}" for n in names) + " | |")
     return "\n".join(lines)
 
 

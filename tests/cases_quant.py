@@ -37,7 +37,7 @@ def quant_runs(model: str, config: dict, call: dict, steps: int = 2, modes=MODES
             by_layer.setdefault(name, []).append(s)
         keep = config.get("tp", 1) == 1 or runtime.mesh.rank("tp") == 0
         out[mode] = dict(latents=final["latents"], keep=keep,
-                         scales={name: torch.cat(s) for name, s in by_layer.items()})
+                         scales={name: torch.cat(s) for name, s in by_layer.items()}, held=held_8bit(pipe.transformer))
     return out
 
 
@@ -92,3 +92,47 @@ def flips_case(rows: int = 64, features: int = 96, seed: int = 0):
         weights_equal = torch.equal(par.qweight.float(), one.qweight.float()[:, cols]) and torch.equal(par.scale,
                                                                                                         one.scale)
     return scales_equal and weights_equal, flipped, rows * width, float((out - ref).norm() / ref.norm())
+
+
+def checkpoint_runs(folders: dict, config: dict, call: dict, steps: int = 2) -> dict:
+    """The pipelines written by ``ditmesh quantize`` (``folders``: mode -> folder) under ``config``, each loaded as
+    ``generate`` loads it (a tp rank reads its slices only), as :func:`quant_runs` returns them, with ``"held"``:
+    ``{linear name: (shape of the 8-bit weight this rank holds, its dtype)}``."""
+    from diffusers import DiffusionPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel.quant import load_quantized_transformer, record_scales
+
+    tp = config.get("tp", 1)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {}
+    for mode, folder in folders.items():
+        pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32, transformer=None)
+        pipe.register_modules(transformer=load_quantized_transformer(folder, "transformer", "cpu", torch.float32,
+                                                                     rank % tp, tp))
+        pipe.set_progress_bar_config(disable=True)
+        runtime = parallelize(pipe, ParallelConfig(**config), quant=mode)
+        final = {}
+
+        def grab(p, i, t, kw):
+            final["latents"] = kw["latents"].clone()
+            return kw
+
+        with record_scales() as scales:
+            pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(42), output_type="latent",
+                 callback_on_step_end=grab)
+        by_layer: dict[str, list] = {}
+        for name, s in scales:
+            by_layer.setdefault(name, []).append(s)
+        out[mode] = dict(latents=final["latents"], keep=tp == 1 or runtime.mesh.rank("tp") == 0,
+                         scales={name: torch.cat(s) for name, s in by_layer.items()},
+                         held=held_8bit(pipe.transformer))
+    return out
+
+
+def held_8bit(model) -> dict:
+    """``{linear name: (shape, dtype)}`` of the 8-bit weight each :class:`QuantLinear` of ``model`` holds (on CPU all
+    of them are QuantLinears)."""
+    from ditmesh.parallel.quant import QuantLinear
+
+    return {n: (tuple(m.qweight.shape), m.qweight.dtype) for n, m in model.named_modules() if isinstance(m, QuantLinear)}

@@ -226,6 +226,8 @@ EXTRA_COMMANDS = {
                 "measure step-to-step redundancy per block (for step caching)"),
     "serve": (".serve", "add_serve_parser", "run_serve",
               "serve a pipeline over HTTP, loaded once on its ranks (OpenAI-shaped API, a web page)"),
+    "quantize": (".quantize", "add_quantize_parser", "run_quantize",
+                 "write a pipeline with 8-bit transformer weights, loaded without the originals"),
     "train-tiny": (".tiny.train", "add_train_parser", "run_train", "retrain the shipped tiny FLUX pipeline (resumable)"),
     "eval-tiny": (".tiny.evaluate", "add_eval_parser", "run_eval", "score the tiny pipeline on held-out captions"),
 }

@@ -34,6 +34,8 @@ VAE_PARALLEL_MODES = ("auto", "on", "tiled", "off")
 #: ``quant``: the transformer blocks' linear layers in 8 bits (``off``: the model's dtype; ``fp8``: weights and
 #: activations in float8 with per-row scales; ``fp8-weight``, ``int8-weight``: the weights alone; ``parallel.quant``)
 QUANT_MODES = ("off", "fp8", "fp8-weight", "int8-weight")
+#: the file a transformer folder written by ``ditmesh quantize`` names its mode in (``parallel.quant``)
+QUANT_MANIFEST = "ditmesh_quant.json"
 
 #: ``quant``: an fp8 layer of the text stream with at least this many input features keeps weight-only fp8
 #: (row-wise fp8 products of large K and few rows failed on H100: pytorch/ao#4582; ``parallel.quant``)
@@ -406,8 +408,6 @@ class RunOptions:
         if self.transport == "symm" and c.ring > 1:
             raise ConfigError(f"{flag('transport')}symm moves Ulysses all-to-alls only, and ring={c.ring} is set; use "
                               "nccl, or ring=1")
-        if device is not None:
-            self._check_device(device, flag, local_world)
         if models is not None:
             from .models.base import adapter_for  # the loaded transformers' families (torch is loaded already)
 
@@ -420,8 +420,10 @@ class RunOptions:
                     raise ConfigError(reason)
         elif heads is not None:
             c.check_heads(heads, model_name)
-        for adapter in adapters:
+        for adapter in adapters:  # a family's refusal first: it holds on every device
             self._check_family(adapter)
+        if device is not None:
+            self._check_device(device, flag, local_world)
         return self
 
     def _check_stale(self, flag) -> None:

@@ -26,9 +26,19 @@ LAUNCH_START_ENV = "DITMESH_LAUNCH_START"
 _IMPORTED_AT = time.time()
 
 
+_START: dict[int, float] = {}  # pid -> start: read once per process (the clocks it is read from tick by 10 ms)
+
+
 def process_start_unix() -> float:
     """When this process started, in seconds since the epoch (10 ms resolution on Linux; elsewhere, when this
-    module was first imported)."""
+    module was first imported). Read once per process, so every caller sees the same value."""
+    pid = os.getpid()
+    if pid not in _START:
+        _START[pid] = _read_process_start()
+    return _START[pid]
+
+
+def _read_process_start() -> float:
     try:
         with open("/proc/self/stat") as f:
             stat = f.read()

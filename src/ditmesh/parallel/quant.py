@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from ..options import quant_layer_mode
+from ..options import QUANT_MANIFEST, quant_layer_mode
 
 log = logging.getLogger("ditmesh")
 
@@ -110,18 +111,24 @@ class QuantLinear(torch.nn.Module):
     row-parallel shard (scales reduced over it, the product summed over it, the bias added once after the sum).
     ``scaled_mm``: the fp8 product by ``torch._scaled_mm`` (CUDA) rather than in the activations' dtype."""
 
-    def __init__(self, linear: torch.nn.Linear, mode: str, name: str = "", group=None, scaled_mm: bool = False):
+    def __init__(self, linear: torch.nn.Linear, mode: str, name: str = "", group=None, scaled_mm: bool = False,
+                 quantized: tuple | None = None):
+        """``quantized``: ``(qweight, scale, dtype)`` read from a quantized checkpoint (``linear`` then holds no
+        weight of its own), instead of quantizing ``linear.weight``."""
         super().__init__()
         self.mode, self.name, self.group, self.scaled_mm = mode, name, group, scaled_mm
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        amax = row_amax(weight, group)
-        scale = (int8_scale if mode == "int8-weight" else fp8_scale)(amax, weight.dtype)
-        quantize = int8_quantize if mode == "int8-weight" else fp8_quantize
-        self.register_buffer("qweight", quantize(weight, scale))
+        if quantized is not None:
+            qweight, scale, self.dtype = quantized
+        else:
+            weight = linear.weight.detach()
+            amax = row_amax(weight, group)
+            scale = (int8_scale if mode == "int8-weight" else fp8_scale)(amax, weight.dtype)
+            qweight = (int8_quantize if mode == "int8-weight" else fp8_quantize)(weight, scale)
+            self.dtype = weight.dtype
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
-        self.dtype = weight.dtype
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight.float() * self.scale).to(dtype)
@@ -203,6 +210,8 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
     if mode == "off":
         return []
     device = torch.device(device if device is not None else next(model.parameters()).device)
+    if model in _PREQUANTIZED:
+        return _adopt(model, mode, device)
     torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda")
     chosen = targets(model, adapter, mode, quantize_modulation)
     replaced: dict[str, torch.nn.Module] = {}
@@ -241,3 +250,125 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
                            "originals)")
 
     return [undo]
+
+
+# ---- quantized checkpoints (``ditmesh quantize``) -------------------------------------------------------------
+# A transformer folder written by :func:`save_quantized` holds, for each quantized linear, ``NAME.qweight`` (8-bit)
+# and ``NAME.scale`` (float32, one per output row) in place of ``NAME.weight``, and ``MANIFEST`` names the mode and
+# each linear's own mode. :func:`load_quantized_transformer` builds the model on the meta device and reads the 8-bit
+# tensors as they are (a tensor-parallel rank its slice only: a column-parallel shard's rows of both, a row-parallel
+# shard's columns of the weight and every row's scale), so no rank ever holds the weights in the model's dtype;
+# ``apply`` then makes each of those linears a :class:`QuantLinear` from what was read. The values are those of
+# quantizing the same model on the fly with :class:`QuantLinear` (tests/test_quantize_checkpoint.py); on CUDA its
+# fp8 products run through ``torch._scaled_mm`` rather than torchao's tensors.
+
+MANIFEST = QUANT_MANIFEST  # the file that names the mode (``runtime.models.read_quant_manifest`` reads it)
+
+#: transformers loaded from a quantized checkpoint -> {linear name: (checkpoint mode, layer mode, scale, dtype)}
+_PREQUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def save_quantized(model: torch.nn.Module, adapter, folder, mode: str, quantize_modulation: bool = True) -> dict:
+    """Quantize ``model`` (on one process, in its dtype) and write it to the transformer folder ``folder`` (config,
+    weights, :data:`MANIFEST`). Returns the manifest."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    dtype = next(model.parameters()).dtype
+    apply(model, adapter, mode, device="cpu", quantize_modulation=quantize_modulation, backend="emulated")
+    layers = {name: m.mode for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_config(folder)
+    seen: dict[int, str] = {}
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if t.numel() == 0:  # the emptied weight of a replaced linear
+            continue
+        # a storage saved once (tied tensors would make safetensors refuse the file)
+        tensors[name] = t.detach().clone() if t.data_ptr() in seen else t.detach().contiguous()
+        seen[t.data_ptr()] = name
+    save_file(tensors, str(folder / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    manifest = {"mode": mode, "quant_modulation": quantize_modulation, "dtype": str(dtype).removeprefix("torch."),
+                "layers": layers}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def load_quantized_transformer(folder, component: str, device, dtype: torch.dtype | None = None, tp_rank: int = 0,
+                               tp_size: int = 1) -> torch.nn.Module:
+    """The transformer ``component`` of the quantized pipeline ``folder`` on ``device``: its 8-bit linears read as
+    stored (this tensor-parallel rank's slices under ``tp_size`` > 1, as ``tensor.load_sharded_transformer``
+    loads), every other tensor cast to ``dtype``. Pass it to the pipeline and call ``parallelize`` with the
+    checkpoint's quant mode."""
+    import json
+
+    from ..models.base import adapter_for
+    from .tensor import _LOADED_SHARDED, MetaLoad, _set_param, shard_model, shard_slices
+
+    load = MetaLoad(folder, component, device, dtype)
+    manifest = json.loads((load.folder / MANIFEST).read_text())
+    layers: dict = manifest["layers"]
+    model = load.model
+
+    def read(name: str, dim: int | None = None, ranges=None) -> torch.Tensor:
+        layer, _, param = name.rpartition(".")
+        if layer in layers and param == "weight":
+            return load.read(f"{layer}.qweight", dim, ranges, keep_dtype=True)
+        return load.read(name, dim, ranges)
+
+    shards, read_already = {}, set()
+    if tp_size > 1:
+        adapter = adapter_for(model)
+        if adapter.tensor_plan is None:
+            raise ConfigError(f"{type(model).__name__} has no tensor-parallel plan")
+        shards = shard_model(model, adapter.tensor_plan, tp_rank, tp_size, read=read)
+        _LOADED_SHARDED.add(model)
+        read_already = {f"{n}.{p}" for n, sh in shards.items() for p in ("weight", "bias")
+                        if shard_slices(sh, p, tp_rank, tp_size) is not None}
+    dtype = dtype or getattr(torch, manifest["dtype"])
+    found = {}
+    for layer, layer_mode in layers.items():
+        module = model.get_submodule(layer)
+        where = shard_slices(shards[layer], "weight", tp_rank, tp_size) if layer in shards else None
+        if where is None:
+            qweight = read(f"{layer}.weight")
+        else:
+            qweight = module.weight
+        _set_param(module, "weight", torch.empty(0, device=device, dtype=dtype))  # QuantLinear holds qweight
+        scale = (load.read(f"{layer}.scale", 0, where[1], keep_dtype=True) if where is not None and where[0] == 0
+                 else load.read(f"{layer}.scale", keep_dtype=True))
+        found[layer] = (manifest["mode"], layer_mode, qweight.detach(), scale, dtype)
+        read_already.add(f"{layer}.weight")
+    model = load.finish(read_already)
+    _PREQUANTIZED[model] = found
+    return model
+
+
+def _adopt(model: torch.nn.Module, mode: str, device: torch.device) -> list:
+    """``apply`` on a transformer of a quantized checkpoint: each stored linear becomes a :class:`QuantLinear`
+    holding what was read (a row-parallel shard summing over its tp group)."""
+    found = _PREQUANTIZED[model]
+    stored = next(iter(found.values()))[0] if found else mode
+    if stored != mode:
+        raise ConfigError(f"quant={mode}, but this checkpoint was written by `ditmesh quantize` in {stored}; use "
+                          f"quant={stored}")
+    for name, (_, layer, qweight, scale, dtype) in found.items():
+        linear = model.get_submodule(name)
+        group = getattr(linear, "group", None) if type(linear).__name__ == "RowParallelLinear" else None
+        out_features, in_features = qweight.shape
+        linear.in_features, linear.out_features = in_features, out_features
+        scaled_mm = device.type == "cuda" and layer == "fp8" and in_features % 16 == 0 and out_features % 16 == 0
+        _set(model, name, QuantLinear(linear, layer, name, group, scaled_mm, quantized=(qweight, scale, dtype)))
+    log.info("ditmesh: quant=%s on %s: %d linears read quantized from the checkpoint", mode, type(model).__name__,
+             len(found))
+    del _PREQUANTIZED[model]  # adopted once: its tensors now live in the QuantLinears
+
+    def undo():
+        raise RuntimeError(f"quant={mode}: the transformer was loaded quantized (ditmesh quantize); load the "
+                           "original checkpoint for its weights in the model's dtype")
+
+    return [undo]
+

@@ -584,13 +584,15 @@ class MetaLoad:
         cls = getattr(diffusers, config["_class_name"])
         with _parameters_on_meta():
             self.model = cls.from_config(config)
+        self.folder = folder  # the transformer's own folder
         self.files = _safetensors_files(folder)
         self.device, self.dtype = torch.device(device), dtype
         # As diffusers' from_pretrained: the modules in _keep_in_fp32_modules stay float32 under a lower dtype.
         self.keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
         self.handles: dict[Path, object] = {}
 
-    def read(self, name: str, dim: int | None = None, ranges=None) -> torch.Tensor:
+    def read(self, name: str, dim: int | None = None, ranges=None, keep_dtype: bool = False) -> torch.Tensor:
+        """``keep_dtype``: the stored dtype (8-bit weights and their float32 scales), not the model's."""
         from safetensors import safe_open
 
         file = self.files[name]
@@ -602,7 +604,7 @@ class MetaLoad:
         else:
             index = (slice(None),) * dim
             t = torch.cat([view[index + (slice(s, s + n),)] for s, n in ranges], dim=dim)
-        return t.to(device=self.device, dtype=_load_dtype(name, t, self.dtype, self.keep_fp32))
+        return t.to(device=self.device, dtype=t.dtype if keep_dtype else _load_dtype(name, t, self.dtype, self.keep_fp32))
 
     def finish(self, skip: set[str]) -> torch.nn.Module:
         model, device, dtype = self.model, self.device, self.dtype

@@ -20,8 +20,8 @@ from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_r
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
-from .models import (local_model_path, read_adapter, read_defaults, read_pipeline_class, read_transformer_config,
-                     resolve_model)
+from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_pipeline_class,
+                     read_quant_manifest, read_transformer_config, resolve_model)
 
 
 def validate(args, world_size: int) -> tuple["RunOptions", str]:
@@ -55,7 +55,8 @@ def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
         raise ConfigError(f"--max-sequence-length {args.max_sequence_length} must be >= 1 (e.g. 512)")
     check_image_args(args)
     check_output_paths(args)
-    return options, resolve_model(args.model)
+    model = resolve_model(args.model)
+    return checkpoint_options(options, model), model
 
 
 def validate_family(args, options: "RunOptions", model: str) -> None:
@@ -334,7 +335,16 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         path = all_gather_object(path)[0]  # rank 0 synthesizes a named architecture once
     pipeline_class = (image_pipeline_class(args, path, read_adapter(path), read_transformer_config(path), config)
                       if image_args_given(args) else DiffusionPipeline)
-    if config.tp > 1:
+    if read_quant_manifest(path) is not None:
+        # written by `ditmesh quantize`: the 8-bit weights are read as stored (a tp rank its slices only)
+        from ..parallel.quant import load_quantized_transformer
+
+        names = transformer_components(path)
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
+        with phase("load quantized transformer"):
+            pipe.register_modules(**{name: load_quantized_transformer(path, name, device, dtype, rank % config.tp,
+                                                                      config.tp) for name in names})
+    elif config.tp > 1:
         # Each rank materialises only its tensor-parallel shard of the transformer (tp is the innermost mesh axis).
         from ..parallel.tensor import load_sharded_transformer
 

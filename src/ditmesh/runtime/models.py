@@ -132,3 +132,40 @@ def read_defaults(model: str) -> dict:
         if f.is_file():
             return json.loads(f.read_text())
     return {}
+
+
+def read_quant_manifest(model: str) -> dict | None:
+    """What ``ditmesh quantize`` wrote in a local pipeline folder's transformer (its mode, whether the modulation
+    is quantized, each linear's mode), or None for any other model. Torch-free."""
+    from ..options import QUANT_MANIFEST
+
+    folder = Path(model)
+    for component in sorted(folder.glob("transformer*")) if folder.is_dir() else ():
+        manifest = component / QUANT_MANIFEST
+        if manifest.is_file():
+            return json.loads(manifest.read_text())
+    return None
+
+
+def checkpoint_options(options, model: str, flag=lambda name: f"--{name.replace('_', '-')} "):
+    """``options`` for a run of ``model``: a checkpoint written by ``ditmesh quantize`` runs in its own mode
+    (``--quant`` left off takes it; another mode is refused), and without what needs the weights in the model's
+    dtype (LoRAs, fused projections, PipeFusion's stage loading). Torch-free."""
+    manifest = read_quant_manifest(model)
+    if manifest is None:
+        return options
+    mode, modulation = manifest["mode"], manifest["quant_modulation"]
+    written = f"{model} was written by `ditmesh quantize` in {mode}"
+    if options.quant not in ("off", mode):
+        raise ConfigError(f"{flag('quant')}{options.quant}: {written}; drop {flag('quant').strip()} or give {mode}")
+    if options.quant == mode and options.quant_modulation != modulation:
+        raise ConfigError(f"{flag('quant_modulation').strip()}: {written} with the modulation "
+                          f"{'quantized' if modulation else 'kept'}; run it as written")
+    refused = [(bool(options.loras), f"{flag('lora').strip()} adapters do not load"),
+               (options.fuse_qkv, "fused projections (fuse_qkv) do not run"),
+               (options.config.pp > 1, f"PipeFusion (pp={options.config.pp}) does not load its stages")]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{what} on a checkpoint of 8-bit weights: {written}; use the original checkpoint "
+                              f"with {flag('quant')}{mode}")
+    return options.replace(quant=mode, quant_modulation=modulation)
