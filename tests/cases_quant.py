@@ -10,35 +10,37 @@ MODES = ("fp8", "fp8-weight", "int8-weight")
 
 def quant_runs(model: str, config: dict, call: dict, steps: int = 2, modes=MODES, options: dict | None = None) -> dict:
     """The pipeline in folder ``model`` under ``config`` (``{}``: one process, not distributed) with ``options`` and each
-    of ``modes`` (a fresh pipeline each). Returns ``{mode: {"latents", "scales": {layer: [rows, 1] of every call,
-    concatenated}, "keep": whether this rank's scales are the ones to compare (tp rank 0: the tp ranks quantize the
-    same rows)}}``."""
+    of ``modes`` (a fresh pipeline each): ``{mode: quantized_run(...)}``."""
     from diffusers import DiffusionPipeline
 
+    return {mode: quantized_run(DiffusionPipeline.from_pretrained(model, dtype=torch.float32), config, call, steps, mode,
+                                options) for mode in modes}
+
+
+def quantized_run(pipe, config: dict, call: dict, steps: int, mode: str, options: dict | None = None) -> dict:
+    """``pipe`` parallelized under ``config`` with ``quant=mode`` and ``options``, called once: ``{"latents", "scales":
+    {layer: [rows, 1] of every call, concatenated}, "keep": whether this rank's scales are the ones to compare (tp
+    rank 0: the tp ranks quantize the same rows), "held": held_8bit(...)}``."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.parallel.quant import record_scales
 
-    out = {}
-    for mode in modes:
-        pipe = DiffusionPipeline.from_pretrained(model, dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
-        runtime = parallelize(pipe, ParallelConfig(**config), quant=mode, **(options or {}))
-        final = {}
+    pipe.set_progress_bar_config(disable=True)
+    runtime = parallelize(pipe, ParallelConfig(**config), quant=mode, **(options or {}))
+    final = {}
 
-        def grab(p, i, t, kw):
-            final["latents"] = kw["latents"].clone()
-            return kw
+    def grab(p, i, t, kw):
+        final["latents"] = kw["latents"].clone()
+        return kw
 
-        with record_scales() as scales:
-            pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(42), output_type="latent",
-                 callback_on_step_end=grab)
-        by_layer: dict[str, list] = {}
-        for name, s in scales:
-            by_layer.setdefault(name, []).append(s)
-        keep = config.get("tp", 1) == 1 or runtime.mesh.rank("tp") == 0
-        out[mode] = dict(latents=final["latents"], keep=keep,
-                         scales={name: torch.cat(s) for name, s in by_layer.items()}, held=held_8bit(pipe.transformer))
-    return out
+    with record_scales() as scales:
+        pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(42), output_type="latent",
+             callback_on_step_end=grab)
+    by_layer: dict[str, list] = {}
+    for name, s in scales:
+        by_layer.setdefault(name, []).append(s)
+    keep = config.get("tp", 1) == 1 or runtime.mesh.rank("tp") == 0
+    return dict(latents=final["latents"], keep=keep, scales={name: torch.cat(s) for name, s in by_layer.items()},
+                held=held_8bit(pipe.transformer))
 
 
 def compare_scales(reference: dict, results: list) -> tuple[float, int]:
@@ -96,38 +98,21 @@ def flips_case(rows: int = 64, features: int = 96, seed: int = 0):
 
 def checkpoint_runs(folders: dict, config: dict, call: dict, steps: int = 2) -> dict:
     """The pipelines written by ``ditmesh quantize`` (``folders``: mode -> folder) under ``config``, each loaded as
-    ``generate`` loads it (a tp rank reads its slices only), as :func:`quant_runs` returns them, with ``"held"``:
-    ``{linear name: (shape of the 8-bit weight this rank holds, its dtype)}``."""
+    ``generate`` loads it (a tp rank reads its slices only): ``{mode: quantized_run(...)}``."""
     from diffusers import DiffusionPipeline
 
-    from ditmesh import ParallelConfig, parallelize
-    from ditmesh.parallel.quant import load_quantized_transformer, record_scales
+    from ditmesh.parallel.quant import load_quantized_transformer
 
     tp = config.get("tp", 1)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    out = {}
-    for mode, folder in folders.items():
+
+    def load(folder: str):
         pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32, transformer=None)
         pipe.register_modules(transformer=load_quantized_transformer(folder, "transformer", "cpu", torch.float32,
                                                                      rank % tp, tp))
-        pipe.set_progress_bar_config(disable=True)
-        runtime = parallelize(pipe, ParallelConfig(**config), quant=mode)
-        final = {}
+        return pipe
 
-        def grab(p, i, t, kw):
-            final["latents"] = kw["latents"].clone()
-            return kw
-
-        with record_scales() as scales:
-            pipe(**call, num_inference_steps=steps, generator=torch.Generator().manual_seed(42), output_type="latent",
-                 callback_on_step_end=grab)
-        by_layer: dict[str, list] = {}
-        for name, s in scales:
-            by_layer.setdefault(name, []).append(s)
-        out[mode] = dict(latents=final["latents"], keep=tp == 1 or runtime.mesh.rank("tp") == 0,
-                         scales={name: torch.cat(s) for name, s in by_layer.items()},
-                         held=held_8bit(pipe.transformer))
-    return out
+    return {mode: quantized_run(load(folder), config, call, steps, mode) for mode, folder in folders.items()}
 
 
 def held_8bit(model) -> dict:
