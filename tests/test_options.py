@@ -172,3 +172,23 @@ def test_a_plan_writes_options_that_run():
     chosen = result.best.options(base)
     assert chosen.config == result.best.config and chosen.chunk_tokens == 4096 and chosen.compile
     assert result.workload.mode == "compiled"
+
+
+@pytest.mark.parametrize("name,sizes,mode,modulation,chosen", [
+    ("transformer_blocks.0.ff.net.2", (12288, 3072), "fp8", True, "fp8"),
+    ("transformer_blocks.0.ff.net.2", (12288, 3072), "int8-weight", True, "int8-weight"),
+    ("transformer_blocks.0.ff_context.net.2", (12288, 3072), "fp8", True, "fp8-weight"),  # wide text input: pytorch/ao#4582
+    ("transformer_blocks.0.ff_context.net.2", (8192, 3072), "fp8", True, "fp8-weight"),  # the bound itself
+    ("transformer_blocks.0.ff_context.net.2", (8176, 3072), "fp8", True, "fp8"),  # one multiple of 16 below
+    ("transformer_blocks.0.ff_context.net.2", (12288, 3072), "fp8-weight", True, "fp8-weight"),
+    ("transformer_blocks.0.norm1.linear", (3072, 18432), "fp8", True, "fp8"),
+    ("transformer_blocks.0.norm1.linear", (3072, 18432), "fp8", False, None),  # modulation kept
+    ("transformer_blocks.0.attn.to_q", (3072, 3072), "fp8", False, "fp8"),
+    ("transformer_blocks.0.attn.to_q", (3072, 3080), "fp8", True, None),  # not a multiple of 16
+    ("transformer_blocks.0.attn.to_q", (3080, 3072), "int8-weight", True, None),
+    ("transformer_blocks.0.attn.to_q", (3072, 3072), "off", True, None),
+])
+def test_quant_layer_mode_picks_each_linears_mode(name, sizes, mode, modulation, chosen):
+    from ditmesh.options import quant_layer_mode
+
+    assert quant_layer_mode(name, *sizes, mode, modulation) == chosen
