@@ -246,6 +246,26 @@ def test_a_batch_whose_rank_times_out_fails_500_together_and_the_replica_restart
     assert "ditmesh_restarts_total 1" in service.metrics()
 
 
+def test_a_rank_found_dead_while_idle_is_counted_once_and_its_replica_restarted(service):
+    replica = service.replica
+    dead = threading.Event()
+
+    def check():  # the idle dispatcher's health check: the rank died between requests, found once
+        if not dead.is_set():
+            dead.set()
+            replica.state = "failed"
+            raise RankFault("rank 1 of replica 0 died (exit code -9) while idle")
+
+    replica.check = check
+    _wait(lambda: replica.restarts == 1, "the replica was not restarted")
+    after = service.submit({"prompt": "after"})
+    assert replica.next_call(then=None)["prompt"] == "after"
+    replica.script.put(("done",))
+    assert after.future.result(10)["error"] is None
+    assert "ditmesh_rank_faults_total 1" in service.metrics() and "ditmesh_restarts_total 1" in service.metrics()
+    assert _outcomes(service) == {"ok": 1}
+
+
 def test_a_request_the_pipeline_refuses_fails_422_and_the_replica_keeps_serving(service):
     replica = service.replica
     job = service.submit({"prompt": "odd"})
