@@ -263,3 +263,20 @@ def generate_refusal(path: str, *args: str) -> str:
         code = main(["generate", "--model", path, *args])
     assert code == 2 and len(err.getvalue().strip().splitlines()) == 1, err.getvalue()[-2000:]
     return err.getvalue().strip()
+
+
+def run_ranks(argv: list[str]) -> None:
+    """``ditmesh <argv>`` (``generate ... --nproc N``) on the N ranks of the session's gloo pool (N = 1: in this
+    process), as the launcher's ranks run it but without starting processes (``ditmesh.testing.run_command``);
+    tests/test_cli_launch.py keeps the launcher's own path under test. Asserts exit code 0 on every rank."""
+    nproc = int(argv[argv.index("--nproc") + 1]) if "--nproc" in argv else 1
+    argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
+    if nproc == 1:
+        from ditmesh.cli import main
+
+        assert main(argv) == 0
+        return
+    from conftest import pool
+    from ditmesh.testing import run_command
+
+    pool(nproc).run(run_command, argv)

@@ -31,26 +31,25 @@ def model_checkpoints(tmp_path_factory) -> dict:
     return {name: str(write_checkpoint(name, root / name, seed=0, device="cpu")) for name in ("sd3-tiny", "wan2.2-tiny")}
 
 
-@pytest.fixture(scope="session")
-def pools():
-    """``pools(n)`` -> a ProcessPool of n gloo ranks, started once per session.
+def pool(n: int):
+    """A ProcessPool of n gloo ranks, started once per session (and again after a failed case closed it).
 
-    ``$DITMESH_TEST_TIMEOUT_S`` (default 300) bounds a collective's wait (the mutation check sets it low). A pool
-    that a failed case closed is started again.
+    ``$DITMESH_TEST_TIMEOUT_S`` (default 300) bounds a collective's wait (the mutation check sets it low).
     """
     from ditmesh.testing import ProcessPool
 
-    timeout_s = float(os.environ.get("DITMESH_TEST_TIMEOUT_S", "300"))
+    if n not in _POOLS or _POOLS[n].closed:
+        _POOLS[n] = ProcessPool(n, float(os.environ.get("DITMESH_TEST_TIMEOUT_S", "300")))
+    return _POOLS[n]
 
-    def get(n: int):
-        if n not in _POOLS or _POOLS[n].closed:
-            _POOLS[n] = ProcessPool(n, timeout_s)
-        return _POOLS[n]
 
-    yield get
-    for pool in _POOLS.values():
-        if not pool.closed:
-            pool.close()
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(n)`` -> :func:`pool` (n); the session's pools are closed at its end."""
+    yield pool
+    for started in _POOLS.values():
+        if not started.closed:
+            started.close()
     _POOLS.clear()
 
 

@@ -140,16 +140,14 @@ def test_generate_cli_writes_an_allegro_video(tmp_path, allegro_tiny):
     # generate --frames 24 (16k+24) under ulysses 2: 6 latent frames denoised, decoded tiled (the Allegro VAE's only
     # decode, which generate turns on) into 24 frames
     import json
-    import subprocess
-    import sys
 
     from PIL import Image
 
+    from cases_models import run_ranks
+
     out = tmp_path / "clip.gif"
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", allegro_tiny, "--frames", "24", "--steps", "2",
-           "--height", "128", "--width", "128", "--nproc", "2", "--ulysses", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(["generate", "--model", allegro_tiny, "--frames", "24", "--steps", "2", "--height", "128", "--width",
+               "128", "--nproc", "2", "--ulysses", "2", "--out", str(out)])
     assert json.loads(out.with_name(out.name + ".json").read_text())["config"]["ulysses"] == 2
     video = Image.open(out)
     assert video.n_frames == 24 and video.size == (128, 128)

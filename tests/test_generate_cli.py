@@ -22,30 +22,39 @@ from ditmesh.testing import rel_err
 _ONE_PROCESS: dict[tuple, tuple] = {}
 
 
-def generate(tmp_path, name, *extra):
+def generate(tmp_path, name, *extra, launch: bool = False):
     """``ditmesh generate --steps 3 *extra`` -> (report, final latents, image as int32). A one-process run
     (``--nproc 1``) with the same arguments as an earlier one gives that run's result (copies) instead of running
-    again; its files are not written into this ``tmp_path`` then."""
+    again; its files are not written into this ``tmp_path`` then.
+
+    ``launch``: as a user runs it (a new interpreter, which launches ``--nproc`` ranks); otherwise on the ranks of
+    the session's gloo pool of that size (``ditmesh.testing.run_command``: the same rank code, no process started)
+    or, for one process, in this one."""
     one_process = any(a == "--nproc" and b == "1" for a, b in zip(extra, extra[1:]))
     key = (os.getcwd(), *extra)
     if one_process and key in _ONE_PROCESS:
         report, latents, image = _ONE_PROCESS[key]
         return json.loads(json.dumps(report)), latents.clone(), image.copy()
-    result = _run_generate(tmp_path, name, *extra)
+    result = _run_generate(tmp_path, name, *extra, launch=launch)
     if one_process:
         report, latents, image = result
         _ONE_PROCESS[key] = (json.loads(json.dumps(report)), latents.clone(), image.copy())
     return result
 
 
-def _run_generate(tmp_path, name, *extra):
+def _run_generate(tmp_path, name, *extra, launch: bool = False):
     out = tmp_path / f"{name}.png"
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--steps", "3", "--out", str(out),
-           "--save-latents", str(tmp_path / f"{name}.safetensors"), *extra]
+    argv = ["generate", "--steps", "3", "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"),
+            *extra]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if launch:
+        proc = subprocess.run([sys.executable, "-m", "ditmesh", *argv], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        from cases_models import run_ranks
+
+        run_ranks(argv)
     wall_s = time.time() - start
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.with_name(out.name + ".json").read_text())
     report["measured_wall_s"] = wall_s  # timed from outside, as a user would
     latents = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
@@ -55,7 +64,8 @@ def _run_generate(tmp_path, name, *extra):
 def test_generate_ulysses2_matches_single_process(tmp_path, flux_tiny):
     r1, l1, img1 = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
     trace = tmp_path / "uly2.trace.json"
-    r2, l2, img2 = generate(tmp_path, "uly2", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--trace", str(trace))
+    r2, l2, img2 = generate(tmp_path, "uly2", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--trace", str(trace),
+                            launch=True)  # the launcher's own path, timed from outside
     assert rel_err(l2, l1) <= 1e-5
     check_trace(json.loads(trace.read_text()), r2, steps=3)
     assert np.abs(img1 - img2).max() <= 1

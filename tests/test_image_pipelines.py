@@ -187,23 +187,19 @@ def test_generate_image_options_match_single_process(tmp_path, flux_tiny, flux_f
 def test_generate_image_to_video_matches_single_process(tmp_path, wan_i2v_tiny):
     """`generate --image PATH --frames 5` on an image-to-video checkpoint, split over two processes (ulysses, the
     condition video encoded split), equals the pipeline called in this process with the same arguments."""
-    import subprocess
-    import sys
-
     import diffusers
     from PIL import Image
     from safetensors.torch import load_file
 
     from cases_image import condition_image
+    from cases_models import run_ranks
     from ditmesh.models import adapters
 
     condition_image(32, 32).save(tmp_path / "cond.png")
     out = tmp_path / "video.gif"
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", wan_i2v_tiny, "--image", str(tmp_path / "cond.png"),
-           "--frames", "5", "--height", "32", "--width", "32", "--steps", "3", "--out", str(out),
-           "--save-latents", str(tmp_path / "latents.safetensors"), "--nproc", "2", "--ulysses", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(["generate", "--model", wan_i2v_tiny, "--image", str(tmp_path / "cond.png"), "--frames", "5",
+               "--height", "32", "--width", "32", "--steps", "3", "--out", str(out),
+               "--save-latents", str(tmp_path / "latents.safetensors"), "--nproc", "2", "--ulysses", "2"])
     report = json.loads(out.with_name(out.name + ".json").read_text())
     assert report["pipeline"] == I2V[0] and report["frames"] == 5 and report["vae_parallel"]["split"]
     assert Image.open(out).n_frames == 5

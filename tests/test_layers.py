@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "ditmesh"
 #: the library: what ``parallelize`` needs. Everything else is a tool built on it.
 CORE = {"__init__", "api", "config", "mesh", "comm", "hooks", "attention", "parallel", "models", "fusion", "symm",
         "profiling", "redundancy", "cache", "options", "timeline"}
-TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing", "analyze", "serve"}
+TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing", "analyze", "serve", "quantize"}
 
 #: where naming a family is allowed: its adapter, the tiny trained FLUX pipeline, and the benchmark's peer drivers
 FAMILY_HOMES = ("models/", "tiny/", "bench/peers.py")

@@ -6,13 +6,11 @@ broadcast timesteps of the image-conditioned pipelines; the 8k+1 frame rule."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from cases_models import (PROMPTS, FamilyRuns, axis_id, cross_attention_counts, generate_refusal,
+from cases_models import (PROMPTS, FamilyRuns, axis_id, cross_attention_counts, generate_refusal, run_ranks,
                           transformer_call)
 from ditmesh.testing import rel_err
 
@@ -160,11 +158,8 @@ def test_generate_cli_writes_an_ltx_video_with_the_vae_split(tmp_path, ltx_tiny)
     from safetensors.torch import load_file
 
     out = tmp_path / "clip.gif"
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", ltx_tiny, "--frames", "9", "--steps", "2",
-           "--height", "96", "--width", "64", "--nproc", "2", "--ulysses", "2", "--out", str(out),
-           "--save-latents", str(tmp_path / "lat.safetensors")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(["generate", "--model", ltx_tiny, "--frames", "9", "--steps", "2", "--height", "96", "--width", "64",
+               "--nproc", "2", "--ulysses", "2", "--out", str(out), "--save-latents", str(tmp_path / "lat.safetensors")])
     report = json.loads(out.with_name(out.name + ".json").read_text())
     assert report["vae_parallel"]["split"] and report["config"]["ulysses"] == 2
     assert load_file(str(tmp_path / "lat.safetensors"))["latents"].shape == (1, 2 * 3 * 2, 8)  # packed tokens

@@ -9,13 +9,12 @@ TI2V's per-token timesteps and SD3 ControlNet residuals, under ulysses 2 and rin
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from cases_models import pipeline_generate, transformer_call
+from cases_models import pipeline_generate, run_ranks, transformer_call
 from ditmesh.testing import rel_err
 
 #: per model: shapes whose token counts divide 2 and 4 ("even") and whose counts divide neither ("uneven")
@@ -179,11 +178,9 @@ def test_real_size_configs_match_published_widths():
 
 def test_generate_cli_writes_video_and_latents(tmp_path, checkpoints):
     out = tmp_path / "clip.mp4"
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", checkpoints["wan-tiny"], "--frames", "5", "--steps", "2",
-           "--height", "48", "--width", "48", "--nproc", "2", "--ulysses", "2", "--out", str(out),
-           "--save-latents", str(tmp_path / "lat.safetensors")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(["generate", "--model", checkpoints["wan-tiny"], "--frames", "5", "--steps", "2", "--height", "48",
+               "--width", "48", "--nproc", "2", "--ulysses", "2", "--out", str(out),
+               "--save-latents", str(tmp_path / "lat.safetensors")])
     try:
         import imageio_ffmpeg  # noqa: F401
 

@@ -627,6 +627,11 @@ def transformer_components(path: str) -> list[str]:
             if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
 
 
+#: set by ``ditmesh.testing.run_command``: the command runs on a rank of a long-lived worker pool, whose process
+#: (and process group) outlives it
+STAY_AFTER_RUN = False
+
+
 def finish_rank() -> None:
     """The end of every rank of a launched command: meet the others after the last collective, then leave (see
     :func:`end_rank_process`); nothing to do for one process."""
@@ -634,7 +639,8 @@ def finish_rank() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-        end_rank_process(0)
+        if not STAY_AFTER_RUN:
+            end_rank_process(0)
 
 
 def end_rank_process(code: int) -> None:
