@@ -252,68 +252,22 @@ def _cmd_generate(args, argv: list[str]) -> int:
             argv.append("--displaced")
     with phase("checks"):
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
+    if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
+        with phase("imports"):
+            import diffusers  # noqa: F401
+            import torch  # noqa: F401
+            from diffusers import DiffusionPipeline  # noqa: F401
+    with phase("family checks"):
+        generate.validate_family(args, options, model)
     if args.nproc and "RANK" not in os.environ:
+        from .runtime.launch import launch
+
         child = argv
         for option in ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-timeout"):
             child = strip_option(child, option)
-        return _launch_beside_family_checks(args, child, lambda: generate.validate_family(args, options, model))
-    with phase("imports"):  # this process runs a rank: its imports are a phase of their own
-        import diffusers  # noqa: F401
-        import torch  # noqa: F401
-        from diffusers import DiffusionPipeline  # noqa: F401
-    with phase("family checks"):
-        generate.validate_family(args, options, model)
-    return generate.run(args)
-
-
-class _FamilyRefused(Exception):
-    """The launcher's family checks refused the run while its ranks were starting."""
-
-
-def _launch_beside_family_checks(args, child: list[str], family_checks) -> int:
-    """Launch the ranks at once and run ``family_checks`` (they import the family and diffusers: seconds) in a
-    thread beside them. A refusal stops the ranks (a SIGTERM to this process, which the launcher passes on) and is
-    raised as the one-line error it is; the ranks, which check the same on their own, would refuse it too, only
-    after their imports. Returns the launch's exit code."""
-    import signal
-    import threading
-
-    from .runtime.launch import Interrupted, LaunchError, launch
-    from .timeline import phase
-
-    refusal: dict = {}
-    finished = threading.Event()
-
-    def check():
-        try:
-            with phase("family checks"):
-                family_checks()
-        except BaseException as exc:  # noqa: BLE001  (raised in the main thread below)
-            refusal["error"] = exc
-            if not finished.is_set():
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    def stop(signum, frame):  # before the launcher's own handler is in place, and after it is gone
-        if not finished.is_set():
-            raise _FamilyRefused()
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    checker = threading.Thread(target=check, name="family-checks", daemon=True)
-    try:
-        checker.start()
         return launch(args.nproc, child, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_timeout=args.rdzv_timeout)
-    except (_FamilyRefused, Interrupted, LaunchError) as exc:
-        finished.set()  # no signal from here on: the checks' result is read below
-        checker.join()
-        if "error" in refusal:
-            raise refusal["error"] from None
-        if isinstance(exc, _FamilyRefused):  # a SIGTERM from outside, before the launcher took over its handling
-            raise Interrupted(128 + signal.SIGTERM) from None
-        raise
-    finally:
-        finished.set()
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    return generate.run(args)
 
 
 def _cmd_synth(args) -> int:
