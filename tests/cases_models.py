@@ -267,7 +267,7 @@ def generate_refusal(path: str, *args: str) -> str:
 
 def run_ranks(argv: list[str]) -> None:
     """``ditmesh <argv>`` (``generate ... --nproc N``) on the N ranks of the session's gloo pool (N = 1: in this
-    process), as the launcher's ranks run it but without starting processes (``ditmesh.testing.run_command``);
+    process), as the launcher's ranks run it but without starting processes (:func:`run_command`);
     tests/test_cli_launch.py keeps the launcher's own path under test. Asserts exit code 0 on every rank."""
     nproc = int(argv[argv.index("--nproc") + 1]) if "--nproc" in argv else 1
     argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
@@ -277,6 +277,20 @@ def run_ranks(argv: list[str]) -> None:
         assert main(argv) == 0
         return
     from conftest import pool
-    from ditmesh.testing import run_command
 
     pool(nproc).run(run_command, argv)
+
+
+def run_command(argv: list[str]) -> int:
+    """``ditmesh <argv>`` on this rank of a pool (its process group is the run's), as a rank the launcher started
+    would run it, without starting processes. Raises on a non-zero exit, so the pool stops the ranks left waiting."""
+    from ditmesh import timeline
+    from ditmesh.cli import main
+    from ditmesh.runtime import generate
+
+    generate.STAY_AFTER_RUN = True  # the worker (and its process group) outlives the command
+    timeline._TIMELINE = None  # this command's timeline, not the worker's
+    code = main(list(argv))
+    if code:
+        raise RuntimeError(f"ditmesh {' '.join(argv)} exited with {code}")
+    return code

@@ -28,7 +28,7 @@ def generate(tmp_path, name, *extra, launch: bool = False):
     again; its files are not written into this ``tmp_path`` then.
 
     ``launch``: as a user runs it (a new interpreter, which launches ``--nproc`` ranks); otherwise on the ranks of
-    the session's gloo pool of that size (``ditmesh.testing.run_command``: the same rank code, no process started)
+    the session's gloo pool of that size (``cases_models.run_command``: the same rank code, no process started)
     or, for one process, in this one."""
     one_process = any(a == "--nproc" and b == "1" for a, b in zip(extra, extra[1:]))
     key = (os.getcwd(), *extra)

@@ -88,23 +88,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
     dist.destroy_process_group()
 
 
-def run_command(argv: list[str]) -> int:
-    """``ditmesh <argv>`` on this rank of a :class:`ProcessPool` (its process group is the run's), as a rank the
-    launcher started would run it, without starting processes: what the suite's end-to-end tests of a command's
-    results use (tests/test_cli_launch.py keeps the launcher's own path under test). Raises on a non-zero exit, so
-    the pool stops the ranks left waiting."""
-    from . import timeline
-    from .cli import main
-    from .runtime import generate
-
-    generate.STAY_AFTER_RUN = True
-    timeline._TIMELINE = None  # this command's timeline, not the worker's
-    code = main(list(argv))
-    if code:
-        raise RuntimeError(f"ditmesh {' '.join(argv)} exited with {code}")
-    return code
-
-
 class RankError(RuntimeError):
     """A function failed on one or more ranks."""
 

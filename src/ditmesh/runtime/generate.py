@@ -627,8 +627,8 @@ def transformer_components(path: str) -> list[str]:
             if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
 
 
-#: set by ``ditmesh.testing.run_command``: the command runs on a rank of a long-lived worker pool, whose process
-#: (and process group) outlives it
+#: set by the test suite's ``run_command`` (tests/cases_models.py): the command runs on a rank of a long-lived worker
+#: pool, whose process (and process group) outlives it
 STAY_AFTER_RUN = False
 
 
