@@ -254,3 +254,24 @@ def test_a_call_that_runs_whole_is_said_once_per_reason_and_refused_under_on(cap
                     "ditmesh: the VAE runs whole on every rank: a mask"]
     with pytest.raises(ConfigError, match="^the parallel VAE cannot split this call: a mask; use vae_parallel auto"):
         VaeParallel(None, strict=True).whole("a mask")
+
+
+def test_a_call_that_misnames_its_input_fails_as_the_vae_itself_fails():
+    # the split hook takes the input by position or by its name; a call with none, or with both, is the VAE's to refuse
+    from cases_vae import tiny_vae
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel.vae import apply
+
+    vae = tiny_vae("kl")
+    z = torch.zeros(1, vae.config.latent_channels, 4, 4)
+    calls = [((), {"return_dict": False}), ((z,), {"z": z})]
+    plain = [pytest.raises(TypeError, vae.decode, *args, **kwargs).value for args, kwargs in calls]
+    undo = apply(vae, vae_plan_for(vae), None)
+    try:
+        for (args, kwargs), error in zip(calls, plain):
+            with pytest.raises(TypeError) as hooked:
+                vae.decode(*args, **kwargs)
+            assert str(hooked.value) == str(error)
+    finally:
+        for fn in reversed(undo):
+            fn()

@@ -456,6 +456,8 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     (["--plan", "auto"], "--plan auto needs --nproc (the ranks of one replica)"),
     (["--port", "65536"], "--port 65536 must be between 0 and 65535"),
     (["--step-timeout", "0"], "--step-timeout 0.0 must be > 0 seconds (e.g. 60)"),
+    # timeouts under a second pass their check: the refusal is the next one's
+    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--port", "65536"], "--port 65536 must be between 0 and 65535"),
 ])
 def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     from ditmesh.cli import main

@@ -31,7 +31,7 @@ DEFAULTS = SimpleNamespace(prompt=["a"], steps=2, seed=0, height=64, width=64, f
 class _ScriptedReplica:
     """Stands in for a Replica: each call records its options, then does what the test puts in ``script``, one
     item at a time: ``("step", k)`` reports step k, ``("done",)`` returns a picture per prompt (its prompt and the
-    call's seeds), ``("cancelled",)``, ``("refused", why)`` and ``("fault", why)`` raise what a replica raises."""
+    call's seeds; ``("done", phases)``: with the ranks' ``phases`` seconds, else a ``call`` of 0), ``("cancelled",)``, ``("refused", why)`` and ``("fault", why)`` raise what a replica raises."""
 
     def __init__(self, index: int = 0):
         self.index, self.state, self.restarts, self.served, self.world = index, "ready", 0, 0, 1
@@ -53,7 +53,8 @@ class _ScriptedReplica:
                 self.state = "ready"
                 if what == "done":
                     prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
-                    return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], {"call": 0.0}
+                    return ([("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts],
+                            arg[0] if arg else {"call": 0.0})
                 if what == "cancelled":
                     raise RequestCancelled(f"request {job_id} was cancelled after step 1 of 2")
                 if what == "refused":
@@ -275,6 +276,27 @@ def test_a_request_the_pipeline_refuses_fails_422_and_the_replica_keeps_serving(
                                                    "of 16")
     assert job.state == "failed" and replica.restarts == 0
     assert _outcomes(service) == {"refused": 1}
+
+
+def test_a_request_times_its_handoff_and_its_answer(service):
+    # handoff: the call's seconds on the front end less the ranks' own ``call``, never below zero (the ranks report
+    # their own clock); respond: the seconds building the answer, within the request's
+    from fastapi.testclient import TestClient
+
+    replica = service.replica
+    slow = service.submit({"prompt": "slow"})
+    replica.next_call()
+    time.sleep(0.05)
+    replica.script.put(("done",))
+    assert slow.future.result(10)["timeline"]["handoff"] >= 0.05
+    replica.script.put(("done", {"call": 60.0}))  # the ranks report more than the front end waited
+    with TestClient(create_app(service)) as client:
+        start = time.perf_counter()
+        answer = client.post("/generate", json={"prompt": "fast"})
+        elapsed = time.perf_counter() - start
+    assert answer.status_code == 200 and answer.json()["timeline"]["handoff"] == 0.0
+    respond = next(line for line in service.metrics().splitlines() if 'phase="respond"' in line)
+    assert 0.0 <= float(respond.split()[-1]) <= elapsed
 
 
 # -- a replica's request loop, fed the events of its ranks ---------------------------------------------------------
