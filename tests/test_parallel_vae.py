@@ -275,3 +275,18 @@ def test_a_call_that_misnames_its_input_fails_as_the_vae_itself_fails():
     finally:
         for fn in reversed(undo):
             fn()
+
+
+@pytest.mark.parametrize("piece", [4, 64, 1 << 24], ids=["part-of-a-group", "groups-2-and-1", "every-group"])
+def test_group_statistics_summed_in_pieces_are_the_whole_groups(monkeypatch, piece):
+    # GROUP_PIECE bounds the values summed at a time: a part of one group (the parts merged), a few groups, or all
+    from ditmesh.parallel import vae
+
+    monkeypatch.setattr(vae, "GROUP_PIECE", piece)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 3, 5, generator=g) * 3 + 1  # 3 groups of 2 channels: 30 values a group
+    stats = vae.group_stats(x, 3)
+    mean, var = vae.combine_stats(stats[None])
+    want_var, want_mean = torch.var_mean(x.double().reshape(2, 3, -1), -1, correction=0)
+    assert torch.equal(stats[0], torch.full((2, 3), 30.0, dtype=torch.float64))
+    assert torch.allclose(mean, want_mean) and torch.allclose(var, want_var)
