@@ -111,7 +111,8 @@ TESTS: dict[str, tuple[str, ...]] = {
                              "tests/test_allegro.py::test_allegro_pipeline_matches_single_process[ulysses2-uneven]",
                              # ring_gathered: PipeFusion's K/V buffers beside ring
                              "tests/test_pipefusion.py::test_pp2_x_axis2_stale_schedule_matches_its_single_process_"
-                             "emulation[ring]"),
+                             "emulation[ring]",
+                             "tests/test_sana.py::test_sana_halo_rows_and_key_sums_matter"),  # a token grid
     "parallel/tensor.py": (_TP,
                            "tests/test_tensor_parallel_models.py::test_sharded_rms_norm_is_exact_and_a_local_norm_is_wrong",
                            "tests/test_tensor_parallel_models.py::test_wan_qk_norm_weights_are_sharded",
@@ -125,7 +126,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "comm.py": ("tests/test_comm.py", _ULY, _RING, _DP, _TP),
     "mesh.py": (_RING, _DP, _TP),
     "cache.py": ("tests/test_cache.py", _PART_WAY,
-                 "tests/test_pipefusion.py::test_cached_pp_stale_schedule_matches_its_single_process_emulation"),
+                 "tests/test_pipefusion.py::test_cached_pp_stale_schedule_matches_its_single_process_emulation",
+                 "tests/test_chroma.py::test_chroma_cache_decides_as_one_process_under_ulysses"),  # a middle that joins
     "redundancy.py": ("tests/test_analyze.py", "tests/test_cache.py"),
     "hooks.py": ("tests/test_family_home.py", _PART_WAY,
                  "tests/test_cogvideox.py::test_cogvideox_steps_are_counted_without_a_scheduler_step_index",

@@ -415,6 +415,7 @@ def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(
         assert replica.state == "failed"
         replica.restart()
         assert replica.state == "ready" and replica.restarts == 1 and not set(replica.pids()) & set(pids)
+        assert not replica.cancel("j")  # the started group is idle: no request of before is in flight
         assert replica.run("k", {"prompt": "q", "steps": 1})[0] == [("image/png", b"q")]
     finally:
         replica.stop()
