@@ -197,8 +197,9 @@ def test_tiled_decode_spread_over_ranks_equals_one_process_tiled_decode(pools, w
     assert sum(r["decoded"] for r in results) == grid  # each tile decoded once, on one rank
 
 
-def test_tiled_mode_on_one_process_is_diffusers_tiling():
-    r = tiled_case(14, 11)
+@pytest.mark.parametrize("rows,cols", [(14, 11), (13, 7)])  # 13 x 7: the last tiles one latent row, one column wide
+def test_tiled_mode_on_one_process_is_diffusers_tiling(rows, cols):
+    r = tiled_case(rows, cols)
     assert r["err"] == 0 and r["decoded"] == 6 and r["counts"] == {} and r["restored"]
 
 

@@ -334,6 +334,19 @@ def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung()
         replica._next_event(None, None)
 
 
+def test_no_step_for_exactly_the_step_timeout_is_still_in_time(monkeypatch):
+    from ditmesh.serve import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "time", SimpleNamespace(time=lambda: 1000.0, sleep=time.sleep))
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0, 0])
+    for rank in replica.ranks:
+        rank.beat, rank.progress = 1000.0, 999.5  # the clock stands at 1000 s; the step timeout is 0.5 s
+    assert replica._next_event(None, None) is None
+    replica.ranks[1].progress = 999.25
+    with pytest.raises(RankFault, match="^rank 1 of replica 0 hung: no step finished within 0.5 s"):
+        replica._next_event(None, None)
+
+
 def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
     replica = _replica_in_a_request([_Process(exitcode=2, pid=10), _Process(exitcode=-9, pid=11)], [10, 4], [0, 0])
     with pytest.raises(RankFault, match=r"rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
