@@ -108,20 +108,26 @@ _STALE_PART_WAY = "tests/test_image_pipelines.py::test_stale_schemes_count_their
 #: file -> the tests its mutants run, fastest killers first (``pytest -x`` stops at the first failure)
 TESTS: dict[str, tuple[str, ...]] = {
     "parallel/sequence.py": (_RING, _ULY, _MASKS, "tests/test_models_sp.py",
-                             "tests/test_allegro.py::test_allegro_pipeline_matches_single_process[ulysses2-uneven]"),
+                             "tests/test_allegro.py::test_allegro_pipeline_matches_single_process[ulysses2-uneven]",
+                             # ring_gathered: PipeFusion's K/V buffers beside ring
+                             "tests/test_pipefusion.py::test_pp2_x_axis2_stale_schedule_matches_its_single_process_"
+                             "emulation[ring]",
+                             "tests/test_sana.py::test_sana_halo_rows_and_key_sums_matter"),  # a token grid
     "parallel/tensor.py": (_TP,
                            "tests/test_tensor_parallel_models.py::test_sharded_rms_norm_is_exact_and_a_local_norm_is_wrong",
                            "tests/test_tensor_parallel_models.py::test_wan_qk_norm_weights_are_sharded",
                            "tests/test_lora.py::test_flux_lora_tp2_matches_single_process"),
-    "parallel/batch.py": (_DP,),
+    "parallel/batch.py": (_DP, "tests/test_zimage.py::test_zimage_pipeline_matches_single_process[dp2-even]"),
     "attention/local.py": (_LOCAL, "tests/test_chunk.py::test_attention_in_query_pieces_equals_whole_with_masks_and_lse",
                            _MASKS, _RING, _ULY),
     "attention/ring.py": (_RING,),
     "attention/ulysses.py": (_ULY,),
     "attention/usp.py": (_RING,),
-    "comm.py": (_ULY, _RING, _DP, _TP),
+    "comm.py": ("tests/test_comm.py", _ULY, _RING, _DP, _TP),
     "mesh.py": (_RING, _DP, _TP),
-    "cache.py": ("tests/test_cache.py", _PART_WAY),
+    "cache.py": ("tests/test_cache.py", _PART_WAY,
+                 "tests/test_pipefusion.py::test_cached_pp_stale_schedule_matches_its_single_process_emulation",
+                 "tests/test_chroma.py::test_chroma_cache_decides_as_one_process_under_ulysses"),  # a middle that joins
     "redundancy.py": ("tests/test_analyze.py", "tests/test_cache.py"),
     "hooks.py": ("tests/test_family_home.py", _PART_WAY,
                  "tests/test_cogvideox.py::test_cogvideox_steps_are_counted_without_a_scheduler_step_index",
@@ -131,7 +137,8 @@ TESTS: dict[str, tuple[str, ...]] = {
     "parallel/displaced.py": ("tests/test_displaced.py", _STALE_PART_WAY),
     "parallel/vae.py": ("tests/test_parallel_vae.py",),
     "parallel/vae_chunk.py": ("tests/test_parallel_vae.py",),
-    "serve/app.py": (_JOBS,),
+    "serve/app.py": (_JOBS, "tests/test_serve_ray.py::test_a_request_whose_replica_fails_before_its_first_step_runs_again_"
+                            "once_else_it_fails_naming_the_fault"),
     "serve/cli.py": (_LIMITS, "tests/test_serve.py::test_serve_refuses_bad_options_before_any_rank_starts",
                      "tests/test_options.py::test_generate_and_serve_refuse_an_option_before_torch_loads"),
     "serve/replica.py": (_JOBS,),

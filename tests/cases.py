@@ -31,6 +31,21 @@ def rank_zero_fails_case():
     dist.barrier()
 
 
+def gathers_case():
+    """``all_gather_start`` over this rank's own one-rank group and over the default group, and
+    ``all_gather_object``: each one's result and the collectives it counted."""
+    from ditmesh.comm import all_gather_object, all_gather_start, count_collectives, wait
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank creates every group, in order
+    x = torch.full((1, 3), float(rank))
+    with count_collectives() as counts:
+        own = wait(all_gather_start(x, alone))
+        every = wait(all_gather_start(x, None))
+        objects = all_gather_object({"rank": rank})
+    return own.tolist(), every.tolist(), objects, dict(counts)
+
+
 def ulysses_attention_case(seq_len: int, heads: int, seed: int = 0, chunks: int = 1, batch: int = 2):
     """Ulysses attention on random shards vs full attention computed locally.
 

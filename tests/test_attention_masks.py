@@ -36,6 +36,33 @@ def test_merge_of_chunks_masked_whole_stays_finite_and_exact():
     assert torch.isneginf(lse[0, :, 1]).all() and out[0, 1].abs().max() == 0
 
 
+def test_a_mask_that_does_not_cover_the_streams_tokens_is_refused():
+    # one process, 3 text + 5 image tokens: a mask over 8 keys (and 1 or 8 query rows) is taken, any other refused
+    from ditmesh import ParallelConfig
+    from ditmesh.hooks import ForwardContext
+    from ditmesh.mesh import ParallelMesh
+    from ditmesh.models.base import SequencePlan
+    from ditmesh.parallel.sequence import SequenceParallel
+
+    class Adapter:
+        sequence_plan = SequencePlan(streams=("text", "image"))
+
+    mesh = ParallelMesh.build(ParallelConfig(), torch.device("cpu"))
+    sp = SequenceParallel(mesh, Adapter, ForwardContext(), chunks=1)
+    sp.begin()
+    x = torch.zeros(2, 8, 4)
+    sp.split(x[:, :3], 1, "text")
+    sp.split(x[:, 3:], 1, "image")
+    for shape in ((2, 8), (2, 1, 1, 8), (2, 3, 8, 8)):
+        mask = torch.rand(shape) > 0.5
+        assert torch.equal(sp.gathered_mask(mask, ("text", "image")), mask if mask.ndim == 4 else mask[:, None, None])
+    for shape, covers in (((2, 7), "1 queries x 7 keys"), ((2, 1, 1, 9), "1 queries x 9 keys"),
+                          ((2, 1, 5, 8), "5 queries x 8 keys")):
+        with pytest.raises(ValueError, match=f"^the attention mask covers {covers} but the attention runs over 8 "
+                                             r"tokens of \('text', 'image'\)$"):
+            sp.gathered_mask(torch.ones(shape, dtype=torch.bool), ("text", "image"))
+
+
 #: text, image tokens: 7 + 6 divides neither 2 nor 4 per stream (ranks hold 2,2,2,1 text tokens at 4)
 SHAPES = [(7, 6), (9, 3)]
 

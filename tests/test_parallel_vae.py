@@ -197,8 +197,9 @@ def test_tiled_decode_spread_over_ranks_equals_one_process_tiled_decode(pools, w
     assert sum(r["decoded"] for r in results) == grid  # each tile decoded once, on one rank
 
 
-def test_tiled_mode_on_one_process_is_diffusers_tiling():
-    r = tiled_case(14, 11)
+@pytest.mark.parametrize("rows,cols", [(14, 11), (13, 7)])  # 13 x 7: the last tiles one latent row, one column wide
+def test_tiled_mode_on_one_process_is_diffusers_tiling(rows, cols):
+    r = tiled_case(rows, cols)
     assert r["err"] == 0 and r["decoded"] == 6 and r["counts"] == {} and r["restored"]
 
 
@@ -254,3 +255,39 @@ def test_a_call_that_runs_whole_is_said_once_per_reason_and_refused_under_on(cap
                     "ditmesh: the VAE runs whole on every rank: a mask"]
     with pytest.raises(ConfigError, match="^the parallel VAE cannot split this call: a mask; use vae_parallel auto"):
         VaeParallel(None, strict=True).whole("a mask")
+
+
+def test_a_call_that_misnames_its_input_fails_as_the_vae_itself_fails():
+    # the split hook takes the input by position or by its name; a call with none, or with both, is the VAE's to refuse
+    from cases_vae import tiny_vae
+    from ditmesh.models.base import vae_plan_for
+    from ditmesh.parallel.vae import apply
+
+    vae = tiny_vae("kl")
+    z = torch.zeros(1, vae.config.latent_channels, 4, 4)
+    calls = [((), {"return_dict": False}), ((z,), {"z": z})]
+    plain = [pytest.raises(TypeError, vae.decode, *args, **kwargs).value for args, kwargs in calls]
+    undo = apply(vae, vae_plan_for(vae), None)
+    try:
+        for (args, kwargs), error in zip(calls, plain):
+            with pytest.raises(TypeError) as hooked:
+                vae.decode(*args, **kwargs)
+            assert str(hooked.value) == str(error)
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+@pytest.mark.parametrize("piece", [4, 64, 1 << 24], ids=["part-of-a-group", "groups-2-and-1", "every-group"])
+def test_group_statistics_summed_in_pieces_are_the_whole_groups(monkeypatch, piece):
+    # GROUP_PIECE bounds the values summed at a time: a part of one group (the parts merged), a few groups, or all
+    from ditmesh.parallel import vae
+
+    monkeypatch.setattr(vae, "GROUP_PIECE", piece)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 3, 5, generator=g) * 3 + 1  # 3 groups of 2 channels: 30 values a group
+    stats = vae.group_stats(x, 3)
+    mean, var = vae.combine_stats(stats[None])
+    want_var, want_mean = torch.var_mean(x.double().reshape(2, 3, -1), -1, correction=0)
+    assert torch.equal(stats[0], torch.full((2, 3), 30.0, dtype=torch.float64))
+    assert torch.allclose(mean, want_mean) and torch.allclose(var, want_var)

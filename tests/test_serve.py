@@ -448,6 +448,10 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     (["--warmup-sizes", "64x70"], "--warmup-sizes 64x70: height 70 must be a positive multiple of 16 (e.g. 64)"),
     (["--steps", "50", "--max-steps", "10"], "the server's own defaults break its limits: steps 50 is over this "
                                              "server's limit: 1 to 10 (--max-steps)"),
+    # the size given is checked, not the model's default (a wrong pass would meet the --warmup-sizes refusal)
+    (["--height", "4096", "--width", "4096", "--warmup-sizes", "64x70"],
+     "the server's own defaults break its limits: 4096x4096 is 16777216 pixels; this server allows at most 4194304 "
+     "(--max-pixels)"),
     (["--nproc", "2", "--ulysses", "4"], None),
     (["--dp", "2", "--replicas", "2"], "--dp 2 and --replicas 2 both ask for replicas (the service runs --dp as "
                                        "replicas); give one of them"),
@@ -456,6 +460,8 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     (["--plan", "auto"], "--plan auto needs --nproc (the ranks of one replica)"),
     (["--port", "65536"], "--port 65536 must be between 0 and 65535"),
     (["--step-timeout", "0"], "--step-timeout 0.0 must be > 0 seconds (e.g. 60)"),
+    # timeouts under a second pass their check: the refusal is the next one's
+    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--port", "65536"], "--port 65536 must be between 0 and 65535"),
 ])
 def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
     from ditmesh.cli import main

@@ -31,7 +31,7 @@ DEFAULTS = SimpleNamespace(prompt=["a"], steps=2, seed=0, height=64, width=64, f
 class _ScriptedReplica:
     """Stands in for a Replica: each call records its options, then does what the test puts in ``script``, one
     item at a time: ``("step", k)`` reports step k, ``("done",)`` returns a picture per prompt (its prompt and the
-    call's seeds), ``("cancelled",)``, ``("refused", why)`` and ``("fault", why)`` raise what a replica raises."""
+    call's seeds; ``("done", phases)``: with the ranks' ``phases`` seconds, else a ``call`` of 0), ``("cancelled",)``, ``("refused", why)`` and ``("fault", why)`` raise what a replica raises."""
 
     def __init__(self, index: int = 0):
         self.index, self.state, self.restarts, self.served, self.world = index, "ready", 0, 0, 1
@@ -53,7 +53,8 @@ class _ScriptedReplica:
                 self.state = "ready"
                 if what == "done":
                     prompts = options["prompt"] if isinstance(options["prompt"], list) else [options["prompt"]]
-                    return [("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts], {"call": 0.0}
+                    return ([("image/png", f"{p}|{options.get('seed')}".encode()) for p in prompts],
+                            arg[0] if arg else {"call": 0.0})
                 if what == "cancelled":
                     raise RequestCancelled(f"request {job_id} was cancelled after step 1 of 2")
                 if what == "refused":
@@ -277,6 +278,27 @@ def test_a_request_the_pipeline_refuses_fails_422_and_the_replica_keeps_serving(
     assert _outcomes(service) == {"refused": 1}
 
 
+def test_a_request_times_its_handoff_and_its_answer(service):
+    # handoff: the call's seconds on the front end less the ranks' own ``call``, never below zero (the ranks report
+    # their own clock); respond: the seconds building the answer, within the request's
+    from fastapi.testclient import TestClient
+
+    replica = service.replica
+    slow = service.submit({"prompt": "slow"})
+    replica.next_call()
+    time.sleep(0.05)
+    replica.script.put(("done",))
+    assert slow.future.result(10)["timeline"]["handoff"] >= 0.05
+    replica.script.put(("done", {"call": 60.0}))  # the ranks report more than the front end waited
+    with TestClient(create_app(service)) as client:
+        start = time.perf_counter()
+        answer = client.post("/generate", json={"prompt": "fast"})
+        elapsed = time.perf_counter() - start
+    assert answer.status_code == 200 and answer.json()["timeline"]["handoff"] == 0.0
+    respond = next(line for line in service.metrics().splitlines() if 'phase="respond"' in line)
+    assert 0.0 <= float(respond.split()[-1]) <= elapsed
+
+
 # -- a replica's request loop, fed the events of its ranks ---------------------------------------------------------
 class _Process:
     def __init__(self, exitcode=None, pid=1):
@@ -309,6 +331,19 @@ def test_a_rank_that_finishes_no_step_within_the_step_timeout_is_named_as_hung()
     replica.ranks[0].beat -= 1.0  # no heartbeat from rank 0 for twice the timeout
     with pytest.raises(RankFault, match=r"^rank 0 of replica 0 stopped answering \(no heartbeat for 0.5 s\) while "
                                         r"decoding the pictures of request j$"):
+        replica._next_event(None, None)
+
+
+def test_no_step_for_exactly_the_step_timeout_is_still_in_time(monkeypatch):
+    from ditmesh.serve import replica as replica_module
+
+    monkeypatch.setattr(replica_module, "time", SimpleNamespace(time=lambda: 1000.0, sleep=time.sleep))
+    replica = _replica_in_a_request([_Process(), _Process()], [3, 3], [0, 0])
+    for rank in replica.ranks:
+        rank.beat, rank.progress = 1000.0, 999.5  # the clock stands at 1000 s; the step timeout is 0.5 s
+    assert replica._next_event(None, None) is None
+    replica.ranks[1].progress = 999.25
+    with pytest.raises(RankFault, match="^rank 1 of replica 0 hung: no step finished within 0.5 s"):
         replica._next_event(None, None)
 
 
@@ -393,6 +428,7 @@ def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(
         assert replica.state == "failed"
         replica.restart()
         assert replica.state == "ready" and replica.restarts == 1 and not set(replica.pids()) & set(pids)
+        assert not replica.cancel("j")  # the started group is idle: no request of before is in flight
         assert replica.run("k", {"prompt": "q", "steps": 1})[0] == [("image/png", b"q")]
     finally:
         replica.stop()
