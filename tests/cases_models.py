@@ -270,7 +270,9 @@ def run_ranks(argv: list[str]) -> None:
     process), as the launcher's ranks run it but without starting processes (:func:`run_command`);
     tests/test_cli_launch.py keeps the launcher's own path under test. Asserts exit code 0 on every rank."""
     nproc = int(argv[argv.index("--nproc") + 1]) if "--nproc" in argv else 1
-    argv = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")]
+    from ditmesh.shared import strip_option
+
+    argv = strip_option(argv, "--nproc")  # as the launcher strips it for its ranks
     if nproc == 1:
         from ditmesh.cli import main
 
