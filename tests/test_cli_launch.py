@@ -207,10 +207,15 @@ def test_compile_caches_live_under_the_ditmesh_cache_unless_the_user_set_them(tm
 
 
 def test_warmup_only_runs_one_step_and_writes_nothing(tmp_path, flux_tiny, private_tmp):
+    """... from a launcher that imports neither torch nor diffusers (the ranks start at once and import them)."""
     out = tmp_path / "never.png"
-    proc = ditmesh("generate", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--warmup-only",
-                   "--out", str(out), env={"TMPDIR": str(private_tmp)})
+    code = ("import sys; from ditmesh.cli import main; rc = main(sys.argv[1:]); "
+            "print(rc, 'torch' in sys.modules, 'diffusers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, "generate", "--model", flux_tiny, "--nproc", "2", "--ulysses",
+                           "2", "--warmup-only", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TMPDIR=str(private_tmp)))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "0 False False", proc.stdout
     assert "warmed up ulysses2 on 2 processes at 64x64" in proc.stdout
     assert not out.exists() and not out.with_name(out.name + ".json").exists()
     assert leftovers(private_tmp) == []

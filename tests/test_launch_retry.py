@@ -1,5 +1,5 @@
-"""The launcher between rows: each local launch meets at a fresh store; one whose ranks cannot meet (its store's
-port taken) starts once more on a fresh store, and the bench row records why."""
+"""The launcher between rows: each local launch meets at a fresh store that its rank 0 binds; one whose ranks cannot
+meet (the store's port taken) starts once more on a fresh store, and the bench row records why."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import socket
 import pytest
 
 from ditmesh.runtime import launch as launch_mod
+
+TINY = ["generate", "--model", "flux-tiny", "--steps", "1", "--height", "32", "--width", "32", "--ulysses", "2"]
 
 
 @pytest.fixture
@@ -29,24 +31,24 @@ def test_a_row_whose_first_rendezvous_fails_is_started_again_and_records_why(tmp
         return f"127.0.0.1:{taken_port}" if attempt == 0 else "127.0.0.1:0"
 
     monkeypatch.setattr(launch_mod, "local_endpoint", endpoint)
-    monkeypatch.setattr(launch_mod, "STORE_TIMEOUT_S", 2)  # the taken port's connection gives up after 2 s
     out = tmp_path / "b.json"
-    assert main(["bench", "--model", "flux-tiny", "--gpus", "1", "--steps", "1", "--warmup", "0",
-                 "--out", str(out)]) == 0  # one row: diffusers on one process
+    assert main(["bench", "--model", "flux-tiny", "--gpus", "2", "--methods", "ulysses", "--no-single", "--steps", "1",
+                 "--warmup", "0", "--out", str(out)]) == 0  # one row: ulysses on two processes
     assert tried == [0, 1]
     [row] = json.loads(out.read_text())["rows"]
     assert "error" not in row and row["step_ms"] > 0  # the second start ran the row
-    assert "C10d store has failed" in row["rendezvous_retry"], row["rendezvous_retry"]
+    assert f"the run's store at 127.0.0.1:{taken_port}" in row["rendezvous_retry"], row["rendezvous_retry"]
     assert "started again after" in out.with_suffix(".md").read_text()
 
 
-def test_a_second_failure_ends_the_launch_with_both_causes(monkeypatch, taken_port):
+def test_a_second_failure_ends_the_launch_with_both_causes(tmp_path, monkeypatch, taken_port):
     monkeypatch.setattr(launch_mod, "local_endpoint", lambda attempt: f"127.0.0.1:{taken_port}")
-    monkeypatch.setattr(launch_mod, "STORE_TIMEOUT_S", 1)
     heard = []
     with pytest.raises(launch_mod.RendezvousFailed) as info:
-        launch_mod.launch(1, ["--version"], on_retry=heard.append)
-    assert len(heard) == 1 and "C10d store" in heard[0]
+        launch_mod.launch(2, [*TINY, "--out", str(tmp_path / "x.png")], on_retry=heard.append)
+    assert len(heard) == 1 and f"the run's store at 127.0.0.1:{taken_port}" in heard[0]
     message = str(info.value)
     assert message.startswith("the local ranks could not meet (") and "then, on a fresh store:" in message
-    assert message.count("C10d store has failed") == 2
+    assert message.count("the run's store at") == 2
+    assert not (tmp_path / "x.png").exists()
+

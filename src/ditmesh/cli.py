@@ -252,6 +252,10 @@ def _cmd_generate(args, argv: list[str]) -> int:
             argv.append("--displaced")
     with phase("checks"):
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
+    if args.nproc and "RANK" not in os.environ and args.nnodes == 1 and not args.rdzv_endpoint:
+        # The launcher of a run on this host starts the ranks at once: they import in parallel and run the family's
+        # checks themselves (a refusal is their first error, printed once), so it imports neither torch nor diffusers.
+        return _launch(args, argv)
     if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
         with phase("imports"):
             import diffusers  # noqa: F401
@@ -260,14 +264,19 @@ def _cmd_generate(args, argv: list[str]) -> int:
     with phase("family checks"):
         generate.validate_family(args, options, model)
     if args.nproc and "RANK" not in os.environ:
-        from .runtime.launch import launch
-
-        child = argv
-        for option in ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-timeout"):
-            child = strip_option(child, option)
-        return launch(args.nproc, child, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_timeout=args.rdzv_timeout)
+        return _launch(args, argv)
     return generate.run(args)
+
+
+def _launch(args, argv: list[str]) -> int:
+    """Start the ranks of ``generate --nproc N`` (the command without the launcher's options)."""
+    from .runtime.launch import launch
+
+    child = argv
+    for option in ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-timeout"):
+        child = strip_option(child, option)
+    return launch(args.nproc, child, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                  rdzv_timeout=args.rdzv_timeout)
 
 
 def _cmd_synth(args) -> int:

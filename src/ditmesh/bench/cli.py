@@ -267,8 +267,6 @@ def _lora_rank(args) -> int | None:
 
 def _measure(s: dict, tmp: Path) -> list[dict]:
     """Launch every configuration of the settings ``s``; return the rows with their derived columns."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-
     from ..runtime.launch import launch_local
     from .worker import append_row
 
@@ -314,8 +312,6 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
         try:
             launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
                          on_retry=causes.append)
-        except SignalException:  # Ctrl-C or a kill while the launcher waits ends the run, not one row
-            raise
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
             named = {k: v for k, v, default in (("quant", quant, "off"), ("comm_dtype", comm_dtype, "auto"),
                                                 ("attention", attention, "default")) if v != default}

@@ -248,8 +248,12 @@ def _init_distributed(device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # also for one process: memory statistics need the device set
     if world > 1 and not dist.is_initialized():
+        from .launch import rank_store
+
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        store = rank_store()  # the local launcher's run: rank 0 binds the store; else MASTER_ADDR/PORT (torchrun)
+        extra = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]), "world_size": world}
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None, **extra)
 
 
 def _sync(device) -> None:

@@ -1,21 +1,22 @@
-"""Start the local ranks of a ditmesh command through torch's elastic launcher (what torchrun runs), and
-report their failures as one line.
+"""Start the local ranks of a ditmesh command, and report their failures as one line.
 
 ``ditmesh generate --nproc N ...`` re-runs itself as ``python -m ditmesh ...`` (without ``--nproc``) in N
-processes with RANK/WORLD_SIZE/MASTER_* set, exactly as ``torchrun --nproc-per-node N`` would. With
-``--nnodes M --rdzv-endpoint HOST:PORT`` the same command on M hosts meets at a c10d rendezvous, as
-``torchrun --nnodes M --rdzv-backend c10d`` would; a host that does not join within ``--rdzv-timeout``
-seconds ends the run with one line.
+processes with RANK/WORLD_SIZE/LOCAL_RANK set, as ``torchrun --nproc-per-node N`` would. A run on one host is
+started by a launcher of our own that imports neither torch nor diffusers: the ranks start at once and import in
+parallel. Rank 0 binds the run's store (:func:`rank_store`: ``127.0.0.1:0``, a port the system picks, so no port is
+chosen first and taken by someone else before it is bound) and writes its port into the run's folder, where the
+other ranks read it; every launch (every ``bench`` row) has a fresh store. A run whose ranks cannot meet at it is
+started once more on a fresh store; ``on_retry`` hears why.
 
-A local run (one host) meets at a store of its own: the launcher's store binds a port the system picks
-(``127.0.0.1:0``, as ``torchrun --standalone`` does), so no port is chosen first and taken by someone else before
-it is bound, and every launch (every ``bench`` row) has a fresh store and run id. A local run whose ranks cannot
-meet at it (the store's connection fails) is started once more on a fresh store; ``on_retry`` hears why.
+With ``--nnodes M --rdzv-endpoint HOST:PORT`` the same command on M hosts meets through torch's elastic agent at
+a c10d rendezvous, as ``torchrun --nnodes M --rdzv-backend c10d`` would; a host that does not join within
+``--rdzv-timeout`` seconds ends the run with one line.
 
 Errors: a rank that fails writes its one-line message (and its traceback) into the run's folder and leaves
-quietly with code 2; the launcher prints the first failure once and exits 2. Ranks other than local rank 0
-write their output to that folder too, so nothing is printed once per rank. Ctrl-C ends every rank quietly
-(exit 130). The folder (torch's per-run log folder included) is removed at the end of every run.
+quietly with code 2; the launcher stops the other ranks, prints the earliest failure once and exits 2. Ranks other
+than local rank 0 write their output to that folder too, so nothing is printed once per rank. Ctrl-C ends every
+rank quietly (exit 130), SIGTERM to the launcher is passed on to its ranks (exit 143). The folder is removed at the
+end of every run.
 
 A failing rank leaves with ``os._exit(2)`` (no destructors: a gloo group torn down mid-collective prints
 nothing), and the launcher prints the earliest record's message. A launched rank keeps the default action of
@@ -30,11 +31,13 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import threading
 import tempfile
 import time
 import traceback
-import uuid
 from pathlib import Path
 
 from ..shared import one_line
@@ -42,6 +45,9 @@ from ..timeline import LAUNCH_START_ENV, timeline
 
 #: set by the launcher for its ranks: where a failing rank writes its error
 ERROR_DIR_ENV = "DITMESH_ERROR_DIR"
+#: set by the local launcher for its ranks: ``HOST:PORT|PORT_FILE|TIMEOUT_S``, where rank 0 binds the run's store
+#: (port 0: the system picks one), the file it writes the bound port to, and how long the others wait for it
+STORE_ENV = "DITMESH_STORE"
 
 
 class LaunchError(RuntimeError):
@@ -83,6 +89,42 @@ def run_rank(fn) -> int:
         os._exit(2)
 
 
+class StoreUnreachable(RuntimeError):
+    """A rank could not bind or reach its run's store (the launcher starts the run once more on a fresh one)."""
+
+
+def rank_store():
+    """The store a rank of the local launcher meets the others at (``None`` outside such a rank): rank 0 binds it
+    where :data:`STORE_ENV` says and writes the port it got into the run's folder; the others wait for that file
+    (as long as rank 0's imports may take: the launch's rendezvous timeout) and connect. Raises
+    :class:`StoreUnreachable` with the store's own message when it cannot be bound or reached."""
+    spec = os.environ.get(STORE_ENV)
+    if not spec:
+        return None
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    endpoint, port_file, wait_s = spec.split("|")
+    host, port = endpoint.rsplit(":", 1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=max(float(wait_s), STORE_TIMEOUT_S))
+    try:
+        if rank == 0:
+            store = TCPStore(host, int(port), world, is_master=True, timeout=timeout, wait_for_workers=False)
+            Path(port_file + ".tmp").write_text(str(store.port))
+            os.replace(port_file + ".tmp", port_file)  # whole, or not there
+            return store
+        deadline = time.monotonic() + float(wait_s)
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not open the run's store within {float(wait_s):.0f} s")
+            time.sleep(0.01)
+        return TCPStore(host, int(Path(port_file).read_text()), world, is_master=False, timeout=timeout)
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        raise StoreUnreachable(f"the run's store at {endpoint}: {one_line(exc)}") from None
+
+
 # -- the launcher ------------------------------------------------------------------------------------------------
 #: errors a user can fix: the line alone says what to do; others also name where the traceback was kept
 USER_ERRORS = ("ConfigError", "FileNotFoundError", "PermissionError", "NotImplementedError", "ValueError",
@@ -116,11 +158,11 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
     removed at the end. A local run (no ``rdzv_endpoint``) whose ranks cannot meet is started once more on a fresh
     store, after ``on_retry(cause)``; a second failure raises :class:`RendezvousFailed` naming both causes."""
     if rdzv_endpoint:
-        return _launch_once(nproc, argv, nnodes, rdzv_endpoint, rdzv_timeout, log_dir, local=False)
+        return _launch_hosts(nproc, argv, nnodes, rdzv_endpoint, rdzv_timeout, log_dir)
     causes = []
     for attempt in range(LOCAL_TRIES):
         try:
-            return _launch_once(nproc, argv, nnodes, local_endpoint(attempt), rdzv_timeout, log_dir, local=True)
+            return _launch_local(nproc, argv, local_endpoint(attempt), rdzv_timeout, log_dir)
         except RendezvousFailed as exc:
             causes.append(exc.cause)
             if attempt + 1 == LOCAL_TRIES:
@@ -130,9 +172,95 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
     raise AssertionError("unreachable")
 
 
-def _launch_once(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_timeout: int, log_dir: str | None,
-                 local: bool) -> int:
-    """One start of the ranks meeting at ``endpoint`` (see :func:`launch`)."""
+def _run_dir(log_dir: str | None) -> Path:
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
+
+
+def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int, log_dir: str | None) -> int:
+    """One start of the ranks of a run on this host, their store bound by rank 0 at ``endpoint`` (see
+    :func:`launch`). Imports nothing heavy: the ranks start at once."""
+    run_dir = _run_dir(log_dir)
+    (run_dir / "logs").mkdir()
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.update({ERROR_DIR_ENV: str(run_dir), LAUNCH_START_ENV: str(timeline().process_start_unix),
+                STORE_ENV: f"{endpoint}|{run_dir / 'store-port'}|{rdzv_timeout}", "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": endpoint.rsplit(":", 1)[0]})
+    procs: list[subprocess.Popen] = []
+    logs = []
+    signalled: list[int] = []
+
+    def on_signal(signum, frame):
+        signalled.append(signum)
+        raise Interrupted(128 + signum)
+
+    handle = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_signal) if handle else None
+    try:
+        for rank in range(nproc):
+            out = None
+            if rank:  # local rank 0 keeps the console (progress bar, result line)
+                out = open(run_dir / "logs" / f"rank{rank}.log", "wb")
+                logs.append(out)
+            procs.append(subprocess.Popen([sys.executable, "-m", "ditmesh", *argv],
+                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
+                                          stderr=subprocess.STDOUT if out is not None else None))
+        failures = _wait_ranks(procs)
+        if failures:
+            record = _earliest_record(run_dir)
+            if record is not None and record["type"] == StoreUnreachable.__name__:
+                raise RendezvousFailed(record["message"])
+            raise LaunchError(_first_failure(run_dir, failures, nproc))
+    except KeyboardInterrupt as exc:
+        _stop(procs, signal.SIGTERM if signalled else signal.SIGINT)
+        raise exc if isinstance(exc, Interrupted) else Interrupted(130) from None
+    finally:
+        if handle:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        _stop(procs, signal.SIGTERM)
+        for out in logs:
+            out.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+def _wait_ranks(procs: list[subprocess.Popen]) -> dict[int, int]:
+    """Wait until every rank has left; at the first that fails, stop the others. Returns ``{rank: exit code}`` of
+    the ranks that failed (empty when all succeeded)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
+        if failed:  # the ranks that failed first: the others are stopped because of them
+            _stop(procs, signal.SIGTERM)
+            return failed
+        if all(code == 0 for code in codes):
+            return {}
+        time.sleep(0.02)
+
+
+def _stop(procs: list[subprocess.Popen], signum: int, grace_s: float = 10.0) -> None:
+    """Send ``signum`` to the ranks still running and wait for them (killed after ``grace_s``)."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signum)
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _launch_hosts(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_timeout: int,
+                  log_dir: str | None) -> int:
+    """One start of the ranks of a run over several hosts, meeting at ``endpoint`` through torch's elastic agent
+    (see :func:`launch`)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -143,9 +271,7 @@ def _launch_once(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_t
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
+    run_dir = _run_dir(log_dir)
     os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
     os.environ[LAUNCH_START_ENV] = str(timeline().process_start_unix)  # the ranks' timelines start where this did
     quiet = {r: Std.ALL for r in range(1, nproc)}  # local rank 0 keeps the console (progress bar, result line)
@@ -155,7 +281,7 @@ def _launch_once(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_t
         nproc_per_node=nproc,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=quiet),
         # every host of one run must agree on the id: derived from the endpoint they share
-        run_id=f"ditmesh-{uuid.uuid4().hex[:8]}" if local else f"ditmesh-{endpoint.replace(':', '-')}",
+        run_id=f"ditmesh-{endpoint.replace(':', '-')}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"join_timeout": rdzv_timeout, "last_call_timeout": 1, "read_timeout": STORE_TIMEOUT_S},
@@ -166,7 +292,8 @@ def _launch_once(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_t
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "ditmesh", *argv)
     except ChildFailedError as exc:
-        raise LaunchError(_first_failure(run_dir, exc, nproc)) from None
+        failures = {f.local_rank: f.exitcode for f in exc.failures.values()}
+        raise LaunchError(_first_failure(run_dir, failures, nproc)) from None
     except SignalException as exc:
         raise Interrupted(128 + int(exc.sigval)) from None
     except KeyboardInterrupt:
@@ -189,26 +316,31 @@ def _cause(exc: BaseException) -> str:
     return one_line(exc) + (f": {one_line(inner)}" if inner is not None else "")
 
 
-def _first_failure(run_dir: Path, exc, nproc: int) -> str:
-    """The line that explains a failed run: the earliest error a rank recorded (the others' errors follow from
-    it, e.g. a peer that left mid-collective), else the first rank's exit code."""
+def _earliest_record(run_dir: Path) -> dict | None:
+    """The earliest error a rank of the run recorded (the others' errors follow from it, e.g. a peer that left
+    mid-collective), or ``None``."""
     records = []
     for path in run_dir.glob("error-rank*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    if records:
-        first = min(records, key=lambda r: r["time"])
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def _first_failure(run_dir: Path, failures: dict[int, int], nproc: int) -> str:
+    """The line that explains a failed run (``failures``: the exit code of each local rank that failed): the
+    earliest error a rank recorded, else the first failed rank's exit code."""
+    first = _earliest_record(run_dir)
+    if first is not None:
         if first["type"] in USER_ERRORS:
             return first["message"]
         kept = _keep_traceback(first)
         return f"{first['message']} ({first['type']} on rank {first['rank']}; traceback in {kept})"
-    failed = sorted(exc.failures)
-    failure = exc.failures[failed[0]]
+    rank = min(failures)
     kept = _keep_logs(run_dir)
-    return (f"rank {failure.local_rank} exited with code {failure.exitcode} ({len(failed)} of {nproc} local ranks "
-            f"failed) without an error message; the ranks' output is in {kept}")
+    return (f"rank {rank} exited with code {failures[rank]} ({len(failures)} of {nproc} local ranks failed) "
+            f"without an error message; the ranks' output is in {kept}")
 
 
 def _kept(name: str) -> Path:
