@@ -15,6 +15,9 @@ ended (its rows are lost, the earlier sections' files stay):
   row against its one-process run is what the CPU tests check).
 * ``quant-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
   reference) and ulysses 4 with {bf16, fp8} block linears x {default (exact), int8 attention}.
+* ``quant-checkpoint``: ``ditmesh quantize --quant fp8`` of the FLUX.1-dev architecture, then a 1-GPU ``generate``
+  from the written folder at 1024² (eager, 8 steps): its load and run peaks (the transformer never in bf16) and
+  the seconds each took (``quant-checkpoint.json``).
 * ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
 
 Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
@@ -54,6 +57,7 @@ SECTIONS = {
     "attention8-test": None,
     "quant-flux-1gpu": FLUX + ["--gpus", "1", "--quant", "off,fp8,fp8-weight"],
     "quant-flux-x4": FLUX + ["--gpus", "4", "--no-single", "--quant", "off,fp8", "--comm-dtype", "auto,fp8"],
+    "quant-checkpoint": "checkpoint",
     "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
     "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
 }
@@ -65,6 +69,7 @@ EXPECTED_S = {
     "attention8-test": 30,    # Triton compiles the kernel once per shape
     "quant-flux-1gpu": 185,   # 5 rows: diffusers eager 15, compiled 35; ditmesh bf16 30, fp8 55, fp8-weight 50
     "quant-flux-x4": 170,     # 4 rows: bf16 35, bf16 + fp8 payloads 35, fp8 50, fp8 + fp8 payloads 50
+    "quant-checkpoint": 100,  # quantize: read 24 GB of bf16 and write 12 GB; generate: start, load, 8 eager steps
     "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, int8} ~21 each
     "quant-flux-keep": 50,    # 1 row, compiled cold
 }
@@ -81,6 +86,45 @@ def bench_args(section: str, dry: bool, gpus: int = 4) -> list[str]:
         args = [DRY.get(a, a) for a in args]
         args[args.index("--steps") + 1], args[args.index("--warmup") + 1] = "1", "0"
     return args
+
+
+def checkpoint_commands(out: Path, dry: bool) -> list[tuple[str, list[str]]]:
+    """quant-checkpoint's commands: quantize the FLUX.1-dev architecture (flux-tiny in the dry run) into a folder
+    of its own, then generate from it on one process."""
+    model, size, folder = ("flux-tiny", "64", out / "flux-tiny-fp8") if dry else ("flux-dev", "1024", Path("/tmp/flux-dev-fp8"))
+    ditmesh = [sys.executable, "-m", "ditmesh"]
+    return [("quantize", [*ditmesh, "quantize", "--model", model, "--out", str(folder), "--quant", "fp8",
+                          *(["--dtype", "float32"] if dry else [])]),
+            ("generate", [*ditmesh, "generate", "--model", str(folder), "--height", size, "--width", size, "--steps",
+                          "2" if dry else "8", "--out", str(out / "quant-checkpoint.png"),
+                          "--report", str(out / "quant-checkpoint-report.json")])]
+
+
+def run_checkpoint(out: Path, dry: bool, seconds: float | None) -> int:
+    """Run quant-checkpoint's commands; write ``quant-checkpoint.json``: each command's wall seconds and exit code,
+    and from generate's report its load and run peaks per rank (GiB) and the steady step."""
+    result = {"schema": "ditmesh-quant-checkpoint/1", "commands": []}
+    start = time.time()
+    code = 0
+    for name, command in checkpoint_commands(out, dry):
+        print(f"== quant-checkpoint {name}: {' '.join(command[1:])}", flush=True)
+        begun = time.time()
+        code = run_until(command, None if seconds is None else seconds - (time.time() - start))
+        result["commands"].append({"name": name, "command": ["ditmesh", *command[3:]], "exit": code,
+                                   "wall_s": round(time.time() - begun, 2)})
+        if code != 0:
+            break
+    report = out / "quant-checkpoint-report.json"
+    if code == 0 and report.exists():
+        r = json.loads(report.read_text())
+        gib = lambda values: [round(v / 2**30, 2) for v in values]  # noqa: E731
+        result.update(load_peak_gib=gib(r.get("load_peak_memory_bytes", [])), peak_gib=gib(r.get("peak_memory_bytes", [])),
+                      load_s=r.get("load_s"), total_s=r.get("total_latency_s"),
+                      step_ms=round(1e3 * sorted(r["step_latency_s"])[len(r["step_latency_s"]) // 2], 2),
+                      devices=r.get("devices"), versions=r.get("versions"))
+    (out / "quant-checkpoint.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "versions"}), flush=True)
+    return code
 
 
 def run_until(command: list[str], seconds: float | None) -> int:
@@ -148,6 +192,11 @@ def main(argv=None) -> int:
             skipped.append(section)
             continue
         begun = time.time()
+        if SECTIONS[section] == "checkpoint":
+            code = run_checkpoint(out, args.cpu_dry_run, left)
+            failed += code != 0
+            print(f"== {section}: {time.time() - begun:.0f} s (expected ~{EXPECTED_S[section]} s on GPUs)", flush=True)
+            continue
         if SECTIONS[section] is None:
             # the kernels need CUDA: the dry run runs the CPU tests of the same module instead
             command = [sys.executable, "-m", "pytest", "-q", *TESTS[section][args.cpu_dry_run]]

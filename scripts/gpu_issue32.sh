@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 32's GPU rows in one call (GPUS=4 GPUs of one host by default), in order of priority, each part skipping what would end
 # after its share of the call: (1) `ditmesh generate` timed from outside with its timeline, FLUX.1-dev architecture
-# (synthesized once into /tmp/flux-dev, shared by every row), 1024², 28 steps, --compile --cuda-graph: ulysses 4
-# cold, ulysses 4 warm on this tree and on the baseline tree (.old/src), then 1 GPU, displaced and pp 4 warm on this
-# tree; (2) `ditmesh serve` at ulysses 4 under 1 and 16 clients, this tree then the baseline tree; (3) what time is
-# left: serve's 4 x 1 GPU under 16 clients without and with --max-batch 4.
+# (synthesized once into /tmp/flux-dev, shared by every row), 1024², 28 steps, --compile --cuda-graph, warm compile
+# caches (the warm-ups of every row at once first): ulysses 4 on the baseline tree (.old/src) and on this tree, then
+# 1 GPU, pp 4 and displaced on this tree (ROWS=...:cold adds a cold row); (2) `ditmesh serve` at ulysses 4 under 1
+# and 16 clients (one request each), this tree then the baseline tree; (3) what time is left: serve's 4 x 1 GPU
+# under 16 clients without and with --max-batch 4.
 #
 # Before the call, once, in the checkout that travels (the baseline tree as an ignored folder):
 #   bash scripts/gpu_issue32.sh --prepare 42e3be5
@@ -25,21 +26,21 @@ OUT=${OUT:-/tmp/e2e-out}
 mkdir -p "$OUT"
 TOTAL_S=${TOTAL_S:-575}  # the whole call's share of the device's 600 s
 G=${GPUS:-4}  # the GPUs of the machine: ulysses G, G one-GPU replicas
-ROWS=${ROWS:-new:ulysses:cold,new:ulysses:warm,old:ulysses:warm,new:1gpu:warm,new:displaced:warm,new:pp:warm}
+ROWS=${ROWS:-old:ulysses:warm,new:ulysses:warm,new:1gpu:warm,new:pp:warm,new:displaced:warm}
 SERVE="--steps 28 --height 1024 --width 1024 --compile --cuda-graph --logs $OUT/serve-logs"
 left() { echo $((TOTAL_S - SECONDS)); }
 # (1) generate: about half of the call
 bash scripts/gpu.sh python3 scripts/e2e_bench.py --synth flux-dev --model /tmp/flux-dev --gpus "$G" \
   --height 1024 --width 1024 --steps 28 --compile --cuda-graph --baseline-src .old/src --parallel-warmups \
-  --deadline-s "${GENERATE_S:-300}" --out "$OUT" --rows "$ROWS"
+  --deadline-s "${GENERATE_S:-370}" --out "$OUT" --rows "$ROWS"
 # (2) serve at ulysses 4, this tree then the baseline's (the same bench script drives both: only the server differs)
 if [ "$(left)" -gt 60 ]; then
   bash scripts/gpu.sh python3 scripts/serve_bench.py --model /tmp/flux-dev --layout "--nproc $G --ulysses $G" \
-    --clients 1,16 --deadline $(( $(left) * 55 / 100 )) --json "$OUT/serve-new.json" $SERVE
+    --clients 1,16 --requests-per-client 1 --deadline $(( $(left) * 55 / 100 )) --json "$OUT/serve-new.json" $SERVE
 fi
 if [ "$(left)" -gt 60 ]; then
   OLD=1 bash scripts/gpu.sh python3 scripts/serve_bench.py --model /tmp/flux-dev --layout "--nproc $G --ulysses $G" \
-    --clients 1,16 --deadline $(( $(left) - 15 )) --json "$OUT/serve-old.json" $SERVE
+    --clients 1,16 --requests-per-client 1 --deadline $(( $(left) - 15 )) --json "$OUT/serve-old.json" $SERVE
 fi
 # (3) four one-GPU replicas, without and with batching
 if [ "$(left)" -gt 60 ]; then

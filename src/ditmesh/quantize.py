@@ -19,6 +19,11 @@ from .config import ConfigError
 from .shared import DTYPE_NAMES, add_quant_flags, one_line
 
 
+def _size(n: int) -> str:
+    """Bytes for a person: GiB from 0.1 GiB up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 0.1 * 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quantize", help="write a pipeline with 8-bit transformer weights (loaded without the originals)",
@@ -103,8 +108,8 @@ def quantize_pipeline(model: str, out: Path, mode: str, modulation: bool, dtype_
             manifest = save_quantized(transformer, adapter_for(transformer), partial / name, mode, modulation)
             after = sum(f.stat().st_size for f in (partial / name).glob("*.safetensors"))
             summary[name] = {"linears": len(manifest["layers"]), "bytes_before": before, "bytes_after": after}
-            log(f"ditmesh quantize: {name}: {len(manifest['layers'])} linears in {mode}, {before / 2**30:.2f} -> "
-                f"{after / 2**30:.2f} GiB ({time.perf_counter() - start:.1f} s)")
+            log(f"ditmesh quantize: {name}: {len(manifest['layers'])} linears in {mode}, {_size(before)} -> "
+                f"{_size(after)} ({time.perf_counter() - start:.1f} s)")
         if out.exists():  # an empty folder (checked before)
             out.rmdir()
         partial.rename(out)
