@@ -463,13 +463,18 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     # timeouts under a second pass their check: the refusal is the next one's
     (["--step-timeout", "0.5", "--load-timeout", "0.5", "--port", "65536"], "--port 65536 must be between 0 and 65535"),
 ])
-def test_serve_refuses_bad_options_before_any_rank_starts(capsys, argv, line):
+def test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank(capsys, argv, line):
+    """The values' checks come before any rank starts; those that read the model's family run while the ranks
+    import (they start early), and their refusal stops them."""
+    import multiprocessing
+
     from ditmesh.cli import main
 
     assert main(["serve", "--port", "0", *argv]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ditmesh: error: ")
     assert line is None or lines[0] == f"ditmesh: error: {line}"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("ditmesh-serve-")]
 
 
 def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures(tmp_path):

@@ -102,7 +102,7 @@ def run_serve(args) -> int:
     # compiled kernels go to $DITMESH_CACHE/compile, read back by the next start of the same shape; set without
     # --compile too, so that nothing of torch's (its inductor folder) is left in the temporary folder
     generate.persist_compile_caches()
-    options, model = generate.validate(args, world)
+    options, model = generate.validate_arguments(args, world)  # torch-free
     # adapters with a name are chosen per request (none by default); those without stay on, as generate runs them
     args.lora_names = [lora.name for lora in options.loras if lora.name]
     if args.lora_names and options.fuse_lora:
@@ -112,18 +112,51 @@ def run_serve(args) -> int:
     size = defaults.get("default_size") or [None, None]
     args.height, args.width = args.height or size[0], args.width or size[1]
     limits = Limits(args.max_pixels, args.max_steps, args.max_frames, args.max_n)
-    adapter = read_adapter(model)
+    # The ranks start now and import torch and diffusers while this process runs the checks that need them (the
+    # model's family, the limits against its adapter); a refusal stops them and is the one-line error it was.
+    early = _prestart(args, world)
     try:
-        check_options({}, limits, args, adapter)
-        if args.frames is not None:
-            check_options({"frames": args.frames}, limits, args, adapter)
-    except BadRequest as exc:
-        raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
-    args.warmup_sizes = [_size(text, limits, args, adapter) for text in (args.warmup_sizes or "").split(",") if text]
-    sock = _bind(args.host, args.port)
+        generate.validate_family(args, options, model)
+        adapter = read_adapter(model)
+        try:
+            check_options({}, limits, args, adapter)
+            if args.frames is not None:
+                check_options({"frames": args.frames}, limits, args, adapter)
+        except BadRequest as exc:
+            raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
+        args.warmup_sizes = [_size(text, limits, args, adapter) for text in (args.warmup_sizes or "").split(",")
+                             if text]
+        sock = _bind(args.host, args.port)
+    except BaseException as exc:
+        stopped = [(r.index, *rank) for r in early for rank in r.close()]
+        if isinstance(exc, KeyboardInterrupt):
+            from .server import _ignore_signals, _say_stopped
+
+            _ignore_signals()
+            _say_stopped(stopped, "while starting")
+            return 0
+        raise
     from .server import serve
 
-    return serve(args, world, options.config, model, limits, adapter, sock)
+    return serve(args, world, options.config, model, limits, adapter, sock, early=early)
+
+
+def _prestart(args, world: int) -> list:
+    """The replicas of a service on this host, their rank processes started without options
+    (:meth:`Replica.prestart`); none for a Ray service (its actors start on the cluster)."""
+    if args.ray:
+        return []
+    from .replica import Replica
+    from .server import stop_on_signals
+
+    stop_on_signals()
+
+    # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
+    replicas = [Replica(i, world, {}, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
+    for replica in replicas:
+        replica.prestart()
+    return replicas
 
 
 def _size(text: str, limits, defaults, adapter) -> tuple[int, int]:

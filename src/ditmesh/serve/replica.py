@@ -75,16 +75,30 @@ class Replica:
         self._in_request = False  # between sending a request and its answer
         self._requests = self._events = self._cancel = None  # the channels of the running group
         self.closing = False  # the server stops: no (re)start
+        self._early = False  # prestarted: the ranks wait for their options
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the ranks and wait until every one has loaded and warmed up; RankFault otherwise."""
+        """Start the ranks (or, after :meth:`prestart`, send them ``options``) and wait until every one has loaded
+        and warmed up; RankFault otherwise."""
         self._in_request = False
-        self._launch()
+        if self._early:
+            self._early = False
+            for _ in range(self.world):  # each rank reads one before it reads anything else
+                self._requests.put(("options", self.options))
+        else:
+            self._launch()
         self._await_ready()
 
-    def _launch(self) -> None:
-        """Start the rank processes with fresh channels (``_requests``, ``_events``, ``_cancel``) and ``ranks``."""
+    def prestart(self) -> None:
+        """Start the rank processes before the options are final: they import torch and diffusers while the front
+        end runs the checks that need them, then wait for :meth:`start` to send the options (or :meth:`close`)."""
+        self._launch(early=True)
+        self._early = True
+
+    def _launch(self, early: bool = False) -> None:
+        """Start the rank processes with fresh channels (``_requests``, ``_events``, ``_cancel``) and ``ranks``
+        (``early``: without their options, see :meth:`prestart`)."""
         from .worker import rank_main
 
         ctx = mp.get_context("spawn")
@@ -101,7 +115,8 @@ class Replica:
         try:
             for rank in range(self.world):
                 process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
-                                      args=(rank, self.world, self.index * self.world + rank, port, self.options,
+                                      args=(rank, self.world, self.index * self.world + rank, port,
+                                            None if early else self.options,
                                             self._requests, self._events, self._cancel))
                 process.start()
                 self.ranks.append(RankState(process))

@@ -14,20 +14,17 @@ import threading
 import time
 
 
-def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
-    """Start ``args.replicas`` groups of ``world`` ranks (in parallel), wait until each has loaded and warmed
-    up, then answer HTTP on ``sock``. Returns the exit code (a replica that cannot start is a one-line error)."""
+def serve(args, world: int, config, model: str, limits, adapter, sock, early: list | None = None) -> int:
+    """Start ``args.replicas`` groups of ``world`` ranks (in parallel; ``early``: replicas whose ranks were
+    prestarted, sent their options here), wait until each has loaded and warmed up, then answer HTTP on ``sock``.
+    Returns the exit code (a replica that cannot start is a one-line error)."""
     import uvicorn
 
     from ..runtime.launch import LaunchError
     from .app import Service, create_app
     from .replica import RankFault, Replica
 
-    # a service stops on Ctrl-C and on SIGTERM, also when a shell started it in the background (SIGINT then arrives
-    # ignored, and children inherit that): until the HTTP server takes both over, each raises KeyboardInterrupt
-    # here, which stops the replicas' ranks
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stop_on_signals()
     # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
@@ -35,6 +32,11 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         from .ray_backend import ray_service
 
         replicas, service_class = ray_service(args, world, options)
+    elif early:
+        replicas = early
+        for replica in replicas:
+            replica.options = options
+        service_class = Service
     else:
         replicas = [Replica(i, world, options, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
         service_class = Service
@@ -77,6 +79,14 @@ def serve(args, world: int, config, model: str, limits, adapter, sock) -> int:
         _ignore_signals()
         _say_stopped(service.stop(), f"on {server.reason}" if server.reason else "")
     return 0
+
+
+def stop_on_signals() -> None:
+    """A service stops on Ctrl-C and on SIGTERM, also when a shell started it in the background (SIGINT then arrives
+    ignored, and children inherit that): until the HTTP server takes both over, each raises KeyboardInterrupt, which
+    stops the replicas' ranks."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def _ignore_signals() -> None:

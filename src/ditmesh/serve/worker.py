@@ -23,10 +23,13 @@ import traceback
 IDLE_TICK_S = 1.0
 
 
-def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, requests, events, cancel) -> None:
+def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict | None, requests, events,
+              cancel) -> None:
     """The body of a rank process (``multiprocessing`` spawn target). ``options`` are the server's ``generate``
-    options; ``requests`` (read by rank 0) carries requests, ``events`` carries this rank's reports, ``cancel``
-    (an Event, read by rank 0) asks to stop the request in flight."""
+    options (``None``: a rank started before the front end's checks ended imports torch and diffusers first and
+    then reads them from ``requests``, :meth:`Replica.prestart`); ``requests`` (read by rank 0) carries requests,
+    ``events`` carries this rank's reports, ``cancel`` (an Event, read by rank 0) asks to stop the request in
+    flight."""
     import signal
 
     # the front end answers the clients and stops the ranks: a terminal's Ctrl-C (sent to the whole process group)
@@ -42,7 +45,29 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict, 
     tqdm.tqdm.set_lock(threading.RLock())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    if options is None:
+        options = _await_options(requests)
     run_rank(rank, world, options, requests, events, cancel)
+
+
+def _await_options(requests) -> dict:
+    """A rank started early: import what loading needs while the front end checks, then read the options it
+    sends; leave when the front end is gone (it stops prestarted ranks it does not start)."""
+    import queue
+
+    import diffusers  # noqa: F401
+    import torch  # noqa: F401
+    from diffusers import DiffusionPipeline  # noqa: F401
+
+    parent = os.getppid()
+    while True:
+        try:
+            message = requests.get(timeout=IDLE_TICK_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                _leave(0)
+            continue
+        return message[1]
 
 
 def run_rank(rank: int, world: int, options: dict, requests, events, cancel, leave_on_load_error: bool = True) -> None:
