@@ -103,3 +103,22 @@ def test_fp8_packing_compiles_to_the_same_bytes():
 
     x = torch.randn(4, 7, 16, generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.compile(round_trip)(x), fp8_round(x * 2) + 1)
+
+
+def test_fp8_packing_takes_a_scale_whose_size_one_dim_has_any_stride(monkeypatch):
+    """inductor (on H200) laid out ``amax(keepdim=True)``'s ``[rows, 1]`` with a last stride of 165888, and a dtype
+    view of such a tensor fails; the payload is the same bytes whatever the layout."""
+    import ditmesh.comm as comm
+
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    expected = fp8_pack(x, 16)
+    rows = comm.fp8_rows
+
+    def strided(t):
+        q, scale = rows(t)
+        odd = torch.empty_strided(scale.shape, (1, 165888))
+        odd.copy_(scale)
+        return q, odd
+
+    monkeypatch.setattr(comm, "fp8_rows", strided)
+    assert torch.equal(comm.fp8_pack(x, 16), expected)

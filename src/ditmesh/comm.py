@@ -328,7 +328,14 @@ def fp8_pack(x: torch.Tensor, dim: int) -> torch.Tensor:
     payload of ``n`` elements splits at ``n // dim * (dim + 4)`` bytes, and gloo, which has no float8 type, moves
     the bytes as they are."""
     q, scale = fp8_rows(x.reshape(-1, dim))
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1).reshape(-1)
+    return torch.cat([_bytes(q).reshape(-1, dim), _bytes(scale).reshape(-1, 4)], dim=-1).reshape(-1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as 1-D bytes. Through a flat, contiguous copy where needed: a dtype view needs a last stride
+    of 1, which a size-1 dim need not have (inductor lays out ``amax(keepdim=True)``'s ``[rows, 1]`` with a large
+    one)."""
+    return t.reshape(-1).contiguous().view(torch.uint8)
 
 
 def fp8_unpack(payload: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
