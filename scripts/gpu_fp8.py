@@ -48,9 +48,9 @@ TESTS = {
     "attention8-test": (["tests/gpu/test_attention8_gpu.py"], ["tests/test_attention8.py", "-k", "rounding or interpreter"]),
 }
 FLUX = ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--methods", "ulysses", "--compile", "on",
-        "--steps", "3", "--warmup", "1"]
+        "--steps", "3", "--warmup", "1", "--row-timeout", "180"]
 WAN = ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--methods", "ulysses",
-       "--compile", "off", "--no-cuda-graph", "--steps", "2", "--warmup", "1"]
+       "--compile", "off", "--no-cuda-graph", "--steps", "2", "--warmup", "1", "--row-timeout", "240"]
 #: section -> arguments of ``ditmesh bench`` on GPUs (None: a pytest section, :data:`TESTS`), in order of priority
 SECTIONS = {
     "quant-test": None,

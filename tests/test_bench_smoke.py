@@ -94,6 +94,38 @@ def test_ctrl_c_removes_the_temporary_folder(tmp_path):
     assert not (tmp_path / "runs").exists()  # an interrupted run writes no results
 
 
+def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
+    """A SIGTERM while a row runs (a call's deadline, say) stops the run, and the rows measured before it are
+    written, the stopped row with its error."""
+    out = tmp_path / "b.json"
+    proc = bench(["--gpus", "2", "--methods", "ulysses,ring", "--no-single", "--steps", "1", "--warmup", "0",
+                  "--out", str(out)], tmp_path)
+    started = 0
+    for line in proc.stdout:  # each row's label line, as it starts
+        started += line.startswith("ditmesh bench: ") and line.rstrip().endswith("...")
+        if started == 2:
+            break
+    time.sleep(1)  # inside the launcher, the second row's ranks starting
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], "step_ms" in r) for r in rows] == [("ulysses", True), ("ring", False)]
+    assert rows[1]["error"].startswith("interrupted"), rows[1]
+    assert leftovers(tmp_path) == []
+
+
+def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "b.json"
+    proc = bench(["--gpus", "1", "--steps", "2000", "--warmup", "0", "--row-timeout", "3", "--out", str(out)],
+                 tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["error"] == "stopped after 3 s: the ranks had not finished" for r in rows), rows
+    assert leftovers(tmp_path) == []
+
+
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     import tempfile
 
@@ -103,6 +135,7 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
              (["--out", str(tmp_path / "r.txt")], "give a .json file path"),
              (["--dtype", "int3"], "--dtype 'int3' is not one of"),
              (["--gpus", "0"], "--gpus 0: process counts must be >= 1"),
+             (["--row-timeout", "0"], "--row-timeout 0.0: give the seconds a row may take, above 0"),
              (["--steps", "0"], "give at least 1 timed step"),
              (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left"),
              (["--comm-dtype", "auto,fp4"], "--comm-dtype 'fp4' is not one of auto, fp8"),

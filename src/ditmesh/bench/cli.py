@@ -66,6 +66,9 @@ def add_bench_parser(sub) -> None:
                         "GPUs, ulysses on CPU)")
     b.add_argument("--steps", type=int, default=6, help="timed steps (median reported)")
     b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--row-timeout", type=float, default=None, metavar="S",
+                   help="stop a row still running after S seconds (its error says so) and go on with the next "
+                        "(default: none)")
     b.add_argument("--compile", choices=["off", "on", "both"], default=None,
                    help="torch.compile every transformer block (regional); both = eager and compiled rows "
                         "(default: on on GPUs, off on CPU)")
@@ -128,14 +131,20 @@ def run_bench(args) -> int:
     out_path = Path(args.out) if args.out else report.default_out_path(settings["model"], settings["height"],
                                                                         settings["width"])
     tmp = tempfile.mkdtemp(prefix="ditmesh-bench-")
+    stopped = None
     try:
         rows = []
         if settings["baseline_src"]:
             rows += [dict(r, tree="baseline") for r in _baseline_rows(args, settings, tmp)]
-        current = _measure(settings, Path(tmp) / "current")
+        try:
+            current = _measure(settings, Path(tmp) / "current")
+        except RowsInterrupted as exc:  # the rows measured before the stop are written, then the run ends
+            current, stopped = exc.rows, exc
         rows += [dict(r, tree="current") for r in current] if settings["baseline_src"] else current
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if stopped is not None and not any("step_ms" in r for r in current):
+        raise stopped  # stopped before any row was measured: nothing to write
     on_gpu = torch.cuda.is_available()
     doc = report.document(
         command=["ditmesh", *_typed(args)], settings=settings,
@@ -145,7 +154,7 @@ def run_bench(args) -> int:
     written = report.write(out_path, doc)
     print(report.markdown(doc))
     print(f"ditmesh bench: wrote {', '.join(str(p) for p in written)}")
-    return 0
+    return 0 if stopped is None else stopped.code
 
 
 def _peer_versions() -> dict[str, str]:
@@ -197,6 +206,8 @@ def _settings(args) -> dict:
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps {args.steps} --warmup {args.warmup}: give at least 1 timed step and 0 or more "
                           "warm-ups")
+    if args.row_timeout is not None and not args.row_timeout > 0:
+        raise ConfigError(f"--row-timeout {args.row_timeout}: give the seconds a row may take, above 0 (e.g. 180)")
     # the options every ditmesh row shares, checked as generate checks them (each row's degrees come later)
     RunOptions.create(ulysses_chunks=args.ulysses_chunks, transport=args.transport, cache=args.cache,
                       fuse_qkv=args.fuse_qkv, cli=True).validate(device=torch.device("cuda" if on_gpu else "cpu"),
@@ -220,7 +231,7 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
-                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
+                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants, row_timeout=args.row_timeout,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
 
 
@@ -267,10 +278,11 @@ def _lora_rank(args) -> int | None:
 
 def _measure(s: dict, tmp: Path) -> list[dict]:
     """Launch every configuration of the settings ``s``; return the rows with their derived columns."""
-    from ..runtime.launch import launch_local
+    from ..runtime.launch import Interrupted, launch_local
     from .worker import append_row
 
     tmp.mkdir()
+    interrupted = None
     compiled = {"off": [False], "on": [True], "both": [False, True]}[s["compile"]]
     peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
     plan = []
@@ -309,12 +321,18 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                  f"{' attention ' + attention if attention != 'default' else ''}")
         print(f"ditmesh bench: {label} ...", flush=True)
         causes: list[str] = []  # a row's ranks that could not meet start once more on a fresh store
+        named = {k: v for k, v, default in (("quant", quant, "off"), ("comm_dtype", comm_dtype, "auto"),
+                                            ("attention", attention, "default")) if v != default}
         try:
             launch_local(g, ["bench", "--worker", json.dumps(spec)], log_dir=str(tmp / "launcher"),
-                         on_retry=causes.append)
+                         on_retry=causes.append, timeout_s=s.get("row_timeout"))
+        except Interrupted as exc:  # Ctrl-C or a SIGTERM ends the run, not one row: the rows done are still written
+            append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
+                             **named, "error": "interrupted: the run was stopped while this row ran"})
+            print(f"ditmesh bench: {label}: interrupted; writing the rows measured so far", flush=True)
+            interrupted = exc
+            break
         except Exception as exc:  # noqa: BLE001  (a failed configuration is a row, not the end of the run)
-            named = {k: v for k, v, default in (("quant", quant, "off"), ("comm_dtype", comm_dtype, "auto"),
-                                                ("attention", attention, "default")) if v != default}
             append_row(tmp, {"method": method, "gpus": g, "degrees": degrees, "compiled": comp, "graph": graph,
                              **named, "error": str(exc).splitlines()[0]})
         if causes:
@@ -326,7 +344,18 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                              r.get("comm_dtype", "auto"), r.get("attention", "default"), r.get("quant", "off")))
         if cause:
             r["rendezvous_retry"] = cause
-    return _derive(rows, tmp, s)
+    rows = _derive(rows, tmp, s)
+    if interrupted is not None:
+        raise RowsInterrupted(rows, interrupted.code)
+    return rows
+
+
+class RowsInterrupted(KeyboardInterrupt):
+    """The run was stopped while a row ran: ``rows`` are those measured (the stopped one with its error)."""
+
+    def __init__(self, rows: list[dict], code: int):
+        super().__init__(f"interrupted (exit {code})")
+        self.rows, self.code = rows, code
 
 
 def _derive(rows: list[dict], tmp: Path, s: dict) -> list[dict]:

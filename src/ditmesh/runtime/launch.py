@@ -151,18 +151,19 @@ def local_endpoint(attempt: int) -> str:
 
 
 def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None,
-           rdzv_timeout: int = 300, log_dir: str | None = None, on_retry=None) -> int:
+           rdzv_timeout: int = 300, log_dir: str | None = None, on_retry=None, timeout_s: float | None = None) -> int:
     """Run ``python -m ditmesh <argv>`` on ``nproc`` local ranks (of ``nnodes`` hosts meeting at
     ``rdzv_endpoint``); return 0, or raise :class:`LaunchError` with the first rank's one-line error, or
     :class:`Interrupted`. The run's folder is created in ``log_dir`` (default: the temporary directory) and
     removed at the end. A local run (no ``rdzv_endpoint``) whose ranks cannot meet is started once more on a fresh
-    store, after ``on_retry(cause)``; a second failure raises :class:`RendezvousFailed` naming both causes."""
+    store, after ``on_retry(cause)``; a second failure raises :class:`RendezvousFailed` naming both causes. A local
+    run still going after ``timeout_s`` seconds is stopped (:class:`LaunchError` saying so)."""
     if rdzv_endpoint:
         return _launch_hosts(nproc, argv, nnodes, rdzv_endpoint, rdzv_timeout, log_dir)
     causes = []
     for attempt in range(LOCAL_TRIES):
         try:
-            return _launch_local(nproc, argv, local_endpoint(attempt), rdzv_timeout, log_dir)
+            return _launch_local(nproc, argv, local_endpoint(attempt), rdzv_timeout, log_dir, timeout_s)
         except RendezvousFailed as exc:
             causes.append(exc.cause)
             if attempt + 1 == LOCAL_TRIES:
@@ -178,7 +179,8 @@ def _run_dir(log_dir: str | None) -> Path:
     return Path(tempfile.mkdtemp(prefix="ditmesh-run-", dir=log_dir))
 
 
-def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int, log_dir: str | None) -> int:
+def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int, log_dir: str | None,
+                  timeout_s: float | None = None) -> int:
     """One start of the ranks of a run on this host, their store bound by rank 0 at ``endpoint`` (see
     :func:`launch`). Imports nothing heavy: the ranks start at once."""
     run_dir = _run_dir(log_dir)
@@ -207,7 +209,9 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
             procs.append(subprocess.Popen([sys.executable, "-m", "ditmesh", *argv],
                                           env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
                                           stderr=subprocess.STDOUT if out is not None else None))
-        failures = _wait_ranks(procs)
+        failures = _wait_ranks(procs, timeout_s)
+        if failures is None:
+            raise LaunchError(f"stopped after {timeout_s:g} s: the ranks had not finished")
         if failures:
             record = _earliest_record(run_dir)
             if record is not None and record["type"] == StoreUnreachable.__name__:
@@ -226,10 +230,15 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     return 0
 
 
-def _wait_ranks(procs: list[subprocess.Popen]) -> dict[int, int]:
+def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None) -> dict[int, int] | None:
     """Wait until every rank has left; at the first that fails, stop the others. Returns ``{rank: exit code}`` of
-    the ranks that failed (empty when all succeeded)."""
+    the ranks that failed (empty when all succeeded), or ``None`` when ``timeout_s`` passed first (every rank
+    stopped)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            _stop(procs, signal.SIGTERM)
+            return None
         codes = [p.poll() for p in procs]
         failed = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
         if failed:  # the ranks that failed first: the others are stopped because of them
