@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from test_serve import _metric, _progress_then, decode, running_server
-from test_serve import test_serve_refuses_bad_options_before_any_rank_starts as _refused
+from test_serve import test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank as _refused
 
 from ditmesh.testing import free_port
 
