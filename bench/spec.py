@@ -477,9 +477,18 @@ TABLES = [
     dict(name="planner-h200x4", doc=PLANNER, files=[f"{H200X4}/planner/validate.json"], columns=PLANNED),
     dict(name="startup-cpu", doc=TIMELINE, files=["2026-11-28_cpu2/startup.json"], rows=startup_rows,
          columns=STARTUP),
-    dict(name="e2e-h200x2", doc=TIMELINE, files=["2026-11-28_h200x2/e2e/e2e.json"], columns=E2E,
-         note="rows the call's deadline skipped: old:ulysses:warm, new:1gpu:warm, new:displaced:warm, new:pp:warm "
-              "(pp's warm-up was refused: the script asked pp for CUDA graphs)"),
+    dict(name="e2e-h200x2", doc=TIMELINE, files=["2026-11-28_h200x2b/e2e.json"], columns=E2E,
+         note="old = the baseline tree 42e3be5, new = this tree; warm compile caches (the rows' warm-ups ran first, "
+              "all at once); rows the call's deadline skipped: new:1gpu:warm, new:pp:warm, new:displaced:warm"),
+    dict(name="serve-h200x2", doc=TIMELINE,
+         files=["2026-11-28_h200x2b/serve-old.json", "2026-11-28_h200x2b/serve-new.json",
+                "2026-11-28_h200x2b/serve-4x1.json"], rows=serve_rows,
+         columns=[("tree", lambda r: ("baseline 42e3be5" if "serve-old" in r["_file"] else "new")
+                   if r["_first"] else "")] + SERVE
+         + [("steps s", "phases_s.steps", ".2f"), ("text encode s", "phases_s.text_encode", ".3f"), ("VAE s", "phases_s.vae_decode", ".3f"),
+            ("PNG s", "phases_s.encode", ".3f")],
+         note="one request a client; the 2 × 1 layout's 16 clients were cut by the call's deadline (12 of 32 "
+              "answered) and its --max-batch 4 row did not start"),
     dict(name="quant-flux-h200x2", doc="docs/quantization.md", files=["2026-11-28_h200x2/quant/quant-flux-1gpu.json"],
          columns=[("variant", lambda r: r.get("quant", "bf16") if r.get("graph") else
                    ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))] + BENCH[1:5]

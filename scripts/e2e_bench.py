@@ -60,7 +60,9 @@ class Bench:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="ditmesh-e2e-"))
-        self.shared_cache = self.work / "compile"
+        # the compile caches the warm rows share: a folder of the call's own, or --shared-cache (the serve rows
+        # that follow in gpu_issue32.sh then find the same graphs: the cache is content-addressed)
+        self.shared_cache = Path(args.shared_cache) if args.shared_cache else self.work / "compile"
         self.warmed: set[tuple[str, str]] = set()
         self.rows: list[dict] = []
         self.skipped: list[dict] = []
@@ -247,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--baseline-src", default=None, metavar="DIR", help="folder holding the old tree's ditmesh package")
     p.add_argument("--parallel-warmups", action="store_true", help="run the warm-ups a row needs at the same time")
+    p.add_argument("--shared-cache", default=None, metavar="DIR",
+                   help="the compile caches the warm rows share (inductor/ and triton/ in it); default: a folder of "
+                        "the call's own, removed at the end")
     p.add_argument("--deadline-s", type=float, default=540.0, help="skip rows that would end after this (default 540)")
     p.add_argument("--cpu-dry-run", action="store_true", help="flux-tiny on CPU processes (gloo), 2 of them, 64x64, "
                                                              "2 steps: the whole flow in a few minutes")

@@ -4,7 +4,8 @@
 # (synthesized once into /tmp/flux-dev, shared by every row), 1024², 28 steps, --compile --cuda-graph, warm compile
 # caches (the warm-ups of every row at once first): ulysses 4 on the baseline tree (.old/src) and on this tree, then
 # 1 GPU, pp 4 and displaced on this tree (ROWS=...:cold adds a cold row); (2) `ditmesh serve` at ulysses 4 under 1
-# and 16 clients (one request each), this tree then the baseline tree; (3) what time is left: serve's 4 x 1 GPU
+# and 16 clients (one request each), this tree then the baseline tree, both on the compile caches the generate rows
+# filled (serve's own cache folder); (3) what time is left: serve's 4 x 1 GPU
 # under 16 clients without and with --max-batch 4.
 #
 # Before the call, once, in the checkout that travels (the baseline tree as an ignored folder):
@@ -32,6 +33,7 @@ left() { echo $((TOTAL_S - SECONDS)); }
 # (1) generate: about half of the call
 bash scripts/gpu.sh python3 scripts/e2e_bench.py --synth flux-dev --model /tmp/flux-dev --gpus "$G" \
   --height 1024 --width 1024 --steps 28 --compile --cuda-graph --baseline-src .old/src --parallel-warmups \
+  --shared-cache "${DITMESH_CACHE:-$HOME/.cache/ditmesh}/compile" \
   --deadline-s "${GENERATE_S:-370}" --out "$OUT" --rows "$ROWS"
 # (2) serve at ulysses 4, this tree then the baseline's (the same bench script drives both: only the server differs)
 if [ "$(left)" -gt 60 ]; then

@@ -45,13 +45,21 @@ def test_emulation_equals_torchao(mode):
         assert torch.equal(weight.qdata.view(torch.uint8) if mode != "int8-weight" else weight.qdata,
                            mine.qweight.view(torch.uint8) if mode != "int8-weight" else mine.qweight), mode
         assert torch.allclose(weight.scale.float().reshape(-1), mine.scale.reshape(-1), rtol=1e-6, atol=0), mode
+    err = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     with torch.no_grad():
         ref = _block()(x).float()
         out_real, out_emulated = real(x).float(), emulated(x).float()
-    err = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    print(f"{mode}: torchao vs emulation {err(out_real, out_emulated):.2e}, each vs bf16 {err(out_real, ref):.2e} / "
-          f"{err(out_emulated, ref):.2e}")
-    assert err(out_real, out_emulated) <= 1e-2
+        # each layer on the same input: the products differ by their accumulation and the output's bf16 rounding
+        hidden = real[0][1](real[0][0](x))
+        layers = [err(real[0][0](x).float(), emulated[0][0](x).float()),
+                  err(real[0][2](hidden).float(), emulated[0][2](hidden).float())]
+    block, to_bf16 = err(out_real, out_emulated), min(err(out_real, ref), err(out_emulated, ref))
+    print(f"{mode}: torchao vs emulation per layer {layers[0]:.2e} / {layers[1]:.2e}, block {block:.2e}; each vs "
+          f"bf16 {err(out_real, ref):.2e} / {err(out_emulated, ref):.2e}")
+    assert max(layers) <= 1e-2
+    # Through the block, fp8 rounds the second layer's activations: an input that differs by the first layer's
+    # accumulation flips some codes (1.8e-2 on an H200), which stays well inside the rounding's own error.
+    assert block <= (0.5 * to_bf16 if mode == "fp8" else 1e-2)
     assert err(out_real, ref) <= 6e-2
 
 
