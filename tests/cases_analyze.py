@@ -27,3 +27,14 @@ def probe_records(model: str, config: dict, steps: int = 3, prompts: tuple = ("a
     records = probe.records()
     probe.remove()
     return records
+
+
+def probe_refusal(model: str, config: dict, **kwargs) -> str | None:
+    """:func:`probe_records`' ConfigError message (``None`` when the run went through)."""
+    from ditmesh.config import ConfigError
+
+    try:
+        probe_records(model, config, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    return None

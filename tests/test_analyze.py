@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cases_analyze import probe_records
+from cases_analyze import probe_records, probe_refusal
 
 
 def flat(records: dict) -> dict:
@@ -70,6 +70,13 @@ def test_data_parallel_and_4_rank_runs_record_the_single_process_numbers(pools, 
         assert_same_numbers(records, ref)
     for records in pools(4).run(probe_records, flux_tiny, {"ulysses": 2, "tp": 2}, prompts=prompts):
         assert_same_numbers(records, ref)
+
+
+def test_the_probe_refuses_a_batch_that_leaves_a_dp_rank_without_an_image(pools, flux_tiny):
+    """Every rank must compute every call for the probe's records to be the one process's: one prompt on two dp
+    groups is refused on every rank (instead of one rank skipping calls the other records)."""
+    for message in pools(2).run(probe_refusal, flux_tiny, {"dp": 2}, steps=2):
+        assert message is not None and "cannot give each of the 2 dp/cfg batch ranks an image" in message
 
 
 def test_sd3_batched_cfg_and_wan_record_the_single_process_numbers(pools, model_checkpoints):

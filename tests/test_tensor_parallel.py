@@ -80,6 +80,15 @@ def test_sharded_load_reads_only_the_shard_and_equals_slicing_the_full_model(poo
         assert same and heads == {3} and not meta_left
 
 
+def test_sharded_load_casts_to_the_asked_dtype(flux_tiny):
+    """A float32 checkpoint loaded sharded in bf16 holds bf16 shards (as from_pretrained(torch_dtype=...) would),
+    not the stored dtype."""
+    from ditmesh.parallel import tensor
+
+    model = tensor.load_sharded_transformer(flux_tiny, 0, 2, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_sharded_load_with_broadcast_text_encoders_matches_single_process(pools, flux_tiny):
     ref, _ = flux_generate(flux_tiny, {}, 2)
     results = pools(2).run(tp_pipeline_case, flux_tiny, {"tp": 2}, 2, text_encoders="broadcast", sharded_load=True)
