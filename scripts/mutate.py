@@ -95,6 +95,7 @@ _TP = "tests/test_tensor_parallel.py"
 _DP = "tests/test_batch_parallel.py"
 _LIMITS = "tests/test_limits.py"
 _OPTIONS = (_LIMITS, "tests/test_options.py", "tests/test_config_and_cli_errors.py",
+            "tests/test_attention8.py::test_eight_bit_options_are_refused_before_any_import",
             "tests/test_pipefusion.py::test_bad_pipefusion_settings_are_refused_in_one_line",
             "tests/test_pipefusion.py::test_a_family_whose_block_lists_pass_different_activations_is_refused",
             "tests/test_pipefusion.py::test_a_family_pipefusion_was_not_built_for_is_refused",
