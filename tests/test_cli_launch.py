@@ -114,7 +114,8 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, p
     assert leftovers(private_tmp) == []
 
 
-def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp):
+@pytest.mark.parametrize("after_s", [0.0, 3.0])  # as the ranks' interpreters start, and while they import
+def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp, after_s):
     cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", flux_tiny, "--nproc", "4", "--ulysses", "4",
            "--steps", "100000", "--out", str(tmp_path / "never.png")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -122,10 +123,10 @@ def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tm
     deadline = time.time() + 120
     started = False
     while time.time() < deadline and not started:  # wait until every rank is up
-        time.sleep(1)
+        time.sleep(0.05)
         started = _ranks_running(str(tmp_path / "never.png")) == 5  # the launcher and its 4 ranks
     assert started
-    time.sleep(3)
+    time.sleep(after_s)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130

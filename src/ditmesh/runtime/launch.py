@@ -201,14 +201,13 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     handle = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_signal) if handle else None
     try:
-        for rank in range(nproc):
-            out = None
-            if rank:  # local rank 0 keeps the console (progress bar, result line)
-                out = open(run_dir / "logs" / f"rank{rank}.log", "wb")
-                logs.append(out)
-            procs.append(subprocess.Popen([sys.executable, "-m", "ditmesh", *argv],
-                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
-                                          stderr=subprocess.STDOUT if out is not None else None))
+        # no signal between a rank's fork and its place in ``procs`` (an unknown rank would outlive the run):
+        # SIGINT and SIGTERM wait until every rank is started, then arrive
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            _start_ranks(procs, logs, nproc, argv, env, run_dir)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         failures = _wait_ranks(procs, timeout_s)
         if failures is None:
             raise LaunchError(f"stopped after {timeout_s:g} s: the ranks had not finished")
@@ -217,8 +216,8 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
             if record is not None and record["type"] == StoreUnreachable.__name__:
                 raise RendezvousFailed(record["message"])
             raise LaunchError(_first_failure(run_dir, failures, nproc))
-    except KeyboardInterrupt as exc:
-        _stop(procs, signal.SIGTERM if signalled else signal.SIGINT)
+    except KeyboardInterrupt as exc:  # a rank still starting ignores SIGINT: the SIGTERM after it ends that one
+        _stop(procs, signal.SIGTERM if signalled else signal.SIGINT, grace_s=2.0)
         raise exc if isinstance(exc, Interrupted) else Interrupted(130) from None
     finally:
         if handle:
@@ -228,6 +227,26 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
             out.close()
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
+
+
+def _start_ranks(procs: list, logs: list, nproc: int, argv: list[str], env: dict, run_dir: Path) -> None:
+    """Start the ``nproc`` rank processes (appended to ``procs``; the log files of ranks 1.. to ``logs``)."""
+    for rank in range(nproc):
+        out = None
+        if rank:  # local rank 0 keeps the console (progress bar, result line)
+            out = open(run_dir / "logs" / f"rank{rank}.log", "wb")
+            logs.append(out)
+        procs.append(subprocess.Popen([sys.executable, "-m", "ditmesh", *argv],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out,
+                                      stderr=subprocess.STDOUT if out is not None else None, preexec_fn=_rank_signals))
+
+
+def _rank_signals() -> None:
+    """In a rank between fork and exec: born with SIGINT ignored, so that a Ctrl-C while its interpreter starts is
+    no KeyboardInterrupt traceback (``ditmesh.__main__`` gives it back its default action, the end of the process,
+    first thing), and with the launcher's blocked signals unblocked."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None) -> dict[int, int] | None:
