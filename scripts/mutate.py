@@ -141,6 +141,7 @@ TESTS: dict[str, tuple[str, ...]] = {
     "serve/app.py": (_JOBS, "tests/test_serve_ray.py::test_a_request_whose_replica_fails_before_its_first_step_runs_again_"
                             "once_else_it_fails_naming_the_fault"),
     "serve/cli.py": (_LIMITS, "tests/test_serve.py::test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank",
+                     "tests/test_serve.py::test_openai_and_native_requests_return_the_pictures",
                      "tests/test_options.py::test_generate_and_serve_refuse_an_option_before_torch_loads"),
     "serve/replica.py": (_JOBS,),
     "serve/requests.py": (_LIMITS, _JOBS),
