@@ -57,6 +57,12 @@ def write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
+def share_cpu_threads(env: dict, processes: int) -> None:
+    """Set ``OMP_NUM_THREADS`` in ``env`` (unless the user set it) to this machine's cores shared by ``processes``
+    processes started together (at least one each)."""
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+
+
 def strip_option(argv: list[str], name: str) -> list[str]:
     """``argv`` without the option ``name`` and its value (``--name v`` and ``--name=v``)."""
     out, skip = [], False

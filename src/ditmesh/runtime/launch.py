@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..shared import one_line
+from ..shared import one_line, share_cpu_threads
 from ..timeline import LAUNCH_START_ENV, timeline
 
 #: set by the launcher for its ranks: where a failing rank writes its error
@@ -186,7 +186,7 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     run_dir = _run_dir(log_dir)
     (run_dir / "logs").mkdir()
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    share_cpu_threads(env, nproc)
     env.update({ERROR_DIR_ENV: str(run_dir), LAUNCH_START_ENV: str(timeline().process_start_unix),
                 STORE_ENV: f"{endpoint}|{run_dir / 'store-port'}|{rdzv_timeout}", "WORLD_SIZE": str(nproc),
                 "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": endpoint.rsplit(":", 1)[0]})
@@ -298,7 +298,7 @@ def _launch_hosts(nproc: int, argv: list[str], nnodes: int, endpoint: str, rdzv_
     for name in list(logging.root.manager.loggerDict):  # torch's elastic loggers set their own levels
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    share_cpu_threads(os.environ, nproc)
     run_dir = _run_dir(log_dir)
     os.environ[ERROR_DIR_ENV] = str(run_dir)  # the ranks inherit it
     os.environ[LAUNCH_START_ENV] = str(timeline().process_start_unix)  # the ranks' timelines start where this did

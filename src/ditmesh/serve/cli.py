@@ -147,12 +147,11 @@ def _prestart(args, world: int) -> list:
     if args.ray:
         return []
     from .replica import Replica
+    from ..shared import share_cpu_threads
     from .server import stop_on_signals
 
     stop_on_signals()
-
-    # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
+    share_cpu_threads(os.environ, world * args.replicas)  # as the launcher does: all ranks of all replicas
     replicas = [Replica(i, world, {}, args.step_timeout, args.load_timeout) for i in range(args.replicas)]
     for replica in replicas:
         replica.prestart()

@@ -21,12 +21,12 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
     import uvicorn
 
     from ..runtime.launch import LaunchError
+    from ..shared import share_cpu_threads
     from .app import Service, create_app
     from .replica import RankFault, Replica
 
     stop_on_signals()
-    # as the launcher does: the CPU threads of this machine shared by all ranks of all replicas
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (world * args.replicas))))
+    share_cpu_threads(os.environ, world * args.replicas)  # as the launcher does: all ranks of all replicas
     options = {k: v for k, v in vars(args).items() if k not in ("func", "argv", "token")}
     if args.ray:  # the replicas on a Ray cluster (ray_backend.py), the front door here
         from .ray_backend import ray_service
