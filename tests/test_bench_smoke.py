@@ -24,6 +24,15 @@ def bench(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def bench_rows(args: list[str], tmp_path: Path, timeout: float = 300) -> list[dict]:
+    """Run ``bench ARGS --out tmp_path/b.json`` to its end (exit code 0) and return the rows it wrote."""
+    out = tmp_path / "b.json"
+    proc = bench([*args, "--out", str(out)], tmp_path)
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out.read_text())["rows"]
+
+
 def leftovers(tmp_path: Path) -> list[Path]:
     """What a run left in its TMPDIR: its own folder, or the launcher's (torch's compile cache may stay)."""
     return [*(tmp_path / "tmp").glob("ditmesh-bench-*"), *(tmp_path / "tmp").glob("torchelastic_*")]
@@ -57,12 +66,8 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
 
 
 def test_no_single_runs_only_the_multi_gpu_rows(tmp_path):
-    out = tmp_path / "b.json"
-    proc = bench(["--gpus", "1,2", "--methods", "ulysses", "--no-single", "--steps", "1", "--warmup", "0",
-                  "--out", str(out)], tmp_path)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows(["--gpus", "1,2", "--methods", "ulysses", "--no-single", "--steps", "1", "--warmup", "0"],
+                      tmp_path)
     assert [(r["method"], r["gpus"]) for r in rows] == [("ulysses", 2)]
     assert rows[0]["step_ms"] > 0 and "speedup_vs_1gpu" not in rows[0]
 
@@ -116,12 +121,7 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
 
 
 def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
-    out = tmp_path / "b.json"
-    proc = bench(["--gpus", "1", "--steps", "2000", "--warmup", "0", "--row-timeout", "3", "--out", str(out)],
-                 tmp_path)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = bench_rows(["--gpus", "1", "--steps", "2000", "--warmup", "0", "--row-timeout", "3"], tmp_path)
     assert rows and all(r["error"] == "stopped after 3 s: the ranks had not finished" for r in rows), rows
     assert leftovers(tmp_path) == []
 

@@ -232,16 +232,10 @@ def test_bad_displaced_command_lines_fail_in_one_line_with_exit_2(argv, needle, 
 
 
 def test_bench_measures_displaced_rows(tmp_path):
-    import json
+    from test_bench_smoke import bench_rows
 
-    from test_bench_smoke import bench
-
-    out = tmp_path / "bench.json"
-    proc = bench(["--gpus", "1,2", "--methods", "displaced", "--steps", "1", "--warmup", "1", "--out", str(out)],
-                 tmp_path)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
-    rows = {(r["method"], r["gpus"]): r for r in json.loads(out.read_text())["rows"]}
+    rows = {(r["method"], r["gpus"]): r for r in bench_rows(["--gpus", "1,2", "--methods", "displaced", "--steps", "1",
+                                                             "--warmup", "1"], tmp_path, timeout=600)}
     displaced = rows[("displaced", 2)]
     assert "error" not in displaced and displaced["degrees"] == {"ulysses": 2} and not displaced["graph"]
     # the timed step is stale, but every bench step has the same inputs: the last step's K/V are this step's, so the
