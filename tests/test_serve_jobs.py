@@ -104,6 +104,15 @@ def service():
     svc.stop()
 
 
+def test_stop_alone_ends_the_dispatchers():
+    """``stop`` without a ``shutdown`` first (a replica that could not start, a test's teardown) still ends every
+    dispatcher: none is left polling the queue."""
+    svc = Service([_ScriptedReplica()], LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01)
+    svc.start()
+    svc.stop()
+    assert not [t.name for t in svc.threads if t.is_alive()]
+
+
 def _wait(condition, what: str, timeout: float = 10):
     deadline = time.time() + timeout
     while not condition():
