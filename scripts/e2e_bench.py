@@ -141,11 +141,24 @@ class Bench:
                 if code == 0:
                     self.warmed.add((tree, mode))
 
+    def guess_s(self, tree: str, mode: str, cache: str) -> float:
+        """The seconds a row is expected to take: its own last wall time; else, warm with its warm-up done, that
+        warm-up's (it compiled, so it took longer) or 1.3 x the longest warm row of its tree measured, whichever is less
+        (a row that overruns is still ended at the deadline); else
+        :data:`GUESS_S` (1.6 x when a warm-up must run first)."""
+        if f"{tree}:{mode}" in self.walls:
+            return self.walls[f"{tree}:{mode}"]
+        fallback = GUESS_S["cpu" if self.args.cpu_dry_run else "gpu"]
+        if cache == "warm" and (tree, mode) in self.warmed:
+            warmup = next(w["wall_s"] for w in self.warmups if (w["tree"], w["mode"]) == (tree, mode))
+            measured = [r["wall_s"] for r in self.rows if r["cache"] == "warm" and r["tree"] == tree]
+            return min(warmup, 1.3 * max(measured)) if measured else warmup
+        return fallback * (1.6 if cache == "warm" else 1.0)
+
     def row(self, spec: str) -> None:
         tree, mode, cache = spec.split(":")
         name = spec.replace(":", "-")
-        guess = self.walls.get(f"{tree}:{mode}", GUESS_S["cpu" if self.args.cpu_dry_run else "gpu"])
-        if self.left_s() < guess * (1.6 if cache == "warm" and (tree, mode) not in self.warmed else 1.0):
+        if self.left_s() < self.guess_s(tree, mode, cache):
             self.skipped.append({"row": spec, "why": f"{self.left_s():.0f} s left before the deadline"})
             print(f"e2e: skipped {spec} ({self.left_s():.0f} s left)", flush=True)
             return

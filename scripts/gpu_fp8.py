@@ -10,9 +10,14 @@ ended (its rows are lost, the earlier sections' files stay):
   emulation.
 * ``quant-flux-1gpu``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs, one GPU: diffusers' eager row (the
   error reference) and compiled row, ditmesh's rows with the block linears in bf16, fp8 and fp8-weight.
-* ``quant-flux-x4``: the same at ulysses 4, ditmesh's rows only: {bf16, fp8} block linears x {bf16, fp8 payloads}
-  (the speedups against quant-flux-1gpu's rows of the same mode are printed at the end; the error of a parallel
-  row against its one-process run is what the CPU tests check).
+* ``quant-flux-x4``: the same at ulysses 4, ditmesh's rows only: bf16 and fp8 block linears (the speedups against
+  quant-flux-1gpu's rows of the same mode are printed at the end; the error of a parallel row against its
+  one-process run is what the CPU tests check).
+* ``quant-flux-x4-comm``: ulysses 4 with fp8 payloads (``--comm-dtype fp8``), with fp8 and with bf16 block linears;
+  skipped when quant-flux-x4's fp8 row failed (it would fail the same way).
+
+The FLUX sections run with ``TORCH_LOGS=recompiles`` (a recompiling block says why on the console) and a row time
+limit; a row past it prints every rank's Python stack before it is stopped.
 * ``quant-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
   reference) and ulysses 4 with {bf16, fp8} block linears x {default (exact), int8 attention}.
 * ``quant-checkpoint``: ``ditmesh quantize --quant fp8`` of the FLUX.1-dev architecture, then a 1-GPU ``generate``
@@ -48,7 +53,7 @@ TESTS = {
     "attention8-test": (["tests/gpu/test_attention8_gpu.py"], ["tests/test_attention8.py", "-k", "rounding or interpreter"]),
 }
 FLUX = ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--methods", "ulysses", "--compile", "on",
-        "--steps", "3", "--warmup", "1", "--row-timeout", "180"]
+        "--steps", "3", "--warmup", "1", "--row-timeout", "150"]
 WAN = ["--model", "wan2.1-14b", "--height", "480", "--width", "832", "--frames", "81", "--methods", "ulysses",
        "--compile", "off", "--no-cuda-graph", "--steps", "2", "--warmup", "1", "--row-timeout", "240"]
 #: section -> arguments of ``ditmesh bench`` on GPUs (None: a pytest section, :data:`TESTS`), in order of priority
@@ -56,7 +61,8 @@ SECTIONS = {
     "quant-test": None,
     "attention8-test": None,
     "quant-flux-1gpu": FLUX + ["--gpus", "1", "--quant", "off,fp8,fp8-weight"],
-    "quant-flux-x4": FLUX + ["--gpus", "4", "--no-single", "--quant", "off,fp8", "--comm-dtype", "auto,fp8"],
+    "quant-flux-x4": FLUX + ["--gpus", "4", "--no-single", "--quant", "off,fp8"],
+    "quant-flux-x4-comm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8,off", "--comm-dtype", "fp8"],
     "quant-checkpoint": "checkpoint",
     "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
     "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
@@ -68,7 +74,8 @@ EXPECTED_S = {
     "quant-test": 35,         # pytest start, torchao's kernels on a few layers
     "attention8-test": 30,    # Triton compiles the kernel once per shape
     "quant-flux-1gpu": 185,   # 5 rows: diffusers eager 15, compiled 35; ditmesh bf16 30, fp8 55, fp8-weight 50
-    "quant-flux-x4": 170,     # 4 rows: bf16 35, bf16 + fp8 payloads 35, fp8 50, fp8 + fp8 payloads 50
+    "quant-flux-x4": 85,      # 2 rows: bf16 35, fp8 50
+    "quant-flux-x4-comm": 85,  # 2 rows: fp8 + fp8 payloads 50, bf16 + fp8 payloads 35
     "quant-checkpoint": 100,  # quantize: read 24 GB of bf16 and write 12 GB; generate: start, load, 8 eager steps
     "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, int8} ~21 each
     "quant-flux-keep": 50,    # 1 row, compiled cold
@@ -127,9 +134,18 @@ def run_checkpoint(out: Path, dry: bool, seconds: float | None) -> int:
     return code
 
 
-def run_until(command: list[str], seconds: float | None) -> int:
-    """Run ``command`` in its own process group; end the whole group when ``seconds`` pass (exit code 124)."""
-    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+def fp8_failed(path: Path) -> bool:
+    """Whether the bench file at ``path`` has an fp8 row without a step time (or is missing: the section ended)."""
+    if not path.exists():
+        return True
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("quant") == "fp8"]
+    return not rows or any("step_ms" not in r for r in rows)
+
+
+def run_until(command: list[str], seconds: float | None, env: dict | None = None) -> int:
+    """Run ``command`` in its own process group (``env``: variables added to this one's); end the whole group when
+    ``seconds`` pass (exit code 124)."""
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True, env=dict(os.environ, **(env or {})))
     try:
         return proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -148,10 +164,12 @@ def run_until(command: list[str], seconds: float | None) -> int:
 
 def speedups(out: Path) -> list[str]:
     """quant-flux-x4's rows against quant-flux-1gpu's ditmesh row of the same block-linear mode (Markdown lines)."""
-    paths = [out / f"quant-flux-{name}.json" for name in ("1gpu", "x4")]
-    if not all(p.exists() for p in paths):
+    one_path = out / "quant-flux-1gpu.json"
+    parallel = [p for p in (out / "quant-flux-x4.json", out / "quant-flux-x4-comm.json") if p.exists()]
+    if not one_path.exists() or not parallel:
         return []
-    one, four = (json.loads(p.read_text())["rows"] for p in paths)
+    one = json.loads(one_path.read_text())["rows"]
+    four = [r for p in parallel for r in json.loads(p.read_text())["rows"]]
     single = {r.get("quant", "off"): r["step_ms"] for r in one if r.get("graph") and "step_ms" in r}
     lines = ["| ulysses 4 row | step ms | 1-GPU ditmesh row of the same mode, ms | speedup |", "|---|---|---|---|"]
     for r in four:
@@ -191,6 +209,10 @@ def main(argv=None) -> int:
             print(f"== {section}: skipped ({left:.0f} s left, it takes ~{expected} s)", flush=True)
             skipped.append(section)
             continue
+        if section == "quant-flux-x4-comm" and fp8_failed(out / "quant-flux-x4.json"):
+            print(f"== {section}: skipped (quant-flux-x4's fp8 row failed)", flush=True)
+            skipped.append(section)
+            continue
         begun = time.time()
         if SECTIONS[section] == "checkpoint":
             code = run_checkpoint(out, args.cpu_dry_run, left)
@@ -204,7 +226,8 @@ def main(argv=None) -> int:
             command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run, args.gpus),
                        "--out", str(out / f"{section}.json")]
         print(f"== {section}: {' '.join(command[1:])}", flush=True)
-        code = run_until(command, left)
+        env = {"TORCH_LOGS": "recompiles"} if section.startswith("quant-flux") else None
+        code = run_until(command, left, env)
         failed += code != 0
         ended = " (ended at the deadline)" if code == 124 else ""
         print(f"== {section}: {time.time() - begun:.0f} s (expected ~{EXPECTED_S[section]} s on GPUs){ended}",

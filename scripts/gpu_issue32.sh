@@ -25,16 +25,16 @@ fi
 [ -d .old/src/ditmesh ] || { echo "no .old/src/ditmesh: run 'bash scripts/gpu_issue32.sh --prepare COMMIT' and carry .old"; exit 2; }
 OUT=${OUT:-/tmp/e2e-out}
 mkdir -p "$OUT"
-TOTAL_S=${TOTAL_S:-575}  # the whole call's share of the device's 600 s
+TOTAL_S=${TOTAL_S:-585}  # the whole call's share of the device's 600 s
 G=${GPUS:-4}  # the GPUs of the machine: ulysses G, G one-GPU replicas
-ROWS=${ROWS:-old:ulysses:warm,new:ulysses:warm,new:1gpu:warm,new:pp:warm,new:displaced:warm}
+ROWS=${ROWS:-old:ulysses:warm,new:ulysses:warm,new:1gpu:warm,new:displaced:warm,new:pp:warm}
 SERVE="--steps 28 --height 1024 --width 1024 --compile --cuda-graph --logs $OUT/serve-logs"
 left() { echo $((TOTAL_S - SECONDS)); }
 # (1) generate: about half of the call
 bash scripts/gpu.sh python3 scripts/e2e_bench.py --synth flux-dev --model /tmp/flux-dev --gpus "$G" \
   --height 1024 --width 1024 --steps 28 --compile --cuda-graph --baseline-src .old/src --parallel-warmups \
   --shared-cache "${DITMESH_CACHE:-$HOME/.cache/ditmesh}/compile" \
-  --deadline-s "${GENERATE_S:-370}" --out "$OUT" --rows "$ROWS"
+  --deadline-s "${GENERATE_S:-400}" --out "$OUT" --rows "$ROWS"
 # (2) serve at ulysses 4, this tree then the baseline's (the same bench script drives both: only the server differs)
 if [ "$(left)" -gt 60 ]; then
   bash scripts/gpu.sh python3 scripts/serve_bench.py --model /tmp/flux-dev --layout "--nproc $G --ulysses $G" \

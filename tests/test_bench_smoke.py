@@ -121,8 +121,18 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
 
 
 def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
-    rows = bench_rows(["--gpus", "1", "--steps", "2000", "--warmup", "0", "--row-timeout", "3"], tmp_path)
-    assert rows and all(r["error"] == "stopped after 3 s: the ranks had not finished" for r in rows), rows
+    out = tmp_path / "b.json"
+    proc = bench(["--gpus", "2", "--methods", "ulysses,ring", "--no-single", "--steps", "2000", "--warmup", "0",
+                  "--row-timeout", "4", "--out", str(out)], tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ulysses", "ring"], rows
+    assert all(r["error"] == "stopped after 4 s: the ranks had not finished (where each one was: the Python stacks "
+               "printed above)" for r in rows), rows
+    # where each rank was: both ranks' Python stacks (faulthandler's format), rank 1's copied from its log
+    assert err.count("ditmesh: rank 1 at the time limit:") == 2, err[-3000:]
+    assert err.count("most recent call first") >= 4, err[-3000:]
     assert leftovers(tmp_path) == []
 
 

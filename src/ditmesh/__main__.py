@@ -10,6 +10,10 @@ if os.environ.get("DITMESH_ERROR_DIR") and "RANK" in os.environ:
     # without a traceback. The launcher reports the interruption once.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # the launcher's SIGUSR1 (a run past its time limit): every thread's Python stack to stderr, then on
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 from .cli import main  # noqa: E402
 

@@ -208,9 +208,10 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
             _start_ranks(procs, logs, nproc, argv, env, run_dir)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        failures = _wait_ranks(procs, timeout_s)
+        failures = _wait_ranks(procs, timeout_s, on_timeout=lambda: _dump_stacks(procs, run_dir))
         if failures is None:
-            raise LaunchError(f"stopped after {timeout_s:g} s: the ranks had not finished")
+            raise LaunchError(f"stopped after {timeout_s:g} s: the ranks had not finished (where each one was: "
+                              "the Python stacks printed above)")
         if failures:
             record = _earliest_record(run_dir)
             if record is not None and record["type"] == StoreUnreachable.__name__:
@@ -249,13 +250,16 @@ def _rank_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None) -> dict[int, int] | None:
+def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None,
+                on_timeout=None) -> dict[int, int] | None:
     """Wait until every rank has left; at the first that fails, stop the others. Returns ``{rank: exit code}`` of
-    the ranks that failed (empty when all succeeded), or ``None`` when ``timeout_s`` passed first (every rank
-    stopped)."""
+    the ranks that failed (empty when all succeeded), or ``None`` when ``timeout_s`` passed first (``on_timeout()``
+    called, then every rank stopped)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         if deadline is not None and time.monotonic() > deadline:
+            if on_timeout is not None:
+                on_timeout()
             _stop(procs, signal.SIGTERM)
             return None
         codes = [p.poll() for p in procs]
@@ -266,6 +270,30 @@ def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None) -
         if all(code == 0 for code in codes):
             return {}
         time.sleep(0.02)
+
+
+def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2.0) -> None:
+    """Ask the ranks still running for their Python stacks (SIGUSR1: ``faulthandler`` in ``ditmesh.__main__``) and
+    print them on stderr: rank 0 writes to the console itself, the others' logs are copied from where they dumped."""
+    marks = {}
+    print("ditmesh: the ranks at the time limit (rank 0's stacks come first, unlabelled)", file=sys.stderr, flush=True)
+    for rank, p in enumerate(procs):
+        log = run_dir / "logs" / f"rank{rank}.log"
+        marks[rank] = log.stat().st_size if rank and log.exists() else 0
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(wait_s)
+    for rank in range(1, len(procs)):
+        log = run_dir / "logs" / f"rank{rank}.log"
+        if log.exists():
+            with open(log, "rb") as f:
+                f.seek(marks[rank])
+                dump = f.read().decode(errors="replace").strip()
+            if dump:
+                print(f"ditmesh: rank {rank} at the time limit:\n{dump}", file=sys.stderr, flush=True)
 
 
 def _stop(procs: list[subprocess.Popen], signum: int, grace_s: float = 10.0) -> None:
