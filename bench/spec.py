@@ -317,6 +317,7 @@ E2E = [("row", "row"), ("GPUs", "nproc"), ("wall s", "wall_s", ".1f"), ("load s"
        ("first step's extra s", "first_step_extra_s", ".1f"), ("28 × steady step s", "steps_s", ".2f"),
        ("overhead s", "overhead_s", ".1f"), ("one import s", "_doc.one_import_s", ".1f"),
        ("launcher s", "split_s.launch", ".1f"), ("rank imports s", "split_s.imports", ".1f"),
+       ("rendezvous s", "split_s.rendezvous", ".1f"),
        ("text encoding s", "split_s.text_encoding", ".2f"), ("VAE s", "split_s.vae_decode", ".2f"),
        ("writing s", "split_s.writing", ".2f"), ("dynamo s", "compile_breakdown_s.dynamo", ".1f")]
 
@@ -489,6 +490,35 @@ TABLES = [
             ("PNG s", "phases_s.encode", ".3f")],
          note="one request a client; the 2 × 1 layout's 16 clients were cut by the call's deadline (12 of 32 "
               "answered) and its --max-batch 4 row did not start"),
+    dict(name="e2e-h200x4", doc=TIMELINE, files=["2026-11-28_h200x4/e2e.json"], columns=E2E,
+         note="old = the baseline tree 42e3be5, new = this tree; warm compile caches (the rows' warm-ups ran first, "
+              "all at once); the row the call's deadline skipped: new:pp:warm (its warm-up took 116 s)"),
+    dict(name="serve-h200x4", doc=TIMELINE,
+         files=["2026-11-28_h200x4/serve-old.json", "2026-11-28_h200x4/serve-new.json",
+                "2026-11-28_h200x4/serve-4x1.json"], rows=serve_rows,
+         columns=[("tree", lambda r: ("baseline 42e3be5" if "serve-old" in r["_file"] else "new")
+                   if r["_first"] else "")] + SERVE
+         + [("steps s", "phases_s.steps", ".2f"), ("text encode s", "phases_s.text_encode", ".3f"), ("VAE s", "phases_s.vae_decode", ".3f"),
+            ("PNG s", "phases_s.encode", ".3f")],
+         note="one request a client (two in the 4 × 1 row, cut by the call's deadline: 17 of 32 answered; its "
+              "--max-batch 4 row did not start); both trees on the compile cache the generate rows filled"),
+    dict(name="quant-flux-h200x4", doc="docs/quantization.md", files=["2026-11-28_h200x4/quant/quant-flux-x4.json"],
+         columns=[("variant", lambda r: r.get("quant", "bf16"))] + BENCH[1:4] + MEMORY_ERROR[:1] + [("note", note)],
+         note="no diffusers row in this section (`--no-single`): the error of a parallel row against one process is "
+              "what the CPU tests check"),
+    dict(name="quant-wan-h200x4", doc="docs/quantization.md", files=["2026-11-28_h200x4/quant/quant-wan.json"],
+         columns=[("variant", lambda r: ", ".join(f"{k} {r[k]}" for k in ("quant", "attention") if r.get(k))
+                   or ("diffusers" if r["method"] == "single" else "bf16"))] + BENCH[1:5] + MEMORY_ERROR,
+         note="eager (no compile, no CUDA graphs), 2 timed steps after 1 warm-up; rel. err is one step against "
+              "diffusers' 1-GPU bf16 output"),
+    dict(name="quant-checkpoint-h200x4", doc="docs/quantization.md",
+         files=["2026-11-28_h200x4/quant/quant-checkpoint.json"],
+         columns=[("quantize s", lambda r: r["commands"][0]["wall_s"]),
+                  ("generate s (from outside)", lambda r: r["commands"][1]["wall_s"]),
+                  ("load peak GiB", lambda r: r["load_peak_gib"][0]), ("run peak GiB", lambda r: r["peak_gib"][0]),
+                  ("step ms", "step_ms", ".1f"), ("device", lambda r: r["devices"][0])],
+         note="`ditmesh quantize --model flux-dev --out /tmp/flux-dev-fp8 --quant fp8`, then `ditmesh generate "
+              "--model /tmp/flux-dev-fp8 --height 1024 --width 1024 --steps 8` on one GPU, eager"),
     dict(name="quant-flux-h200x2", doc="docs/quantization.md", files=["2026-11-28_h200x2/quant/quant-flux-1gpu.json"],
          columns=[("variant", lambda r: r.get("quant", "bf16") if r.get("graph") else
                    ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))] + BENCH[1:5]

@@ -145,6 +145,8 @@ def manifest_commands(manifest: Path) -> dict[str, str]:
 def command_of(doc: dict, rel: str, manifest: dict[str, str]) -> list[str]:
     """The commands that made a result file: its own ``command``/``commands``, else the manifest's line."""
     def text(c):
+        if isinstance(c, dict) and "command" in c:  # a step of a script: {"name": ..., "command": [...], ...}
+            c = c["command"]
         return " ".join(c) if isinstance(c, list) else str(c)
 
     if doc.get("commands"):

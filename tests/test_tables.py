@@ -228,3 +228,10 @@ def test_the_quality_tables_render_once_their_results_are_in(tmp_path):
     texts = {t["name"]: tables.render(t, ROOT / t["doc"], tmp_path, manifest={}) for t in spec.CPU_TABLES}
     assert "| `fbcache:0.1` | 12.46 | 1.000 | 0.930 | 1.000 | 0.930 | 3 | 53.90 | 0.9996 |" in texts["caching-quality"]
     assert "| held-out-seed0 | 128 | 28 | 100.0% | 93.0% | 100.0% | 93.0% |" in texts["tiny-eval"]
+
+
+def test_a_script_s_named_steps_are_its_commands():
+    doc = {"commands": [{"name": "quantize", "command": ["ditmesh", "quantize", "--quant", "fp8"], "exit": 0},
+                        ["ditmesh", "generate"], "ditmesh plan"]}
+    assert tables.command_of(doc, "x/y.json", {}) == ["`ditmesh quantize --quant fp8`", "`ditmesh generate`",
+                                                       "`ditmesh plan`"]
