@@ -134,6 +134,15 @@ def test_generate_and_serve_refuse_an_option_before_torch_loads():
         == "torch not loaded"
 
 
+def test_the_local_launcher_refuses_degrees_the_heads_forbid_before_torch_or_any_rank(flux_tiny):
+    # the heads from the registry's table (a synthetic architecture) or the folder's transformer config: no rank of
+    # the 32 starts (each would import torch and diffusers to find the same refusal)
+    assert _refused(["generate", "--model", "flux-dev", "--nproc", "32", "--ulysses", "32"],
+                    "ulysses=32 exceeds the 24 attention heads of FluxTransformer2DModel") == "torch not loaded"
+    assert _refused(["generate", "--model", flux_tiny, "--nproc", "8", "--tp", "2", "--ulysses", "4"],
+                    "ulysses=4 exceeds the 3 heads each tp=2 rank holds of FluxTransformer2DModel") == "torch not loaded"
+
+
 def test_plan_builds_the_options_generate_builds():
     _refused(["plan", "--model", "flux-dev", "--gpus", "4", "--chunk", "0"], "--chunk 0 is not a token count")
 

@@ -43,6 +43,7 @@ def test_tables_match_what_the_adapters_register():
         adapter, arch = archs[name]
         assert arch.description == description and registry.ARCHS[name] is arch
         assert registry.CLASSES[adapter.class_names[0]] == module
+        assert registry.HEADS.get(name) == arch.transformer.get("num_attention_heads"), name
     first_vae = {}
     for adapter in adapters:
         for vae in adapter.vae.class_names if adapter.vae else ():

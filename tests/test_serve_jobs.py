@@ -362,6 +362,27 @@ def test_of_several_dead_ranks_the_one_killed_by_a_signal_is_named():
         replica._next_event(None, None)
 
 
+def test_a_collective_fault_names_the_peer_that_dies_within_the_grace_period():
+    # rank 0's collective fails first; rank 1's death shows only afterwards (within FAULT_GRACE_S): the peer is named
+    peer = _Process(pid=11)
+    replica = _replica_in_a_request([_Process(pid=10), peer], [4, 4], [0.0, 0.0], step_timeout=30)
+    replica._events.put(("fault", 0, "j", "Connection reset by peer"))
+    threading.Timer(0.3, lambda: setattr(peer, "exitcode", -9)).start()
+    t0 = time.time()
+    with pytest.raises(RankFault, match=r"^rank 1 of replica 0 \(pid 11\) died with exit code -9 while running step 5"):
+        replica._next_event(None, None)
+    assert 0.3 <= time.time() - t0 < FAULT_GRACE_S
+    # no peer dies: after the grace period the rank that saw the fault is named, with its cause
+    replica = _replica_in_a_request([_Process(pid=10), _Process(pid=11)], [4, 4], [0.0, 0.0], step_timeout=30)
+    replica._events.put(("fault", 0, "j", "Connection reset by peer"))
+    t0 = time.time()
+    with pytest.raises(RankFault, match=r"^rank 0 of replica 0 lost its peers \(Connection reset by peer\) while "
+                                        r"running step 5 of 10 of request j$"):
+        replica._next_event(None, None)
+    assert time.time() - t0 >= FAULT_GRACE_S
+    assert replica.state == "failed"
+
+
 def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
     replica = _replica_in_a_request([_Process(), _Process()], [0, 0], [0, 0], step_timeout=30)
     replica.state = "ready"

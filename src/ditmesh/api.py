@@ -21,7 +21,7 @@ from . import cache as step_cache
 from . import fusion, symm
 from . import models as _models  # noqa: F401  (registers adapters)
 from .config import AXIS_ORDER, ConfigError, ParallelConfig
-from .hooks import ContextHook, ForwardContext, add_hook, find_hook, registry
+from .hooks import ContextHook, ForwardContext, add_hook, bind_kwargs, find_hook, registry
 from .mesh import ParallelMesh
 from .options import RunOptions
 from .models.base import ModelAdapter, adapter_for, vae_plan_for
@@ -129,13 +129,40 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) 
         else:
             block.compile(options=options)
 
+    handles = [model.get_submodule(spec.path)[0].register_forward_pre_hook(_packed_inputs(spec.packed), with_kwargs=True)
+               for spec in adapter.blocks if spec.packed and len(model.get_submodule(spec.path))]
+
     def undo():
         for block in blocks:
             block._compiled_call_impl = None
         for reg in inner:
             reg.inner = None
+        for handle in handles:
+            handle.remove()
 
     return [undo]
+
+
+def _packed_inputs(names: tuple[str, ...]):
+    """A forward pre-hook for the first block of a list with ``packed`` inputs (``models.base.BlockList``): those
+    inputs copied into one tensor (dim 1, in order) and passed as its slices, the layout every later block of the
+    list receives, so that the list's compiled graph is traced once rather than again for the first block's
+    contiguous inputs. Runs outside the compiled graph; the values are unchanged."""
+
+    @torch.compiler.disable
+    def pre_hook(module, args, kwargs):
+        named = dict(bind_kwargs(module.forward, args, kwargs))
+        parts = [named.get(name) for name in names]
+        if any(not isinstance(p, torch.Tensor) or p.dim() < 2 for p in parts):
+            return None
+        packed = torch.cat(parts, dim=1)
+        at = 0
+        for name, part in zip(names, parts):
+            named[name] = packed[:, at:at + part.shape[1]]
+            at += part.shape[1]
+        return (), named
+
+    return pre_hook
 
 
 def split_vae(pipe, mesh: ParallelMesh, mode: str) -> list:

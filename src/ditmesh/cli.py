@@ -254,7 +254,10 @@ def _cmd_generate(args, argv: list[str]) -> int:
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
     if args.nproc and "RANK" not in os.environ and args.nnodes == 1 and not args.rdzv_endpoint:
         # The launcher of a run on this host starts the ranks at once: they import in parallel and run the family's
-        # checks themselves (a refusal is their first error, printed once), so it imports neither torch nor diffusers.
+        # checks themselves (a refusal is their first error, printed once), so it imports neither torch nor diffusers;
+        # the heads, a JSON file or a table away, are checked before any rank starts
+        with phase("checks"):
+            generate.validate_heads(options, model)
         return _launch(args, argv)
     if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
         with phase("imports"):

@@ -195,7 +195,11 @@ class BlockList:
     carried sequence the model builds by concatenating, along the tokens (dim 1), carries of the list before it
     (Chroma's and FLUX.2's single blocks: ``cat([encoder_hidden_states, hidden_states])``), those carries in order.
     ``streams``: the sequence plan's token stream of each carried input, in the order of ``carries`` (tokens along dim 1), so that PipeFusion can size a
-    patch's activations before they arrive; empty when not declared.
+    patch's activations before they arrive; empty when not declared. ``packed``: carried inputs that every block
+    but the first receives as consecutive slices (dim 1, in this order) of one tensor, because each block
+    concatenates them and returns slices of its output (FLUX's single blocks: text then image); compiled, the
+    first block receives them laid out the same way, so that one graph serves the whole list
+    (``api.compile_blocks``).
     """
 
     path: str
@@ -203,6 +207,7 @@ class BlockList:
     returns: tuple[str, ...]
     streams: tuple[str, ...] = ()
     joins: tuple[str, ...] = ()
+    packed: tuple[str, ...] = ()
 
 
 def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:

@@ -240,7 +240,7 @@ HUNYUAN_VIDEO_ADAPTER = register(
         blocks=(BlockList("transformer_blocks", ("hidden_states", "encoder_hidden_states"),
                           ("hidden_states", "encoder_hidden_states")),
                 BlockList("single_transformer_blocks", ("hidden_states", "encoder_hidden_states"),
-                          ("hidden_states", "encoder_hidden_states"))),
+                          ("hidden_states", "encoder_hidden_states"), packed=("hidden_states", "encoder_hidden_states"))),
         token_wise=("transformer_blocks.*.ff", "transformer_blocks.*.ff_context"),
         modulated_input=norm1_modulated_input,
         example_inputs=hunyuan_video_example_inputs,

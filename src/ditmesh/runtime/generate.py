@@ -59,6 +59,26 @@ def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
     return checkpoint_options(options, model), model
 
 
+def validate_heads(options: "RunOptions", model: str) -> None:
+    """The check of the degrees that split attention heads (``check_heads``, as :func:`validate_family` runs it),
+    torch-free: the heads from a folder's transformer config or the registry's table of synthetic architectures
+    (a hub id's are checked by the ranks). The local launcher runs it before starting any rank."""
+    from ..models.registry import CLASSES, HEADS, SYNTH
+
+    if model in SYNTH:
+        heads = HEADS.get(model)
+        name = next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
+    else:
+        path = Path(model) / "transformer" / "config.json"
+        try:
+            tcfg = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            return  # the ranks report an unreadable config with its cause
+        heads, name = tcfg.get("num_attention_heads"), tcfg.get("_class_name", "the transformer")
+    if isinstance(heads, int):
+        options.config.check_heads(heads, name)
+
+
 def validate_family(args, options: "RunOptions", model: str) -> None:
     """The checks of :func:`validate` that read the model's family (heads, frames, guidance, pipelines, the mode's
     refusals, every option's check in ``options.validate``)."""
