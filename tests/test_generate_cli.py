@@ -121,6 +121,12 @@ def check_trace(trace: dict, report: dict, steps: int) -> None:
         assert [n for n in started if not n.startswith("load ") or n == "load components"] == expected
         loaded = {n for n in started if n.startswith("load ") and n != "load components"}
         assert {"load transformer", "load vae", "load text_encoder", "load text_encoder_2"} <= loaded
+        # the rendezvous runs in a thread of its own (its own row), beside the checks and the load
+        assert [e["name"] for e in spans if e["tid"] != 0] == ["rendezvous"]
+        rendezvous = next(e for e in spans if e["tid"] != 0)
+        load = next(e for e in spans if e["name"] == "load")
+        assert rendezvous["ts"] + rendezvous["dur"] <= load["ts"] + load["dur"] + 1  # joined before parallelize
+        spans = [e for e in spans if e["tid"] == 0]
         by_depth: dict = {}
         for e in sorted(spans, key=lambda e: e["ts"]):
             by_depth.setdefault(e["cat"], []).append(e)

@@ -6,7 +6,9 @@ launcher takes the launcher's start (``$DITMESH_LAUNCH_START``) as its origin, s
 user timing the command from outside waits for, the launcher's own start-up included (phase ``launch``).
 
 Phases nest (``with phase("load"): with phase("load transformer"): ...``): a phase's ``depth`` is the number of
-phases open around it. Phases of one depth inside one parent never overlap. :func:`chrome_trace` turns the
+phases open around it. Phases of one depth inside one parent never overlap, except those recorded from another
+thread (:meth:`Timeline.add` with ``tid``: a rank's rendezvous, beside its checks and its load), which a trace shows
+on a row of their own. :func:`chrome_trace` turns the
 timelines of all ranks into Chrome's trace format (``traceEvents``, one ``pid`` per rank, complete ``"X"``
 events), which chrome://tracing and https://ui.perfetto.dev open.
 
@@ -71,11 +73,14 @@ class Timeline:
         """Seconds since the origin."""
         return time.time() - self.origin_unix
 
-    def add(self, name: str, start_s: float, end_s: float, depth: int | None = None, **args) -> None:
+    def add(self, name: str, start_s: float, end_s: float, depth: int | None = None, tid: int = 0, **args) -> None:
         """Record a phase that ran from ``start_s`` to ``end_s`` (seconds after the origin); ``depth`` defaults to
-        the phases open now. ``args`` are shown with the event in a trace viewer."""
+        the phases open now; ``tid``: not 0 for a phase of another thread than the one that opens phases (its own
+        row in a trace). ``args`` are shown with the event in a trace viewer."""
         entry = {"name": name, "start_s": round(start_s, 6), "end_s": round(max(end_s, start_s), 6),
                  "depth": self._open if depth is None else depth}
+        if tid:
+            entry["tid"] = tid
         if args:
             entry["args"] = args
         with self._lock:
@@ -128,7 +133,7 @@ def chrome_trace(ranks: list[dict]) -> dict:
         events.append({"name": "process_sort_index", "ph": "M", "pid": r["rank"], "tid": 0,
                        "args": {"sort_index": r["rank"]}})
         for p in r["phases"]:
-            event = {"name": p["name"], "ph": "X", "pid": r["rank"], "tid": 0, "cat": f"depth{p['depth']}",
+            event = {"name": p["name"], "ph": "X", "pid": r["rank"], "tid": p.get("tid", 0), "cat": f"depth{p['depth']}",
                      "ts": round((p["start_s"] + shift) * 1e6, 1),
                      "dur": round((p["end_s"] - p["start_s"]) * 1e6, 1)}
             if p.get("args"):

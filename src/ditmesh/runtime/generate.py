@@ -260,6 +260,41 @@ def _archs():
     return ARCHS
 
 
+class Rendezvous:
+    """The process group's start (:func:`_init_distributed`) in a thread of its own, so that a rank loads its
+    weights while the others finish their imports: every rank's first collective calls :meth:`join` (the load's
+    gather of a synthesized folder, ``parallelize``'s mesh), which waits for it and raises what it raised."""
+
+    def __init__(self, device):
+        import threading
+
+        import torch
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's device (the current device is a thread's own)
+        self.error: BaseException | None = None
+        self.thread = None
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self.thread = threading.Thread(target=self._run, args=(device, timeline().now()), name="ditmesh-rendezvous",
+                                           daemon=True)
+            self.thread.start()
+
+    def _run(self, device, start: float) -> None:
+        try:
+            _init_distributed(device)
+        except BaseException as exc:  # noqa: BLE001 (raised again by join, in the rank's own thread)
+            self.error = exc
+        finally:  # beside the main thread's phases, on a row of its own
+            timeline().add("rendezvous", start, timeline().now(), depth=0, tid=1)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+
+
 def _init_distributed(device) -> None:
     import torch
     import torch.distributed as dist
@@ -334,13 +369,19 @@ class LoadedPipeline:
     load_s: float
 
 
-def load_pipeline(args, options: RunOptions, model: str, device, rank: int, world: int) -> LoadedPipeline:
+def load_pipeline(args, options: RunOptions, model: str, device, rank: int, world: int,
+                  rendezvous: Rendezvous | None = None) -> LoadedPipeline:
     """Load ``model`` on this rank and parallelize it as ``options`` say, with their LoRA adapters (with
     ``fuse_lora``, fused into the weights and unloaded: ``parallel.lora.fuse``).
 
     Every rank calls it alike: rank 0 synthesizes a named architecture once and the others learn its folder
-    through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order).
+    through one gather, and ``parallelize`` builds the mesh (collectives on every rank, in this order). A folder's
+    weights are read before the process group is needed: ``rendezvous`` (still starting) is joined first then.
     """
+    from ..models.registry import SYNTH
+
+    join = rendezvous.join if rendezvous is not None else (lambda: None)
+    synthetic = model in SYNTH
     import torch
     from diffusers import DiffusionPipeline
 
@@ -354,8 +395,9 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_load = time.perf_counter()
-    path = local_model_path(model) if rank == 0 else None
-    if world > 1:
+    path = local_model_path(model) if rank == 0 or not synthetic else None
+    if world > 1 and synthetic:
+        join()
         path = all_gather_object(path)[0]  # rank 0 synthesizes a named architecture once
     pipeline_class = (image_pipeline_class(args, path, read_adapter(path), read_transformer_config(path), config)
                       if image_args_given(args) else DiffusionPipeline)
@@ -391,6 +433,7 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype))
     if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
+    join()
     with phase("parallelize"):
         runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
     loras = [(lora.path, lora.scale) for lora in options.loras]
@@ -409,7 +452,6 @@ def _load_to(device, load):
 
 def run(args) -> int:
     """Run one rank of ``ditmesh generate``; returns the exit code."""
-    import torch.distributed as dist
     from PIL import Image
 
     from ..comm import all_gather_object
@@ -417,19 +459,22 @@ def run(args) -> int:
     from .report import device_name, peak_memory_bytes, versions
 
     device = default_device()
-    with phase("rendezvous"):
-        _init_distributed(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    with phase("checks"):
-        options, model = validate(args, world)
+    rendezvous = Rendezvous(device)  # the process group starts while this rank checks and reads its weights
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        with phase("checks"):
+            options, model = validate(args, world)
+    except ConfigError:
+        rendezvous.join()  # a refusal every rank finds alike: the group met first, as before
+        raise
     config = options.config
     if rank != 0:
         import diffusers
 
         diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
     with phase("load"):
-        loaded = load_pipeline(args, options, model, device, rank, world)
+        loaded = load_pipeline(args, options, model, device, rank, world, rendezvous)
     pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype, loaded.loras,
                                                  loaded.load_s)
     defaults = read_defaults(path)
