@@ -26,10 +26,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "2026-11-28_cpu" / "ray" / "throughput.json"
-SERVE = ["--steps", "2", "--height", "64", "--width", "64", "--queue-size", "256"]
 
 
-def measure(nodes: int, requests: int, clients: int) -> dict:
+def serve_args(steps: int, size: int) -> list[str]:
+    """The server's options: the tiny pipeline at ``size``² for ``steps`` steps, a queue that holds the load."""
+    return ["--steps", str(steps), "--height", str(size), "--width", str(size), "--queue-size", "256"]
+
+
+def measure(nodes: int, requests: int, clients: int, serve: list[str]) -> dict:
     """One configuration: a cluster of ``nodes`` pinned nodes, one one-rank replica on each, the load."""
     import httpx
 
@@ -38,7 +42,7 @@ def measure(nodes: int, requests: int, clients: int) -> dict:
     cluster = PinnedRayCluster(nodes)
     port = free_port()
     argv = [sys.executable, "-m", "ditmesh", "serve", "--port", str(port), "--ray", cluster.address,
-            "--min-replicas", str(nodes), *SERVE]
+            "--min-replicas", str(nodes), *serve]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -93,15 +97,22 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2,
                         help="rounds of (1 node, 2 nodes), alternating, so that other work on the machine weighs on "
                              "both alike (default 2)")
+    parser.add_argument("--steps", type=int, default=2, help="denoising steps a request (default 2)")
+    parser.add_argument("--size", type=int, default=64,
+                        help="height and width (default 64; more steps or pixels weigh the replicas' work against the "
+                             "front end's, which shares the machine's cores)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    if args.requests < 1 or args.clients < 1 or args.repeat < 1:
-        parser.error("--requests, --clients and --repeat must be >= 1")
+    if args.requests < 1 or args.clients < 1 or args.repeat < 1 or args.steps < 1:
+        parser.error("--requests, --clients, --repeat and --steps must be >= 1")
+    if args.size < 16 or args.size % 16:
+        parser.error(f"--size {args.size}: give a multiple of 16, e.g. 64")
+    serve = serve_args(args.steps, args.size)
     import ray
     import torch
 
     load_before = os.getloadavg()[0]
-    rows = [dict(measure(nodes, args.requests, args.clients), round=i + 1)
+    rows = [dict(measure(nodes, args.requests, args.clients, serve), round=i + 1)
             for i in range(args.repeat) for nodes in (1, 2)]
     one_node = statistics.median(r["req_per_s"] for r in rows if r["nodes"] == 1)
     for row in rows:  # against the median of the one-node rounds
@@ -112,8 +123,10 @@ def main() -> int:
            "command": "PYTHONPATH=src python scripts/ray_bench.py" + (
                f" --requests {args.requests}" if args.requests != 64 else "") + (
                f" --clients {args.clients}" if args.clients != 8 else "") + (
-               f" --repeat {args.repeat}" if args.repeat != 2 else ""),
-           "serve": SERVE, "cores": len(os.sched_getaffinity(0)),
+               f" --repeat {args.repeat}" if args.repeat != 2 else "") + (
+               f" --steps {args.steps}" if args.steps != 2 else "") + (
+               f" --size {args.size}" if args.size != 64 else ""),
+           "serve": serve, "cores": len(os.sched_getaffinity(0)),
            # other work on the machine shares the pinned cores: the 1-minute load average around the runs
            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "versions": {"torch": torch.__version__, "ray": ray.__version__,
                                         "python": platform.python_version()},
