@@ -313,6 +313,12 @@ def startup_rows(doc: dict, rows: list[dict]) -> list[dict]:
 STARTUP = [("seconds (median of 3, 2 CPUs under load)", "what"), ("baseline 42e3be5", "t0", ".2f"),
            ("this tree", "t1", ".2f"), ("target", "target")]
 
+#: ``scripts/serve_bench.py`` rows of the baseline tree (serve-old.json) and this one, with the requests' phases
+SERVE_OLD_NEW = [("tree", lambda r: ("baseline 42e3be5" if "serve-old" in r["_file"] else "new")
+                  if r["_first"] else "")] + SERVE + [
+    ("steps s", "phases_s.steps", ".2f"), ("text encode s", "phases_s.text_encode", ".3f"),
+    ("VAE s", "phases_s.vae_decode", ".3f"), ("PNG s", "phases_s.encode", ".3f")]
+
 E2E = [("row", "row"), ("GPUs", "nproc"), ("wall s", "wall_s", ".1f"), ("load s", "load_s", ".1f"),
        ("first step's extra s", "first_step_extra_s", ".1f"), ("28 × steady step s", "steps_s", ".2f"),
        ("overhead s", "overhead_s", ".1f"), ("one import s", "_doc.one_import_s", ".1f"),
@@ -484,10 +490,7 @@ TABLES = [
     dict(name="serve-h200x2", doc=TIMELINE,
          files=["2026-11-28_h200x2b/serve-old.json", "2026-11-28_h200x2b/serve-new.json",
                 "2026-11-28_h200x2b/serve-4x1.json"], rows=serve_rows,
-         columns=[("tree", lambda r: ("baseline 42e3be5" if "serve-old" in r["_file"] else "new")
-                   if r["_first"] else "")] + SERVE
-         + [("steps s", "phases_s.steps", ".2f"), ("text encode s", "phases_s.text_encode", ".3f"), ("VAE s", "phases_s.vae_decode", ".3f"),
-            ("PNG s", "phases_s.encode", ".3f")],
+         columns=SERVE_OLD_NEW,
          note="one request a client; the 2 × 1 layout's 16 clients were cut by the call's deadline (12 of 32 "
               "answered) and its --max-batch 4 row did not start"),
     dict(name="e2e-h200x4", doc=TIMELINE, files=["2026-11-28_h200x4/e2e.json"], columns=E2E,
@@ -496,10 +499,7 @@ TABLES = [
     dict(name="serve-h200x4", doc=TIMELINE,
          files=["2026-11-28_h200x4/serve-old.json", "2026-11-28_h200x4/serve-new.json",
                 "2026-11-28_h200x4/serve-4x1.json"], rows=serve_rows,
-         columns=[("tree", lambda r: ("baseline 42e3be5" if "serve-old" in r["_file"] else "new")
-                   if r["_first"] else "")] + SERVE
-         + [("steps s", "phases_s.steps", ".2f"), ("text encode s", "phases_s.text_encode", ".3f"), ("VAE s", "phases_s.vae_decode", ".3f"),
-            ("PNG s", "phases_s.encode", ".3f")],
+         columns=SERVE_OLD_NEW,
          note="one request a client (two in the 4 × 1 row, cut by the call's deadline: 17 of 32 answered; its "
               "--max-batch 4 row did not start); both trees on the compile cache the generate rows filled"),
     dict(name="quant-flux-h200x4", doc="docs/quantization.md", files=["2026-11-28_h200x4/quant/quant-flux-x4.json"],

@@ -69,9 +69,8 @@ def validate_heads(options: "RunOptions", model: str) -> None:
         heads = HEADS.get(model)
         name = next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
     else:
-        path = Path(model) / "transformer" / "config.json"
         try:
-            tcfg = json.loads(path.read_text()) if path.is_file() else {}
+            tcfg = read_transformer_config(model) or {}  # a folder's JSON (None for a hub id)
         except (OSError, ValueError):
             return  # the ranks report an unreadable config with its cause
         heads, name = tcfg.get("num_attention_heads"), tcfg.get("_class_name", "the transformer")

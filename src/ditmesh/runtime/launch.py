@@ -277,14 +277,10 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
     print them on stderr: rank 0 writes to the console itself, the others' logs are copied from where they dumped."""
     marks = {}
     print("ditmesh: the ranks at the time limit (rank 0's stacks come first, unlabelled)", file=sys.stderr, flush=True)
-    for rank, p in enumerate(procs):
+    for rank in range(1, len(procs)):
         log = run_dir / "logs" / f"rank{rank}.log"
-        marks[rank] = log.stat().st_size if rank and log.exists() else 0
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGUSR1)
-            except OSError:
-                pass
+        marks[rank] = log.stat().st_size if log.exists() else 0
+    _send(procs, signal.SIGUSR1)
     time.sleep(wait_s)
     for rank in range(1, len(procs)):
         log = run_dir / "logs" / f"rank{rank}.log"
@@ -296,14 +292,19 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
                 print(f"ditmesh: rank {rank} at the time limit:\n{dump}", file=sys.stderr, flush=True)
 
 
-def _stop(procs: list[subprocess.Popen], signum: int, grace_s: float = 10.0) -> None:
-    """Send ``signum`` to the ranks still running and wait for them (killed after ``grace_s``)."""
+def _send(procs: list[subprocess.Popen], signum: int) -> None:
+    """Send ``signum`` to the ranks still running (one that just left is no error)."""
     for p in procs:
         if p.poll() is None:
             try:
                 p.send_signal(signum)
             except OSError:
                 pass
+
+
+def _stop(procs: list[subprocess.Popen], signum: int, grace_s: float = 10.0) -> None:
+    """Send ``signum`` to the ranks still running and wait for them (killed after ``grace_s``)."""
+    _send(procs, signum)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
