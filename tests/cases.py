@@ -31,6 +31,20 @@ def rank_zero_fails_case():
     dist.barrier()
 
 
+def rank_one_dies_case(how: str):
+    """Rank 1's process ends without an answer (``kill``: SIGKILL, as the out-of-memory killer sends; ``crash``: a
+    segmentation fault); rank 0 waits in a barrier rank 1 never reaches."""
+    if dist.get_rank() == 1:
+        import faulthandler
+        import os
+        import signal
+
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        faulthandler._sigsegv()
+    dist.barrier()
+
+
 def gathers_case():
     """``all_gather_start`` over this rank's own one-rank group and over the default group, and
     ``all_gather_object``: each one's result and the collectives it counted."""

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one compile cache for the whole session, named here so that every process of it (this one, the pools' workers,
+# the commands the tests start) reads and fills the same one: generate keeps a cache the user named
+# (runtime.generate.persist_compile_caches), and a test that changed it would leave later compiles cold
+for _env, _default in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton")):
+    os.environ.setdefault(_env, os.path.join(tempfile.gettempdir(), f"{_default}_{getpass.getuser()}"))
+COMPILE_CACHES = {env: os.environ[env] for env in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
 
 _POOLS: dict[int, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def _compile_caches_stay():
+    """A test that leaves the compile cache variables changed fails (every compile after it would start cold)."""
+    yield
+    changed = {env: os.environ.get(env) for env, value in COMPILE_CACHES.items() if os.environ.get(env) != value}
+    assert not changed, f"the test left the compile cache variables changed: {changed}"
 
 
 @pytest.fixture(scope="session")

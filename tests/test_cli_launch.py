@@ -114,12 +114,15 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, p
     assert leftovers(private_tmp) == []
 
 
-@pytest.mark.parametrize("after_s", [0.0, 3.0])  # as the ranks' interpreters start, and while they import
-def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp, after_s):
+# as the ranks' interpreters start, and while they import; the second started as a shell starts a background job
+# (SIGINT ignored, which children inherit): the command takes SIGINT back
+@pytest.mark.parametrize("after_s, background", [(0.0, False), (3.0, True)], ids=["starting", "importing-background"])
+def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp, after_s, background):
     cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", flux_tiny, "--nproc", "4", "--ulysses", "4",
            "--steps", "100000", "--out", str(tmp_path / "never.png")]
+    ignored = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, TMPDIR=str(private_tmp)))
+                            env=dict(os.environ, TMPDIR=str(private_tmp)), preexec_fn=ignored)
     deadline = time.time() + 120
     started = False
     while time.time() < deadline and not started:  # wait until every rank is up
@@ -199,8 +202,9 @@ def test_compile_caches_live_under_the_ditmesh_cache_unless_the_user_set_them(tm
     from ditmesh.runtime.generate import COMPILE_CACHE_ENV, persist_compile_caches
 
     monkeypatch.setenv("DITMESH_CACHE", str(tmp_path))
-    for env in COMPILE_CACHE_ENV:
-        monkeypatch.delenv(env, raising=False)
+    for env in COMPILE_CACHE_ENV:  # set, then removed: monkeypatch puts back what the session had after the test
+        monkeypatch.setenv(env, "")
+        monkeypatch.delenv(env)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/mine")
     used = persist_compile_caches()
     assert used["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "compile" / "inductor")

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from cases import flux_generate, rank_zero_fails_case, ulysses_attention_case, world_info
+from cases import flux_generate, rank_one_dies_case, rank_zero_fails_case, ulysses_attention_case, world_info
 from ditmesh.comm import split_sizes
 from ditmesh.testing import rel_err
 
@@ -26,6 +26,22 @@ def test_a_failed_rank_does_not_leave_the_others_waiting():
             pool.run(rank_zero_fails_case)
         # rank 1 would wait out the 300 s collective timeout; the pool stops it instead
         assert pool.closed and time.monotonic() - start < 60
+    finally:
+        pool.close(force=True)
+
+
+@pytest.mark.parametrize("how, said", [("kill", r"signal SIGKILL\n"), ("crash", r"signal SIGSEGV\n.*Fatal Python error")])
+def test_a_rank_whose_process_dies_is_named_with_its_signal_at_once(how, said):
+    from ditmesh.testing import ProcessPool, RankError
+
+    pool = ProcessPool(2, timeout_s=300, error_grace_s=2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankError, match=rf"failed on rank\(s\) [^\n]*; rank 1:\nthe worker process of rank 1 \(pid \d+\) ended with {said}") as info:
+            pool.run(rank_one_dies_case, how)
+        assert pool.closed and time.monotonic() - start < 60  # not rank 0's 300 s collective timeout
+        if how == "crash":
+            assert "rank_one_dies_case" in str(info.value)  # the fault handler's stack of the crashed rank
     finally:
         pool.close(force=True)
 

@@ -308,6 +308,17 @@ def _cmd_synth(args) -> int:
     return 0
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops a command also when a shell started it in the background, which starts it with SIGINT
+    ignored: as ``serve`` does, the command takes SIGINT back as KeyboardInterrupt (its launcher then stops the
+    ranks and exits 130)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ditmesh`` command; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -327,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if launched_rank():  # a rank of our own launcher: its errors go to the launcher, once
         return run_rank(lambda: _dispatch(args, argv))
+    _interruptible()
     try:
         return _dispatch(args, argv)
     except (ConfigError, OSError, NotImplementedError, ValueError) as exc:

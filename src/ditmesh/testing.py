@@ -7,16 +7,23 @@ workers once (forked from one server process that imported those modules once, w
 rank 0 first. Exceptions on any rank are re-raised in the caller with the rank's traceback. Ranks that have
 not answered ``error_grace_s`` after another rank failed are taken to be waiting in a collective the failed rank
 never joins: the pool stops them and closes (``closed``), so a failure costs seconds, not a collective timeout.
+A worker process that ends without answering (killed, crashed) is a failure of its rank, reported with its exit
+code or signal and the stacks Python's fault handler wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
+import tempfile
+import time
 import traceback
 
 _STOP = "__stop__"
@@ -63,7 +70,11 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, environ: dict) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float, environ: dict,
+            fault_log: str) -> None:
+    import faulthandler
+
+    faulthandler.enable(open(fault_log, "w"))  # a crash's stacks, read back by ProcessPool.run (_dead)
     os.environ.clear()
     os.environ.update(environ)  # the parent's, as the pool starts (a forked worker has its server's otherwise)
     os.environ.update(
@@ -106,9 +117,10 @@ class ProcessPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         environ = dict(os.environ)
+        self._logs = tempfile.mkdtemp(prefix="ditmesh-pool-")
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, timeout_s, environ),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results, timeout_s, environ,
+                                              os.path.join(self._logs, f"rank{r}.log")), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -121,21 +133,61 @@ class ProcessPool:
             q.put(task)
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
-        for _ in range(self.world_size):
+        died: dict[int, str] = {}
+        while len(out) + len(errors) < self.world_size:
+            died.update(self._dead(set(out) | set(errors)))
+            errors.update(died)
             wait = self.error_grace_s if errors else self.timeout_s + 30
             try:
-                rank, ok, value = self._results.get(timeout=wait)
+                rank, ok, value = self._get(wait)
             except queue.Empty as exc:
+                died.update(self._dead(set(out) | set(errors)))
+                errors.update(died)
                 self.close(force=True)
                 if errors:
                     break  # the others wait in a collective the failed rank never joins: report its error
                 raise RankError(f"{fn.__name__}: no result from all ranks within {wait:.0f}s") from exc
             (out if ok else errors)[rank] = value
+        if died and not self.closed:
+            self.close(force=True)  # a pool with a rank gone cannot run another case
         if errors:
-            first = min(errors)
+            # a rank whose process died is the cause of the others' errors ("Connection reset by peer")
+            first = min(errors, key=lambda r: (r not in died, r))
             stopped = " (the other ranks were stopped waiting)" if self.closed else ""
             raise RankError(f"{fn.__name__} failed on rank(s) {sorted(errors)}{stopped}; rank {first}:\n{errors[first]}")
         return [out[r] for r in range(self.world_size)]
+
+    def _get(self, wait: float):
+        """The next result, waiting at most ``wait`` seconds, and less as soon as a worker process has died (whose
+        result never comes: :meth:`_dead` reports it)."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return self._results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline or any(p.exitcode is not None for p in self._procs):
+                    raise
+
+    def _dead(self, answered: set) -> dict[int, str]:
+        """The ranks not in ``answered`` whose process has ended, each with its exit code (a signal by name) and
+        what the fault handler wrote: a rank killed (by the kernel's out-of-memory killer: -9) or crashed never
+        answers."""
+        dead = {}
+        for rank, p in enumerate(self._procs):
+            if rank in answered or p.exitcode is None:
+                continue
+            code = p.exitcode
+            how = f"exit code {code}"
+            if code < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"signal {signal.Signals(-code).name}"
+            try:
+                with open(os.path.join(self._logs, f"rank{rank}.log")) as f:
+                    log = f.read()[-4000:]
+            except OSError:
+                log = ""
+            dead[rank] = f"the worker process of rank {rank} (pid {p.pid}) ended with {how}\n{log}"
+        return dead
 
     def close(self, force: bool = False) -> None:
         """Stop the workers (``force``: kill them without waiting)."""
@@ -148,6 +200,7 @@ class ProcessPool:
         for p in self._procs:
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self._logs, ignore_errors=True)
 
 
 #: the environment of a Ray cluster on this machine's loopback address only (Ray otherwise takes the address of the
