@@ -45,6 +45,22 @@ def rank_one_dies_case(how: str):
     dist.barrier()
 
 
+def os_threads() -> int:
+    """This process's threads (/proc: gloo's own threads count too)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def new_groups_case(n: int) -> float:
+    """Create ``n`` process groups over every rank and all-reduce on each; returns the last sum."""
+    total = torch.ones(1)
+    for _ in range(n):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.all_reduce(total, group=group)
+    return float(total)
+
+
 def gathers_case():
     """``all_gather_start`` over this rank's own one-rank group and over the default group, and
     ``all_gather_object``: each one's result and the collectives it counted."""

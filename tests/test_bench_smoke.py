@@ -3,6 +3,7 @@ schema, where runs are written, and the temporary folder that every run removes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,14 @@ def bench(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
     (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args],
                             env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def end(proc: subprocess.Popen) -> None:
+    """Kill what is left of a run started by :func:`bench` (its launcher's session): a run a test failed to stop
+    would go on beside every later test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def bench_rows(args: list[str], tmp_path: Path, timeout: float = 300) -> list[dict]:
@@ -87,13 +95,16 @@ def test_runs_go_to_a_user_folder_not_the_checkout(tmp_path, monkeypatch):
 def test_ctrl_c_removes_the_temporary_folder(tmp_path):
     proc = bench(["--gpus", "1", "--steps", "2000", "--warmup", "0"], tmp_path,
                  DITMESH_BENCH_DIR=str(tmp_path / "runs"))
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "tmp").glob("ditmesh-bench-*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert list((tmp_path / "tmp").glob("ditmesh-bench-*")), "the run never started"
-    time.sleep(2)  # inside the launcher, with a worker running
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "tmp").glob("ditmesh-bench-*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list((tmp_path / "tmp").glob("ditmesh-bench-*")), "the run never started"
+        time.sleep(2)  # inside the launcher, with a worker running
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        end(proc)
     assert proc.returncode != 0
     assert leftovers(tmp_path) == []
     assert not (tmp_path / "runs").exists()  # an interrupted run writes no results
@@ -112,7 +123,10 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
             break
     time.sleep(1)  # inside the launcher, the second row's ranks starting
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        end(proc)
     assert proc.returncode == 143
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], "step_ms" in r) for r in rows] == [("ulysses", True), ("ring", False)]
@@ -124,7 +138,10 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
     out = tmp_path / "b.json"
     proc = bench(["--gpus", "2", "--methods", "ulysses,ring", "--no-single", "--steps", "2000", "--warmup", "0",
                   "--row-timeout", "4", "--out", str(out)], tmp_path)
-    _, err = proc.communicate(timeout=300)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        end(proc)
     assert proc.returncode == 0, err[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["ulysses", "ring"], rows

@@ -4,6 +4,7 @@ argument errors. Every case runs the real CLI in real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -123,15 +124,19 @@ def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tm
     ignored = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, TMPDIR=str(private_tmp)), preexec_fn=ignored)
-    deadline = time.time() + 120
-    started = False
-    while time.time() < deadline and not started:  # wait until every rank is up
-        time.sleep(0.05)
-        started = _ranks_running(str(tmp_path / "never.png")) == 5  # the launcher and its 4 ranks
-    assert started
-    time.sleep(after_s)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        started = False
+        while time.time() < deadline and not started:  # wait until every rank is up
+            time.sleep(0.05)
+            started = _ranks_running(str(tmp_path / "never.png")) == 5  # the launcher and its 4 ranks
+        assert started
+        time.sleep(after_s)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+        _, stderr = proc.communicate(timeout=60)
+    finally:  # a run the signal did not end would run its 100000 steps beside every later test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130
     assert "Traceback" not in stderr and len(error_lines(stderr)) <= 1, stderr[-2000:]
     assert _ranks_running(str(tmp_path / "never.png")) == 0  # no orphan

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from cases import flux_generate, rank_one_dies_case, rank_zero_fails_case, ulysses_attention_case, world_info
+from cases import (flux_generate, new_groups_case, os_threads, rank_one_dies_case, rank_zero_fails_case,
+                   ulysses_attention_case, world_info)
 from ditmesh.comm import split_sizes
 from ditmesh.testing import rel_err
 
@@ -28,6 +29,14 @@ def test_a_failed_rank_does_not_leave_the_others_waiting():
         assert pool.closed and time.monotonic() - start < 60
     finally:
         pool.close(force=True)
+
+
+def test_the_groups_a_case_creates_are_destroyed_after_it(pools):
+    # a gloo group keeps a thread that wakes every 10 ms: kept for every case, they slowed the suite as it went
+    pool = pools(2)
+    before = pool.run(os_threads)
+    assert pool.run(new_groups_case, 4) == [16.0, 16.0]
+    assert pool.run(os_threads) == before
 
 
 @pytest.mark.parametrize("how, said", [("kill", r"signal SIGKILL\n"), ("crash", r"signal SIGSEGV\n.*Fatal Python error")])

@@ -91,12 +91,41 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
         if task == _STOP:
             break
         module_name, fn_name, args, kwargs = task
+        groups = set(_process_groups())
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001  (reported to the parent)
             results.put((rank, False, traceback.format_exc()))
+        _destroy_groups_since(groups)
     dist.destroy_process_group()
+
+
+def _process_groups() -> list:
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: set) -> None:
+    """Destroy the process groups a case created (its meshes' sub-groups), once every rank has finished it. Each
+    gloo group keeps a thread that wakes every 10 ms: a worker that kept the groups of hundreds of cases would
+    spend the machine's cores waking them (the whole suite slowed down as it went)."""
+    import gc
+
+    import torch.distributed as dist
+
+    new = [g for g in _process_groups() if g not in before and g is not dist.GroupMember.WORLD]
+    if not new:
+        return
+    try:
+        dist.barrier()  # no rank still uses them
+    except RuntimeError:
+        return  # a rank failed: the pool closes
+    for group in new:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(group)
+    gc.collect()
 
 
 class RankError(RuntimeError):

@@ -474,11 +474,12 @@ def run(args) -> int:
         diffusers.utils.logging.disable_progress_bar()  # one loading bar, on rank 0
     with phase("load"):
         loaded = load_pipeline(args, options, model, device, rank, world, rendezvous)
-    pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype, loaded.loras,
-                                                 loaded.load_s)
+        pipe, runtime, path, dtype, loras, load_s = (loaded.pipe, loaded.runtime, loaded.path, loaded.dtype,
+                                                     loaded.loras, loaded.load_s)
+        # the ranks meet here: a rank that loaded first waits for the slowest inside its load
+        load_peaks = all_gather_object(peak_memory_bytes(device))
+        placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
     defaults = read_defaults(path)
-    load_peaks = all_gather_object(peak_memory_bytes(device))
-    placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 
     marks: list[float] = []
