@@ -86,6 +86,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    # the pool's own group: its barrier after a case cannot pair with a collective of the case's (a rank that failed
+    # before one of the default group's collectives meets the others' barrier only here, so they still wait)
+    own = dist.new_group(backend="gloo")
     while True:
         task = tasks.get()
         if task == _STOP:
@@ -97,7 +100,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001  (reported to the parent)
             results.put((rank, False, traceback.format_exc()))
-        _destroy_groups_since(groups)
+        _destroy_groups_since(groups, own)
     dist.destroy_process_group()
 
 
@@ -107,7 +110,7 @@ def _process_groups() -> list:
     return list(distributed_c10d._world.pg_map)
 
 
-def _destroy_groups_since(before: set) -> None:
+def _destroy_groups_since(before: set, own) -> None:
     """Destroy the process groups a case created (its meshes' sub-groups), once every rank has finished it. Each
     gloo group keeps a thread that wakes every 10 ms: a worker that kept the groups of hundreds of cases would
     spend the machine's cores waking them (the whole suite slowed down as it went)."""
@@ -116,16 +119,15 @@ def _destroy_groups_since(before: set) -> None:
     import torch.distributed as dist
 
     new = [g for g in _process_groups() if g not in before and g is not dist.GroupMember.WORLD]
-    if not new:
-        return
-    try:
-        dist.barrier()  # no rank still uses them
+    try:  # every rank, also one that created none (a rank outside every new group): the others wait for it here
+        dist.barrier(group=own)  # no rank still uses them
     except RuntimeError:
         return  # a rank failed: the pool closes
     for group in new:
         with contextlib.suppress(Exception):
             dist.destroy_process_group(group)
-    gc.collect()
+    if new:
+        gc.collect()
 
 
 class RankError(RuntimeError):
