@@ -13,11 +13,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one compile cache for the whole session, named here so that every process of it (this one, the pools' workers,
 # the commands the tests start) reads and fills the same one: generate keeps a cache the user named
 # (runtime.generate.persist_compile_caches), and a test that changed it would leave later compiles cold
-for _env, _default in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton")):
-    os.environ.setdefault(_env, os.path.join(tempfile.gettempdir(), f"{_default}_{getpass.getuser()}"))
-COMPILE_CACHES = {env: os.environ[env] for env in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+COMPILE_CACHES = {env: os.environ.setdefault(env, os.path.join(tempfile.gettempdir(), f"{name}_{getpass.getuser()}"))
+                  for env, name in (("TORCHINDUCTOR_CACHE_DIR", "torchinductor"), ("TRITON_CACHE_DIR", "triton"))}
 
 _POOLS: dict[int, object] = {}
+
+
+def kill_session(proc) -> None:
+    """Kill what is left of a command a test started with ``start_new_session=True`` (its whole session): a run the
+    test failed to stop would go on beside every later test."""
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(autouse=True)

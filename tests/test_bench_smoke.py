@@ -3,7 +3,6 @@ schema, where runs are written, and the temporary folder that every run removes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -12,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import kill_session
 from ditmesh.bench.report import SCHEMA, default_out_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,13 +23,6 @@ def bench(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args],
                             env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def end(proc: subprocess.Popen) -> None:
-    """Kill what is left of a run started by :func:`bench` (its launcher's session): a run a test failed to stop
-    would go on beside every later test."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def bench_rows(args: list[str], tmp_path: Path, timeout: float = 300) -> list[dict]:
@@ -104,7 +97,7 @@ def test_ctrl_c_removes_the_temporary_folder(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=120)
     finally:
-        end(proc)
+        kill_session(proc)
     assert proc.returncode != 0
     assert leftovers(tmp_path) == []
     assert not (tmp_path / "runs").exists()  # an interrupted run writes no results
@@ -126,7 +119,7 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
     try:
         proc.communicate(timeout=120)
     finally:
-        end(proc)
+        kill_session(proc)
     assert proc.returncode == 143
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], "step_ms" in r) for r in rows] == [("ulysses", True), ("ring", False)]
@@ -141,7 +134,7 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
     try:
         _, err = proc.communicate(timeout=300)
     finally:
-        end(proc)
+        kill_session(proc)
     assert proc.returncode == 0, err[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["ulysses", "ring"], rows

@@ -4,7 +4,6 @@ argument errors. Every case runs the real CLI in real processes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from conftest import kill_session
 from ditmesh.testing import free_port, rel_err
 
 
@@ -135,8 +135,7 @@ def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tm
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
         _, stderr = proc.communicate(timeout=60)
     finally:  # a run the signal did not end would run its 100000 steps beside every later test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc)
     assert proc.returncode == 130
     assert "Traceback" not in stderr and len(error_lines(stderr)) <= 1, stderr[-2000:]
     assert _ranks_running(str(tmp_path / "never.png")) == 0  # no orphan

@@ -165,15 +165,18 @@ class ProcessPool:
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
         died: dict[int, str] = {}
-        while len(out) + len(errors) < self.world_size:
+
+        def note_dead() -> None:
             died.update(self._dead(set(out) | set(errors)))
             errors.update(died)
+
+        while len(out) + len(errors) < self.world_size:
+            note_dead()
             wait = self.error_grace_s if errors else self.timeout_s + 30
             try:
                 rank, ok, value = self._get(wait)
             except queue.Empty as exc:
-                died.update(self._dead(set(out) | set(errors)))
-                errors.update(died)
+                note_dead()
                 self.close(force=True)
                 if errors:
                     break  # the others wait in a collective the failed rank never joins: report its error

@@ -286,6 +286,15 @@ class Rendezvous:
         finally:  # beside the main thread's phases, on a row of its own
             timeline().add("rendezvous", start, timeline().now(), depth=0, tid=1)
 
+    def validate(self, args, world: int):
+        """:func:`validate` while the group starts; a refusal (every rank finds it alike) is raised once the group
+        has met."""
+        try:
+            return validate(args, world)
+        except ConfigError:
+            self.join()
+            raise
+
     def join(self) -> None:
         if self.thread is not None:
             self.thread.join()
@@ -461,12 +470,8 @@ def run(args) -> int:
     rendezvous = Rendezvous(device)  # the process group starts while this rank checks and reads its weights
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        with phase("checks"):
-            options, model = validate(args, world)
-    except ConfigError:
-        rendezvous.join()  # a refusal every rank finds alike: the group met first, as before
-        raise
+    with phase("checks"):
+        options, model = rendezvous.validate(args, world)
     config = options.config
     if rank != 0:
         import diffusers

@@ -109,9 +109,8 @@ def _leave(code: int) -> None:
 def _load(rank: int, world: int, options: dict, events) -> dict:
     import diffusers
 
-    from ..config import ConfigError
     from ..mesh import default_device
-    from ..runtime.generate import Rendezvous, _call_kwargs, load_pipeline, validate, warm_up_call
+    from ..runtime.generate import Rendezvous, _call_kwargs, load_pipeline, warm_up_call
     from ..runtime.models import read_defaults
     from .phases import instrument
 
@@ -119,13 +118,8 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     args = argparse.Namespace(**options)
     device = default_device()
     rendezvous = Rendezvous(device)  # the group starts while this rank checks and reads its weights (as generate's)
-    try:
-        run_options, model = validate(args, world)
-    except ConfigError:
-        rendezvous.join()  # a refusal every rank finds alike: reported once the group has met
-        raise
-    loaded = load_pipeline(args, run_options, model, device, rank, world, rendezvous)
-    rendezvous.join()  # one process: nothing to join; else load_pipeline has joined it
+    run_options, model = rendezvous.validate(args, world)
+    loaded = load_pipeline(args, run_options, model, device, rank, world, rendezvous)  # joins it before parallelize
     pipe = loaded.pipe
     pipe.set_progress_bar_config(disable=True)
     defaults = read_defaults(loaded.path)
