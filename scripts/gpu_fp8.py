@@ -24,6 +24,11 @@ limit; a row past it prints every rank's Python stack before it is stopped.
   from the written folder at 1024² (eager, 8 steps): its load and run peaks (the transformer never in bf16) and
   the seconds each took (``quant-checkpoint.json``).
 * ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
+* ``fp8-eager``, ``fp8-compiled``, ``fp8-scaled-mm`` (run them with ``--only``): where the parallel fp8 row stalls.
+  FLUX at ulysses 4 in fp8 without compile and graphs, compiled without graphs, and compiled with graphs through
+  ditmesh's own fp8 layer (``DITMESH_QUANT_BACKEND=scaled-mm``: ``torch._scaled_mm`` on plain tensors rather than
+  torchao's tensor subclass), with bf16 and fp8 payloads. A row past its limit prints each rank's scheduler state,
+  kernel wait channel and (py-spy carried as a wheel) native stacks.
 
 Each bench section writes its JSON, table and plot under ``--out`` (the table is printed too). On GPUs::
 
@@ -66,7 +71,16 @@ SECTIONS = {
     "quant-checkpoint": "checkpoint",
     "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
     "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
+    # where the parallel fp8 row stalls: without compile and graphs, compiled without graphs, and ditmesh's own fp8
+    # layer (torch._scaled_mm on plain tensors, DITMESH_QUANT_BACKEND=scaled-mm) instead of torchao's tensors
+    "fp8-eager": [{"on": "off", "150": "75"}.get(a, a) for a in FLUX] + ["--no-cuda-graph", "--gpus", "4",
+                                                                         "--no-single", "--quant", "fp8"],
+    "fp8-compiled": [{"150": "110"}.get(a, a) for a in FLUX] + ["--no-cuda-graph", "--gpus", "4", "--no-single",
+                                                               "--quant", "fp8"],
+    "fp8-scaled-mm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8", "--comm-dtype", "auto,fp8"],
 }
+#: variables a section's command runs with (beyond TORCH_LOGS=recompiles for the FLUX sections)
+SECTION_ENV = {"fp8-scaled-mm": {"DITMESH_QUANT_BACKEND": "scaled-mm"}}
 #: a section's expected wall seconds on 4 H200s (a compiled FLUX row: ~15 s of imports, process start and weights,
 #: 15-25 s compiling cold (fp8's graphs are new to the cache: ~+20 s), 1 s of steps; an eager Wan row: ~15 s of
 #: start and weights, then 3 steps of 0.9 s (ulysses 4) or 3.2 s (1 GPU)); 535 s before the optional last section
@@ -79,6 +93,9 @@ EXPECTED_S = {
     "quant-checkpoint": 100,  # quantize: read 24 GB of bf16 and write 12 GB; generate: start, load, 8 eager steps
     "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, int8} ~21 each
     "quant-flux-keep": 50,    # 1 row, compiled cold
+    "fp8-eager": 45,          # 1 eager row
+    "fp8-compiled": 70,       # 1 row, compiled cold
+    "fp8-scaled-mm": 110,     # 2 rows, compiled cold (fp8 payloads: new graphs)
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
@@ -226,7 +243,8 @@ def main(argv=None) -> int:
             command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run, args.gpus),
                        "--out", str(out / f"{section}.json")]
         print(f"== {section}: {' '.join(command[1:])}", flush=True)
-        env = {"TORCH_LOGS": "recompiles"} if section.startswith("quant-flux") else None
+        env = dict({"TORCH_LOGS": "recompiles"} if "flux" in section or section.startswith("fp8") else {},
+                   **SECTION_ENV.get(section, {}))
         code = run_until(command, left, env)
         failed += code != 0
         ended = " (ended at the deadline)" if code == 124 else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,6 +144,8 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
     # where each rank was: both ranks' Python stacks (faulthandler's format), rank 1's copied from its log
     assert err.count("ditmesh: rank 1 at the time limit:") == 2, err[-3000:]
     assert err.count("most recent call first") >= 4, err[-3000:]
+    # and below Python: each rank's scheduler state and kernel wait channel (py-spy's stacks where it is installed)
+    assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 4, err[-3000:]
     assert leftovers(tmp_path) == []
 
 

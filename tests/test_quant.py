@@ -119,6 +119,24 @@ def test_quantized_linears_and_kept_modulation(flux_tiny):
         assert t.transformer_blocks[0].ff.net[2].qweight.dtype == torch.int8
 
 
+def test_the_quant_backend_is_chosen_by_the_environment_and_a_bad_one_is_named(flux_tiny, monkeypatch):
+    from diffusers import FluxPipeline
+
+    from ditmesh import ConfigError, ParallelConfig, parallelize
+
+    def step(backend):
+        monkeypatch.setenv("DITMESH_QUANT_BACKEND", backend)
+        pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+        parallelize(pipe, ParallelConfig(), quant="fp8")
+        return pipe(prompt="a red circle", height=32, width=32, num_inference_steps=1, output_type="latent",
+                    generator=torch.Generator().manual_seed(0)).images
+
+    # on CPU the fp8 products are the float32 emulation whichever layer does them
+    assert torch.equal(step("scaled-mm"), step("auto"))
+    with pytest.raises(ConfigError, match="quant backend 'cutlass' is not one of auto, torchao, scaled-mm, emulated"):
+        step("cutlass")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rounding_is_torchaos(dtype):
     """The emulation's scales and 8-bit values are torchao's (its CPU paths), bit for bit."""

@@ -108,3 +108,24 @@ def test_train_entry_point_writes_a_loadable_pipeline(tmp_path):
     pipe = FluxPipeline.from_pretrained(str(tmp_path / "pipe"))
     assert pipe.transformer.config.num_attention_heads == 8
     assert read_meta(str(tmp_path / "pipe"))["max_sequence_length"] == 16
+
+
+def test_against_reference_counts_and_names_each_image_that_lost_an_attribute():
+    from ditmesh.tiny.evaluate import against_reference
+
+    scenes = [data.Scene("red", "circle"), data.Scene("blue", "square", "top left"), data.Scene("green", "triangle")]
+    prompts = [s.captions()[0] for s in scenes]
+    reference = np.stack([data.render(s) for s in scenes])
+    images = reference.copy()
+    images[1] = data.render(data.Scene("blue", "circle", "top left"))  # the square read as a circle: lost
+    images[2] = data.render(data.Scene("green", "triangle", "top left"))  # moved: lost its position
+    wrong_ref = reference.copy()
+    wrong_ref[2] = data.render(data.Scene("green", "triangle", "top left"))  # the reference already had it wrong
+    same = against_reference(reference, reference, prompts)
+    assert same["lost"] == 0 and same["lost_images"] == [] and same["psnr"] == float("inf")
+    row = against_reference(images, reference, prompts)
+    assert row["lost"] == 2
+    assert [(e["image"], e["attribute"], e["want"], e["got"]) for e in row["lost_images"]] == [
+        (1, "shape", "square", "circle"), (2, "position", "center", "top left")]
+    assert all(e["psnr"] < 30 for e in row["lost_images"])
+    assert against_reference(images, wrong_ref, prompts)["lost"] == 1  # an attribute the reference missed is not lost

@@ -12,6 +12,7 @@ exactly as long as they do.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -227,9 +228,10 @@ def quantize_step(pipe, runtime: ParallelRuntime, keep) -> None:
     options, mesh = runtime.options, runtime.mesh
     load_loras(pipe, options, keep)
     group = mesh.group("tp") if mesh.size("tp") > 1 else None
+    backend = os.environ.get("DITMESH_QUANT_BACKEND", "auto")  # who does the 8-bit work (parallel.quant.BACKENDS)
     for model in runtime.transformers.values():
         keep(quantized.apply(model, adapter_for(model), options.quant, tp_group=group,
-                             quantize_modulation=options.quant_modulation))
+                             quantize_modulation=options.quant_modulation, backend=backend))
 
 
 def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,

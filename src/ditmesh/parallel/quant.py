@@ -48,6 +48,8 @@ from ..options import QUANT_MANIFEST, quant_layer_mode
 log = logging.getLogger("ditmesh")
 
 MODES = ("fp8", "fp8-weight", "int8-weight")
+#: who does the 8-bit work (``apply``'s ``backend``; ``DITMESH_QUANT_BACKEND`` picks it for a run)
+BACKENDS = ("auto", "torchao", "scaled-mm", "emulated")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 #: the smallest amax a scale is taken from (an all-zero row would give 0 / 0)
@@ -202,7 +204,8 @@ def _torchao_config(mode: str):
 def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None, quantize_modulation: bool = True,
           backend: str = "auto") -> list:
     """Quantize ``model``'s block linears in ``mode`` in place (after tensor parallelism: ``tp_group`` is the tp
-    group where tp > 1). ``backend``: ``auto`` (torchao on CUDA, else :class:`QuantLinear`), ``torchao`` or
+    group where tp > 1). ``backend`` (:data:`BACKENDS`): ``auto`` (torchao on CUDA, else :class:`QuantLinear`),
+    ``torchao``, ``scaled-mm`` (:class:`QuantLinear` everywhere, its fp8 products by ``torch._scaled_mm`` on CUDA) or
     ``emulated`` (:class:`QuantLinear` everywhere, products in the activations' dtype). Returns undo callables.
 
     Quantized weights replace the originals (that is the memory saved), so the undo puts back linears holding the
@@ -210,9 +213,12 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
     if mode == "off":
         return []
     device = torch.device(device if device is not None else next(model.parameters()).device)
+    if backend not in BACKENDS:
+        raise ConfigError(f"quant backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if model in _PREQUANTIZED:
         return _adopt(model, mode, device)
     torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda")
+    scaled_mm = torchao or (backend == "scaled-mm" and device.type == "cuda")
     chosen = targets(model, adapter, mode, quantize_modulation)
     replaced: dict[str, torch.nn.Module] = {}
     by_mode: dict[str, set] = {}
@@ -221,7 +227,7 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
         if group is None and torchao:
             by_mode.setdefault(layer, set()).add(id(linear))
             continue
-        q = QuantLinear(linear, layer, name, group, scaled_mm=torchao and layer == "fp8")
+        q = QuantLinear(linear, layer, name, group, scaled_mm=scaled_mm and layer == "fp8")
         linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)  # drop the original
         _set(model, name, q)
         replaced[name] = linear

@@ -290,6 +290,32 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
                 dump = f.read().decode(errors="replace").strip()
             if dump:
                 print(f"ditmesh: rank {rank} at the time limit:\n{dump}", file=sys.stderr, flush=True)
+    for rank, p in enumerate(procs):
+        if p.poll() is None:
+            print(f"ditmesh: rank {rank} (pid {p.pid}): {_native_state(p.pid)}", file=sys.stderr, flush=True)
+
+
+def _native_state(pid: int) -> str:
+    """Where a rank's process is below Python: its scheduler state and kernel wait channel (``/proc``), and, when
+    ``py-spy`` is on the PATH, its threads' native and Python stacks (a rank blocked in a driver call answers no
+    signal, so the fault handler's dump never comes)."""
+    parts = []
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        parts.append(next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("State:")),
+                          "state unknown"))
+        parts.append("waiting in " + (Path(f"/proc/{pid}/wchan").read_text().strip() or "-"))
+    except OSError as e:
+        parts.append(f"no /proc entry ({e.strerror})")
+    spy = shutil.which("py-spy")
+    if spy is not None:
+        try:
+            out = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                 timeout=20)
+            parts.append("py-spy:\n" + (out.stdout + out.stderr).strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            parts.append(f"py-spy failed: {e}")
+    return "; ".join(parts[:2]) + ("\n" + "\n".join(parts[2:]) if parts[2:] else "")
 
 
 def _send(procs: list[subprocess.Popen], signum: int) -> None:

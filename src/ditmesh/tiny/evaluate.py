@@ -166,9 +166,15 @@ def against_reference(images: np.ndarray, reference: np.ndarray, prompts: list[s
     ref_rows = score(reference, prompts)[1]
     accuracy, got_rows = score(images, prompts)
     ref_ok = [{k: r[k] == getattr(w, k) for k in attributes} for r, w in zip(ref_rows, want)]
-    lost = sum(any(ok[k] and g[k] != getattr(w, k) for k in attributes) for ok, g, w in zip(ref_ok, got_rows, want))
     quality = [psnr_ssim(a, b) for a, b in zip(images, reference)]
-    return {**accuracy, "lost": lost,
+    # each image that lost an attribute: the first one it lost, what the checker read instead, its PSNR
+    lost = []
+    for i, (ok, g, w) in enumerate(zip(ref_ok, got_rows, want)):
+        k = next((a for a in attributes if ok[a] and g[a] != getattr(w, a)), None)
+        if k is not None:
+            lost.append({"image": i, "prompt": prompts[i], "attribute": k, "want": str(getattr(w, k)),
+                         "got": str(g[k]), "psnr": round(float(quality[i][0]), 2)})
+    return {**accuracy, "lost": len(lost), "lost_images": lost,
             "psnr": round(float(np.mean([q[0] for q in quality if np.isfinite(q[0])] or [float("inf")])), 2),
             "ssim": round(float(np.mean([q[1] for q in quality])), 4)}
 
