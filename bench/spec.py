@@ -379,6 +379,7 @@ H100X4B = "2026-11-27_h100x4"
 H100X2 = "2026-11-26_h100x2"
 H200X2 = "2026-11-26_h200x2"
 CPU = "2026-11-28_cpu"
+CPU_QUALITY = "2026-11-29_cpu"
 LAB_OVERLAP = "docs/lab/ulysses-overlap.md"
 
 TABLES = [
@@ -555,8 +556,8 @@ TABLES = [
                   ("rel. err vs unsharded", "rel_err", ".1e"),
                   ("peak GiB", lambda r: r["peak_memory_bytes"] / GIB if r.get("peak_memory_bytes") else None, ".2f")]),
     # docs/quantization.md: the 8-bit modes' quality on the tiny trained pipeline (CPU, the rounding emulated)
-    dict(name="quant-tiny", doc=QUANTIZATION, files=[f"{CPU}/quant/eval-tiny-quant.json"], columns=EIGHT_QUALITY),
-    dict(name="eight-tiny", doc=QUANTIZATION, files=[f"{CPU}/quant/eval-tiny-eight.json"], columns=EIGHT_QUALITY),
+    dict(name="quant-tiny", doc=QUANTIZATION, files=[f"{CPU_QUALITY}/quant/eval-tiny-quant.json"], columns=EIGHT_QUALITY),
+    dict(name="eight-tiny", doc=QUANTIZATION, files=[f"{CPU_QUALITY}/quant/eval-tiny-eight.json"], columns=EIGHT_QUALITY),
 ]
 
 #: the tiny pipeline's quality on CPU (``eval-tiny --json``), from suite ``quality``: not in ``TABLES`` while its
