@@ -535,11 +535,16 @@ def run(args) -> int:
                     target = out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
                     paths += write_video(target, video, fps=fps)
         encoded = []  # encode everything first: a format error must not leave some files written
+        from .. import png
+
         with phase("encode images"):
             for i, image in enumerate(images):
                 p = out if len(images) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
-                buf = io.BytesIO()
                 fmt = Image.registered_extensions().get(p.suffix.lower(), "PNG")
+                if fmt == "PNG":
+                    encoded.append((p, png.encode(image)))
+                    continue
+                buf = io.BytesIO()
                 image.save(buf, format=fmt)
                 encoded.append((p, buf.getvalue()))
         with phase("write outputs"):
