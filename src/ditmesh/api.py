@@ -11,6 +11,7 @@ exactly as long as they do.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -106,27 +107,37 @@ def remove(pipe) -> None:
     runtime.remove()
 
 
-def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) -> list:
+def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None, artifacts=None,
+                   artifact_mode: str = "off") -> list:
     """Regional compilation: ``torch.compile`` every repeated transformer block, in place.
 
     The blocks are the adapter's ordered block lists; compiling blocks rather than the whole model keeps
     compile time to one graph per block type and leaves ditmesh's entry/exit hooks outside the graphs. With
-    the copy-engine transport, inductor's buffer reuse is off (``symm.COMPILE_OPTIONS``). Returns undo
-    callables.
+    the copy-engine transport, inductor's buffer reuse is off (``symm.COMPILE_OPTIONS``). ``artifacts``: the folder
+    of this run's compiled blocks kept between processes, read (``artifact_mode`` ``load``) and written
+    (``save``) by :mod:`ditmesh.aot`. Returns undo callables.
     """
+    from . import aot
+
     adapter = adapter or adapter_for(model)
     blocks = adapter.block_modules(model)
     hook = find_hook(model, "sequence")
     # the copy-engine transport returns views of persistent receive buffers: inductor must not reuse them
     options = symm.COMPILE_OPTIONS if hook is not None and hook.sp.transport == "symm" else None
-    inner = []
+    per_class = aot.compilers(blocks, artifacts, artifact_mode, options) if artifacts and artifact_mode != "off" else {}
+    inner, routed = [], []
     for block in blocks:
         if find_hook(block, "cache") is not None or find_hook(block, "pipefusion") is not None:
             # a step cache decides on the host around the block, PipeFusion skips it or passes its activations
             # between stages: compile the block's own forward, inside its hooks
             reg = registry(block)
-            reg.inner = torch.compile(reg.original(block), options=options)
+            reg.inner = (functools.partial(per_class[type(block)], block) if type(block) in per_class
+                         else torch.compile(reg.original(block), options=options))
             inner.append(reg)
+        elif type(block) in per_class and "forward" not in vars(block):
+            # no hook of its own: the block's forward runs from the artifact of its class (hooks stay outside)
+            block.forward = functools.partial(per_class[type(block)], block)
+            routed.append(block)
         else:
             block.compile(options=options)
 
@@ -136,6 +147,8 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None) 
     def undo():
         for block in blocks:
             block._compiled_call_impl = None
+        for block in routed:
+            vars(block).pop("forward", None)
         for reg in inner:
             reg.inner = None
         for handle in handles:
@@ -354,6 +367,15 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
     def keep(undo):
         runtime._undo.extend(undo)
 
+    def compile_step(name, model):
+        folder = None
+        if options.compile_artifacts != "off":
+            from .aot import artifact_folder
+
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+            folder = artifact_folder(model, options.as_dict(), rank, world, name)
+        return compile_blocks(model, adapter_for(model), folder, options.compile_artifacts)
+
     def graph_step(model, adapter):
         """A whole-call graph per call signature; with a step cache, per branch and planned path (static, taylor), or
         cut in three graphs at the decision where the path is decided inside the call (dbcache, teacache)."""
@@ -395,7 +417,7 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         (f"vae_chunk({vae_chunk})", lambda: keep(chunk_vae(pipe, vae_chunk, torch.device(device)))),
         ("consistency-check", lambda: each(lambda m, a: consistency.attach_consistency_check(m, ctx)) if check else None),
         (f"quant({options.quant})", lambda: quantize_step(pipe, runtime, keep) if options.quant != "off" else None),
-        ("compile(blocks)", lambda: each(compile_blocks) if compile else None),
+        ("compile(blocks)", lambda: [keep(compile_step(name, m)) for name, m in models.items()] if compile else None),
         ("cuda-graph", lambda: each(graph_step) if cuda_graph else None),
         ("loras", lambda: load_loras(pipe, options, keep) if options.quant == "off" else None),  # quant loaded them
     ]

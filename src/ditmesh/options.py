@@ -55,6 +55,9 @@ def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, 
     return mode
 
 
+#: ``compile_artifacts``: compiled blocks kept between processes (``ditmesh.aot``)
+COMPILE_ARTIFACTS = ("off", "load", "save")
+
 #: ``comm_dtype``: the dtype sequence-parallel payloads travel in (``auto``: the activations'; ``fp8``: float8_e4m3fn
 #: with a float32 scale per token and head, ``comm.fp8_pack``; docs/quantization.md)
 COMM_DTYPES = ("auto", "fp8")
@@ -231,6 +234,10 @@ class RunOptions:
     config: ParallelConfig = field(default_factory=ParallelConfig)
     #: ``torch.compile`` every transformer block (regional), after the parallel dimensions
     compile: bool = False
+    #: with ``compile``, the compiled blocks kept between processes (:data:`COMPILE_ARTIFACTS`; ``ditmesh.aot``):
+    #: ``off``; ``load``: run the blocks from artifacts a warm-up saved for this exact run, tracing nothing;
+    #: ``save``: also compile and save the artifacts missing (each costs a compile without inductor's cache)
+    compile_artifacts: str = "off"
     #: replay each transformer call from a CUDA graph (CUDA only; not with dp/cfg > 1 or the consistency check)
     cuda_graph: bool = False
     #: step caching (``ditmesh.cache``)
@@ -314,6 +321,10 @@ class RunOptions:
                     values[f.name] = args.pp_chunk_mb << 20
                 continue
             value = getattr(args, taken.get(f.name, f.name), None)
+            if f.name == "compile_artifacts" and value == "auto":
+                # with --compile: a warm-up saves the compiled blocks, every other run loads those that fit
+                value = ("save" if getattr(args, "warmup_only", False) else "load") if getattr(args, "compile", False) \
+                    else "off"
             if value is not None:
                 values[f.name] = value
         return cls.create(config, cli=True, **values)
@@ -384,6 +395,10 @@ class RunOptions:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{flag(name)}{getattr(self, name)!r} is not true or false")
         _choice(self.transport, TRANSPORTS, flag("transport"), "transport")
+        _choice(self.compile_artifacts, COMPILE_ARTIFACTS, flag("compile_artifacts"), "compiled-artifact mode")
+        if self.compile_artifacts != "off" and not self.compile:
+            raise ConfigError(f"{flag('compile_artifacts')}{self.compile_artifacts} keeps compiled blocks, and "
+                              f"{flag('compile').strip(' =')} is off; add it, or use {flag('compile_artifacts')}off")
         _choice(self.vae_parallel, VAE_PARALLEL_MODES, flag("vae_parallel"), "mode")
         _choice(self.quant, QUANT_MODES, flag("quant"), "quantization mode")
         _choice(self.comm_dtype, COMM_DTYPES, flag("comm_dtype"), "communication dtype")

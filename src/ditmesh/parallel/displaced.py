@@ -77,7 +77,6 @@ from .sequence import SequenceParallel
 #: the displaced runtimes by id: the exchange op takes its runtime as an integer (an op's arguments are tensors and
 #: plain values); weak, so a runtime lives only as long as the processors that hold it
 _RUNTIMES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_IDS = itertools.count()
 
 
 class Displaced:
@@ -99,7 +98,9 @@ class Displaced:
         self.written: dict[int, int] = {}
         #: graphed: (sent chunk, gather) of each gather started in this call, waited by :meth:`join`
         self.started: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.id = next(_IDS)
+        # the smallest id no live runtime holds: a process's runtimes are numbered alike run after run, so the
+        # compiled blocks kept between processes (ditmesh.aot), whose guards hold the id, fit the next run
+        self.id = next(i for i in itertools.count() if i not in _RUNTIMES)
         _RUNTIMES[self.id] = self
 
     def attention(self, query, key, value, backend=None, streams=None, mask=None):

@@ -119,6 +119,7 @@ class QuantLinear(torch.nn.Module):
         weight of its own), instead of quantizing ``linear.weight``."""
         super().__init__()
         self.mode, self.name, self.group, self.scaled_mm = mode, name, group, scaled_mm
+        self.group_name = group.group_name if group is not None else None  # what forward reads (see RowParallelLinear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if quantized is not None:
             qweight, scale, self.dtype = quantized
@@ -137,7 +138,7 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "fp8":
-            xs = fp8_scale(row_amax(x, self.group), x.dtype)
+            xs = fp8_scale(row_amax(x, self.group_name), x.dtype)
             xq = fp8_quantize(x, xs)
             if _RECORD is not None and not torch.compiler.is_compiling():
                 _RECORD.append((self.name, xs.detach().reshape(-1, 1).clone()))
@@ -149,10 +150,10 @@ class QuantLinear(torch.nn.Module):
                 out = F.linear((xq.float() * xs).to(x.dtype), self.dequantized(x.dtype))
         else:
             out = F.linear(x, self.dequantized(x.dtype))
-        if self.group is not None:
+        if self.group_name is not None:
             from ..comm import all_reduce_sum
 
-            out = all_reduce_sum(out, self.group)
+            out = all_reduce_sum(out, self.group_name)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

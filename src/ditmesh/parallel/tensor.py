@@ -357,11 +357,12 @@ class RowParallelLinear(_Swapped, torch.nn.Linear):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.group = group
+        # forward names the group (a string a compiled block's saved artifact keeps, where a group object is not)
+        self.group, self.group_name = group, group.group_name
         self._take_place_of(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce_sum(F.linear(x, self.weight), self.group)
+        out = all_reduce_sum(F.linear(x, self.weight), self.group_name)
         return out if self.bias is None else out + self.bias
 
 
@@ -378,12 +379,12 @@ class ShardedRMSNorm(_Swapped):
     def __init__(self, norm: torch.nn.Module, full: int, group):
         super().__init__()
         self.weight = norm.weight  # None when not elementwise_affine
-        self.eps, self.full, self.group = norm.eps, full, group
+        self.eps, self.full, self.group, self.group_name = norm.eps, full, group, group.group_name
         self._take_place_of(norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        square_sum = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.group)
+        square_sum = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.group_name)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         out = (xf * torch.rsqrt(square_sum / self.full + eps)).type_as(x)
         return out if self.weight is None else out * self.weight

@@ -586,6 +586,7 @@ def run(args) -> int:
             # what the first step paid beyond a steady one: compilation, CUDA graph capture, first collectives
             "first_step_extra_s": round(step_s[0] - sorted(step_s)[len(step_s) // 2], 4) if len(step_s) > 1 else None,
             "compile_breakdown_s": warmup_costs,
+            "compile_artifacts": artifact_stats() if getattr(args, "compile", False) else None,
             "cache": {name: {"setting": getattr(args, "cache", None), "calls": len(c.history),
                              "skipped": sum(h["skip"] for h in c.history)} for name, c in runtime.caches.items()},
             # whether the VAE ran split along height over the ranks (``--vae-parallel``)
@@ -653,6 +654,9 @@ def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: flo
     first_step_s = warm_up_call(pipe, call, device)
     if rank == 0:
         caches = ", ".join(os.environ[e] for e in COMPILE_CACHE_ENV) if compiled else ""
+        saved = artifact_stats()["saved"] if compiled else []
+        if saved:
+            caches += "; compiled blocks saved: " + ", ".join(f"{name} ({s:.1f} s)" for name, s in saved)
         print(f"ditmesh: warmed up {config.describe()} on {world} process{'es' if world > 1 else ''} at "
               f"{call.get('height')}x{call.get('width')} (load {load_s:.1f} s, first step {first_step_s:.1f} s)"
               + (f"; caches in {caches}" if caches else ""), flush=True)
@@ -668,6 +672,15 @@ def warm_up_call(pipe, call: dict, device) -> float:
     pipe(**dict(call, num_inference_steps=1, output_type="latent"))
     _sync(device)
     return time.perf_counter() - start
+
+
+def artifact_stats() -> dict:
+    """This rank's compiled blocks kept between processes (``ditmesh.aot``): the classes loaded and saved (seconds)
+    and those that fell back to the ordinary compile (why)."""
+    from ..aot import STATS
+
+    return {k: [[name, round(v, 3) if isinstance(v, float) else v] for name, v in entries]
+            for k, entries in STATS.items()}
 
 
 def compile_breakdown(runtime) -> dict:

@@ -1,0 +1,59 @@
+"""Compiled blocks kept between processes (``compile_artifacts``): a run that loads them traces nothing and gives
+the latents of the run that compiled them, on every parallel mode; a block class that cannot be compiled whole
+(the ring's point-to-point exchanges) keeps the ordinary compile, named in the stats."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ditmesh.testing import rel_err
+
+TRUE_CFG = {"negative_prompt": "", "true_cfg_scale": 4.0}
+#: mode -> (degrees, options, call): the block classes run from artifacts on every axis, the step cache and
+#: PipeFusion through their hooks' compiled inner forward
+MODES = {
+    "one-process": ({}, {}, {}),
+    "ulysses2": ({"ulysses": 2}, {}, {}),
+    "tp2": ({"tp": 2}, {}, {}),
+    "cfg2": ({"cfg": 2}, {}, TRUE_CFG),
+    "pp2": ({"pp": 2}, {"pp_warmup": 1}, {}),
+    "displaced": ({"ulysses": 2}, {"displaced": True}, {}),
+    "cache": ({"ulysses": 2}, {"cache": "static:skip=1"}, {}),
+    "ring2": ({"ring": 2}, {}, {}),
+}
+BLOCKS = {"FluxSingleTransformerBlock", "FluxTransformerBlock"}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_loaded_blocks_trace_nothing_and_give_the_compiled_latents(pools, flux_tiny, tmp_path, mode):
+    from cases_aot import aot_round_trip
+
+    config, options, call = MODES[mode]
+    world = math.prod(config.values()) if config else 1
+    args = (flux_tiny, config, options, str(tmp_path), call)
+    results = [aot_round_trip(*args)] if world == 1 else pools(world).run(aot_round_trip, *args)
+    for rank, r in enumerate(results):
+        saved, loaded = set(r["save"]["saved"]), set(r["load"]["loaded"])
+        assert rel_err(r["load"]["latents"], r["eager"]["latents"]) <= 1e-5, rank
+        assert r["load"]["fallbacks"] == []
+        if mode == "ring2":
+            # the ring's P2P exchanges break the graph: the ordinary compile, nothing saved, the reason kept
+            assert not saved and {name for name, _ in r["save"]["fallbacks"]} == BLOCKS
+            assert all("P2P" in why for _, why in r["save"]["fallbacks"]), r["save"]["fallbacks"]
+            continue
+        assert r["save"]["fallbacks"] == [], r["save"]["fallbacks"]
+        # PipeFusion: each stage saves and loads the classes of the blocks it holds
+        assert saved and saved == loaded and saved <= BLOCKS and (mode == "pp2" or saved == BLOCKS), (saved, loaded)
+        assert r["load"]["frames"] == 0  # nothing traced when the artifacts are loaded
+        assert torch.equal(r["load"]["latents"], r["save"]["latents"])
+
+
+def test_the_frame_count_sees_an_ordinary_compile(flux_tiny, tmp_path):
+    """What makes ``frames == 0`` above mean something: the same count sees the ordinary compile trace."""
+    from cases_aot import aot_round_trip
+
+    r = aot_round_trip(flux_tiny, {}, {}, str(tmp_path), modes=("off",), steps=1)
+    assert r["off"]["frames"] >= 2 and r["off"]["saved"] == r["off"]["loaded"] == []
