@@ -15,9 +15,9 @@ import pytest
 SRC = Path(__file__).resolve().parent.parent / "src" / "ditmesh"
 
 #: the library: what ``parallelize`` needs. Everything else is a tool built on it.
-CORE = {"__init__", "api", "config", "mesh", "comm", "hooks", "attention", "parallel", "models", "fusion", "symm",
+CORE = {"__init__", "aot", "api", "config", "mesh", "comm", "hooks", "attention", "parallel", "models", "fusion", "symm",
         "profiling", "redundancy", "cache", "options", "timeline"}
-TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing", "analyze", "serve", "quantize"}
+TOOLS = {"cli", "__main__", "runtime", "bench", "planner", "synth", "tiny", "shared", "testing", "analyze", "serve", "quantize", "png"}
 
 #: where naming a family is allowed: its adapter, the tiny trained FLUX pipeline, and the benchmark's peer drivers
 FAMILY_HOMES = ("models/", "tiny/", "bench/peers.py")

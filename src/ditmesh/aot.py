@@ -68,7 +68,7 @@ def artifact_folder(model: torch.nn.Module, options: dict, rank: int, world: int
     import diffusers
 
     if root is None:
-        from .runtime.models import cache_dir
+        from .config import cache_dir
 
         root = cache_dir() / "compile" / "aot"
     param = next(model.parameters(), None)

@@ -6,7 +6,16 @@ Runtime state lives in :class:`ditmesh.mesh.ParallelMesh`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where ditmesh keeps what it makes once for later runs: synthesized checkpoints, compile caches, compiled
+    blocks (``$DITMESH_CACHE`` or ``~/.cache/ditmesh``)."""
+    return Path(os.environ.get("DITMESH_CACHE", Path.home() / ".cache" / "ditmesh"))
+
 
 #: Mesh axis order, outermost first. The innermost axes get the closest ranks (consecutive ranks share
 #: a node / NVLink island), so the most communication-hungry dimensions sit last: tensor parallelism

@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from ..config import ConfigError
-
-
-def cache_dir() -> Path:
-    """Where synthesized checkpoints are kept (``$DITMESH_CACHE`` or ``~/.cache/ditmesh``)."""
-    return Path(os.environ.get("DITMESH_CACHE", Path.home() / ".cache" / "ditmesh"))
+from ..config import ConfigError, cache_dir  # noqa: F401  (cache_dir: where the tools look for it)
 
 
 def default_model() -> str:
