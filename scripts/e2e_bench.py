@@ -97,14 +97,14 @@ class Bench:
         return code, time.perf_counter() - start
 
     def generate(self, tree: str, mode: str, steps: int, name: str, cache: Path, trace: bool,
-                 env: dict | None = None) -> tuple[int, float, Path]:
+                 env: dict | None = None, flags: tuple = ()) -> tuple[int, float, Path]:
         a = self.args
         nproc = 1 if mode == "1gpu" else a.gpus
         flags = [f.format(n=nproc) for f in MODES[mode]]
         report = self.work / f"{name}.json"
         cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", a.model, "--nproc", str(nproc), *flags,
                "--steps", str(steps), "--height", str(a.height), "--width", str(a.width),
-               "--out", str(self.work / f"{name}.png"), "--report", str(report), *a.extra]
+               "--out", str(self.work / f"{name}.png"), "--report", str(report), *flags, *a.extra]
         if a.compile:
             cmd.append("--compile")
         if a.cuda_graph and mode != "pp":  # PipeFusion runs no CUDA graphs (refused in one line)
@@ -129,8 +129,11 @@ class Bench:
 
         def one(key):
             tree, mode = key
+            # this tree's warm-up also saves the compiled blocks its warm rows then load (--compile-artifacts)
+            saves = ("--compile-artifacts", "save") if tree == "new" and self.args.compile else ()
             code, wall, _ = self.generate(tree, mode, self.args.warmup_steps, f"warmup-{tree}-{mode}",
-                                          self.shared_cache, trace=False, env=threads if workers > 1 else None)
+                                          self.shared_cache, trace=False, env=threads if workers > 1 else None,
+                                          flags=saves)
             return key, code, wall
 
         with ThreadPoolExecutor(workers) as pool:
@@ -198,6 +201,7 @@ def summarize(report: dict, wall_s: float, steps: int) -> dict:
            "steps_s": round(steady * len(latencies), 3),
            "overhead_s": round(wall_s - report["load_s"] - steady * len(latencies), 3),
            "total_latency_s": report["total_latency_s"], "compile_breakdown_s": report.get("compile_breakdown_s"),
+           "compile_artifacts": report.get("compile_artifacts"),
            "devices": report.get("devices"), "versions": report.get("versions"), "config": report.get("config")}
     timelines = report.get("timeline")
     if timelines:
