@@ -24,6 +24,8 @@ limit; a row past it prints every rank's Python stack before it is stopped.
   from the written folder at 1024² (eager, 8 steps): its load and run peaks (the transformer never in bf16) and
   the seconds each took (``quant-checkpoint.json``).
 * ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
+* ``quant-e2e-1gpu``, ``fp8-scaled-mm-1gpu`` (``--only``, one GPU): ``generate`` from outside in bf16 and fp8
+  with compiled blocks kept between processes, and ditmesh's own fp8 layer's step beside diffusers' rows.
 * ``fp8-eager``, ``fp8-compiled``, ``fp8-scaled-mm`` (run them with ``--only``): where the parallel fp8 row stalls.
   FLUX at ulysses 4 in fp8 without compile and graphs, compiled without graphs, and compiled with graphs through
   ditmesh's own fp8 layer (``DITMESH_QUANT_BACKEND=scaled-mm``: ``torch._scaled_mm`` on plain tensors rather than
@@ -78,9 +80,14 @@ SECTIONS = {
     "fp8-compiled": [{"150": "110"}.get(a, a) for a in FLUX] + ["--no-cuda-graph", "--gpus", "4", "--no-single",
                                                                "--quant", "fp8"],
     "fp8-scaled-mm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8", "--comm-dtype", "auto,fp8"],
+    # one GPU: `generate` timed from outside in bf16 and with the transformer in fp8 (compiled blocks saved by a
+    # warm-up and loaded by the row: do they compose with torchao's tensors?), and ditmesh's own fp8 layer's step
+    "quant-e2e-1gpu": "e2e",
+    "fp8-scaled-mm-1gpu": FLUX + ["--gpus", "1", "--quant", "fp8"],
 }
 #: variables a section's command runs with (beyond TORCH_LOGS=recompiles for the FLUX sections)
-SECTION_ENV = {"fp8-scaled-mm": {"DITMESH_QUANT_BACKEND": "scaled-mm"}}
+SECTION_ENV = {"fp8-scaled-mm": {"DITMESH_QUANT_BACKEND": "scaled-mm"},
+               "fp8-scaled-mm-1gpu": {"DITMESH_QUANT_BACKEND": "scaled-mm"}}
 #: a section's expected wall seconds on 4 H200s (a compiled FLUX row: ~15 s of imports, process start and weights,
 #: 15-25 s compiling cold (fp8's graphs are new to the cache: ~+20 s), 1 s of steps; an eager Wan row: ~15 s of
 #: start and weights, then 3 steps of 0.9 s (ulysses 4) or 3.2 s (1 GPU)); 535 s before the optional last section
@@ -96,6 +103,8 @@ EXPECTED_S = {
     "fp8-eager": 45,          # 1 eager row
     "fp8-compiled": 70,       # 1 row, compiled cold
     "fp8-scaled-mm": 110,     # 2 rows, compiled cold (fp8 payloads: new graphs)
+    "quant-e2e-1gpu": 230,    # synth 60, one import 22, per variant a warm-up that saves (55) and its row (35)
+    "fp8-scaled-mm-1gpu": 150,  # synth 60; diffusers eager and compiled, ditmesh fp8
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
@@ -148,6 +157,22 @@ def run_checkpoint(out: Path, dry: bool, seconds: float | None) -> int:
                       devices=r.get("devices"), versions=r.get("versions"))
     (out / "quant-checkpoint.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "versions"}), flush=True)
+    return code
+
+
+def run_e2e(out: Path, dry: bool, seconds: float | None) -> int:
+    """quant-e2e-1gpu: ``scripts/e2e_bench.py`` on one GPU, FLUX.1-dev architecture at 1024², 28 steps, compiled with
+    CUDA graphs, warm: the block linears in bf16 (``e2e-bf16/``), then in fp8 (``e2e-fp8/``), each row after a warm-up
+    that saves the compiled blocks it loads."""
+    start, code = time.time(), 0
+    for name, extra in (("e2e-bf16", []), ("e2e-fp8", ["--", "--quant", "fp8"])):
+        left = None if seconds is None else seconds - (time.time() - start)
+        command = [sys.executable, "scripts/e2e_bench.py", "--rows", "new:1gpu:warm", "--out", str(out / name)]
+        command += (["--cpu-dry-run"] if dry else
+                    ["--synth", "flux-dev", "--model", "/tmp/flux-dev", "--gpus", "1", "--height", "1024", "--width",
+                     "1024", "--steps", "28", "--compile", "--cuda-graph", "--deadline-s", f"{max(30, (left or 600) - 10):.0f}"])
+        print(f"== quant-e2e-1gpu {name}: {' '.join(command[1:] + extra)}", flush=True)
+        code = run_until(command + extra, left) or code
     return code
 
 
@@ -231,6 +256,11 @@ def main(argv=None) -> int:
             skipped.append(section)
             continue
         begun = time.time()
+        if SECTIONS[section] == "e2e":
+            code = run_e2e(out, args.cpu_dry_run, left)
+            failed += code != 0
+            print(f"== {section}: {time.time() - begun:.0f} s (expected ~{EXPECTED_S[section]} s on GPUs)", flush=True)
+            continue
         if SECTIONS[section] == "checkpoint":
             code = run_checkpoint(out, args.cpu_dry_run, left)
             failed += code != 0
