@@ -97,14 +97,14 @@ class Bench:
         return code, time.perf_counter() - start
 
     def generate(self, tree: str, mode: str, steps: int, name: str, cache: Path, trace: bool,
-                 env: dict | None = None, flags: tuple = ()) -> tuple[int, float, Path]:
+                 env: dict | None = None, more: tuple = ()) -> tuple[int, float, Path]:
         a = self.args
         nproc = 1 if mode == "1gpu" else a.gpus
         flags = [f.format(n=nproc) for f in MODES[mode]]
         report = self.work / f"{name}.json"
         cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", a.model, "--nproc", str(nproc), *flags,
                "--steps", str(steps), "--height", str(a.height), "--width", str(a.width),
-               "--out", str(self.work / f"{name}.png"), "--report", str(report), *flags, *a.extra]
+               "--out", str(self.work / f"{name}.png"), "--report", str(report), *more, *a.extra]
         if a.compile:
             cmd.append("--compile")
         if a.cuda_graph and mode != "pp":  # PipeFusion runs no CUDA graphs (refused in one line)
@@ -133,7 +133,7 @@ class Bench:
             saves = ("--compile-artifacts", "save") if tree == "new" and self.args.compile else ()
             code, wall, _ = self.generate(tree, mode, self.args.warmup_steps, f"warmup-{tree}-{mode}",
                                           self.shared_cache, trace=False, env=threads if workers > 1 else None,
-                                          flags=saves)
+                                          more=saves)
             return key, code, wall
 
         with ThreadPoolExecutor(workers) as pool:
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
               "skipped": bench.skipped}
     (bench.out / "e2e.json").write_text(json.dumps(result, indent=1))
     (bench.out / "e2e.md").write_text(text + "\n")
-    shutil.rmtree(bench.work, ignore_errors=True)
+    if not os.environ.get("E2E_KEEP"):
+        shutil.rmtree(bench.work, ignore_errors=True)
     return 0 if not bench.skipped else 1
 
 
