@@ -129,8 +129,8 @@ class Bench:
 
         def one(key):
             tree, mode = key
-            # this tree's warm-up also saves the compiled blocks its warm rows then load (--compile-artifacts)
-            saves = ("--compile-artifacts", "save") if tree == "new" and self.args.compile else ()
+            # --compile-artifacts: this tree's warm-up saves the compiled blocks its warm rows then load
+            saves = ("--compile-artifacts", "save") if tree == "new" and self.args.compile_artifacts else ()
             code, wall, _ = self.generate(tree, mode, self.args.warmup_steps, f"warmup-{tree}-{mode}",
                                           self.shared_cache, trace=False, env=threads if workers > 1 else None,
                                           more=saves)
@@ -173,7 +173,9 @@ class Bench:
                 self.warmed.add((tree, mode))
         else:
             self.warm_up([(tree, mode)])
-            code, wall, report = self.generate(tree, mode, self.args.steps, name, self.shared_cache, trace=tree == "new")
+            loads = ("--compile-artifacts", "load") if tree == "new" and self.args.compile_artifacts else ()
+            code, wall, report = self.generate(tree, mode, self.args.steps, name, self.shared_cache, trace=tree == "new",
+                                               more=loads)
         self.walls[f"{tree}:{mode}"] = wall
         if code != 0:
             self.skipped.append({"row": spec, "why": f"exit {code}; log {name}.log",
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=3, help="steps of a warm-up run (default 3)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument("--compile-artifacts", action="store_true",
+                   help="with --compile: this tree's warm-ups save the compiled blocks and its warm rows load them")
     p.add_argument("--baseline-src", default=None, metavar="DIR", help="folder holding the old tree's ditmesh package")
     p.add_argument("--parallel-warmups", action="store_true", help="run the warm-ups a row needs at the same time")
     p.add_argument("--shared-cache", default=None, metavar="DIR",

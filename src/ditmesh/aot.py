@@ -1,12 +1,13 @@
 """Compiled blocks kept between processes: torch's ahead-of-time compile (``torch.compile(...).aot_compile``).
 
-With ``compile``, every new process used to trace each block class again with dynamo on its first step (seconds on
-a GPU host, tens of seconds on a loaded CPU), even with inductor's and triton's caches warm. With
-``compile_artifacts="save"`` (``ditmesh generate --warmup-only``), each block class is compiled whole
-(``fullgraph``) from the inputs its first block receives, with the block as the compiled function's first input so
-that every parameter is a graph input and one artifact serves every block of the class, and the artifact is written
-to a folder of its own; with ``"load"`` (``generate`` and ``serve`` with ``--compile``), a later process reads it and
-runs the blocks through it without tracing anything.
+With ``compile``, every new process traces each block class again with dynamo on its first step, even with
+inductor's and triton's caches warm. With ``compile_artifacts="save"`` (e.g. ``ditmesh generate --warmup-only
+--compile --compile-artifacts save``), each block class is compiled whole (``fullgraph``) from the inputs its first
+block receives, with the block as the compiled function's first input so that every parameter is a graph input and
+one artifact serves every block of the class, and the artifact is written to a folder of its own; with ``"load"``, a
+later process (``generate``, ``serve``) reads it and runs the blocks through it without tracing anything. Off by
+default: measured on one H200 (FLUX.1-dev architecture, docs/timeline.md) loading took longer than dynamo's warm
+re-trace; on the 2-core CPU machine it is several times faster.
 
 Safety: the artifact keeps torch's guards on the inputs (shapes, strides, dtypes, the parallel context the
 processors read: ranks, group names, degrees); an input that fails them never runs the artifact (the call goes to

@@ -108,11 +108,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                              "shard); the adapters cannot be switched afterwards")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile every transformer block (regional; the first steps pay the compile time)")
-    parser.add_argument("--compile-artifacts", default="auto", metavar="MODE",
-                        help="with --compile, the compiled blocks kept between processes (docs/usage.md): auto "
-                             "(default: generate --warmup-only saves them, every other run loads those that fit and "
-                             "traces nothing), off, load, save (a missing one is compiled and saved, without "
-                             "inductor's cache)")
+    parser.add_argument("--compile-artifacts", default="off", metavar="MODE",
+                        help="with --compile, the compiled blocks kept between processes (docs/usage.md): off "
+                             "(default), save (a warm-up: each block class compiled whole and saved, without "
+                             "inductor's cache), load (a later run or service runs them, tracing nothing)")
     parser.add_argument("--cache", default=None, metavar="POLICY",
                         help="step caching: default, fbcache:T, dbcache:threshold=T,first=F,last=B,..., teacache:threshold=T,"
                              "poly=..., static:skip=2-4+6, taylor:interval=N,warmup=W (decisions shared by every rank; "

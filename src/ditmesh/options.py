@@ -235,8 +235,8 @@ class RunOptions:
     #: ``torch.compile`` every transformer block (regional), after the parallel dimensions
     compile: bool = False
     #: with ``compile``, the compiled blocks kept between processes (:data:`COMPILE_ARTIFACTS`; ``ditmesh.aot``):
-    #: ``off``; ``load``: run the blocks from artifacts a warm-up saved for this exact run, tracing nothing;
-    #: ``save``: also compile and save the artifacts missing (each costs a compile without inductor's cache)
+    #: ``off``; ``save``: compile each block class whole and save it (a cold compile: inductor's cache is not used);
+    #: ``load``: run the blocks from the artifacts a ``save`` run of this exact configuration left, tracing nothing
     compile_artifacts: str = "off"
     #: replay each transformer call from a CUDA graph (CUDA only; not with dp/cfg > 1 or the consistency check)
     cuda_graph: bool = False
@@ -321,10 +321,6 @@ class RunOptions:
                     values[f.name] = args.pp_chunk_mb << 20
                 continue
             value = getattr(args, taken.get(f.name, f.name), None)
-            if f.name == "compile_artifacts" and value == "auto":
-                # with --compile: a warm-up saves the compiled blocks, every other run loads those that fit
-                value = ("save" if getattr(args, "warmup_only", False) else "load") if getattr(args, "compile", False) \
-                    else "off"
             if value is not None:
                 values[f.name] = value
         return cls.create(config, cli=True, **values)
