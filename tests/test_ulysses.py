@@ -55,6 +55,16 @@ def test_a_rank_whose_process_dies_is_named_with_its_signal_at_once(how, said):
         pool.close(force=True)
 
 
+def test_a_crash_report_keeps_the_stacks_before_a_long_list_of_extension_modules():
+    from ditmesh.testing import fault_stacks
+
+    log = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+           '  File "cases.py", line 44 in rank_one_dies_case\n\n'
+           "Extension modules: " + ", ".join(f"c{i:050d}.kernel" for i in range(400)) + " (total: 400)\n")
+    kept = fault_stacks(log)
+    assert "rank_one_dies_case" in kept and "Extension modules" not in kept and len(kept) < 4000
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("world,seq,heads", [(2, 16, 4), (2, 15, 3), (4, 18, 6), (4, 7, 6)])
 def test_ulysses_attention_matches_full_attention_even_and_uneven(pools, world, seq, heads, batch):

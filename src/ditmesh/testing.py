@@ -134,6 +134,13 @@ class RankError(RuntimeError):
     """A function failed on one or more ranks."""
 
 
+def fault_stacks(log: str, keep: int = 4000) -> str:
+    """The last ``keep`` characters of a fault handler's log without its "Extension modules:" line (a worker that ran
+    compiled cases has loaded hundreds of inductor kernels, and that one line would push the stacks out)."""
+    lines = [line for line in log.splitlines() if not line.startswith("Extension modules:")]
+    return "\n".join(lines)[-keep:]
+
+
 class ProcessPool:
     """``world_size`` long-lived gloo worker processes on this machine."""
 
@@ -217,7 +224,7 @@ class ProcessPool:
                     how = f"signal {signal.Signals(-code).name}"
             try:
                 with open(os.path.join(self._logs, f"rank{rank}.log")) as f:
-                    log = f.read()[-4000:]
+                    log = fault_stacks(f.read())
             except OSError:
                 log = ""
             dead[rank] = f"the worker process of rank {rank} (pid {p.pid}) ended with {how}\n{log}"
