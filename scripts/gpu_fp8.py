@@ -28,7 +28,7 @@ limit; a row past it prints every rank's Python stack before it is stopped.
   with compiled blocks kept between processes, and ditmesh's own fp8 layer's step beside diffusers' rows.
 * ``fp8-eager``, ``fp8-compiled``, ``fp8-scaled-mm`` (run them with ``--only``): where the parallel fp8 row stalls.
   FLUX at ulysses 4 in fp8 without compile and graphs, compiled without graphs, and compiled with graphs through
-  ditmesh's own fp8 layer (``DITMESH_QUANT_BACKEND=scaled-mm``: ``torch._scaled_mm`` on plain tensors rather than
+  ditmesh's own fp8 layer (``--quant-backend scaled-mm``: ``torch._scaled_mm`` on plain tensors rather than
   torchao's tensor subclass), with bf16 and fp8 payloads. A row past its limit prints each rank's scheduler state,
   kernel wait channel and (py-spy carried as a wheel) native stacks.
 
@@ -74,20 +74,19 @@ SECTIONS = {
     "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
     "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
     # where the parallel fp8 row stalls: without compile and graphs, compiled without graphs, and ditmesh's own fp8
-    # layer (torch._scaled_mm on plain tensors, DITMESH_QUANT_BACKEND=scaled-mm) instead of torchao's tensors
+    # layer (torch._scaled_mm on plain tensors, --quant-backend scaled-mm) instead of torchao's tensors
     "fp8-eager": [{"on": "off", "150": "75"}.get(a, a) for a in FLUX] + ["--no-cuda-graph", "--gpus", "4",
                                                                          "--no-single", "--quant", "fp8"],
     "fp8-compiled": [{"150": "110"}.get(a, a) for a in FLUX] + ["--no-cuda-graph", "--gpus", "4", "--no-single",
                                                                "--quant", "fp8"],
-    "fp8-scaled-mm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8", "--comm-dtype", "auto,fp8"],
+    "fp8-scaled-mm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8", "--quant-backend", "scaled-mm",
+                             "--comm-dtype", "auto,fp8"],
     # one GPU: `generate` timed from outside in bf16 and with the transformer in fp8 (compiled blocks saved by a
     # warm-up and loaded by the row: do they compose with torchao's tensors?), and ditmesh's own fp8 layer's step
     "quant-e2e-1gpu": "e2e",
-    "fp8-scaled-mm-1gpu": FLUX + ["--gpus", "1", "--quant", "fp8"],
+    "fp8-scaled-mm-1gpu": FLUX + ["--gpus", "1", "--quant", "fp8", "--quant-backend", "scaled-mm"],
 }
-#: variables a section's command runs with (beyond TORCH_LOGS=recompiles for the FLUX sections)
-SECTION_ENV = {"fp8-scaled-mm": {"DITMESH_QUANT_BACKEND": "scaled-mm"},
-               "fp8-scaled-mm-1gpu": {"DITMESH_QUANT_BACKEND": "scaled-mm"}}
+
 #: a section's expected wall seconds on 4 H200s (a compiled FLUX row: ~15 s of imports, process start and weights,
 #: 15-25 s compiling cold (fp8's graphs are new to the cache: ~+20 s), 1 s of steps; an eager Wan row: ~15 s of
 #: start and weights, then 3 steps of 0.9 s (ulysses 4) or 3.2 s (1 GPU)); 535 s before the optional last section
@@ -273,8 +272,7 @@ def main(argv=None) -> int:
             command = [sys.executable, "-m", "ditmesh", "bench", *bench_args(section, args.cpu_dry_run, args.gpus),
                        "--out", str(out / f"{section}.json")]
         print(f"== {section}: {' '.join(command[1:])}", flush=True)
-        env = dict({"TORCH_LOGS": "recompiles"} if "flux" in section or section.startswith("fp8") else {},
-                   **SECTION_ENV.get(section, {}))
+        env = {"TORCH_LOGS": "recompiles"} if "flux" in section or section.startswith("fp8") else None
         code = run_until(command, left, env)
         failed += code != 0
         ended = " (ended at the deadline)" if code == 124 else ""

@@ -119,22 +119,25 @@ def test_quantized_linears_and_kept_modulation(flux_tiny):
         assert t.transformer_blocks[0].ff.net[2].qweight.dtype == torch.int8
 
 
-def test_the_quant_backend_is_chosen_by_the_environment_and_a_bad_one_is_named(flux_tiny, monkeypatch):
+def test_the_quant_backend_is_a_run_option_and_a_bad_one_is_named(flux_tiny):
     from diffusers import FluxPipeline
 
     from ditmesh import ConfigError, ParallelConfig, parallelize
 
     def step(backend):
-        monkeypatch.setenv("DITMESH_QUANT_BACKEND", backend)
         pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
-        parallelize(pipe, ParallelConfig(), quant="fp8")
+        parallelize(pipe, ParallelConfig(), quant="fp8", quant_backend=backend)
         return pipe(prompt="a red circle", height=32, width=32, num_inference_steps=1, output_type="latent",
                     generator=torch.Generator().manual_seed(0)).images
 
     # on CPU the fp8 products are the float32 emulation whichever layer does them
     assert torch.equal(step("scaled-mm"), step("auto"))
-    with pytest.raises(ConfigError, match="quant backend 'cutlass' is not one of auto, torchao, scaled-mm, emulated"):
+    with pytest.raises(ConfigError, match="quant_backend='cutlass' is not a backend of the 8-bit linears; use one "
+                                          "of auto, torchao, scaled-mm, emulated"):
         step("cutlass")
+    with pytest.raises(ConfigError, match="quant_backend=torchao is given without a quant= mode"):
+        parallelize(FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32), ParallelConfig(),
+                    quant_backend="torchao")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,6 +170,11 @@ def test_rounding_is_torchaos(dtype):
     (["generate", "--quant-keep-modulation"], "--quant-keep-modulation is given without a --quant mode"),
     (["generate", "--quant", "fp8", "--lora", "x.safetensors"], "no such file"),
     (["bench", "--quant", "fp8:keep"], "--quant 'fp8:keep' is not one of off, fp8"),
+    (["generate", "--quant", "fp8", "--quant-backend", "cutlass"],
+     "--quant-backend 'cutlass' is not a backend of the 8-bit linears; use one of auto, torchao, scaled-mm, emulated"),
+    (["generate", "--quant-backend", "torchao"], "--quant-backend torchao is given without a --quant mode"),
+    (["bench", "--quant", "fp8", "--quant-backend", "cutlass"], "--quant-backend 'cutlass' is not a backend of the "
+                                                                 "8-bit linears"),
     (["plan", "--model", "flux-dev", "--gpus", "2", "--quant", "int4"], "--quant 'int4' is not a quantization mode"),
 ])
 def test_quant_bad_input_one_line(argv, needle, capsys, tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -241,10 +240,9 @@ def quantize_step(pipe, runtime: ParallelRuntime, keep) -> None:
     options, mesh = runtime.options, runtime.mesh
     load_loras(pipe, options, keep)
     group = mesh.group("tp") if mesh.size("tp") > 1 else None
-    backend = os.environ.get("DITMESH_QUANT_BACKEND", "auto")  # who does the 8-bit work (parallel.quant.BACKENDS)
     for model in runtime.transformers.values():
         keep(quantized.apply(model, adapter_for(model), options.quant, tp_group=group,
-                             quantize_modulation=options.quant_modulation, backend=backend))
+                             quantize_modulation=options.quant_modulation, backend=options.quant_backend))
 
 
 def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,
@@ -269,6 +267,8 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
         check_consistency: debug mode: before every transformer call, verify that timestep, latents
             and text embeddings are bit-identical on every rank (raises on the first mismatch).
         compile: ``torch.compile`` each transformer block (regional), after the parallel dimensions.
+        compile_artifacts: with ``compile``, ``"save"`` the compiled blocks or ``"load"`` those a save left, so a
+            later process traces nothing (``ditmesh.aot``); default ``"off"``.
         cuda_graph: replay each transformer call from a CUDA graph (``ditmesh.parallel.graph``), the last
             step of the fixed order; CUDA only, and not with ``dp``/``cfg`` > 1 or ``check_consistency``.
         ulysses_chunks: head groups each Ulysses attention pipelines against its all-to-alls (1 = none;

@@ -146,6 +146,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-consistency", action="store_true",
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
     add_quant_flags(parser)
+    parser.add_argument("--quant-backend", default=None, metavar="NAME",
+                        help="with --quant, who does the 8-bit work: auto (default: torchao on CUDA), torchao, "
+                             "scaled-mm (ditmesh's own layer, torch._scaled_mm on plain tensors), emulated")
 
 
 class _Parser(argparse.ArgumentParser):

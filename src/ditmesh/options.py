@@ -55,6 +55,11 @@ def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, 
     return mode
 
 
+#: ``quant_backend``: who does the 8-bit work (``parallel.quant.apply``): ``auto`` (torchao on CUDA, else ditmesh's
+#: ``QuantLinear``), ``torchao``, ``scaled-mm`` (``QuantLinear`` everywhere, its fp8 products by ``torch._scaled_mm``
+#: on plain tensors) or ``emulated`` (products in the activations' dtype)
+QUANT_BACKENDS = ("auto", "torchao", "scaled-mm", "emulated")
+
 #: ``compile_artifacts``: compiled blocks kept between processes (``ditmesh.aot``)
 COMPILE_ARTIFACTS = ("off", "load", "save")
 
@@ -271,6 +276,8 @@ class RunOptions:
     quant: str = "off"
     #: with ``quant``: the AdaLN modulation linears of the blocks quantized too (False: kept in the model's dtype)
     quant_modulation: bool = True
+    #: with ``quant``: who does the 8-bit work (:data:`QUANT_BACKENDS`)
+    quant_backend: str = "auto"
     comm_dtype: str = "auto"
     attention: str = "default"
     #: with the 8-bit attention: the first and last this many steps of each run attend exactly
@@ -397,6 +404,7 @@ class RunOptions:
                               f"{flag('compile').strip(' =')} is off; add it, or use {flag('compile_artifacts')}off")
         _choice(self.vae_parallel, VAE_PARALLEL_MODES, flag("vae_parallel"), "mode")
         _choice(self.quant, QUANT_MODES, flag("quant"), "quantization mode")
+        _choice(self.quant_backend, QUANT_BACKENDS, flag("quant_backend"), "backend of the 8-bit linears")
         _choice(self.comm_dtype, COMM_DTYPES, flag("comm_dtype"), "communication dtype")
         _choice(self.attention, ATTENTION_MODES, flag("attention"), "attention kernel")
         _int_or_auto(self.chunk_tokens, flag("chunk_tokens"), "token count", 4096)
@@ -532,6 +540,9 @@ class RunOptions:
                 given = "--quant-keep-modulation" if flag("quant").startswith("--") else "quant_modulation=False"
                 raise ConfigError(f"{given} is given without a {flag('quant').strip()} mode; add one (fp8, "
                                   "fp8-weight, int8-weight) or drop it")
+            if self.quant_backend != "auto":
+                raise ConfigError(f"{flag('quant_backend')}{self.quant_backend} is given without a "
+                                  f"{flag('quant').strip()} mode; add one (fp8, fp8-weight, int8-weight) or drop it")
             return
         if self.loras and not self.fuse_lora:
             raise ConfigError(f"{flag('quant')}{self.quant} with unfused LoRA adapters: add "

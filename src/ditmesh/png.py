@@ -54,7 +54,7 @@ def filtered_rows(pixels: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-def deflate_parallel(raw: np.ndarray, level: int = 1, parts: int | None = None) -> bytes:
+def deflate_parallel(raw: np.ndarray, level: int = LEVEL, parts: int | None = None) -> bytes:
     """A zlib stream of the bytes ``raw`` (flat uint8), its deflate parts made at once on :func:`_pool`'s threads
     (``parts``: how many; default one per :data:`PART_BYTES`, at most one per thread)."""
     size = raw.nbytes

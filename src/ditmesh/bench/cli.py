@@ -95,6 +95,9 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
                         ":keep-modulation (the AdaLN modulation linears in the model's dtype), or a comma list of them "
                         "(off,fp8: each row twice, side by side). docs/quantization.md")
+    b.add_argument("--quant-backend", default="auto", metavar="NAME",
+                   help="with --quant, who does the 8-bit work in ditmesh's rows: auto (torchao on CUDA), torchao, "
+                        "scaled-mm (ditmesh's own layer, torch._scaled_mm on plain tensors), emulated")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
@@ -178,7 +181,7 @@ def _typed(args) -> list[str]:
 def _settings(args) -> dict:
     """Every option resolved (GPU or CPU defaults) and checked; bad input raises ConfigError before any work."""
     from ..config import ConfigError
-    from ..options import RunOptions, quant_variants
+    from ..options import QUANT_BACKENDS, RunOptions, quant_variants
     from ..shared import DTYPES
     from ..synth import get_arch
 
@@ -217,6 +220,9 @@ def _settings(args) -> dict:
         cuda_graph = False
     comm_dtypes, attentions = _eight_variants(args, methods)
     quants = quant_variants(args.quant)
+    if args.quant_backend not in QUANT_BACKENDS:
+        raise ConfigError(f"--quant-backend {args.quant_backend!r} is not a backend of the 8-bit linears; use one of "
+                          f"{', '.join(QUANT_BACKENDS)}")
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -231,7 +237,8 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
-                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants, row_timeout=args.row_timeout,
+                lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
+                quant_backend=args.quant_backend, row_timeout=args.row_timeout,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
 
 
@@ -314,7 +321,8 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
                     chunks=s["ulysses_chunks"],
                     transport=s["transport"], fuse_qkv=s["fuse_qkv"], profile=s["profile"], dtype=s["dtype"],
                     cache=s.get("cache"), lora=None if peer(method) else s.get("lora"), tmp=str(tmp),
-                    comm_dtype=comm_dtype, attention=attention, quant=quant)
+                    comm_dtype=comm_dtype, attention=attention, quant=quant,
+                    quant_backend=s.get("quant_backend", "auto") if quant != "off" else "auto")
         label = (f"{method} on {g} process(es){' compiled' if comp else ''}{' + CUDA graph' if graph else ''}"
                  f"{' quant ' + quant if quant != 'off' else ''}"
                  f"{' comm ' + comm_dtype if comm_dtype != 'auto' else ''}"

@@ -178,10 +178,12 @@ def run_worker(spec: dict) -> None:
                                         cache=row.get("cache"), displaced=spec["method"] == "displaced",
                                         comm_dtype=spec.get("comm_dtype", "auto"),
                                         attention=spec.get("attention", "default"),
+                                        quant_backend=spec.get("quant_backend", "auto"),
                                         **quant_of(spec.get("quant", "off")))
             runtime = parallelize(_Pipe, options, device=device)
             ours = True
-            for key, default in (("comm_dtype", "auto"), ("attention", "default"), ("quant", "off")):
+            for key, default in (("comm_dtype", "auto"), ("attention", "default"), ("quant", "off"),
+                                 ("quant_backend", "auto")):
                 if spec.get(key, default) != default:
                     row[key] = spec[key]
             if spec.get("fuse_qkv"):

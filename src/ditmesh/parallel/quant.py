@@ -43,13 +43,11 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from ..options import QUANT_MANIFEST, quant_layer_mode
+from ..options import QUANT_BACKENDS, QUANT_MANIFEST, quant_layer_mode
 
 log = logging.getLogger("ditmesh")
 
 MODES = ("fp8", "fp8-weight", "int8-weight")
-#: who does the 8-bit work (``apply``'s ``backend``; ``DITMESH_QUANT_BACKEND`` picks it for a run)
-BACKENDS = ("auto", "torchao", "scaled-mm", "emulated")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 #: the smallest amax a scale is taken from (an all-zero row would give 0 / 0)
@@ -205,7 +203,7 @@ def _torchao_config(mode: str):
 def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None, quantize_modulation: bool = True,
           backend: str = "auto") -> list:
     """Quantize ``model``'s block linears in ``mode`` in place (after tensor parallelism: ``tp_group`` is the tp
-    group where tp > 1). ``backend`` (:data:`BACKENDS`): ``auto`` (torchao on CUDA, else :class:`QuantLinear`),
+    group where tp > 1). ``backend`` (``options.QUANT_BACKENDS``, the run's ``quant_backend``): ``auto`` (torchao on CUDA, else :class:`QuantLinear`),
     ``torchao``, ``scaled-mm`` (:class:`QuantLinear` everywhere, its fp8 products by ``torch._scaled_mm`` on CUDA) or
     ``emulated`` (:class:`QuantLinear` everywhere, products in the activations' dtype). Returns undo callables.
 
@@ -214,8 +212,8 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
     if mode == "off":
         return []
     device = torch.device(device if device is not None else next(model.parameters()).device)
-    if backend not in BACKENDS:
-        raise ConfigError(f"quant backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend not in QUANT_BACKENDS:
+        raise ConfigError(f"quant backend {backend!r} is not one of {', '.join(QUANT_BACKENDS)}")
     if model in _PREQUANTIZED:
         return _adopt(model, mode, device)
     torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda")
