@@ -380,6 +380,8 @@ H100X2 = "2026-11-26_h100x2"
 H200X2 = "2026-11-26_h200x2"
 CPU = "2026-11-28_cpu"
 CPU_QUALITY = "2026-11-29_cpu"
+#: rows measured with every 8-bit mode quantizing the modulation linears: their variants as the flags that run them now
+WEIGHT_ONLY_THEN = {"fp8-weight": "fp8-weight:quant-modulation"}
 LAB_OVERLAP = "docs/lab/ulysses-overlap.md"
 
 TABLES = [
@@ -521,11 +523,13 @@ TABLES = [
          note="`ditmesh quantize --model flux-dev --out /tmp/flux-dev-fp8 --quant fp8`, then `ditmesh generate "
               "--model /tmp/flux-dev-fp8 --height 1024 --width 1024 --steps 8` on one GPU, eager"),
     dict(name="quant-flux-h200x2", doc="docs/quantization.md", files=["2026-11-28_h200x2/quant/quant-flux-1gpu.json"],
-         columns=[("variant", lambda r: r.get("quant", "bf16") if r.get("graph") else
-                   ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))] + BENCH[1:5]
-         + MEMORY_ERROR + [("28 steps s", "e2e_28_steps_s", ".2f")],
-         note="the call's other sections (ulysses 2 with fp8 payloads, Wan2.1-14B, the modulation kept in bf16) were "
-              "skipped at its deadline; rel. err is one step against diffusers' eager bf16 output"),
+         columns=[("variant", lambda r: WEIGHT_ONLY_THEN.get(r.get("quant"), r.get("quant", "bf16")) if r.get("graph")
+                   else ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))]
+         + BENCH[1:5] + MEMORY_ERROR + [("28 steps s", "e2e_28_steps_s", ".2f")],
+         note="every 8-bit row with the modulation linears quantized (the fp8-weight row ran what "
+              "`--quant fp8-weight:quant-modulation` runs; `fp8-weight` alone keeps them in bf16); the call's other "
+              "sections (ulysses 2 with fp8 payloads, Wan2.1-14B, the modulation kept in bf16) were skipped at its "
+              "deadline; rel. err is one step against diffusers' eager bf16 output"),
     dict(name="ray-cpu-throughput", doc="docs/ray.md",
          files=["2026-11-28_cpu3/ray/throughput.json", "2026-11-28_cpu3/ray/throughput-8steps-128.json"],
          order=lambda r: (len(r["_doc"]["command"]), r["round"], r["nodes"]),

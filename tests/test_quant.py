@@ -100,23 +100,27 @@ def test_row_parallel_scales_are_one_process_scales(pools):
         assert err < 5e-2
 
 
-def test_quantized_linears_and_kept_modulation(flux_tiny):
+@pytest.mark.parametrize("mode,modulation,kept", [
+    ("int8-weight", None, 0), ("int8-weight", True, 0), ("int8-weight", False, 6),
+    ("fp8-weight", None, 6), ("fp8-weight", True, 0), ("fp8", None, 0)])
+def test_quantized_linears_and_kept_modulation(flux_tiny, mode, modulation, kept):
+    """The modulation linears: quantized or kept as asked, else as the mode's default (fp8-weight keeps them)."""
     from diffusers import FluxPipeline
 
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.parallel.quant import QuantLinear
 
-    for modulation, kept in ((True, 0), (False, 6)):
-        pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
-        parallelize(pipe, ParallelConfig(), quant="int8-weight", quant_modulation=modulation)
-        t = pipe.transformer
-        linears = {n: type(m) for n, m in t.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
-        norms = [n for n, cls in linears.items() if ".norm" in n and n.startswith(("transformer_blocks",
-                                                                                   "single_transformer_blocks"))]
-        assert len(norms) == 6 and sum(linears[n] is torch.nn.Linear for n in norms) == kept
-        assert linears["proj_out"] is torch.nn.Linear and linears["x_embedder"] is torch.nn.Linear
-        assert linears["transformer_blocks.0.ff.net.2"] is QuantLinear
-        assert t.transformer_blocks[0].ff.net[2].qweight.dtype == torch.int8
+    pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+    parallelize(pipe, ParallelConfig(), quant=mode, quant_modulation=modulation, quant_backend="emulated")
+    t = pipe.transformer
+    linears = {n: type(m) for n, m in t.named_modules() if isinstance(m, (torch.nn.Linear, QuantLinear))}
+    norms = [n for n, cls in linears.items() if ".norm" in n and n.startswith(("transformer_blocks",
+                                                                               "single_transformer_blocks"))]
+    assert len(norms) == 6 and sum(linears[n] is torch.nn.Linear for n in norms) == kept
+    assert linears["proj_out"] is torch.nn.Linear and linears["x_embedder"] is torch.nn.Linear
+    assert linears["transformer_blocks.0.ff.net.2"] is QuantLinear
+    assert t.transformer_blocks[0].ff.net[2].qweight.dtype == (torch.int8 if mode == "int8-weight"
+                                                                else torch.float8_e4m3fn)
 
 
 def test_the_quant_backend_is_a_run_option_and_a_bad_one_is_named(flux_tiny):
@@ -168,6 +172,8 @@ def test_rounding_is_torchaos(dtype):
 @pytest.mark.parametrize("argv,needle", [
     (["generate", "--quant", "fp4"], "--quant 'fp4' is not a quantization mode; use one of off, fp8, fp8-weight"),
     (["generate", "--quant-keep-modulation"], "--quant-keep-modulation is given without a --quant mode"),
+    (["generate", "--quant-modulation"], "--quant-modulation is given without a --quant mode"),
+    (["bench", "--quant", "fp8-weight:quant"], "(optionally MODE:keep-modulation or MODE:quant-modulation"),
     (["generate", "--quant", "fp8", "--lora", "x.safetensors"], "no such file"),
     (["bench", "--quant", "fp8:keep"], "--quant 'fp8:keep' is not one of off, fp8"),
     (["generate", "--quant", "fp8", "--quant-backend", "cutlass"],
@@ -184,6 +190,16 @@ def test_quant_bad_input_one_line(argv, needle, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_both_modulation_flags_are_refused_by_the_parser(capsys):
+    from ditmesh.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--quant", "fp8", "--quant-modulation", "--quant-keep-modulation"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "--quant-keep-modulation: not allowed with argument --quant-modulation" in err
 
 
 def test_quant_refuses_unfused_lora(tmp_path):

@@ -22,11 +22,12 @@ FP8_BOUND, FP8_SCALE_BOUND = 3e-2, 1e-1  # as test_quant.py: fp8 roundings may f
 @pytest.fixture(scope="module")
 def written(flux_tiny, tmp_path_factory) -> dict:
     """flux-tiny written by ``ditmesh quantize`` in every mode (float32, as CPU runs load it)."""
+    from ditmesh.options import modulation_quantized
     from ditmesh.quantize import quantize_pipeline
 
     root = tmp_path_factory.mktemp("quantized")
-    for mode in MODES:
-        quantize_pipeline(flux_tiny, root / mode, mode, True, "float32", log=lambda _: None)
+    for mode in MODES:  # the modulation as the mode's default (fp8-weight keeps it), as the command writes it
+        quantize_pipeline(flux_tiny, root / mode, mode, modulation_quantized(mode, None), "float32", log=lambda _: None)
     return {mode: str(root / mode) for mode in MODES}
 
 

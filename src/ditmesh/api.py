@@ -242,7 +242,7 @@ def quantize_step(pipe, runtime: ParallelRuntime, keep) -> None:
     group = mesh.group("tp") if mesh.size("tp") > 1 else None
     for model in runtime.transformers.values():
         keep(quantized.apply(model, adapter_for(model), options.quant, tp_group=group,
-                             quantize_modulation=options.quant_modulation, backend=options.quant_backend))
+                             quantize_modulation=options.quantized_modulation, backend=options.quant_backend))
 
 
 def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, device=None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,16 @@ def group_name(group) -> str:
     return group.group_name
 
 
+def resolve_group(group):
+    """The process group ``group`` names (a registered name, as the functional ops take it); a group passes through.
+    Compiled blocks hold names, not groups: a name is a constant a saved artifact can keep."""
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group)
+    return group
+
+
 def _waited(t: torch.Tensor) -> torch.Tensor:
     # Eager funcol results are AsyncCollectiveTensors; waiting here keeps callers simple. Traced
     # (compiled) results are plain tensors and the compiler places the wait itself.
@@ -176,6 +187,7 @@ def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send
     receive sizes equal its predecessor's send sizes.
     """
     # P2POp takes global ranks on every torch version (its ``group_peer`` argument is newer than 2.5)
+    group = resolve_group(group)
     dst, src = dist.get_global_rank(group, send_to), dist.get_global_rank(group, recv_from)
     ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group=group) for t in send if t.numel()]
     ops += [dist.P2POp(dist.irecv, t, src, group=group) for t in recv if t.numel()]
@@ -183,6 +195,21 @@ def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send
         return []
     _count("ring_p2p", *(t for t in send if t.numel()))
     return dist.batch_isend_irecv(ops)
+
+
+def ring_shift_start(send: list[torch.Tensor], recv_shapes: list[tuple], send_to: int, recv_from: int, world: int,
+                     group) -> list[torch.Tensor]:
+    """The round of :func:`ring_exchange_start` as functional all-to-alls, one a tensor, whose only non-empty splits
+    go to ``send_to`` and come from ``recv_from``: what compiled code uses, since dynamo cannot trace P2P work handles
+    (a graph break) and the functional op can be compiled whole and saved (``ditmesh.aot``). Returns the pending
+    results (``recv_shapes``), each to pass to :func:`wait` after the compute the transfer overlaps. Every rank of
+    ``group`` takes part in each all-to-all, so no tensor is left out, empty or not; not counted (compiled code)."""
+    pending = []
+    for t, shape in zip(send, recv_shapes):
+        into, out_of = [0] * world, [0] * world
+        into[send_to], out_of[recv_from] = t.numel(), math.prod(shape)
+        pending.append(all_to_all_start(t.reshape(-1), out_of, into, group))
+    return pending
 
 
 def ring_exchange_wait(works: list) -> None:

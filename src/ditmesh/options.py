@@ -206,8 +206,22 @@ class LoraSpec:
 
 
 #: the command-line flag of each option whose flag is not ``--`` + its name with dashes
-_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora",
-              "quant_modulation": "--quant-keep-modulation"}
+_CLI_FLAGS = {"chunk_tokens": "--chunk", "pp_chunk_bytes": "--pp-chunk-mb", "loras": "--lora"}
+
+
+def modulation_quantized(quant: str, quant_modulation: bool | None) -> bool:
+    """Whether ``--quant``'s mode takes the AdaLN modulation linears of the blocks too: as asked, else the mode's
+    default. ``fp8-weight`` keeps them in the model's dtype (on the tiny trained pipeline, quantizing them lost an
+    attribute in 1 image of 128, keeping them none: docs/quantization.md); ``fp8`` and ``int8-weight`` quantize them
+    (none lost either way; the memory target at ulysses 4 needs them in 8 bits)."""
+    return quant != "fp8-weight" if quant_modulation is None else quant_modulation
+
+
+def modulation_flag(quant_modulation: bool, cli: bool) -> str:
+    """How the user asked for ``quant_modulation``: its command-line flag, or the keyword."""
+    if cli:
+        return "--quant-modulation" if quant_modulation else "--quant-keep-modulation"
+    return f"quant_modulation={quant_modulation}"
 
 
 def _int_or_auto(value, flag: str, what: str, example: int):
@@ -274,8 +288,9 @@ class RunOptions:
     #: 8-bit linear layers (:data:`QUANT_MODES`), the sequence-parallel payloads' dtype (:data:`COMM_DTYPES`), the
     #: attention kernel (:data:`ATTENTION_MODES`)
     quant: str = "off"
-    #: with ``quant``: the AdaLN modulation linears of the blocks quantized too (False: kept in the model's dtype)
-    quant_modulation: bool = True
+    #: with ``quant``: the AdaLN modulation linears of the blocks quantized too (True), kept in the model's dtype
+    #: (False), or the mode's default (None: :func:`modulation_quantized`)
+    quant_modulation: bool | None = None
     #: with ``quant``: who does the 8-bit work (:data:`QUANT_BACKENDS`)
     quant_backend: str = "auto"
     comm_dtype: str = "auto"
@@ -341,6 +356,11 @@ class RunOptions:
     # ---- reading -------------------------------------------------------------------------------------------
 
     @property
+    def quantized_modulation(self) -> bool:
+        """Whether the quant step takes the blocks' AdaLN modulation linears (:func:`modulation_quantized`)."""
+        return modulation_quantized(self.quant, self.quant_modulation)
+
+    @property
     def stale(self) -> bool:
         """Whether the run is approximate by design (PipeFusion's or displaced attention's stale K/V)."""
         return self.config.pp > 1 or self.displaced
@@ -353,7 +373,7 @@ class RunOptions:
             value = getattr(self, f.name)
             if f.name == "config" or value == getattr(default, f.name):
                 continue
-            if isinstance(value, bool):
+            if isinstance(value, bool) and f.name != "quant_modulation":
                 parts.append(f.name)
             elif f.name == "cache":
                 parts.append(f"cache={value.describe()}")
@@ -395,7 +415,7 @@ class RunOptions:
         c = self.config
         for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora",
                      "quant_modulation"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "quant_modulation" and self.quant_modulation is None):
                 raise ConfigError(f"{flag(name)}{getattr(self, name)!r} is not true or false")
         _choice(self.transport, TRANSPORTS, flag("transport"), "transport")
         _choice(self.compile_artifacts, COMPILE_ARTIFACTS, flag("compile_artifacts"), "compiled-artifact mode")
@@ -536,8 +556,8 @@ class RunOptions:
 
     def _check_quant(self, flag) -> None:
         if self.quant == "off":
-            if not self.quant_modulation:
-                given = "--quant-keep-modulation" if flag("quant").startswith("--") else "quant_modulation=False"
+            if self.quant_modulation is not None:
+                given = modulation_flag(self.quant_modulation, flag("quant").startswith("--"))
                 raise ConfigError(f"{given} is given without a {flag('quant').strip()} mode; add one (fp8, "
                                   "fp8-weight, int8-weight) or drop it")
             if self.quant_backend != "auto":
@@ -645,18 +665,22 @@ def _flagger(cli: bool):
     return lambda name: f"{name}="
 
 
+#: a ``--quant`` list entry's suffix: the modulation linears quantized or kept (none: the mode's default)
+MODULATION_SUFFIXES = {"": None, "quant-modulation": True, "keep-modulation": False}
+
+
 def quant_variants(text: str) -> list[str]:
-    """``--quant``'s comma list, each ``MODE`` or ``MODE:keep-modulation`` checked."""
+    """``--quant``'s comma list, each ``MODE``, ``MODE:keep-modulation`` or ``MODE:quant-modulation`` checked."""
     values = [v.strip() for v in text.split(",") if v.strip()]
     for value in values or [""]:
-        mode, _, keep = value.partition(":")
-        if mode not in QUANT_MODES or keep not in ("", "keep-modulation") or (keep and mode == "off"):
-            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation;"
-                              " a comma list of them runs each)")
+        mode, _, suffix = value.partition(":")
+        if mode not in QUANT_MODES or suffix not in MODULATION_SUFFIXES or (suffix and mode == "off"):
+            raise ConfigError(f"--quant {value!r} is not one of {', '.join(QUANT_MODES)} (optionally MODE:keep-modulation"
+                              " or MODE:quant-modulation; a comma list of them runs each)")
     return values
 
 
 def quant_of(variant: str) -> dict:
     """A ``--quant`` entry as RunOptions fields."""
-    mode, _, keep = variant.partition(":")
-    return {"quant": mode, "quant_modulation": not keep}
+    mode, _, suffix = variant.partition(":")
+    return {"quant": mode, "quant_modulation": MODULATION_SUFFIXES[suffix]}

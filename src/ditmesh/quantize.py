@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from .config import ConfigError
+from .options import modulation_quantized
 from .shared import DTYPE_NAMES, add_quant_flags, one_line
 
 
@@ -125,7 +126,7 @@ def run_quantize(args) -> int:
     except ConfigError as exc:
         print(f"ditmesh quantize: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    modulation = args.quant_modulation is not False
+    modulation = modulation_quantized(args.quant, args.quant_modulation)
     quantize_pipeline(model, out, args.quant, modulation, dtype_name)
     print(f"ditmesh quantize: wrote {out} (run it with: ditmesh generate --model {out})")
     return 0

@@ -122,10 +122,15 @@ def hub_config_folder(repo_id: str, files: tuple[str, ...] = ("model_index.json"
 
 
 def add_quant_flags(parser) -> None:
-    """``--quant`` and ``--quant-keep-modulation`` (generate, serve, bench, plan)."""
+    """``--quant``, ``--quant-keep-modulation`` and ``--quant-modulation`` (generate, serve, bench, plan, quantize)."""
     parser.add_argument("--quant", default=None, metavar="MODE",
                         help="the linears of the transformer blocks in 8 bits: fp8 (weights and activations, per-row "
                              "scales; GPUs with fp8: Ada, Hopper), fp8-weight (weights alone), int8-weight (weights "
                              "alone; any device), off (default). docs/quantization.md")
-    parser.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
-                        default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype")
+    modulation = parser.add_mutually_exclusive_group()
+    modulation.add_argument("--quant-keep-modulation", dest="quant_modulation", action="store_const", const=False,
+                            default=None, help="with --quant: keep the AdaLN modulation linears in the model's dtype "
+                                               "(fp8-weight's default)")
+    modulation.add_argument("--quant-modulation", dest="quant_modulation", action="store_const", const=True,
+                            help="with --quant: quantize the AdaLN modulation linears too (the default of fp8 and "
+                                 "int8-weight)")

@@ -25,6 +25,10 @@ scale per token and head) and the packed bytes travel the whole ring unchanged; 
 attends over the dequantized chunk, so every key and value is :func:`~ditmesh.comm.fp8_round` of the original wherever
 it is used, quantized once.
 
+Compiled: under ``torch.compile`` each round is a pair of functional all-to-alls whose only non-empty splits go to the
+next rank and come from the previous one (:func:`~ditmesh.comm.ring_shift_start`), so a block with ring attention is
+compiled whole and its artifact can be saved (``ditmesh.aot``); eager runs post the batched P2P sends and receives.
+
 Cross-rank rule: all ranks of the ring group call :func:`ring_attention` for every attention layer, in
 the same order, with the same ``seq_sizes``.
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import fp8_bytes, fp8_pack, fp8_unpack, offsets, ring_exchange_start, ring_exchange_wait
+from ..comm import fp8_bytes, fp8_pack, fp8_unpack, offsets, ring_exchange_start, ring_exchange_wait, ring_shift_start, wait
 from .local import QueryChunks, attention_with_lse, score_mask
 
 
@@ -72,7 +76,8 @@ def ring_attention(
     """Attention of local queries ``[B, S_rank, H, D]`` over the keys of every rank; returns ``[B, S_rank, H, D]``.
 
     ``seq_sizes[j]`` is the K/V sequence length of ring rank ``j``; ``rank`` is this rank's index in
-    ``group``. Issues ``len(seq_sizes) - 1`` exchange rounds (each one async send + one receive of K and V).
+    ``group`` (a process group or its registered name). Issues ``len(seq_sizes) - 1`` exchange rounds (each one
+    async send + one receive of K and V).
     ``mask`` (optional, as :func:`attention_with_lse` takes it) covers the keys of every rank in ring order,
     ``sum(seq_sizes)`` columns, and either one row for all queries or the queries of every rank in that order
     (``[B, 1 or H, sum(seq_sizes), sum(seq_sizes)]``): this rank uses its own rows. ``chunks``: each round's
@@ -88,6 +93,7 @@ def ring_attention(
         raise ValueError(f"ring rank {rank} holds {key.shape[1]} keys but seq_sizes says {seq_sizes[rank]}")
     send_to, recv_from = (rank + 1) % world, (rank - 1) % world
     fp8 = comm_dtype == "fp8"
+    traced = torch.compiler.is_compiling()
     # a chunk of n tokens is [B, n, H, D] of K and of V (fp8: D elements a row, a scale each)
     outer = [(t.shape[0], t.shape[2], t.shape[3]) for t in (key, value)]
     if fp8:
@@ -98,14 +104,18 @@ def ring_attention(
     for step in range(world):
         works = []
         if step < world - 1:
-            # Allocate the arriving chunk from the globally known sizes and start its transfer now, so
-            # it overlaps the attention on the chunk in hand.
+            # The arriving chunk's size is known from the global sizes: start its transfer now, so it overlaps
+            # the attention on the chunk in hand.
             incoming_len = seq_sizes[(rank - step - 1) % world]
             if fp8:
-                arriving = [t.new_empty(fp8_bytes(b * incoming_len * h * d, d)) for t, (b, h, d) in zip(in_hand, outer)]
+                shapes = [(fp8_bytes(b * incoming_len * h * d, d),) for b, h, d in outer]
             else:
-                arriving = [t.new_empty(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
-            works = ring_exchange_start(in_hand, arriving, send_to, recv_from, group)
+                shapes = [(t.shape[0], incoming_len, *t.shape[2:]) for t in in_hand]
+            if traced:  # functional all-to-alls: compiled whole (P2P work handles would break the graph)
+                works = ring_shift_start(in_hand, shapes, send_to, recv_from, world, group)
+            else:
+                arriving = [t.new_empty(shape) for t, shape in zip(in_hand, shapes)]
+                works = ring_exchange_start(in_hand, arriving, send_to, recv_from, group)
         source = (rank - step) % world  # the rank this chunk started on: its key columns of the mask
         if seq_sizes[source]:
             chunk_mask = None if mask is None else mask.narrow(-1, starts[source], seq_sizes[source])
@@ -117,8 +127,11 @@ def ring_attention(
             block_out, block_lse = attention_with_lse(query, k, v, scale, chunk_mask, chunks)
             out, lse = merge_partial(out, lse, block_out, block_lse)
         if step < world - 1:
-            ring_exchange_wait(works)
-            in_hand = arriving
+            if traced:
+                in_hand = [wait(t).view(shape) for t, shape in zip(works, shapes)]
+            else:
+                ring_exchange_wait(works)
+                in_hand = arriving
     if out is None:  # no keys anywhere: attention over nothing is zero
         return torch.zeros_like(query)
     return out.to(query.dtype)

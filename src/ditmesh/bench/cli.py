@@ -93,7 +93,8 @@ def add_bench_parser(sub) -> None:
                         "row twice); int8 on one GPU or under ulysses alone")
     b.add_argument("--quant", default="off", metavar="LIST",
                    help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
-                        ":keep-modulation (the AdaLN modulation linears in the model's dtype), or a comma list of them "
+                        ":keep-modulation or :quant-modulation (the AdaLN modulation linears in the model's dtype or "
+                        "in 8 bits; default: kept by fp8-weight, quantized by the others), or a comma list of them "
                         "(off,fp8: each row twice, side by side). docs/quantization.md")
     b.add_argument("--quant-backend", default="auto", metavar="NAME",
                    help="with --quant, who does the 8-bit work in ditmesh's rows: auto (torchao on CUDA), torchao, "

@@ -69,6 +69,7 @@ class SequenceParallel:
         self.group = mesh.group_of("ring", "ulysses")
         # functional collectives take group names; resolved here, outside any compiled region
         self.ulysses_group_name = group_name(self.ulysses_group) if self.ulysses_degree > 1 else None
+        self.ring_group_name = group_name(self.ring_group) if self.ring_degree > 1 else None
         #: head groups pipelined against the Ulysses all-to-alls (see ``attention.ulysses``)
         self.ulysses_chunks = default_chunks(mesh.device, compiled) if chunks is None else chunks
         #: how Ulysses-only attention moves its all-to-alls (``options.TRANSPORTS``)
@@ -130,10 +131,10 @@ class SequenceParallel:
                                      local or dispatched, chunks=chunks, transport=self.transport, mask=mask,
                                      comm_dtype=self.comm_dtype)
         if self.ulysses_degree == 1:
-            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group, mask=mask,
+            return ring_attention(query, key, value, seq_sizes, self.ring_rank, self.ring_group_name, mask=mask,
                                   chunks=self.query_chunks, comm_dtype=self.comm_dtype)
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
-                             self.ring_group, self.ulysses_group, mask=mask, chunks=self.query_chunks,
+                             self.ring_group_name, self.ulysses_group_name, mask=mask, chunks=self.query_chunks,
                              comm_dtype=self.comm_dtype)
 
     def ring_gathered(self, query, key, value, seq_sizes: list[int], local):

@@ -210,7 +210,7 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
         predictions += [predict(c, stats, hw, workload, cal, vae, displaced=True) for c in configs
                         if c.ulysses > 1 and c.ring == 1 and c.pp == 1]
     if options is not None and options.quant != "off":  # the quantized rows beside the model's dtype
-        eight = dataclasses.replace(workload, quant=options.quant, quant_modulation=options.quant_modulation)
+        eight = dataclasses.replace(workload, quant=options.quant, quant_modulation=options.quantized_modulation)
         for p in [predict(c, stats, hw, eight, cal, vae) for c in configs]:
             p.quant = options.quant
             predictions.append(p)

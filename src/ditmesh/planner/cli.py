@@ -111,7 +111,7 @@ def run_plan(args: argparse.Namespace) -> int:
         options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
                                     vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,
                                     pp_patches=args.pp_patches, quant=args.quant or "off",
-                                    quant_modulation=args.quant_modulation is not False, cli=True)
+                                    quant_modulation=args.quant_modulation, cli=True)
     except ConfigError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

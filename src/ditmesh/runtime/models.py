@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..config import ConfigError, cache_dir  # noqa: F401  (cache_dir: where the tools look for it)
+from ..options import modulation_flag
 
 
 def default_model() -> str:
@@ -152,8 +153,8 @@ def checkpoint_options(options, model: str, flag=lambda name: f"--{name.replace(
     written = f"{model} was written by `ditmesh quantize` in {mode}"
     if options.quant not in ("off", mode):
         raise ConfigError(f"{flag('quant')}{options.quant}: {written}; drop {flag('quant').strip()} or give {mode}")
-    if options.quant == mode and options.quant_modulation != modulation:
-        raise ConfigError(f"{flag('quant_modulation').strip()}: {written} with the modulation "
+    if options.quant == mode and options.quant_modulation not in (None, modulation):
+        raise ConfigError(f"{modulation_flag(options.quant_modulation, flag('quant').startswith('--'))}: {written} with the modulation "
                           f"{'quantized' if modulation else 'kept'}; run it as written")
     refused = [(bool(options.loras), f"{flag('lora').strip()} adapters do not load"),
                (options.fuse_qkv, "fused projections (fuse_qkv) do not run"),
