@@ -2,7 +2,7 @@
 that ``generate`` and ``serve`` load them without ever holding those weights in the model's dtype (a tensor-parallel
 rank reads its slices only). The other components are linked (or copied) unchanged. docs/quantization.md.
 
-    ditmesh quantize --model DIR --out DIR --quant fp8 [--quant-keep-modulation] [--dtype bfloat16]
+    ditmesh quantize --model DIR --out DIR --quant fp8 [--quant-keep-modulation|--quant-modulation] [--dtype bfloat16]
 """
 
 from __future__ import annotations
