@@ -9,6 +9,9 @@ BASE_STAMP := $(VENV)/.ditmesh-installed
 TEST_STAMP := $(VENV)/.ditmesh-test-installed
 # what `make test` runs (a folder or test files)
 TESTS ?= tests
+# pytest-xdist workers, each taking whole files: much of the suite waits on the processes it starts (imports, a
+# server's readiness), and a second worker fills that time on two cores; XDIST=0 runs every test in one process
+XDIST ?= 2
 
 .PHONY: demo test mutants install clean
 
@@ -30,7 +33,7 @@ demo: $(BASE_STAMP)
 
 # pytest's exit code is written to $(PYTEST_RC) when it is set (.ci/run reads it: make itself returns 2 on any failure)
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(TESTS); rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(XDIST) --dist loadfile $(TESTS); rc=$$?; \
 	if [ -n "$(PYTEST_RC)" ]; then echo $$rc > "$(PYTEST_RC)"; fi; exit $$rc
 
 # Plants each hand-listed bug of the parallel core (scripts/mutants.py) in a temporary copy of src/ and runs the tests

@@ -26,6 +26,8 @@ limit; a row past it prints every rank's Python stack before it is stopped.
 * ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
 * ``quant-e2e-1gpu``, ``fp8-scaled-mm-1gpu`` (``--only``, one GPU): ``generate`` from outside in bf16 and fp8
   with compiled blocks kept between processes, and ditmesh's own fp8 layer's step beside diffusers' rows.
+* ``quant-modulation-1gpu`` (``--only``, one GPU): FLUX.1-dev at 1024² compiled with CUDA graphs, bf16 beside fp8
+  and fp8-weight, each with the AdaLN modulation linears quantized and kept in bf16 (the modes' defaults differ).
 * ``fp8-eager``, ``fp8-compiled``, ``fp8-scaled-mm`` (run them with ``--only``): where the parallel fp8 row stalls.
   FLUX at ulysses 4 in fp8 without compile and graphs, compiled without graphs, and compiled with graphs through
   ditmesh's own fp8 layer (``--quant-backend scaled-mm``: ``torch._scaled_mm`` on plain tensors rather than
@@ -85,6 +87,9 @@ SECTIONS = {
     # warm-up and loaded by the row: do they compose with torchao's tensors?), and ditmesh's own fp8 layer's step
     "quant-e2e-1gpu": "e2e",
     "fp8-scaled-mm-1gpu": FLUX + ["--gpus", "1", "--quant", "fp8", "--quant-backend", "scaled-mm"],
+    # one GPU: each mode with the modulation linears quantized and kept, beside bf16 (step, peak, error)
+    "quant-modulation-1gpu": FLUX + ["--gpus", "1", "--quant",
+                                     "off,fp8,fp8:keep-modulation,fp8-weight,fp8-weight:quant-modulation"],
 }
 
 #: a section's expected wall seconds on 4 H200s (a compiled FLUX row: ~15 s of imports, process start and weights,
@@ -104,6 +109,7 @@ EXPECTED_S = {
     "fp8-scaled-mm": 110,     # 2 rows, compiled cold (fp8 payloads: new graphs)
     "quant-e2e-1gpu": 230,    # synth 60, one import 22, per variant a warm-up that saves (55) and its row (35)
     "fp8-scaled-mm-1gpu": 150,  # synth 60; diffusers eager and compiled, ditmesh fp8
+    "quant-modulation-1gpu": 300,  # 7 rows: diffusers eager 15, compiled 35; ditmesh bf16 30, four 8-bit ~55 each
 }
 #: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",

@@ -18,10 +18,10 @@ from ditmesh.bench.report import SCHEMA, default_out_dir
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench(args: list[str], tmp_path: Path, **env) -> subprocess.Popen:
-    """Start ``python -m ditmesh bench ARGS`` with its own TMPDIR (``tmp_path/tmp``) and extra ``env``."""
+def bench(args: list[str], tmp_path: Path, cwd: Path | None = None, **env) -> subprocess.Popen:
+    """Start ``python -m ditmesh bench ARGS`` (in ``cwd``) with its own TMPDIR (``tmp_path/tmp``) and extra ``env``."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args],
+    return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args], cwd=cwd,
                             env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -41,15 +41,24 @@ def leftovers(tmp_path: Path) -> list[Path]:
 
 
 def test_bench_smoke_flux_tiny_gloo(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = bench(["--gpus", "1,2", "--methods", "ulysses,diffusers-ulysses", "--steps", "1", "--warmup", "1",
-                  "--out", str(out)], tmp_path)
+    """ditmesh's row beside the peers' on two gloo processes: diffusers' fails on CPU and xDiT's without xfuser (a
+    module that shadows any installed one), each row recording why; without --out the run goes to
+    $DITMESH_BENCH_DIR and nothing into the working folder."""
+    hidden = tmp_path / "site" / "xfuser"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('xfuser hidden by the test')\n")
+    paths = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ["--gpus", "1,2", "--methods", "ulysses,diffusers-ulysses,xdit-ulysses", "--steps", "1", "--warmup", "1"]
+    proc = bench(args, tmp_path, cwd=work, PYTHONPATH=paths, DITMESH_BENCH_DIR=str(tmp_path / "runs"))
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
+    [out] = (tmp_path / "runs").glob("flux-tiny-64x64-*.json")
+    assert list(work.iterdir()) == []
     doc = json.loads(out.read_text())
     assert doc["schema"] == SCHEMA
-    assert doc["command"] == ["ditmesh", "bench", "--model", "flux-tiny", "--gpus", "1,2", "--methods",
-                              "ulysses,diffusers-ulysses", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    assert doc["command"] == ["ditmesh", "bench", "--model", "flux-tiny", *args]
     assert doc["card"].startswith("cpu") and doc["device_count"] == 2
     assert {"ditmesh", "python", "torch", "diffusers", "transformers"} <= set(doc["versions"])
     assert (doc["model"], doc["height"], doc["width"], doc["batch"], doc["dtype"]) == ("flux-tiny", 64, 64, 1, "float32")
@@ -63,6 +72,7 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
     assert ours["rel_err_vs_1gpu"] <= 1e-5
     assert ours["ulysses_chunks"] == 1  # the head groups it ran with are recorded (one on CPU)
     assert "error" in rows[("diffusers-ulysses", 2)]  # the peer fails on CPU; the row records how
+    assert rows[("xdit-ulysses", 2)]["error"] == "ImportError: xfuser hidden by the test"
     assert "| ulysses | 2 |" in out.with_suffix(".md").read_text()
     assert leftovers(tmp_path) == []  # the workers' temporary folder is gone
 

@@ -3,6 +3,7 @@ ditmesh import only the family a model needs (and no torch where no model is nee
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,6 +85,17 @@ def test_argument_and_path_refusals_come_before_torch(tmp_path):
                 ["--out", str(tmp_path / "x.txt")], ["--lora", str(tmp_path / "none.safetensors")],
                 ["--nproc", "2", "--ulysses", "3"], ["--pp", "2", "--nproc", "2", "--pp-warmup", "0"],
                 ["--displaced-warmup", "2"], ["--report", str(tmp_path)], ["--chunk", "-3"]]
+    # a pipeline without a transformer, and a transformer class without an adapter, refused by the local launcher
+    unet, other = tmp_path / "sd15", tmp_path / "other-dit"
+    (other / "transformer").mkdir(parents=True)
+    unet.mkdir()
+    (unet / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                      "unet": ["diffusers", "UNet2DConditionModel"]}))
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "SomeDiTPipeline",
+                                                       "transformer": ["diffusers", "SomeDiTTransformer2DModel"]}))
+    (other / "transformer" / "config.json").write_text(json.dumps({"_class_name": "SomeDiTTransformer2DModel"}))
+    refusals += [["--model", str(unet), "--nproc", "2", "--ulysses", "2"],
+                 ["--model", str(other), "--nproc", "2", "--ulysses", "2"]]
     out = _python("import sys\nfrom ditmesh.cli import main\n"
                   f"for argv in {refusals!r}:\n"
                   "    print(main(['generate', *argv]), 'torch' in sys.modules, 'diffusers' in sys.modules)\n")

@@ -20,8 +20,8 @@ from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_r
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
-from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_pipeline_class,
-                     read_quant_manifest, read_transformer_config, resolve_model)
+from .models import (check_transformer_class, checkpoint_options, local_model_path, read_adapter, read_defaults,
+                     read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model)
 
 
 def validate(args, world_size: int) -> tuple["RunOptions", str]:
@@ -60,11 +60,17 @@ def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
 
 
 def validate_heads(options: "RunOptions", model: str) -> None:
-    """The check of the degrees that split attention heads (``check_heads``, as :func:`validate_family` runs it),
-    torch-free: the heads from a folder's transformer config or the registry's table of synthetic architectures
+    """The transformer's class (:func:`~ditmesh.runtime.models.check_transformer_class`) and the check of the degrees
+    that split attention heads (``check_heads``, as :func:`validate_family` runs it), torch-free: the heads from a folder's transformer config or the registry's table of synthetic architectures
     (a hub id's are checked by the ranks). The local launcher runs it before starting any rank."""
     from ..models.registry import CLASSES, HEADS, SYNTH
 
+    try:
+        check_transformer_class(model)  # no transformer, or one without an adapter: refused before any rank starts
+    except ConfigError:
+        raise
+    except (OSError, ValueError):
+        return  # the ranks report an unreadable config with its cause
     if model in SYNTH:
         heads = HEADS.get(model)
         name = next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])

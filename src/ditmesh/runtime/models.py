@@ -88,6 +88,27 @@ def read_pipeline_class(model: str) -> str | None:
     return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
 
 
+def check_transformer_class(model: str) -> str | None:
+    """The class name of a local folder's transformer, checked without torch: a pipeline without a transformer, or
+    a transformer class ditmesh has no adapter for, is a ConfigError (the local launcher refuses it before any rank
+    starts). None where no config says (a hub id, a synthetic architecture)."""
+    from ..models.registry import CLASSES, supported_classes
+
+    index = Path(model) / "model_index.json"
+    entries = json.loads(index.read_text()) if index.is_file() else None
+    if entries is not None and not any(k.startswith("transformer") for k in entries):
+        kind = entries.get("_class_name", "this")
+        raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
+                          f"(transformers: {', '.join(supported_classes())})")
+    config = read_transformer_config(model)
+    if not config or "_class_name" not in config:
+        return None
+    if config["_class_name"] not in CLASSES:
+        raise ConfigError(f"--model {model}: ditmesh has no adapter for {config['_class_name']}; supported "
+                          f"transformers: {', '.join(supported_classes())}")
+    return config["_class_name"]
+
+
 def read_adapter(model: str):
     """The model adapter of a local folder's or synthetic architecture's transformer (None for hub ids).
 
@@ -95,19 +116,11 @@ def read_adapter(model: str):
     """
     from ..models import adapter_for_class
 
-    index = Path(model) / "model_index.json"
-    entries = json.loads(index.read_text()) if index.is_file() else None
-    if entries is not None and not any(k.startswith("transformer") for k in entries):
-        from ..models import supported_classes
-
-        kind = entries.get("_class_name", "this")
-        raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
-                          f"(transformers: {', '.join(supported_classes())})")
-    config = read_transformer_config(model)
-    if not config or "_class_name" not in config:
+    name = check_transformer_class(model)
+    if name is None:
         return None
     try:
-        return adapter_for_class(config["_class_name"])
+        return adapter_for_class(name)
     except NotImplementedError as exc:
         raise ConfigError(f"--model {model}: {exc}") from None
 
