@@ -530,6 +530,14 @@ TABLES = [
               "`--quant fp8-weight:quant-modulation` runs; `fp8-weight` alone keeps them in bf16); the call's other "
               "sections (ulysses 2 with fp8 payloads, Wan2.1-14B, the modulation kept in bf16) were skipped at its "
               "deadline; rel. err is one step against diffusers' eager bf16 output"),
+    dict(name="quant-modulation-h200x1", doc="docs/quantization.md",
+         files=["2026-11-29_h200x1/quant-modulation/quant-modulation-1gpu.json"],
+         columns=[("variant", lambda r: r.get("quant", "bf16") if r.get("graph") else
+                   ("diffusers eager" if not r.get("compiled") else "diffusers compiled"))]
+         + BENCH[1:5] + MEMORY_ERROR + [("note", note)],
+         note="a fresh machine, compile caches cold: the rows stopped at the 150 s row limit were compiling (the rank "
+              "waiting on inductor's compile workers, or running); rel. err is one step against diffusers' eager bf16 "
+              "output"),
     dict(name="ray-cpu-throughput", doc="docs/ray.md",
          files=["2026-11-28_cpu3/ray/throughput.json", "2026-11-28_cpu3/ray/throughput-8steps-128.json"],
          order=lambda r: (len(r["_doc"]["command"]), r["round"], r["nodes"]),
