@@ -91,9 +91,11 @@ def read_pipeline_class(model: str) -> str | None:
 def check_transformer_class(model: str) -> str | None:
     """The class name of a local folder's transformer, checked without torch: a pipeline without a transformer, or
     a transformer class ditmesh has no adapter for, is a ConfigError (the local launcher refuses it before any rank
-    starts). None where no config says (a hub id, a synthetic architecture)."""
-    from ..models.registry import CLASSES, supported_classes
+    starts). None where no folder says (a hub id; a synthetic architecture, whose class the registry has)."""
+    from ..models.registry import CLASSES, SYNTH, supported_classes
 
+    if model in SYNTH:
+        return None
     index = Path(model) / "model_index.json"
     entries = json.loads(index.read_text()) if index.is_file() else None
     if entries is not None and not any(k.startswith("transformer") for k in entries):
@@ -116,11 +118,12 @@ def read_adapter(model: str):
     """
     from ..models import adapter_for_class
 
-    name = check_transformer_class(model)
-    if name is None:
+    check_transformer_class(model)
+    config = read_transformer_config(model)  # a folder's, or a synthetic architecture's (None for a hub id)
+    if not config or "_class_name" not in config:
         return None
     try:
-        return adapter_for_class(name)
+        return adapter_for_class(config["_class_name"])
     except NotImplementedError as exc:
         raise ConfigError(f"--model {model}: {exc}") from None
 
