@@ -415,8 +415,9 @@ class RunOptions:
         c = self.config
         for name in ("compile", "cuda_graph", "fuse_qkv", "displaced", "check_consistency", "fuse_lora",
                      "quant_modulation"):
-            if not isinstance(getattr(self, name), bool) and not (name == "quant_modulation" and self.quant_modulation is None):
-                raise ConfigError(f"{flag(name)}{getattr(self, name)!r} is not true or false")
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "quant_modulation" and value is None):
+                raise ConfigError(f"{flag(name)}{value!r} is not true or false")
         _choice(self.transport, TRANSPORTS, flag("transport"), "transport")
         _choice(self.compile_artifacts, COMPILE_ARTIFACTS, flag("compile_artifacts"), "compiled-artifact mode")
         if self.compile_artifacts != "off" and not self.compile:
