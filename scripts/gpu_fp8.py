@@ -25,7 +25,7 @@ limit; a row past it prints every rank's Python stack before it is stopped.
   the seconds each took (``quant-checkpoint.json``).
 * ``quant-flux-keep``: ulysses 4 with fp8 block linears and the AdaLN modulation linears in bf16, if time is left.
 * ``quant-e2e-1gpu``, ``fp8-scaled-mm-1gpu`` (``--only``, one GPU): ``generate`` from outside in bf16 and fp8
-  with compiled blocks kept between processes, and ditmesh's own fp8 layer's step beside diffusers' rows.
+  after a warm-up, and ditmesh's own fp8 layer's step beside diffusers' rows.
 * ``quant-modulation-1gpu`` (``--only``, one GPU): FLUX.1-dev at 1024² compiled with CUDA graphs, bf16 beside fp8
   and fp8-weight, each with the AdaLN modulation linears quantized and kept in bf16 (the modes' defaults differ).
 * ``fp8-eager``, ``fp8-compiled``, ``fp8-scaled-mm`` (run them with ``--only``): where the parallel fp8 row stalls.
@@ -83,8 +83,8 @@ SECTIONS = {
                                                                "--quant", "fp8"],
     "fp8-scaled-mm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8", "--quant-backend", "scaled-mm",
                              "--comm-dtype", "auto,fp8"],
-    # one GPU: `generate` timed from outside in bf16 and with the transformer in fp8 (compiled blocks saved by a
-    # warm-up and loaded by the row: do they compose with torchao's tensors?), and ditmesh's own fp8 layer's step
+    # one GPU: `generate` timed from outside in bf16 and with the transformer in fp8 (after a warm-up), and
+    # ditmesh's own fp8 layer's step
     "quant-e2e-1gpu": "e2e",
     "fp8-scaled-mm-1gpu": FLUX + ["--gpus", "1", "--quant", "fp8", "--quant-backend", "scaled-mm"],
     # one GPU: each mode with the modulation linears quantized and kept, beside bf16 (step, peak, error)
@@ -170,14 +170,15 @@ def run_checkpoint(out: Path, dry: bool, seconds: float | None) -> int:
 def run_e2e(out: Path, dry: bool, seconds: float | None) -> int:
     """quant-e2e-1gpu: ``scripts/e2e_bench.py`` on one GPU, FLUX.1-dev architecture at 1024², 28 steps, compiled with
     CUDA graphs, warm: the block linears in bf16 (``e2e-bf16/``), then in fp8 (``e2e-fp8/``), each row after a warm-up
-    that saves the compiled blocks it loads."""
+    that fills the compile caches."""
     start, code = time.time(), 0
     for name, extra in (("e2e-bf16", []), ("e2e-fp8", ["--", "--quant", "fp8"])):
         left = None if seconds is None else seconds - (time.time() - start)
         command = [sys.executable, "scripts/e2e_bench.py", "--rows", "new:1gpu:warm", "--out", str(out / name)]
         command += (["--cpu-dry-run"] if dry else
                     ["--synth", "flux-dev", "--model", "/tmp/flux-dev", "--gpus", "1", "--height", "1024", "--width",
-                     "1024", "--steps", "28", "--compile", "--cuda-graph", "--deadline-s", f"{max(30, (left or 600) - 10):.0f}"])
+                     "1024", "--steps", "28", "--compile", "--cuda-graph",
+                     "--deadline-s", f"{max(30, (left or 600) - 10):.0f}"])
         print(f"== quant-e2e-1gpu {name}: {' '.join(command[1:] + extra)}", flush=True)
         code = run_until(command + extra, left) or code
     return code

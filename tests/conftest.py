@@ -56,15 +56,18 @@ def model_checkpoints(tmp_path_factory) -> dict:
     return {name: str(write_checkpoint(name, root / name, seed=0, device="cpu")) for name in ("sd3-tiny", "wan2.2-tiny")}
 
 
-def pool(n: int):
-    """A ProcessPool of n gloo ranks, started once per session (and again after a failed case closed it).
-
-    ``$DITMESH_TEST_TIMEOUT_S`` (default 300) bounds a collective's wait (the mutation check sets it low).
-    """
+def new_pool(n: int):
+    """A new ProcessPool of n gloo ranks. ``$DITMESH_TEST_TIMEOUT_S`` (default 300) bounds a collective's wait (the
+    mutation check sets it low)."""
     from ditmesh.testing import ProcessPool
 
+    return ProcessPool(n, float(os.environ.get("DITMESH_TEST_TIMEOUT_S", "300")))
+
+
+def pool(n: int):
+    """A :func:`new_pool` of n gloo ranks, started once per session (and again after a failed case closed it)."""
     if n not in _POOLS or _POOLS[n].closed:
-        _POOLS[n] = ProcessPool(n, float(os.environ.get("DITMESH_TEST_TIMEOUT_S", "300")))
+        _POOLS[n] = new_pool(n)
     return _POOLS[n]
 
 

@@ -166,13 +166,13 @@ def fresh_pools():
     session's pools, after many other cases had run in it, ended with SIGSEGV in this test's true-CFG case; never
     when run alone or with its file (cause not found; the pool's report now keeps the crashed rank's stacks).
     ``fresh_pools(n)``; closed at the module's end."""
-    from ditmesh.testing import ProcessPool
+    from conftest import new_pool
 
     made: dict = {}
 
     def get(n: int):
         if n not in made or made[n].closed:
-            made[n] = ProcessPool(n)
+            made[n] = new_pool(n)
         return made[n]
 
     yield get

@@ -203,8 +203,8 @@ def _torchao_config(mode: str):
 def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None, quantize_modulation: bool = True,
           backend: str = "auto") -> list:
     """Quantize ``model``'s block linears in ``mode`` in place (after tensor parallelism: ``tp_group`` is the tp
-    group where tp > 1). ``backend`` (``options.QUANT_BACKENDS``, the run's ``quant_backend``): ``auto`` (torchao on CUDA, else :class:`QuantLinear`),
-    ``torchao``, ``scaled-mm`` (:class:`QuantLinear` everywhere, its fp8 products by ``torch._scaled_mm`` on CUDA) or
+    group where tp > 1). ``backend`` (``options.QUANT_BACKENDS``, the run's ``quant_backend``): ``auto`` (torchao on
+    CUDA, else :class:`QuantLinear`), ``torchao``, ``scaled-mm`` (:class:`QuantLinear` everywhere, its fp8 products by ``torch._scaled_mm`` on CUDA) or
     ``emulated`` (:class:`QuantLinear` everywhere, products in the activations' dtype). Returns undo callables.
 
     Quantized weights replace the originals (that is the memory saved), so the undo puts back linears holding the

@@ -61,8 +61,9 @@ def validate_arguments(args, world_size: int) -> tuple["RunOptions", str]:
 
 def validate_heads(options: "RunOptions", model: str) -> None:
     """The transformer's class (:func:`~ditmesh.runtime.models.check_transformer_class`) and the check of the degrees
-    that split attention heads (``check_heads``, as :func:`validate_family` runs it), torch-free: the heads from a folder's transformer config or the registry's table of synthetic architectures
-    (a hub id's are checked by the ranks). The local launcher runs it before starting any rank."""
+    that split attention heads (``check_heads``, as :func:`validate_family` runs it), torch-free: the heads from a
+    folder's transformer config or the registry's table of synthetic architectures (a hub id's are checked by the
+    ranks). The local launcher runs it before starting any rank."""
     from ..models.registry import CLASSES, HEADS, SYNTH
 
     try:

@@ -118,12 +118,13 @@ def read_adapter(model: str):
     """
     from ..models import adapter_for_class
 
-    check_transformer_class(model)
-    config = read_transformer_config(model)  # a folder's, or a synthetic architecture's (None for a hub id)
-    if not config or "_class_name" not in config:
+    name = check_transformer_class(model)  # a folder's class, checked
+    if name is None:  # a synthetic architecture's (None for a hub id)
+        name = (read_transformer_config(model) or {}).get("_class_name")
+    if name is None:
         return None
     try:
-        return adapter_for_class(config["_class_name"])
+        return adapter_for_class(name)
     except NotImplementedError as exc:
         raise ConfigError(f"--model {model}: {exc}") from None
 
@@ -170,8 +171,9 @@ def checkpoint_options(options, model: str, flag=lambda name: f"--{name.replace(
     if options.quant not in ("off", mode):
         raise ConfigError(f"{flag('quant')}{options.quant}: {written}; drop {flag('quant').strip()} or give {mode}")
     if options.quant == mode and options.quant_modulation not in (None, modulation):
-        raise ConfigError(f"{modulation_flag(options.quant_modulation, flag('quant').startswith('--'))}: {written} with the modulation "
-                          f"{'quantized' if modulation else 'kept'}; run it as written")
+        given = modulation_flag(options.quant_modulation, flag("quant").startswith("--"))
+        raise ConfigError(f"{given}: {written} with the modulation {'quantized' if modulation else 'kept'}; run it "
+                          "as written")
     refused = [(bool(options.loras), f"{flag('lora').strip()} adapters do not load"),
                (options.fuse_qkv, "fused projections (fuse_qkv) do not run"),
                (options.config.pp > 1, f"PipeFusion (pp={options.config.pp}) does not load its stages")]
