@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import kill_session
 from ditmesh.bench.report import SCHEMA, default_out_dir
 
@@ -131,11 +132,16 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
-    """Also --no-single: of --gpus 1,2 only the 2-process rows run (a 1-process row would be stopped too)."""
+@pytest.mark.parametrize("launch", ["fork", "exec"])
+def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch):
+    """Also --no-single: of --gpus 1,2 only the 2-process rows run (a 1-process row would be stopped too). Forked
+    ranks (the default) are stopped at 1 s, while their zygote imports (no machine imports torch and diffusers that
+    fast): its stacks are printed; ranks that are their own interpreters (``DITMESH_LAUNCH=exec``) at 4 s: each
+    one's stacks, rank 1's copied from its log."""
     out = tmp_path / "b.json"
+    limit = {"fork": 1, "exec": 4}[launch]
     proc = bench(["--gpus", "1,2", "--methods", "ulysses,ring", "--no-single", "--steps", "2000", "--warmup", "0",
-                  "--row-timeout", "4", "--out", str(out)], tmp_path)
+                  "--row-timeout", str(limit), "--out", str(out)], tmp_path, DITMESH_LAUNCH=launch)
     try:
         _, err = proc.communicate(timeout=300)
     finally:
@@ -144,14 +150,22 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["gpus"]) for r in rows] == [("ulysses", 2), ("ring", 2)], rows
     assert not any("speedup_vs_1gpu" in r for r in rows)
-    assert all(r["error"] == "stopped after 4 s: the ranks had not finished (where each one was: the Python stacks "
-               "printed above)" for r in rows), rows
-    # where each rank was: both ranks' Python stacks (faulthandler's format), rank 1's copied from its log
-    assert err.count("ditmesh: rank 1 at the time limit:") == 2, err[-3000:]
-    assert err.count("most recent call first") >= 4, err[-3000:]
-    # and below Python: each rank's scheduler state and kernel wait channel (py-spy's stacks where it is installed)
-    assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 4, err[-3000:]
+    # where each process was: its Python stacks (faulthandler's format), and below Python its scheduler state and
+    # kernel wait channel (py-spy's stacks where it is installed)
+    if launch == "fork":
+        assert all(r["error"] == "stopped after 1 s: the ranks were still importing (where: the Python stacks "
+                   "printed above)" for r in rows), rows
+        assert err.count("ditmesh: the ranks' imports at the time limit") == 2, err[-3000:]
+        assert err.count("most recent call first") >= 2, err[-3000:]
+        assert len(re.findall(r"ditmesh: imports \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 2, err[-3000:]
+    else:
+        assert all(r["error"] == "stopped after 4 s: the ranks had not finished (where each one was: the Python "
+                   "stacks printed above)" for r in rows), rows
+        assert err.count("ditmesh: rank 1 at the time limit:") == 2, err[-3000:]
+        assert err.count("most recent call first") >= 4, err[-3000:]
+        assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 4, err[-3000:]
     assert leftovers(tmp_path) == []
+    assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout == b""  # nothing left running
 
 
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

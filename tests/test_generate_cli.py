@@ -95,8 +95,9 @@ def test_generate_pp2_x_tp2_with_every_step_exact_matches_single_process(tmp_pat
     assert r4["config"]["pp"] == 2 and r4["config"]["tp"] == 2
 
 
-#: the phases every rank of a 2-rank ``generate --nproc 2`` has, in the order they start (depth 0 and nested)
-RANK_PHASES = ["launch", "interpreter start", "checks", "imports", "family checks", "rendezvous", "checks", "load",
+#: the phases every rank of a 2-rank ``generate --nproc 2`` has, in the order they start (depth 0 and nested): the
+#: ranks are forked from one process that imported torch and diffusers for them ("shared imports", in "launch")
+RANK_PHASES = ["launch", "shared imports", "interpreter start", "checks", "imports", "family checks", "rendezvous", "checks", "load",
                "load components",
                "to device", "parallelize", "communicators", "pipeline call", "text encoding", "prepare", "step 0",
                "step 1", "step 2", "vae decode", "postprocess", "gather statistics"]

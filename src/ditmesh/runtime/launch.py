@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from ..shared import one_line, share_cpu_threads
+from . import forked
 from ..timeline import LAUNCH_START_ENV, timeline
 
 #: set by the launcher for its ranks: where a failing rank writes its error
@@ -193,6 +194,7 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     procs: list[subprocess.Popen] = []
     logs = []
     signalled: list[int] = []
+    zygote = None
 
     def on_signal(signum, frame):
         signalled.append(signum)
@@ -205,10 +207,16 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
         # SIGINT and SIGTERM wait until every rank is started, then arrive
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            _start_ranks(procs, logs, nproc, argv, env, run_dir)
+            zygote = _start_ranks(procs, logs, nproc, argv, env, run_dir)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        failures = _wait_ranks(procs, timeout_s, on_timeout=lambda: _dump_stacks(procs, run_dir))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if zygote is not None and not zygote.adopt(procs, deadline):
+            _dump_stacks(procs, run_dir, who="imports")
+            raise LaunchError(f"stopped after {timeout_s:g} s: the ranks were still importing (where: the Python "
+                              "stacks printed above)")
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        failures = _wait_ranks(procs, left, on_timeout=lambda: _dump_stacks(procs, run_dir))
         if failures is None:
             raise LaunchError(f"stopped after {timeout_s:g} s: the ranks had not finished (where each one was: "
                               "the Python stacks printed above)")
@@ -223,6 +231,8 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     finally:
         if handle:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if zygote is not None:  # given up on while it imported: stopped, and the ranks it forked put in procs
+            zygote.close(procs)
         _stop(procs, signal.SIGTERM)
         for out in logs:
             out.close()
@@ -230,8 +240,15 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
     return 0
 
 
-def _start_ranks(procs: list, logs: list, nproc: int, argv: list[str], env: dict, run_dir: Path) -> None:
-    """Start the ``nproc`` rank processes (appended to ``procs``; the log files of ranks 1.. to ``logs``)."""
+def _start_ranks(procs: list, logs: list, nproc: int, argv: list[str], env: dict, run_dir: Path):
+    """Start the ``nproc`` ranks: forked from a zygote (:mod:`.forked`; returned, its process in ``procs`` until it
+    has forked them), or each its own interpreter (appended to ``procs``; the log files of ranks 1.. to ``logs``;
+    returns None)."""
+    if forked.wanted():
+        zygote = forked.Zygote.start(nproc, argv, env, run_dir, _rank_signals)
+        if zygote is not None:
+            procs.append(zygote.process)
+            return zygote
     for rank in range(nproc):
         out = None
         if rank:  # local rank 0 keeps the console (progress bar, result line)
@@ -272,11 +289,14 @@ def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float | None = None,
         time.sleep(0.02)
 
 
-def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2.0) -> None:
+def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2.0, who: str = "rank") -> None:
     """Ask the ranks still running for their Python stacks (SIGUSR1: ``faulthandler`` in ``ditmesh.__main__``) and
-    print them on stderr: rank 0 writes to the console itself, the others' logs are copied from where they dumped."""
+    print them on stderr: rank 0 writes to the console itself, the others' logs are copied from where they dumped.
+    ``who="imports"``: ``procs`` is the zygote, still importing for the ranks (:mod:`.forked`)."""
     marks = {}
-    print("ditmesh: the ranks at the time limit (rank 0's stacks come first, unlabelled)", file=sys.stderr, flush=True)
+    print("ditmesh: the ranks' imports at the time limit (one process, before it forks the ranks)" if who == "imports"
+          else "ditmesh: the ranks at the time limit (rank 0's stacks come first, unlabelled)", file=sys.stderr,
+          flush=True)
     for rank in range(1, len(procs)):
         log = run_dir / "logs" / f"rank{rank}.log"
         marks[rank] = log.stat().st_size if log.exists() else 0
@@ -292,7 +312,8 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
                 print(f"ditmesh: rank {rank} at the time limit:\n{dump}", file=sys.stderr, flush=True)
     for rank, p in enumerate(procs):
         if p.poll() is None:
-            print(f"ditmesh: rank {rank} (pid {p.pid}): {_native_state(p.pid)}", file=sys.stderr, flush=True)
+            name = "imports" if who == "imports" else f"rank {rank}"
+            print(f"ditmesh: {name} (pid {p.pid}): {_native_state(p.pid)}", file=sys.stderr, flush=True)
 
 
 def _native_state(pid: int) -> str:

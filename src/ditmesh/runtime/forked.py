@@ -1,0 +1,257 @@
+"""Local ranks forked from one process that imported torch, diffusers and ditmesh once.
+
+A rank that is its own ``python -m ditmesh`` imports torch, transformers and diffusers itself: about 8 CPU-seconds
+each, paid N times by a run of N ranks (and again by every ``bench`` row). The local launcher starts one *zygote*
+instead, ``python -m ditmesh.runtime.forked SPEC``, which imports them once (:data:`PRELOAD`, touching no device
+and starting no process group), then forks the N ranks. Each rank takes its ``RANK`` and ``LOCAL_RANK``, its output
+(local rank 0 keeps the console, the others write to the run's folder) and its signals (as ``ditmesh.__main__``
+sets them), and runs the command as ``python -m ditmesh`` would, leaving with ``os._exit``.
+
+The zygote writes each rank's pid to a pipe as it forks it and then leaves. While it lives, the launcher is a
+*child subreaper* (Linux ``prctl``): the ranks the zygote leaves behind become the launcher's own children, so it
+waits for them, reads their exit codes and signals them as it would processes it started itself
+(:class:`AdoptedRank`). SIGINT and SIGTERM are blocked in the zygote from its first fork until it leaves, so every
+rank it forks has its pid written; stopped while it imports, it dies at once and has forked nothing.
+
+A zygote that fails to import writes its error as rank 0's record and exits 2, as a rank would. ``DITMESH_LAUNCH=exec``
+(or a platform without ``prctl``) starts every rank as its own interpreter instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+#: set to ``exec`` to start every local rank as its own interpreter (each importing everything itself)
+LAUNCH_ENV = "DITMESH_LAUNCH"
+#: what the zygote imports before it forks (and ``serve``'s fork server): everything a rank of ``generate``,
+#: ``bench``, ``analyze`` or ``serve`` needs before its model's own modules (ditmesh first: it quiets torchao's logger)
+PRELOAD = ("ditmesh", "torch", "torch.distributed", "diffusers", "transformers", "ditmesh.models", "ditmesh.api",
+           "ditmesh.runtime.generate")
+#: set in a forked rank: when the zygote's imports began and ended (seconds since the epoch, ``START END``), so that
+#: the rank's timeline shows them
+IMPORTS_ENV = "DITMESH_ZYGOTE_IMPORTS"
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _subreaper(on: bool) -> bool:
+    """Make this process the child subreaper of its descendants (or stop being one); False where it cannot be."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def wanted() -> bool:
+    """Whether local ranks are forked from a zygote (not ``DITMESH_LAUNCH=exec``, and the platform can adopt them)."""
+    return os.environ.get(LAUNCH_ENV, "fork") != "exec" and sys.platform.startswith("linux")
+
+
+class AdoptedRank:
+    """A rank forked by the zygote and adopted by this process: the part of :class:`subprocess.Popen` the launcher
+    uses (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # not ours after all: it can only be known gone
+                self.returncode = 0 if not os.path.exists(f"/proc/{self.pid}") else None
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The launcher's side of one zygote: started by :meth:`start`, its ranks taken in by :meth:`adopt`."""
+
+    def __init__(self, process: subprocess.Popen, read_fd: int):
+        self.process = process
+        self.read_fd = read_fd
+        self._buffer = b""
+
+    @classmethod
+    def start(cls, nproc: int, argv: list[str], env: dict, run_dir, preexec_fn) -> Zygote | None:
+        """Start the zygote of a run of ``nproc`` ranks (``env``: theirs, without RANK); ``None`` where this process
+        cannot adopt its ranks (then the caller starts them itself)."""
+        if not _subreaper(True):
+            return None
+        read_fd, write_fd = os.pipe()
+        spec = json.dumps({"nproc": nproc, "argv": argv, "run_dir": str(run_dir), "fd": write_fd})
+        try:
+            process = subprocess.Popen([sys.executable, "-m", "ditmesh.runtime.forked", spec], env=env,
+                                       pass_fds=(write_fd,), preexec_fn=preexec_fn)
+        except BaseException:
+            os.close(read_fd)
+            _subreaper(False)
+            raise
+        finally:
+            os.close(write_fd)
+        return cls(process, read_fd)
+
+    def _read(self, timeout: float) -> bool:
+        """Read what the zygote wrote within ``timeout`` seconds; True at the end of its pipe."""
+        ready, _, _ = select.select([self.read_fd], [], [], max(0.0, timeout))
+        if not ready:
+            return False
+        chunk = os.read(self.read_fd, 4096)
+        self._buffer += chunk
+        return not chunk
+
+    def _pids(self) -> list[int]:
+        return [int(p) for p in self._buffer.decode().split()]
+
+    def adopt(self, procs: list, deadline: float | None) -> bool:
+        """Wait for the zygote to import and fork, then put its ranks in place of it in ``procs`` (it stays there if
+        it forked none: it failed, and its exit code is the run's). False when ``deadline`` (monotonic) passed
+        first, the zygote still in ``procs`` (the caller asks it for its stacks, then calls :meth:`close`).
+        Interrupted (Ctrl-C, a signal's exception), the zygote is stopped and the ranks it forked are put in
+        ``procs`` before the exception goes on, so that the caller stops them."""
+        procs[:] = [self.process]
+        try:
+            while not self._read(0.1 if deadline is None else min(0.1, deadline - time.monotonic())):
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+        except BaseException:
+            self.close(procs)
+            raise
+        self.close(procs)
+        return True
+
+    def close(self, procs: list) -> None:
+        """Stop the zygote if it still runs (importing: it dies; forking: it forks every rank, then leaves), wait
+        for it, and put the ranks it forked in ``procs``. Once; a later call does nothing."""
+        if self.read_fd is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait()  # gone: its ranks are this process's children now
+        while not self._read(1.0):  # the pipe's end comes with the zygote's (its ranks closed their copies)
+            pass
+        os.close(self.read_fd)
+        self.read_fd = None
+        _subreaper(False)
+        pids = self._pids()
+        if pids:
+            procs[:] = [AdoptedRank(pid) for pid in pids]
+
+
+# -- in the zygote -----------------------------------------------------------------------------------------------
+def _main(spec: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # stopped while importing: it dies at once, with nothing forked
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's time limit: where the imports were
+    from ..cli import _quiet_libraries
+    from .launch import run_rank
+
+    _quiet_libraries()
+    started = time.time()
+    os.environ["RANK"] = "0"  # an import that fails is rank 0's error (every rank would have had it)
+    run_rank(_preload)
+    del os.environ["RANK"]
+    os.environ[IMPORTS_ENV] = f"{started} {time.time()}"
+    write_fd, argv, run_dir = spec["fd"], spec["argv"], spec["run_dir"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    forked = []
+    for rank in range(spec["nproc"]):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for p in forked:
+                os.kill(p, signal.SIGKILL)
+            os.environ["RANK"] = "0"
+            message = f"could not start local rank {rank}: {exc.strerror}"
+            run_rank(lambda: _raise(OSError(message)))
+        if pid == 0:
+            os.close(write_fd)
+            _rank(rank, argv, run_dir)
+        forked.append(pid)
+        os.write(write_fd, f"{pid}\n".encode())
+    os._exit(0)
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+def _preload() -> None:
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            importlib.import_module(name)
+
+
+def _rank(rank: int, argv: list[str], run_dir: str) -> None:
+    """The body of a forked rank: never returns."""
+    code = 1
+    try:
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+        if rank:  # local rank 0 keeps the console (progress bar, result line)
+            fd = os.open(os.path.join(run_dir, "logs", f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                         0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        from .. import timeline as timeline_module
+
+        timeline_module._TIMELINE = None  # this process's own, from its fork
+        start, end = (float(t) for t in os.environ.pop(IMPORTS_ENV).split())
+        line = timeline_module.timeline()
+        line.add("shared imports", start - line.origin_unix, end - line.origin_unix, depth=1)
+        sys.argv = [sys.argv[0], *argv]
+        from ..cli import main
+
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001  (run_rank reports a command's errors; this is what is left)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))
