@@ -9,7 +9,8 @@ there was none, several at once with ``--parallel-warmups``).
 
 Per row: the wall time from outside, and from the run's report ``load_s``, the steady step (median of the step
 latencies), the first step's extra, ``overhead = wall - load - steps x steady step``, and where the tree writes a
-timeline (``generate --trace``), its split: launcher, imports, checks, text encoding, VAE decode, writing, and what
+timeline (``generate --trace``), its split: launcher, imports (a forked rank's: its zygote's "shared imports",
+taken out of the launcher's share), checks, text encoding, VAE decode, writing, and what
 came after the report (exit). "One import" (``import torch, diffusers; from diffusers import FluxPipeline``) is
 timed in the same call. Writes ``e2e.json`` (every row, the reports' timelines included: ``ditmesh.timeline.
 chrome_trace`` makes a Chrome trace of any row) and ``e2e.md`` (the table) into ``--out``; prints the table.
@@ -209,8 +210,11 @@ def summarize(report: dict, wall_s: float, steps: int) -> dict:
     if timelines:
         rank0 = timelines[0]
         end = max(p["end_s"] for p in rank0["phases"])
+        shared = _phase_s(rank0, "shared imports") or 0.0  # forked ranks: their imports, done once in "launch"
+        launch = _phase_s(rank0, "launch")
         row["split_s"] = {
-            "launch": _phase_s(rank0, "launch"), "imports": _phase_s(rank0, "imports"),
+            "launch": None if launch is None else round(launch - shared, 3),
+            "imports": round((_phase_s(rank0, "imports") or 0.0) + shared, 3),
             "checks": _phase_s(rank0, "checks", "family checks"), "rendezvous": _phase_s(rank0, "rendezvous"),
             "load": _phase_s(rank0, "load"), "text_encoding": _phase_s(rank0, "text encoding"),
             "vae_decode": _phase_s(rank0, "vae decode"),

@@ -99,7 +99,9 @@ def test_reports_keep_guidance_and_one_report_per_output_file():
 
 
 # -- errors inside ranks, Ctrl-C, temporary folders -------------------------------------------------------------
-def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp):
+@pytest.mark.parametrize("launch", ["fork", "exec"])
+def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp, launch):
+    """Forked ranks (the default) and ranks that are their own interpreters (``DITMESH_LAUNCH=exec``)."""
     import shutil
 
     broken = tmp_path / "broken"
@@ -107,12 +109,30 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, p
     weights = next((broken / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])  # a truncated download
     proc = ditmesh("generate", "--model", str(broken), "--nproc", "2", "--ulysses", "2", "--steps", "1",
-                   "--out", str(tmp_path / "x.png"), env={"TMPDIR": str(private_tmp)})
+                   "--out", str(tmp_path / "x.png"), env={"TMPDIR": str(private_tmp), "DITMESH_LAUNCH": launch})
     assert proc.returncode == 2
     lines = error_lines(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("ditmesh: error:") and "safetensors" in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "x.png").exists()
+    assert leftovers(private_tmp) == []
+
+
+def test_an_import_that_fails_before_the_fork_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp):
+    """The one process the ranks are forked from cannot import diffusers (a module that shadows it): its error is
+    the run's, once, and nothing is left running or written."""
+    shadow = tmp_path / "site" / "diffusers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('diffusers shadowed by the test')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)
+    out = tmp_path / "x.png"
+    proc = ditmesh("generate", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--steps", "1",
+                   "--out", str(out), env={"TMPDIR": str(private_tmp), "PYTHONPATH": path})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = error_lines(proc.stderr)
+    assert lines == ["ditmesh: error: diffusers shadowed by the test (ImportError on rank 0; traceback in "
+                     + lines[0].split("traceback in ", 1)[-1]], proc.stderr[-2000:]
+    assert not out.exists() and _ranks_running(str(out)) == 0
     assert leftovers(private_tmp) == []
 
 

@@ -8,24 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
-import warnings
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
 from .shared import one_line
-from .shared import add_quant_flags, strip_option
-
-
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+from .shared import add_quant_flags, quiet_libraries, strip_option
 
 
 def add_degree_flags(parser: argparse.ArgumentParser) -> None:
@@ -333,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = timeline()
     start.add("interpreter start", start.process_start_unix - start.origin_unix, start.now())
-    _quiet_libraries()
+    quiet_libraries()
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
     args = parser.parse_args(argv)

@@ -16,6 +16,21 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", 
                "float16": "float16", "fp16": "float16"}
 
 
+def quiet_libraries() -> None:
+    """What every process that runs a pipeline sets before torch, transformers and diffusers load: their progress
+    bars, verbosity and warnings off, so a one-line error stays one line."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
 def one_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type when it has none): how every tool reports an error."""
     text = str(exc).strip().splitlines()

@@ -4,8 +4,8 @@ A rank that is its own ``python -m ditmesh`` imports torch, transformers and dif
 each, paid N times by a run of N ranks (and again by every ``bench`` row). The local launcher starts one *zygote*
 instead, ``python -m ditmesh.runtime.forked SPEC``, which imports them once (:data:`PRELOAD`, touching no device
 and starting no process group), then forks the N ranks. Each rank takes its ``RANK`` and ``LOCAL_RANK``, its output
-(local rank 0 keeps the console, the others write to the run's folder) and its signals (as ``ditmesh.__main__``
-sets them), and runs the command as ``python -m ditmesh`` would, leaving with ``os._exit``.
+(local rank 0 keeps the console, the others write to the run's folder), and runs ``ditmesh.__main__`` as
+``python -m ditmesh`` would (which sets a launched rank's signals), leaving with ``os._exit``.
 
 The zygote writes each rank's pid to a pipe as it forks it and then leaves. While it lives, the launcher is a
 *child subreaper* (Linux ``prctl``): the ranks the zygote leaves behind become the launcher's own children, so it
@@ -174,10 +174,10 @@ def _main(spec: dict) -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's time limit: where the imports were
-    from ..cli import _quiet_libraries
+    from ..shared import quiet_libraries
     from .launch import run_rank
 
-    _quiet_libraries()
+    quiet_libraries()
     started = time.time()
     os.environ["RANK"] = "0"  # an import that fails is rank 0's error (every rank would have had it)
     run_rank(_preload)
@@ -209,14 +209,32 @@ def _raise(exc: BaseException):
     raise exc
 
 
+#: set while the ranks' modules are imported before a fork: a ``torch.cuda.is_available()`` at import time asks NVML,
+#: not the CUDA driver, whose state a forked child could not use (torch's own switch)
+NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def _preload() -> None:
     import importlib
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in PRELOAD:
-            importlib.import_module(name)
+    given = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in PRELOAD:
+                importlib.import_module(name)
+    finally:
+        if given is None:
+            del os.environ[NVML_CHECK_ENV]
+        else:
+            os.environ[NVML_CHECK_ENV] = given
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialized while the ranks' modules were imported, before their fork; start "
+                           f"the ranks as their own interpreters: {LAUNCH_ENV}=exec")
 
 
 def _rank(rank: int, argv: list[str], run_dir: str) -> None:
@@ -237,10 +255,11 @@ def _rank(rank: int, argv: list[str], run_dir: str) -> None:
         start, end = (float(t) for t in os.environ.pop(IMPORTS_ENV).split())
         line = timeline_module.timeline()
         line.add("shared imports", start - line.origin_unix, end - line.origin_unix, depth=1)
-        sys.argv = [sys.argv[0], *argv]
-        from ..cli import main
+        sys.argv = ["ditmesh", *argv]
+        import runpy
 
-        code = main(argv)
+        runpy.run_module("ditmesh", run_name="__main__", alter_sys=True)  # what `python -m ditmesh ARGV` runs
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001  (run_rank reports a command's errors; this is what is left)

@@ -63,10 +63,10 @@ class RankActor:
         """Join the group at ``master`` and run the rank (load, warm up, serve) in a thread of its own. On GPUs
         every rank sees all GPUs of the replica (``visible_gpus``) and uses the ``local_rank``-th, as under torchrun,
         so NCCL finds its peers' devices."""
-        from ..cli import _quiet_libraries
+        from ..shared import quiet_libraries
         from .worker import run_rank
 
-        _quiet_libraries()
+        quiet_libraries()
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(self.world))
         if visible_gpus:

@@ -20,6 +20,7 @@ restarts the group.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import multiprocessing as mp
 import os
@@ -72,9 +73,35 @@ def _context():
     return mp.get_context("spawn")
 
 
+_STOP_AT_EXIT: list = []
+
+
+def _ensure_fork_server() -> None:
+    """Start the fork server unless it runs. Its environment is this process's as it starts, and its imports must
+    leave the CUDA driver alone (a forked rank could not use it): torch's ``cuda.is_available()`` asks NVML there
+    (each rank gets this process's environment back: ``worker.rank_main``)."""
+    from multiprocessing import forkserver
+
+    from ..runtime.forked import NVML_CHECK_ENV
+
+    given = os.environ.get(NVML_CHECK_ENV)
+    os.environ[NVML_CHECK_ENV] = "1"
+    try:
+        forkserver.ensure_running()
+        if not _STOP_AT_EXIT:
+            atexit.register(_stop_fork_server)
+            _STOP_AT_EXIT.append(True)
+    finally:
+        if given is None:
+            del os.environ[NVML_CHECK_ENV]
+        else:
+            os.environ[NVML_CHECK_ENV] = given
+
+
 def _stop_fork_server() -> None:
-    """Kill the fork server, if one runs (the server stops: no rank is forked any more). Left alone it would finish
-    its imports before it noticed that the front end is gone."""
+    """At this process's exit (its replicas stopped): kill the fork server, if it still runs. Left alone it would
+    finish its imports before it noticed that the front end is gone. (Killed earlier, the ranks it forked would
+    look dead to multiprocessing, exit code 255, and not be stopped.)"""
     from multiprocessing import forkserver
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)  # CPython's, since 3.4
@@ -123,11 +150,9 @@ class Replica:
         them: the fork server begins its imports (the ranks are forked by :meth:`start`), or, spawned, the rank
         processes start, import, and wait for :meth:`start` to send the options (or :meth:`close`)."""
         if _context().get_start_method() == "forkserver":
-            from multiprocessing import forkserver
-
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # as _launch's ranks
             try:
-                forkserver.ensure_running()
+                _ensure_fork_server()
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             return
@@ -151,6 +176,8 @@ class Replica:
         # is gone leaves by itself: worker._heartbeat)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
+            if ctx.get_start_method() == "forkserver":
+                _ensure_fork_server()
             for rank in range(self.world):
                 process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
                                       args=(rank, self.world, self.index * self.world + rank, port,
@@ -203,9 +230,7 @@ class Replica:
     def close(self) -> list[tuple[int, int, int | None]]:
         """Stop the ranks for good (the server stops): a start under way gives up. As :meth:`stop`."""
         self.closing = True
-        stopped = self.stop()
-        _stop_fork_server()
-        return stopped
+        return self.stop()
 
     def restart(self) -> None:
         """Stop the group and start it again (RankFault when it cannot start)."""
