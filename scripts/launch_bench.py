@@ -3,8 +3,8 @@ one interpreter per rank (``DITMESH_LAUNCH=exec``), timed from outside in one ca
 
 Rows (flux-tiny, 2 steps at 64x64; the model folder made once before any timing):
 
-- ``generate N procs``: ``ditmesh generate --nproc N --ulysses N`` (``--device cpu``: gloo) for each ``--cpu-ranks``
-  N, and on a CUDA machine ``generate 1 GPU``: ``--nproc 1`` on the GPU; wall seconds from outside and the CPU
+- ``generate N procs``: ``ditmesh generate --nproc N --ulysses N`` on the CPU for each ``--cpu-ranks``
+  N (gloo; ``CUDA_VISIBLE_DEVICES=`` on a GPU host), and on a CUDA machine ``generate 1 GPU``: ``--nproc 1`` on the GPU; wall seconds from outside and the CPU
   seconds of every process it started (the rusage of the command's whole tree, as its waits collect it); the
   pictures of both ways must be byte-identical;
 - ``serve``: ``ditmesh serve --nproc 1`` (the GPU where there is one): seconds from the command to a ready
@@ -41,8 +41,10 @@ WAYS = ("exec", "fork")
 GEN = ["generate", "--model", "flux-tiny", "--steps", "2", "--height", "64", "--width", "64"]
 
 
-def _env(way: str) -> dict:
+def _env(way: str, cpu: bool = False) -> dict:
     env = dict(os.environ, DITMESH_LAUNCH=way, TOKENIZERS_PARALLELISM="false")
+    if cpu:  # on a GPU host too: gloo ranks on the CPU cores
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("PYTHONPATH", str(ROOT / "src"))
     return env
 
@@ -52,10 +54,10 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed_generate(way: str, args: list[str], out: str) -> dict:
+def timed_generate(way: str, args: list[str], out: str, cpu: bool) -> dict:
     """One ``generate``: wall seconds and the CPU seconds of its process tree; its picture's bytes."""
     cpu0, t0 = _children_cpu_s(), time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ditmesh", *GEN, *args, "--out", out], env=_env(way),
+    proc = subprocess.run([sys.executable, "-m", "ditmesh", *GEN, *args, "--out", out], env=_env(way, cpu),
                           capture_output=True, text=True, timeout=600)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
@@ -128,18 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     work = tempfile.mkdtemp(prefix="ditmesh-launch-")
     # the model folder once, outside the timings (synthesized into the cache on first use)
-    subprocess.run([sys.executable, "-m", "ditmesh", *GEN, "--steps", "1", "--device", "cpu", "--out",
-                    os.path.join(work, "warm.png")], env=_env("exec"), check=True, capture_output=True)
-    cases = {f"generate {n} procs (CPU, gloo)": ["--nproc", str(n), "--ulysses", str(n), "--device", "cpu"]
+    subprocess.run([sys.executable, "-m", "ditmesh", *GEN, "--steps", "1", "--out", os.path.join(work, "warm.png")],
+                   env=_env("exec", cpu=True), check=True, capture_output=True)
+    cases = {f"generate {n} procs (CPU, gloo)": (["--nproc", str(n), "--ulysses", str(n)], True)
              for n in (int(x) for x in args.cpu_ranks.split(","))}
     if cuda:
-        cases["generate 1 GPU"] = ["--nproc", "1"]
+        cases["generate 1 GPU"] = (["--nproc", "1"], False)
     samples: dict[str, dict[str, list]] = {}
     pngs: dict[tuple, bytes] = {}
     for _ in range(args.repeat):
-        for case, case_args in cases.items():
+        for case, (case_args, on_cpu) in cases.items():
             for way in WAYS:
-                got = timed_generate(way, case_args, os.path.join(work, f"{way}.png"))
+                got = timed_generate(way, case_args, os.path.join(work, f"{way}.png"), on_cpu)
                 key = f"{case} [{way}]"
                 samples.setdefault(key, {"wall_s": [], "cpu_s": []})
                 samples[key]["wall_s"].append(got["wall_s"])
