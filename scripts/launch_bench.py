@@ -80,13 +80,24 @@ def _post(url: str, body: dict, timeout: float = 600.0) -> int:
         return e.code
 
 
+def _started_unix(pid: int) -> float:
+    """When process ``pid`` started (seconds since the epoch; /proc, 10 ms ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def timed_serve(way: str, work: str) -> dict:
-    """``serve --nproc 1``: seconds to ready, to the first picture, and from a killed rank to the next picture."""
+    """``serve --nproc 1``: seconds to ready, to the first picture, and from a killed rank to the next picture;
+    where the start went: when the rank's process began (after the command's start), its load and warm-up seconds
+    (``/health``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
+    t0, t0_unix = time.perf_counter(), time.time()
     proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--model", "flux-tiny", "--nproc", "1",
                              "--steps", "2", "--height", "64", "--width", "64", "--port", str(port)],
                             env=_env(way), stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, f"serve-{way}.log"), "w"))
@@ -101,15 +112,19 @@ def timed_serve(way: str, work: str) -> dict:
                 pass
             time.sleep(0.05)
         ready = time.perf_counter() - t0
+        health = _get(f"{base}/health")["replicas"][0]
+        [pid] = health["pids"]
+        rank_started = _started_unix(pid) - t0_unix
         assert _post(f"{base}/generate", {"prompt": "a red circle"}) == 200
         first = time.perf_counter() - t0
-        [pid] = _get(f"{base}/health")["replicas"][0]["pids"]
         t1 = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
         while _post(f"{base}/generate", {"prompt": "after the restart"}) != 200:
             time.sleep(0.05)
         restart = time.perf_counter() - t1
-        return {"ready_s": ready, "first_picture_s": first, "restart_to_picture_s": restart}
+        return {"ready_s": ready, "first_picture_s": first, "restart_to_picture_s": restart,
+                "rank_process_started_s": rank_started, "rank_load_s": health["load_s"][0],
+                "rank_warmup_s": sum(health["warm_s"].values())}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -123,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-ranks", default="2", help="comma-separated rank counts of the CPU generate rows")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-serve", action="store_true", help="leave out the serve rows")
+    p.add_argument("--no-generate", action="store_true", help="leave out the generate rows")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import torch
@@ -134,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                    env=_env("exec", cpu=True), check=True, capture_output=True)
     cases = {f"generate {n} procs (CPU, gloo)": (["--nproc", str(n), "--ulysses", str(n)], True)
              for n in (int(x) for x in args.cpu_ranks.split(","))}
-    if cuda:
+    if args.no_generate:
+        cases = {}
+    elif cuda:
         cases["generate 1 GPU"] = (["--nproc", "1"], False)
     samples: dict[str, dict[str, list]] = {}
     pngs: dict[tuple, bytes] = {}
@@ -163,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             got = timed_serve(way, work)
             rows.append({"case": f"serve 1 rank ({'GPU' if cuda else 'CPU'})", "way": way,
                          **{k: round(v, 2) for k, v in got.items()}})
-    lines = ["| case | ranks started | wall s | CPU s | serve: ready s | first picture s | restart to picture s |",
-             "|---|---|---|---|---|---|---|"]
+            if args.out:  # the server's own lines ("ready in ...") beside the results
+                log = Path(work) / f"serve-{way}.log"
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                (Path(args.out).parent / log.name).write_text(log.read_text())
+    keys = ("wall_s", "cpu_s", "ready_s", "first_picture_s", "restart_to_picture_s", "rank_process_started_s",
+            "rank_load_s", "rank_warmup_s")
+    lines = ["| case | ranks started | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['way']} | {r.get('wall_s', '')} | {r.get('cpu_s', '')} | "
-                     f"{r.get('ready_s', '')} | {r.get('first_picture_s', '')} | {r.get('restart_to_picture_s', '')} |")
+        lines.append(f"| {r['case']} | {r['way']} | " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
     print("\n".join(lines))
     doc = {"command": "python scripts/launch_bench.py " + " ".join(sys.argv[1:] if argv is None else argv),
            **({"card": torch.cuda.get_device_name(0), "device_count": 1} if cuda else

@@ -188,6 +188,9 @@ def _main(spec: dict) -> None:
     sys.stderr.flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     forked = []
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*use of fork.*", category=DeprecationWarning)  # torch's idle thread
     for rank in range(spec["nproc"]):
         try:
             pid = os.fork()
