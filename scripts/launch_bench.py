@@ -3,13 +3,12 @@ one interpreter per rank (``DITMESH_LAUNCH=exec``), timed from outside in one ca
 
 Rows (flux-tiny, 2 steps at 64x64; the model folder made once before any timing):
 
-- ``generate N procs``: ``ditmesh generate --nproc N --ulysses N`` on the CPU for each ``--cpu-ranks``
-  N (gloo; ``CUDA_VISIBLE_DEVICES=`` on a GPU host), and on a CUDA machine ``generate 1 GPU``: ``--nproc 1`` on the GPU; wall seconds from outside and the CPU
-  seconds of every process it started (the rusage of the command's whole tree, as its waits collect it); the
-  pictures of both ways must be byte-identical;
-- ``serve``: ``ditmesh serve --nproc 1`` (the GPU where there is one): seconds from the command to a ready
-  ``/health``, to the first picture, and from a SIGKILL of its rank to the next picture (the replica restarts: a
-  forked rank does not import again).
+- ``generate N procs``: ``ditmesh generate --nproc N --ulysses N`` on the CPU (gloo; ``CUDA_VISIBLE_DEVICES=``
+  on a GPU host) for each ``--cpu-ranks`` N;
+- ``generate 1 GPU`` (on a CUDA machine): ``--nproc 1`` on the GPU.
+
+Each row: the wall seconds from outside and the CPU seconds of every process the command started (the rusage of its
+whole tree, as its waits collect it); the pictures of both ways must be byte-identical.
 
 Each number is the median of ``--repeat`` rounds. Prints a table; ``--out FILE`` writes the rows as JSON, from
 which ``scripts/tables.py`` makes the table in docs/timeline.md::
@@ -25,15 +24,11 @@ import json
 import os
 import platform
 import resource
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,80 +60,10 @@ def timed_generate(way: str, args: list[str], out: str, cpu: bool) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "png": Path(out).read_bytes()}
 
 
-def _get(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _post(url: str, body: dict, timeout: float = 600.0) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            r.read()
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def _started_unix(pid: int) -> float:
-    """When process ``pid`` started (seconds since the epoch; /proc, 10 ms ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as f:
-        uptime = float(f.read().split()[0])
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def timed_serve(way: str, work: str) -> dict:
-    """``serve --nproc 1``: seconds to ready, to the first picture, and from a killed rank to the next picture;
-    where the start went: when the rank's process began (after the command's start), its load and warm-up seconds
-    (``/health``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    t0, t0_unix = time.perf_counter(), time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--model", "flux-tiny", "--nproc", "1",
-                             "--steps", "2", "--height", "64", "--width", "64", "--port", str(port)],
-                            env=_env(way), stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, f"serve-{way}.log"), "w"))
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"launch_bench: serve ({way}) exited {proc.returncode}; see {work}/serve-{way}.log")
-            try:
-                if _get(f"{base}/health", 2)["replicas"][0]["state"] in ("ready", "busy"):
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        ready = time.perf_counter() - t0
-        health = _get(f"{base}/health")["replicas"][0]
-        [pid] = health["pids"]
-        rank_started = _started_unix(pid) - t0_unix
-        assert _post(f"{base}/generate", {"prompt": "a red circle"}) == 200
-        first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        os.kill(pid, signal.SIGKILL)
-        while _post(f"{base}/generate", {"prompt": "after the restart"}) != 200:
-            time.sleep(0.05)
-        restart = time.perf_counter() - t1
-        return {"ready_s": ready, "first_picture_s": first, "restart_to_picture_s": restart,
-                "rank_process_started_s": rank_started, "rank_load_s": health["load_s"][0],
-                "rank_warmup_s": sum(health["warm_s"].values())}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-ranks", default="2", help="comma-separated rank counts of the CPU generate rows")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-serve", action="store_true", help="leave out the serve rows")
-    p.add_argument("--no-generate", action="store_true", help="leave out the generate rows")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import torch
@@ -150,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                    env=_env("exec", cpu=True), check=True, capture_output=True)
     cases = {f"generate {n} procs (CPU, gloo)": (["--nproc", str(n), "--ulysses", str(n)], True)
              for n in (int(x) for x in args.cpu_ranks.split(","))}
-    if args.no_generate:
-        cases = {}
-    elif cuda:
+    if cuda:
         cases["generate 1 GPU"] = (["--nproc", "1"], False)
     samples: dict[str, dict[str, list]] = {}
     pngs: dict[tuple, bytes] = {}
@@ -176,17 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"case": case, "way": way, "wall_s": round(statistics.median(s["wall_s"]), 2),
                          "cpu_s": round(statistics.median(s["cpu_s"]), 2), "same_picture": True,
                          "samples_wall_s": [round(x, 2) for x in s["wall_s"]]})
-    if not args.no_serve:
-        for way in WAYS:
-            got = timed_serve(way, work)
-            rows.append({"case": f"serve 1 rank ({'GPU' if cuda else 'CPU'})", "way": way,
-                         **{k: round(v, 2) for k, v in got.items()}})
-            if args.out:  # the server's own lines ("ready in ...") beside the results
-                log = Path(work) / f"serve-{way}.log"
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                (Path(args.out).parent / log.name).write_text(log.read_text())
-    keys = ("wall_s", "cpu_s", "ready_s", "first_picture_s", "restart_to_picture_s", "rank_process_started_s",
-            "rank_load_s", "rank_warmup_s")
+    keys = ("wall_s", "cpu_s")
     lines = ["| case | ranks started | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for r in rows:
         lines.append(f"| {r['case']} | {r['way']} | " + " | ".join(str(r.get(k, "")) for k in keys) + " |")

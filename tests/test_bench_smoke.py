@@ -144,8 +144,11 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch)
                   "--row-timeout", str(limit), "--out", str(out)], tmp_path, DITMESH_LAUNCH=launch)
     try:
         _, err = proc.communicate(timeout=300)
+        # nothing of the run is left running once it has ended (the rows' zygotes and ranks name its folder)
+        running = subprocess.run(["pgrep", "-f", str(tmp_path / "tmp")], capture_output=True, text=True).stdout
     finally:
         kill_session(proc)
+    assert running == "", running
     assert proc.returncode == 0, err[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["gpus"]) for r in rows] == [("ulysses", 2), ("ring", 2)], rows
@@ -165,7 +168,6 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch)
         assert err.count("most recent call first") >= 4, err[-3000:]
         assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 4, err[-3000:]
     assert leftovers(tmp_path) == []
-    assert subprocess.run(["pgrep", "-f", str(out)], capture_output=True).stdout == b""  # nothing left running
 
 
 def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

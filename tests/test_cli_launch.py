@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -136,11 +137,14 @@ def test_an_import_that_fails_before_the_fork_is_one_line_and_exit_2(tmp_path, f
     assert leftovers(private_tmp) == []
 
 
-# while the one process the ranks are forked from imports, and while the ranks run; the second started as a shell
-# starts a background job (SIGINT ignored, which children inherit): the command takes SIGINT back
-@pytest.mark.parametrize("running, background", [(False, False), (True, True)], ids=["importing", "running-background"])
-def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp, running, background):
-    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", flux_tiny, "--nproc", "4", "--ulysses", "4",
+# while the one process the ranks are forked from imports, and while the ranks run (the second started as a shell
+# starts a background job: SIGINT ignored, which children inherit; the command takes SIGINT back); a SIGTERM to the
+# launcher alone (as `docker stop` or systemd send it); a rank killed by a signal
+@pytest.mark.parametrize("case, running, background, code", [
+    ("ctrl-c", False, False, 130), ("ctrl-c", True, True, 130), ("sigterm", True, False, 143),
+    ("rank-killed", True, False, 2)], ids=["importing", "running-background", "sigterm-to-launcher", "rank-killed"])
+def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tmp, case, running, background, code):
+    cmd = [sys.executable, "-m", "ditmesh", "generate", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2",
            "--steps", "100000", "--out", str(tmp_path / "never.png")]
     ignored = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -148,19 +152,30 @@ def test_ctrl_c_ends_every_rank_quietly_with_130(tmp_path, flux_tiny, private_tm
     try:
         deadline = time.time() + 120
         started = False
-        # the launcher and the importing zygote (2), then the launcher and its 4 forked ranks (5)
+        # the launcher and the importing zygote (2), then the launcher and its 2 forked ranks (3)
         while time.time() < deadline and not started:
             time.sleep(0.05)
-            started = _ranks_running(str(tmp_path / "never.png")) == (5 if running else 2)
+            started = _ranks_running(str(tmp_path / "never.png")) == (3 if running else 2)
         assert started
-        time.sleep(3.0 if running else 0.0)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+        time.sleep(1.0 if running else 0.0)
+        if case == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the foreground group
+        elif case == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            ranks = [int(p) for p in subprocess.run(["pgrep", "-f", str(tmp_path / "never.png")], capture_output=True,
+                                                    text=True).stdout.split() if int(p) != proc.pid]
+            os.kill(max(ranks), signal.SIGKILL)  # the last rank forked
         _, stderr = proc.communicate(timeout=60)
+        orphans = _ranks_running(str(tmp_path / "never.png"))  # before the session is killed below
     finally:  # a run the signal did not end would run its 100000 steps beside every later test
         kill_session(proc)
-    assert proc.returncode == 130
+    assert proc.returncode == code, stderr[-2000:]
     assert "Traceback" not in stderr and len(error_lines(stderr)) <= 1, stderr[-2000:]
-    assert _ranks_running(str(tmp_path / "never.png")) == 0  # no orphan
+    if case == "rank-killed":
+        assert re.search(r"ditmesh: error: rank [01] exited with code -9: killed by SIGKILL \(out of memory, or "
+                         r"killed from outside\); the other ranks were stopped", stderr), stderr[-2000:]
+    assert orphans == 0
     assert leftovers(private_tmp) == []
 
 

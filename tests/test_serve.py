@@ -91,18 +91,16 @@ def _descendants(pid: int) -> list[int]:
 
 def test_sigint_while_starting_stops_the_server_and_its_ranks_also_as_a_background_job():
     # a shell starts a background job with SIGINT ignored, and children inherit that; serve must still stop on it
-    # (and on SIGTERM) while its ranks load, before the HTTP server takes the signals over; the ranks forked by the
-    # fork server (the default), then spawned (DITMESH_LAUNCH=exec)
-    for sig, launch in ((signal.SIGINT, "fork"), (signal.SIGTERM, "exec")):
+    # (and on SIGTERM) while its ranks load, before the HTTP server takes the signals over
+    for sig in (signal.SIGINT, signal.SIGTERM):
         argv = ["serve", "--port", str(free_port()), "--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64",
                 "--width", "64"]
         ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731  (as a shell's background job)
         proc = subprocess.Popen([sys.executable, "-m", "ditmesh", *argv], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=ignored,
-                                env=dict(os.environ, DITMESH_LAUNCH=launch))
+                                stderr=subprocess.DEVNULL, preexec_fn=ignored)
         try:
             deadline = time.time() + 120
-            while len(ranks := _descendants(proc.pid)) < 2:  # the fork server importing (or the spawned ranks)
+            while len(ranks := _descendants(proc.pid)) < 2:  # the launcher's ranks are up
                 assert proc.poll() is None and time.time() < deadline, "the ranks did not start"
                 time.sleep(0.2)
             proc.send_signal(sig)

@@ -413,7 +413,7 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
     assert replica.state == "ready" and replica.served == 1
 
 
-def _stand_in_rank(rank, world, local_rank, port, options, requests, events, cancel, environ=None):
+def _stand_in_rank(rank, world, local_rank, port, options, requests, events, cancel):
     """Stands in for ``serve.worker.rank_main`` (a spawned process that loads nothing): fails loading if told to,
     else reports ready (its local rank as its load seconds, so the test sees each rank's), then rank 0 answers each
     request with its steps and a picture of its prompt."""

@@ -248,9 +248,9 @@ def _cmd_generate(args, argv: list[str]) -> int:
     with phase("checks"):
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
     if args.nproc and "RANK" not in os.environ and args.nnodes == 1 and not args.rdzv_endpoint:
-        # The launcher of a run on this host starts the ranks at once: they import in parallel and run the family's
-        # checks themselves (a refusal is their first error, printed once), so it imports neither torch nor diffusers;
-        # the heads, a JSON file or a table away, are checked before any rank starts
+        # The launcher of a run on this host imports neither torch nor diffusers: the ranks (forked from one process
+        # that imported them) run the family's checks themselves (a refusal is their first error, printed once); the
+        # heads, a JSON file or a table away, are checked before any rank starts
         with phase("checks"):
             generate.validate_heads(options, model)
         return _launch(args, argv)

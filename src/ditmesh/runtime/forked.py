@@ -10,10 +10,11 @@ and starting no process group), then forks the N ranks. Each rank takes its ``RA
 The zygote writes each rank's pid to a pipe as it forks it and then leaves. While it lives, the launcher is a
 *child subreaper* (Linux ``prctl``): the ranks the zygote leaves behind become the launcher's own children, so it
 waits for them, reads their exit codes and signals them as it would processes it started itself
-(:class:`AdoptedRank`). SIGINT and SIGTERM are blocked in the zygote from its first fork until it leaves, so every
+(:class:`AdoptedRank`). SIGINT and SIGTERM are ignored in the zygote from its first fork until it leaves, so every
 rank it forks has its pid written; stopped while it imports, it dies at once and has forked nothing.
 
-A zygote that fails to import writes its error as rank 0's record and exits 2, as a rank would. ``DITMESH_LAUNCH=exec``
+A zygote that fails to import writes its error as rank 0's record and exits 2, as a rank would; one that ends
+after forking some of the ranks but not all is the run's error (:meth:`Zygote.adopt`). ``DITMESH_LAUNCH=exec``
 (or a platform without ``prctl``) starts every rank as its own interpreter instead.
 """
 
@@ -37,25 +38,38 @@ PRELOAD = ("ditmesh", "torch", "torch.distributed", "diffusers", "transformers",
 #: the rank's timeline shows them
 IMPORTS_ENV = "DITMESH_ZYGOTE_IMPORTS"
 
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 
 
-def _subreaper(on: bool) -> bool:
-    """Make this process the child subreaper of its descendants (or stop being one); False where it cannot be."""
+def _subreaper(on: bool) -> bool | None:
+    """Make this process the child subreaper of its descendants (or stop being one). Returns whether it was one
+    before, or None where it cannot be made one."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+        was = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0) != 0:
+            return None
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+            return None
+        return bool(was.value)
     except (OSError, AttributeError):
-        return False
+        return None
 
 
 def wanted() -> bool:
-    """Whether local ranks are forked from a zygote (not ``DITMESH_LAUNCH=exec``, and the platform can adopt them)."""
-    return os.environ.get(LAUNCH_ENV, "fork") != "exec" and sys.platform.startswith("linux")
+    """Whether local ranks are forked from a zygote (``DITMESH_LAUNCH`` unset or ``fork``, and the platform can adopt
+    them); any other value than ``fork`` or ``exec`` is refused."""
+    way = os.environ.get(LAUNCH_ENV, "fork")
+    if way not in ("fork", "exec"):
+        from ..config import ConfigError
+
+        raise ConfigError(f"{LAUNCH_ENV}={way!r}: give fork (the default: ranks forked from one import) or exec "
+                          "(each rank its own interpreter)")
+    return way == "fork" and sys.platform.startswith("linux")
 
 
 class AdoptedRank:
@@ -96,16 +110,19 @@ class AdoptedRank:
 class Zygote:
     """The launcher's side of one zygote: started by :meth:`start`, its ranks taken in by :meth:`adopt`."""
 
-    def __init__(self, process: subprocess.Popen, read_fd: int):
+    def __init__(self, process: subprocess.Popen, read_fd: int, nproc: int, was_subreaper: bool):
         self.process = process
         self.read_fd = read_fd
+        self.nproc = nproc
+        self.was_subreaper = was_subreaper
         self._buffer = b""
 
     @classmethod
     def start(cls, nproc: int, argv: list[str], env: dict, run_dir, preexec_fn) -> Zygote | None:
         """Start the zygote of a run of ``nproc`` ranks (``env``: theirs, without RANK); ``None`` where this process
         cannot adopt its ranks (then the caller starts them itself)."""
-        if not _subreaper(True):
+        was = _subreaper(True)
+        if was is None:
             return None
         read_fd, write_fd = os.pipe()
         spec = json.dumps({"nproc": nproc, "argv": argv, "run_dir": str(run_dir), "fd": write_fd})
@@ -114,16 +131,17 @@ class Zygote:
                                        pass_fds=(write_fd,), preexec_fn=preexec_fn)
         except BaseException:
             os.close(read_fd)
-            _subreaper(False)
+            _subreaper(was)
             raise
         finally:
             os.close(write_fd)
-        return cls(process, read_fd)
+        return cls(process, read_fd, nproc, was)
 
     def _read(self, timeout: float) -> bool:
         """Read what the zygote wrote within ``timeout`` seconds; True at the end of its pipe."""
-        ready, _, _ = select.select([self.read_fd], [], [], max(0.0, timeout))
-        if not ready:
+        poller = select.poll()
+        poller.register(self.read_fd, select.POLLIN)
+        if not poller.poll(max(0.0, timeout) * 1000):
             return False
         chunk = os.read(self.read_fd, 4096)
         self._buffer += chunk
@@ -147,24 +165,38 @@ class Zygote:
             self.close(procs)
             raise
         self.close(procs)
+        started = len(procs) if procs and procs[0] is not self.process else 0
+        if 0 < started < self.nproc:  # it died while forking: the ranks it started wait for peers that never come
+            from .launch import LaunchError
+
+            raise LaunchError(f"the process the ranks are forked from ended (exit code {self.process.returncode}) "
+                              f"after starting {started} of {self.nproc} ranks")
         return True
 
-    def close(self, procs: list) -> None:
-        """Stop the zygote if it still runs (importing: it dies; forking: it forks every rank, then leaves), wait
-        for it, and put the ranks it forked in ``procs``. Once; a later call does nothing."""
+    def close(self, procs: list, grace_s: float = 10.0) -> None:
+        """Stop the zygote if it still runs (importing: it dies; forking: it forks every rank, then leaves; killed
+        after ``grace_s``), wait for it, and put the ranks it forked in ``procs``. Once; a later call does
+        nothing."""
         if self.read_fd is None:
             return
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        self.process.wait()  # gone: its ranks are this process's children now
-        while not self._read(1.0):  # the pipe's end comes with the zygote's (its ranks closed their copies)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        # gone: its ranks are this process's children now; the pipe's end comes with the zygote's (its ranks
+        # closed their copies), or, should something else hold it, the pids written by then are taken
+        deadline = time.monotonic() + grace_s
+        while not self._read(0.1) and time.monotonic() < deadline:
             pass
-        os.close(self.read_fd)
-        self.read_fd = None
-        _subreaper(False)
         pids = self._pids()
         if pids:
             procs[:] = [AdoptedRank(pid) for pid in pids]
+        os.close(self.read_fd)
+        self.read_fd = None
+        _subreaper(self.was_subreaper)
 
 
 # -- in the zygote -----------------------------------------------------------------------------------------------
@@ -177,19 +209,28 @@ def _main(spec: dict) -> None:
     from ..shared import quiet_libraries
     from .launch import run_rank
 
+    write_fd, argv, run_dir = spec["fd"], spec["argv"], spec["run_dir"]
+    os.set_inheritable(write_fd, False)  # a process an import starts must not hold the pipe open
     quiet_libraries()
     started = time.time()
-    os.environ["RANK"] = "0"  # an import that fails is rank 0's error (every rank would have had it)
-    run_rank(_preload)
-    del os.environ["RANK"]
+    try:
+        _preload()
+    except BaseException as exc:  # noqa: BLE001  (every rank would have had it: rank 0's error, reported once)
+        failure = exc
+        os.environ["RANK"] = "0"
+        run_rank(lambda: _raise(failure))
     os.environ[IMPORTS_ENV] = f"{started} {time.time()}"
-    write_fd, argv, run_dir = spec["fd"], spec["argv"], spec["run_dir"]
     sys.stdout.flush()
     sys.stderr.flush()
+    # from the first fork on, a stop must not end this process before every rank it forked has its pid written:
+    # ignored (for every thread: torch's idle one too) and blocked; each rank takes both back
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     forked = []
     import warnings
 
+    filters = warnings.filters[:]
     warnings.filterwarnings("ignore", message=".*use of fork.*", category=DeprecationWarning)  # torch's idle thread
     for rank in range(spec["nproc"]):
         try:
@@ -202,6 +243,7 @@ def _main(spec: dict) -> None:
             run_rank(lambda: _raise(OSError(message)))
         if pid == 0:
             os.close(write_fd)
+            warnings.filters[:] = filters  # the rank's own forks warn as they would
             _rank(rank, argv, run_dir)
         forked.append(pid)
         os.write(write_fd, f"{pid}\n".encode())
@@ -244,6 +286,8 @@ def _rank(rank: int, argv: list[str], run_dir: str) -> None:
     """The body of a forked rank: never returns."""
     code = 1
     try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
         if rank:  # local rank 0 keeps the console (progress bar, result line)
             fd = os.open(os.path.join(run_dir, "logs", f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
@@ -263,8 +307,10 @@ def _rank(rank: int, argv: list[str], run_dir: str) -> None:
 
         runpy.run_module("ditmesh", run_name="__main__", alter_sys=True)  # what `python -m ditmesh ARGV` runs
         code = 0
-    except SystemExit as exc:
+    except SystemExit as exc:  # as the interpreter treats it: a number is the exit code, anything else is printed
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001  (run_rank reports a command's errors; this is what is left)
         import traceback
 

@@ -1,9 +1,9 @@
 """Start the local ranks of a ditmesh command, and report their failures as one line.
 
-``ditmesh generate --nproc N ...`` re-runs itself as ``python -m ditmesh ...`` (without ``--nproc``) in N
+``ditmesh generate --nproc N ...`` runs itself as ``python -m ditmesh ...`` (without ``--nproc``) in N
 processes with RANK/WORLD_SIZE/LOCAL_RANK set, as ``torchrun --nproc-per-node N`` would. A run on one host is
-started by a launcher of our own that imports neither torch nor diffusers: the ranks start at once and import in
-parallel. Rank 0 binds the run's store (:func:`rank_store`: ``127.0.0.1:0``, a port the system picks, so no port is
+started by a launcher of our own that imports neither torch nor diffusers: one process imports them for all ranks
+and forks them (:mod:`.forked`; ``DITMESH_LAUNCH=exec``: each rank is its own interpreter). Rank 0 binds the run's store (:func:`rank_store`: ``127.0.0.1:0``, a port the system picks, so no port is
 chosen first and taken by someone else before it is bound) and writes its port into the run's folder, where the
 other ranks read it; every launch (every ``bench`` row) has a fresh store. A run whose ranks cannot meet at it is
 started once more on a fresh store; ``on_retry`` hears why.
@@ -20,8 +20,8 @@ end of every run.
 
 A failing rank leaves with ``os._exit(2)`` (no destructors: a gloo group torn down mid-collective prints
 nothing), and the launcher prints the earliest record's message. A launched rank keeps the default action of
-SIGINT and SIGTERM (set in ``ditmesh.__main__`` before anything is imported), so Ctrl-C ends it at once even
-inside a blocking collective. ``ditmesh --help`` and argument errors import neither torch nor diffusers
+SIGINT and SIGTERM (set in ``ditmesh.__main__``, and in the zygote before it imports), so Ctrl-C ends it at once
+even inside a blocking collective. ``ditmesh --help`` and argument errors import neither torch nor diffusers
 (``ditmesh/__init__.py`` and the sub-commands' parsers load lazily).
 """
 
@@ -224,6 +224,10 @@ def _launch_local(nproc: int, argv: list[str], endpoint: str, rdzv_timeout: int,
             record = _earliest_record(run_dir)
             if record is not None and record["type"] == StoreUnreachable.__name__:
                 raise RendezvousFailed(record["message"])
+            if record is None and zygote is not None and procs[0] is zygote.process:  # killed (out of memory?)
+                raise LaunchError(f"the process that imports torch and diffusers for the ranks exited with code "
+                                  f"{failures[0]} before it forked them; DITMESH_LAUNCH=exec starts each rank as its "
+                                  "own interpreter")
             raise LaunchError(_first_failure(run_dir, failures, nproc))
     except KeyboardInterrupt as exc:  # a rank still starting ignores SIGINT: the SIGTERM after it ends that one
         _stop(procs, signal.SIGTERM if signalled else signal.SIGINT, grace_s=2.0)
@@ -260,10 +264,13 @@ def _start_ranks(procs: list, logs: list, nproc: int, argv: list[str], env: dict
 
 
 def _rank_signals() -> None:
-    """In a rank between fork and exec: born with SIGINT ignored, so that a Ctrl-C while its interpreter starts is
-    no KeyboardInterrupt traceback (``ditmesh.__main__`` gives it back its default action, the end of the process,
-    first thing), and with the launcher's blocked signals unblocked."""
+    """In a rank (or the zygote) between fork and exec: born with SIGINT ignored, so that a Ctrl-C while its
+    interpreter starts is no KeyboardInterrupt traceback (``ditmesh.__main__`` or the zygote gives it back its
+    default action, the end of the process, first thing), with SIGUSR1 ignored until its stack dump is registered
+    (the launcher's time limit must not kill a process that is still starting), and with the launcher's blocked
+    signals unblocked."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
@@ -433,8 +440,18 @@ def _earliest_record(run_dir: Path) -> dict | None:
 
 
 def _first_failure(run_dir: Path, failures: dict[int, int], nproc: int) -> str:
-    """The line that explains a failed run (``failures``: the exit code of each local rank that failed): the
-    earliest error a rank recorded, else the first failed rank's exit code."""
+    """The line that explains a failed run (``failures``: the exit code of each local rank that failed): a rank
+    killed by a signal (the out-of-memory killer's, say: it records nothing, and the others' errors follow from it),
+    else the earliest error a rank recorded, else the first failed rank's exit code."""
+    killed = sorted(rank for rank, code in failures.items() if code < 0)
+    if killed:
+        rank = killed[0]
+        try:
+            name = signal.Signals(-failures[rank]).name
+        except ValueError:
+            name = f"signal {-failures[rank]}"
+        why = " (out of memory, or killed from outside)" if name == "SIGKILL" else ""
+        return f"rank {rank} exited with code {failures[rank]}: killed by {name}{why}; the other ranks were stopped"
     first = _earliest_record(run_dir)
     if first is not None:
         if first["type"] in USER_ERRORS:

@@ -1,7 +1,7 @@
 """The front end's side of one replica: a group of rank processes (its own process group), started, watched
 and restarted.
 
-The ranks are ``multiprocessing`` children of the front end (forked by its fork server: ``_context``) rather than an elastic agent's: the front
+The ranks are ``multiprocessing`` (spawn) children of the front end rather than an elastic agent's: the front
 end must see each rank's process (alive? its exit code, its pid for ``/health``), kill and restart one group
 while the others serve, and hand requests to rank 0 through a queue. Every (re)start makes fresh queues and a
 fresh rendezvous port, so nothing of a dead group's traffic reaches the new one.
@@ -20,10 +20,8 @@ restarts the group.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import multiprocessing as mp
-import os
 import queue
 import signal
 import time
@@ -57,59 +55,6 @@ class RankState:
     beat: float = field(default_factory=time.time)  # last heartbeat
     step: int = 0  # steps finished of the request in flight
     progress: float = field(default_factory=time.time)  # when the last step (or the request) began
-
-
-def _context():
-    """Where rank processes come from: forked by multiprocessing's fork server, a process that imported torch,
-    diffusers and ditmesh once (:data:`..runtime.forked.PRELOAD`), so a rank, and every restart of one, starts
-    without importing them again; with ``DITMESH_LAUNCH=exec``, or where the platform has no fork server, each is
-    spawned (its own interpreter, importing everything)."""
-    from ..runtime.forked import LAUNCH_ENV, PRELOAD
-
-    if os.environ.get(LAUNCH_ENV) != "exec" and "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))
-        return ctx
-    return mp.get_context("spawn")
-
-
-_STOP_AT_EXIT: list = []
-
-
-def _ensure_fork_server() -> None:
-    """Start the fork server unless it runs. Its environment is this process's as it starts, and its imports must
-    leave the CUDA driver alone (a forked rank could not use it): torch's ``cuda.is_available()`` asks NVML there
-    (each rank gets this process's environment back: ``worker.rank_main``)."""
-    from multiprocessing import forkserver
-
-    from ..runtime.forked import NVML_CHECK_ENV
-
-    given = os.environ.get(NVML_CHECK_ENV)
-    os.environ[NVML_CHECK_ENV] = "1"
-    try:
-        forkserver.ensure_running()
-        if not _STOP_AT_EXIT:
-            atexit.register(_stop_fork_server)
-            _STOP_AT_EXIT.append(True)
-    finally:
-        if given is None:
-            del os.environ[NVML_CHECK_ENV]
-        else:
-            os.environ[NVML_CHECK_ENV] = given
-
-
-def _stop_fork_server() -> None:
-    """At this process's exit (its replicas stopped): kill the fork server, if it still runs. Left alone it would
-    finish its imports before it noticed that the front end is gone. (Killed earlier, the ranks it forked would
-    look dead to multiprocessing, exit code 255, and not be stopped.)"""
-    from multiprocessing import forkserver
-
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)  # CPython's, since 3.4
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 class Replica:
@@ -146,16 +91,8 @@ class Replica:
         self._await_ready()
 
     def prestart(self) -> None:
-        """Start the imports of torch and diffusers for the ranks while the front end runs the checks that need
-        them: the fork server begins its imports (the ranks are forked by :meth:`start`), or, spawned, the rank
-        processes start, import, and wait for :meth:`start` to send the options (or :meth:`close`)."""
-        if _context().get_start_method() == "forkserver":
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # as _launch's ranks
-            try:
-                _ensure_fork_server()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            return
+        """Start the rank processes before the options are final: they import torch and diffusers while the front
+        end runs the checks that need them, then wait for :meth:`start` to send the options (or :meth:`close`)."""
         self._launch(early=True)
         self._early = True
 
@@ -164,7 +101,7 @@ class Replica:
         (``early``: without their options, see :meth:`prestart`)."""
         from .worker import rank_main
 
-        ctx = _context()
+        ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._events = ctx.Queue()
         self._cancel = ctx.Event()
@@ -176,13 +113,11 @@ class Replica:
         # is gone leaves by itself: worker._heartbeat)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
-            if ctx.get_start_method() == "forkserver":
-                _ensure_fork_server()
             for rank in range(self.world):
                 process = ctx.Process(target=rank_main, daemon=True, name=f"ditmesh-serve-r{self.index}-rank{rank}",
                                       args=(rank, self.world, self.index * self.world + rank, port,
                                             None if early else self.options,
-                                            self._requests, self._events, self._cancel, dict(os.environ)))
+                                            self._requests, self._events, self._cancel))
                 process.start()
                 self.ranks.append(RankState(process))
         finally:

@@ -24,9 +24,8 @@ IDLE_TICK_S = 1.0
 
 
 def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict | None, requests, events,
-              cancel, environ: dict | None = None) -> None:
-    """The body of a rank process (a ``multiprocessing`` target). ``environ``: the front end's environment as it
-    starts the rank (a rank forked by the fork server has the server's). ``options`` are the server's ``generate``
+              cancel) -> None:
+    """The body of a rank process (``multiprocessing`` spawn target). ``options`` are the server's ``generate``
     options (``None``: a rank started before the front end's checks ended imports torch and diffusers first and
     then reads them from ``requests``, :meth:`Replica.prestart`); ``requests`` (read by rank 0) carries requests,
     ``events`` carries this rank's reports, ``cancel`` (an Event, read by rank 0) asks to stop the request in
@@ -44,9 +43,6 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict |
     import tqdm
 
     tqdm.tqdm.set_lock(threading.RLock())
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
     if options is None:
