@@ -119,6 +119,15 @@ def test_an_error_inside_the_ranks_is_one_line_and_exit_2(tmp_path, flux_tiny, p
     assert leftovers(private_tmp) == []
 
 
+def test_an_unknown_launch_way_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp):
+    proc = ditmesh("generate", "--model", flux_tiny, "--nproc", "2", "--ulysses", "2", "--steps", "1",
+                   "--out", str(tmp_path / "x.png"), env={"TMPDIR": str(private_tmp), "DITMESH_LAUNCH": "spawn"})
+    assert proc.returncode == 2
+    assert error_lines(proc.stderr) == ["ditmesh: error: DITMESH_LAUNCH='spawn': give fork (the default: ranks forked "
+                                        "from one import) or exec (each rank its own interpreter)"], proc.stderr
+    assert not (tmp_path / "x.png").exists() and leftovers(private_tmp) == []
+
+
 def test_an_import_that_fails_before_the_fork_is_one_line_and_exit_2(tmp_path, flux_tiny, private_tmp):
     """The one process the ranks are forked from cannot import diffusers (a module that shadows it): its error is
     the run's, once, and nothing is left running or written."""
