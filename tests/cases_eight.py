@@ -11,7 +11,8 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
                        attention: str = "default", seed: int = 0):
     """Sequence-parallel attention (``method``: ulysses, ring or usp) with ``comm_dtype="fp8"`` on this rank's chunk,
     against one process that rounds where the method sends (``parallel.eight.FP8_POINTS``) and against exact
-    attention. ``attention="int8-emulated"``: the 8-bit attention after the Ulysses all-to-all, on both sides.
+    attention. ``attention="int8-emulated"`` or ``"fp8-emulated"``: the 8-bit attention after the Ulysses all-to-all,
+    on both sides.
 
     Returns (error against the emulation, error against exact attention, collective counts, bytes sent by kind and
     dtype, the bytes the same exchange sends in float32)."""
@@ -32,8 +33,9 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
     def sdpa(q_, k_, v_, mask=None):
         return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q_, k_, v_))).transpose(1, 2)
 
-    local = sdpa if attention == "default" else EightBitAttention(attention)
     mesh = ParallelMesh.build(ParallelConfig(ring=ring, ulysses=ulysses), torch.device("cpu"))
+    # the fp8 attention reduces its scales over the Ulysses group; one process (below) takes them from everything
+    local = sdpa if attention == "default" else EightBitAttention(attention, group=mesh.group("ulysses"))
     rank = mesh.flat_rank("ring", "ulysses")
     sizes = split_sizes(seq_len, ring * ulysses)
     shards = [_shard(t, sizes, rank) for t in (q, k, v)]
@@ -53,7 +55,8 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
     out, counts, sent = run("fp8")
     _, exact_counts, exact_sent = run("auto")
     assert counts == exact_counts, (counts, exact_counts)
-    emulated = OneProcessAttention(None if attention == "default" else local, points=FP8_POINTS[method])
+    emulated = OneProcessAttention(None if attention == "default" else EightBitAttention(attention),
+                                   points=FP8_POINTS[method])
     ref = _shard(emulated.attention(q, k, v), sizes, rank)
     exact = _shard(sdpa(q, k, v), sizes, rank)
 

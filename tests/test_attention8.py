@@ -95,7 +95,7 @@ def test_exact_steps_at_both_ends_of_the_run(flux_tiny):
 
 
 @pytest.mark.parametrize("config,options,message", [
-    ({}, {"attention": "int4"}, "attention='int4' is not a attention kernel; use one of default, int8, int8-emulated"),
+    ({}, {"attention": "int4"}, "attention='int4' is not a attention kernel; use one of default, fp8, fp8-emulated, int8, int8-emulated"),
     ({}, {"attention": "int8"}, "attention=int8 runs a Triton kernel on CUDA GPUs, and this rank runs on cpu"),
     ({}, {"attention_bf16_steps": 2}, "attention_bf16_steps=2 keeps steps out of 8-bit attention, and the attention is "
                                       "the default one"),

@@ -316,9 +316,11 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
             in, the attention output back) and the ring's K/V chunks travel as float8_e4m3fn with a float32 scale per
             token and head, dequantized on arrival (``comm.fp8_pack``); needs ulysses or ring > 1; not with pp,
             displaced or transport=symm (docs/quantization.md).
-        attention: ``"default"`` (the backend's exact kernels), ``"int8"``: Q and K in int8 per token and head, a
-            Triton kernel (CUDA; ``attention.int8``), or ``"int8-emulated"``: its rounding in float32 math (any device;
-            for tests and quality measurements). On one process or under ulysses alone; no attention masks.
+        attention: ``"default"`` (the backend's exact kernels), ``"fp8"``: Q, K, V and P in float8 with one scale
+            per sample, cuDNN's fused fp8 attention (Hopper or newer; ``attention.fp8``), ``"int8"``: Q and K in int8
+            per token and head, a Triton kernel (CUDA; ``attention.int8``), or ``"fp8-emulated"`` /
+            ``"int8-emulated"``: their rounding in float32 math (any device; for tests and quality measurements). On
+            one process or under ulysses alone; no attention masks.
         attention_bf16_steps: with the 8-bit attention, the first and last this many steps of each run attend exactly
             (default 0); not with CUDA graphs.
     """
@@ -355,7 +357,8 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
     ctx = runtime.context
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
     eight_local = (None if options.attention == "default" else
-                   eight.EightBitAttention(options.attention, options.attention_bf16_steps, ctx, chunks=pieces))
+                   eight.EightBitAttention(options.attention, options.attention_bf16_steps, ctx, chunks=pieces,
+                                           group=mesh.group("ulysses")))
     check = options.check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):

@@ -172,6 +172,12 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _waited(funcol.all_reduce(x, "sum", group))
 
 
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` reduced with MAX over ``group`` (a traceable functional collective, counted as ``all_reduce``)."""
+    _count("all_reduce", x)
+    return _waited(funcol.all_reduce(x, "max", group))
+
+
 def ring_exchange_start(send: list[torch.Tensor], recv: list[torch.Tensor], send_to: int, recv_from: int, group) -> list:
     """Post one ring round: send ``send`` to group rank ``send_to`` and receive ``recv`` from ``recv_from``.
 

@@ -67,10 +67,11 @@ COMPILE_ARTIFACTS = ("off", "load", "save")
 #: with a float32 scale per token and head, ``comm.fp8_pack``; docs/quantization.md)
 COMM_DTYPES = ("auto", "fp8")
 
-#: ``attention``: the attention kernel (``default``: the exact one of the backend; ``int8``: Q and K in int8 per token
-#: and head, the Triton kernel of ``attention.int8``, CUDA; ``int8-emulated``: its rounding in float32 math, any device,
-#: for tests and quality measurements)
-ATTENTION_MODES = ("default", "int8", "int8-emulated")
+#: ``attention``: the attention kernel (``default``: the exact one of the backend; ``fp8``: Q, K, V and P in float8,
+#: cuDNN's fused fp8 attention (``attention.fp8``), Hopper or newer; ``int8``: Q and K in int8 per token and head, the
+#: Triton kernel of ``attention.int8``, CUDA; ``*-emulated``: their rounding in float32 math, any device, for tests
+#: and quality measurements)
+ATTENTION_MODES = ("default", "fp8", "fp8-emulated", "int8", "int8-emulated")
 
 #: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -583,6 +584,22 @@ class RunOptions:
             if importlib.util.find_spec("torchao") is None:
                 raise ConfigError(f"{flag('quant')}{self.quant} on CUDA runs torchao, which is not installed here; "
                                   "pip install 'ditmesh[quant]' (or torchao), or use quant=off")
+        if self.attention == "fp8":
+            if kind != "cuda":
+                raise ConfigError(f"{flag('attention')}fp8 runs cuDNN's fp8 attention on CUDA GPUs, and this rank runs "
+                                  f"on {kind}; use the default attention (fp8-emulated gives its rounding in float32 "
+                                  "math, for measurements)")
+            import importlib.util
+
+            import torch  # a device is given: torch is loaded already
+
+            if torch.cuda.get_device_capability(device) < (9, 0):
+                raise ConfigError(f"{flag('attention')}fp8 runs cuDNN's fp8 attention, which needs compute capability "
+                                  f"9.0+ (Hopper, Blackwell), and this {torch.cuda.get_device_name(device)} lacks it; "
+                                  "use int8 or the default attention")
+            if importlib.util.find_spec("cudnn") is None:
+                raise ConfigError(f"{flag('attention')}fp8 runs cuDNN's fp8 attention through its frontend, which is "
+                                  "not installed here; pip install 'ditmesh[fp8]', or use the default attention")
         if self.attention == "int8":
             if kind != "cuda":
                 raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel on CUDA GPUs, and this rank runs on "

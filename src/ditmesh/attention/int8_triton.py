@@ -16,16 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64
-BLOCK_N = 64
+#: the tile shapes tried once per shape (Triton's autotuner keeps the fastest); 128 x 64 with 8 warps is Hopper's
+_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 4))]
 
 
+@triton.autotune(configs=_CONFIGS, key=["SQ", "SK", "D"])
 @triton.jit
 def _int8_attention_kernel(Q, QS, K, KS, V, O,
                            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                            stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                            stride_qsb, stride_qss, stride_ksb, stride_kss,
-                           H, SQ, SK, sm_scale_log2,
+                           H, SQ, SK,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -37,7 +39,7 @@ def _int8_attention_kernel(Q, QS, K, KS, V, O,
     row_ok = rows < SQ
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qs + dims[None, :],
                 mask=row_ok[:, None], other=0)
-    q_scale = tl.load(QS + b * stride_qsb + h + rows * stride_qss, mask=row_ok, other=0.0) * sm_scale_log2
+    q_scale = tl.load(QS + b * stride_qsb + h + rows * stride_qss, mask=row_ok, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -76,14 +78,16 @@ def attention(q_i8, q_scale, k_i8, k_scale, v, scale: float, dtype: torch.dtype)
     s_k = k_i8.shape[1]
     dim = max(32, 1 << (d - 1).bit_length())  # an int8 tl.dot takes K >= 32 (sm90): smaller heads are zero-padded
     q_i8, k_i8, v = (_padded(t, dim) for t in (q_i8, k_i8, v))
-    q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
+    # the softmax scale (and log2 e) rides on the query scales: a float argument would reach the kernel as fp64
+    # under torch.compile and turn the running maximum into fp64
+    q_scale = (q_scale * (scale * math.log2(math.e))).contiguous()
+    k_scale = k_scale.contiguous()
     out = torch.empty(b, s_q, heads, dim, dtype=dtype, device=q_i8.device)
-    grid = (triton.cdiv(s_q, BLOCK_M), b * heads)
+    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
     _int8_attention_kernel[grid](
         q_i8, q_scale, k_i8, k_scale, v, out,
         q_i8.stride(0), q_i8.stride(1), q_i8.stride(2), k_i8.stride(0), k_i8.stride(1), k_i8.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         q_scale.stride(0), q_scale.stride(1), k_scale.stride(0), k_scale.stride(1),
-        heads, s_q, s_k, scale * math.log2(math.e),
-        D=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        heads, s_q, s_k, D=dim)
     return out[..., :d]

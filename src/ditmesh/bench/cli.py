@@ -88,9 +88,9 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows' sequence-parallel payloads: auto, fp8, or a comma list (auto,fp8: each row "
                         "twice, side by side; fp8 only on rows with ulysses or ring > 1). docs/quantization.md")
     b.add_argument("--attention", default="default", metavar="LIST",
-                   help="ditmesh rows' attention: default (exact), int8 (CUDA), int8-emulated, or a comma list "
-                        "(default,int8: each "
-                        "row twice); int8 on one GPU or under ulysses alone")
+                   help="ditmesh rows' attention: default (exact), fp8 (cuDNN, Hopper+), int8 (CUDA), "
+                        "fp8-emulated, int8-emulated, or a comma list (default,fp8: each row twice); the 8-bit "
+                        "kernels on one GPU or under ulysses alone")
     b.add_argument("--quant", default="off", metavar="LIST",
                    help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
                         ":keep-modulation or :quant-modulation (the AdaLN modulation linears in the model's dtype or "
@@ -102,6 +102,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "
                         "comparing multi-GPU rows only; rows then have no speedup or error columns")
+    b.add_argument("--no-diffusers", action="store_true",
+                   help="skip diffusers' own 1-GPU rows (eager and compiled) and keep ditmesh's 1-GPU row: for a "
+                        "second call that adds ditmesh variants beside rows already measured; rows then have no "
+                        "speedup or error columns")
     b.add_argument("--lora", default=None, metavar="RANK",
                    help="ditmesh rows (and the 1-process row, their reference) are timed three times more in the "
                         "same process: with a synthetic rank-RANK LoRA on every attention projection, loaded after "
@@ -238,6 +242,7 @@ def _settings(args) -> dict:
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
                 ulysses_chunks=args.ulysses_chunks, transport=args.transport, fuse_qkv=args.fuse_qkv,
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
+                diffusers=not args.no_diffusers,
                 lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
                 quant_backend=args.quant_backend, row_timeout=args.row_timeout,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
@@ -295,7 +300,8 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
     plan = []
     if s["single"]:  # diffusers eager (and compiled) on one GPU, then ditmesh on one GPU
-        plan += [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
+        if s.get("diffusers", True):
+            plan += [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
              if g > 1 for m in s["methods"]]

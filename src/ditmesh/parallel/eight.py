@@ -1,10 +1,12 @@
 """8-bit attention in a run, and the one-process emulation of fp8 payloads.
 
-:class:`EightBitAttention` is the local attention of ``attention="int8"`` (the Triton kernel) or ``"int8-emulated"``
-(its rounding in float32 math, ``attention.int8``) with the first and last ``bf16_steps`` steps of each run in exact
-attention (diffusers' dispatcher); the step comes from the call's :class:`~ditmesh.hooks.ForwardContext`, which every
-rank holds alike. Under Ulysses the sequence step runs it after the all-to-all; at sequence degree 1 :func:`apply`
-installs the adapter's processor with a :class:`OneProcessAttention` that calls it.
+:class:`EightBitAttention` is the local attention of ``attention="fp8"`` (cuDNN's fp8 kernel) or ``"fp8-emulated"``
+(``attention.fp8``), ``"int8"`` (the Triton kernel) or ``"int8-emulated"`` (``attention.int8``), with the first and
+last ``bf16_steps`` steps of each run in exact attention (diffusers' dispatcher); the step comes from the call's
+:class:`~ditmesh.hooks.ForwardContext`, which every rank holds alike. Under Ulysses the sequence step runs it after
+the all-to-all, and the fp8 modes reduce their per-sample amaxes over the Ulysses group (``group``), so every rank
+takes one process's scales; at sequence degree 1 :func:`apply` installs the adapter's processor with a
+:class:`OneProcessAttention` that calls it.
 
 :func:`emulate_fp8_comm` is the one-process reference of ``comm_dtype="fp8"``: a :class:`OneProcessAttention` that
 rounds Q, K, V and the output with :func:`~ditmesh.comm.fp8_round` where the parallel layout sends them (Ulysses:
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.int8 import emulated_attention, int8_attention
+import functools
+
+from ..attention import fp8, int8
 from ..attention.local import QueryChunks, in_query_chunks
 from ..comm import fp8_round
 from ..hooks import ForwardContext
@@ -32,12 +36,17 @@ FP8_POINTS = {
 
 
 class EightBitAttention:
-    """``attention`` (``int8`` or ``int8-emulated``) as a local attention ``(q, k, v, mask=None)`` on ``[B, S, H, D]``,
-    exact (diffusers' dispatcher with ``backend``) in the first and last ``bf16_steps`` steps of a run."""
+    """``attention`` (``fp8``, ``int8`` or their ``-emulated`` forms) as a local attention ``(q, k, v, mask=None)`` on
+    ``[B, S, H, D]``, exact (diffusers' dispatcher with ``backend``) in the first and last ``bf16_steps`` steps of a
+    run. ``group``: the Ulysses group the fp8 modes reduce their scales over (None on one process)."""
+
+    KERNELS = {"fp8": fp8.fp8_attention, "fp8-emulated": fp8.emulated_attention, "int8": int8.int8_attention,
+               "int8-emulated": int8.emulated_attention}
 
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
-                 chunks: QueryChunks | None = None):
-        self.kernel = int8_attention if attention == "int8" else emulated_attention
+                 chunks: QueryChunks | None = None, group=None):
+        kernel = self.KERNELS[attention]
+        self.kernel = functools.partial(kernel, group=group) if attention.startswith("fp8") else kernel
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
         self.calls = {"int8": 0, "exact": 0}

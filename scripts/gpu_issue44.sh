@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 44's GPU rows on one GPU (H200), in parts chosen by PARTS (default: all, in this order), each skipped when
+# less than its share of the call is left:
+#   kernels  scripts/attention8_bench.py: the 8-bit attention candidates against cuDNN's exact kernel, FLUX's and
+#            Wan's shapes, CUDA-graph and eager timing, TFLOP/s against the card's measured matmul peaks
+#   flux     `ditmesh bench` FLUX.1-dev 1024², compile + CUDA graphs, one GPU: diffusers eager and compiled, ditmesh
+#            with the default and the fp8 attention (linears in bf16)
+#   old      the diffusers rows and ditmesh's bf16 row on the baseline tree (.old/src): the exact row unchanged?
+#   quant    `ditmesh bench` as flux with fp8 linears (--quant fp8) x {default, fp8} attention (cold fp8 compiles),
+#            without diffusers' rows (--no-diffusers: the flux part measured them)
+#   tests    tests/gpu/test_attention_fp8_gpu.py and tests/gpu/test_attention8_gpu.py (kernels against emulations,
+#            compile and CUDA graphs)
+# Before the call, once: bash scripts/gpu_issue32.sh --prepare COMMIT (the baseline tree in .old; carry .old, .whl).
+# The call:  PARTS=kernels,flux,old,tests bash scripts/gpu_issue44.sh   (writes into $OUT)
+set -u
+OUT=${OUT:-/tmp/issue44}
+mkdir -p "$OUT"
+TOTAL_S=${TOTAL_S:-570}
+PARTS=${PARTS:-kernels,flux,old,quant,tests}
+left() { echo $((TOTAL_S - SECONDS)); }
+want() { [[ ",$PARTS," == *",$1,"* ]] && [ "$(left)" -gt "$2" ]; }
+FLUX="--model flux-dev --height 1024 --width 1024 --methods ulysses --gpus 1 --compile on --steps 3 --warmup 1"
+if want kernels 100; then
+  timeout $(( $(left) - 20 )) bash scripts/gpu.sh python3 scripts/attention8_bench.py --out "$OUT/attention8.json"
+fi
+if want flux 200; then
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --attention default,fp8 \
+    --row-timeout 200 --out "$OUT/flux-attention.json"
+fi
+if want old 100 && [ -d .old/src/ditmesh ]; then
+  OLD=1 timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX \
+    --row-timeout 150 --out "$OUT/flux-old.json" 2>&1 | tail -15
+fi
+if want quant 200; then
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 --attention default,fp8 \
+    --no-diffusers --row-timeout 280 --out "$OUT/flux-quant.json"
+fi
+if want tests 60; then
+  timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider -x \
+    tests/gpu/test_attention_fp8_gpu.py tests/gpu/test_attention8_gpu.py 2>&1 | tail -25
+fi
+echo "issue44: done at ${SECONDS}s"
