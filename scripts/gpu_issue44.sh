@@ -8,6 +8,8 @@
 #   old      the diffusers rows and ditmesh's bf16 row on the baseline tree (.old/src): the exact row unchanged?
 #   quant    `ditmesh bench` as flux with fp8 linears (--quant fp8) x {default, fp8} attention (cold fp8 compiles),
 #            without diffusers' rows (--no-diffusers: the flux part measured them)
+#   wan      `ditmesh bench` Wan2.1-14B architecture 480x832x81, one GPU, compile + CUDA graphs, ditmesh's rows with the
+#            default and the fp8 attention (--no-diffusers)
 #   tests    tests/gpu/test_attention_fp8_gpu.py and tests/gpu/test_attention8_gpu.py (kernels against emulations,
 #            compile and CUDA graphs)
 # Before the call, once: bash scripts/gpu_issue32.sh --prepare COMMIT (the baseline tree in .old; carry .old, .whl).
@@ -16,7 +18,7 @@ set -u
 OUT=${OUT:-/tmp/issue44}
 mkdir -p "$OUT"
 TOTAL_S=${TOTAL_S:-570}
-PARTS=${PARTS:-kernels,flux,old,quant,tests}
+PARTS=${PARTS:-kernels,flux,old,wan,quant,tests}
 left() { echo $((TOTAL_S - SECONDS)); }
 want() { [[ ",$PARTS," == *",$1,"* ]] && [ "$(left)" -gt "$2" ]; }
 FLUX="--model flux-dev --height 1024 --width 1024 --methods ulysses --gpus 1 --compile on --steps 3 --warmup 1"
@@ -30,6 +32,11 @@ fi
 if want old 100 && [ -d .old/src/ditmesh ]; then
   OLD=1 timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX \
     --row-timeout 150 --out "$OUT/flux-old.json" 2>&1 | tail -15
+fi
+if want wan 200; then
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench --model wan2.1-14b --height 480 --width 832 \
+    --frames 81 --methods ulysses --gpus 1 --compile on --steps 2 --warmup 1 --attention default,fp8 --no-diffusers \
+    --row-timeout 240 --out "$OUT/wan-attention.json"
 fi
 if want quant 200; then
   timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 --attention default,fp8 \

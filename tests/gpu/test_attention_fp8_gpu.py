@@ -37,9 +37,10 @@ def test_fp8_kernel_matches_its_emulation(dtype, batch, seq_q, seq_k, heads, dim
     out, lse = fp8_attention_lse(q, k, v)
     ref, ref_lse = emulated_attention_lse(q, k, v)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (batch, heads, seq_q)
-    # the kernel rounds P against its running maximum, the emulation against the final one; output in 16 bits
+    # the kernel rounds P against its running maximum, the emulation against the final one, so a few outputs round
+    # to the neighbouring fp8 value (a wrong scale would be off by O(1))
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    assert err <= 2e-2, err
+    assert err <= 3e-2, err
     assert float((lse - ref_lse).abs().max()) <= 1e-2
 
 

@@ -17,9 +17,9 @@ payloads equals this run where the values before each rounding are the same.
 
 from __future__ import annotations
 
-import torch
-
 import functools
+
+import torch
 
 from ..attention import fp8, int8
 from ..attention.local import QueryChunks, in_query_chunks
@@ -45,7 +45,7 @@ class EightBitAttention:
 
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
                  chunks: QueryChunks | None = None, group=None):
-        kernel = self.KERNELS[attention]
+        kernel, self.attention = self.KERNELS[attention], attention
         self.kernel = functools.partial(kernel, group=group) if attention.startswith("fp8") else kernel
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
@@ -59,11 +59,17 @@ class EightBitAttention:
         total = ctx.run_steps
         return ctx.run_step < self.bf16_steps or (total is not None and ctx.run_step >= total - self.bf16_steps)
 
+    def _count(self, kind: str) -> None:
+        # not while torch.compile traces: a counter on the processor is a static int to dynamo, and each new value
+        # would recompile the block
+        if not torch.compiler.is_compiling():
+            self.calls[kind] += 1
+
     def __call__(self, q, k, v, mask=None):
-        if self.exact_now():
-            self.calls["exact"] += 1
+        if self.exact_now() or (self.attention == "fp8" and k.shape[1] < fp8.MIN_KEYS):
+            self._count("exact")
             return dispatched_attention(q, k, v, mask, self.backend, self.chunks)
-        self.calls["int8"] += 1
+        self._count("int8")
         return in_query_chunks(lambda q, k, v, m: self.kernel(q, k, v, mask=m), q, k, v, mask, self.chunks)
 
 
