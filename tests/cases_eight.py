@@ -7,6 +7,19 @@ import torch
 from cases_ring import _shard
 
 
+def qkv(seed=0, batch=2, seq=70, heads=3, dim=16, offset=3.0):
+    """Random ``q``, ``k``, ``v`` ``[B, S, H, D]``, the keys with a channel offset as real keys carry."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, seq, heads, dim, generator=g) for _ in range(3))
+    return q, k + offset, v
+
+
+def exact_attention(q, k, v):
+    """Softmax attention in float64 on ``[B, S, H, D]``, returned in float32."""
+    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k, v))
+    return (torch.softmax(qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ vh).transpose(1, 2).float()
+
+
 def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, ulysses: int = 1, chunks: int = 1,
                        attention: str = "default", seed: int = 0):
     """Sequence-parallel attention (``method``: ulysses, ring or usp) with ``comm_dtype="fp8"`` on this rank's chunk,

@@ -11,20 +11,9 @@ import pytest
 import torch
 
 from cases import flux_generate
-from cases_eight import fp8_attention_case
+from cases_eight import exact_attention as _exact, fp8_attention_case, qkv as _qkv
 from ditmesh.attention.int8 import emulated_attention, int8_rows, quantize_qk
 from ditmesh.testing import rel_err
-
-
-def _qkv(seed=0, batch=2, seq=70, heads=3, dim=16, offset=3.0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, seq, heads, dim, generator=g) for _ in range(3))
-    return q, k + offset, v
-
-
-def _exact(q, k, v):
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k, v))
-    return (torch.softmax(qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ vh).transpose(1, 2).float()
 
 
 def test_int8_rounding_is_per_token_and_head_and_close_to_exact():
@@ -136,9 +125,12 @@ def test_eval_tiny_eight_sweep_settings_are_read_before_any_work():
     from ditmesh.tiny.evaluate import parse_eight_setting
 
     assert parse_eight_setting("comm=fp8,attention=int8,exact-steps=2") == {"comm": "fp8", "attention": "int8",
-                                                                          "exact_steps": 2}
-    assert parse_eight_setting("attention=int8") == {"comm": "auto", "attention": "int8", "exact_steps": 0}
-    for text, needle in (("comm=fp16", "give comm=fp8, attention=int8 and exact-steps=W"),
+                                                                          "quant": "off", "exact_steps": 2}
+    assert parse_eight_setting("attention=int8") == {"comm": "auto", "attention": "int8", "quant": "off",
+                                                     "exact_steps": 0}
+    assert parse_eight_setting("attention=fp8,quant=fp8") == {"comm": "auto", "attention": "fp8", "quant": "fp8",
+                                                              "exact_steps": 0}
+    for text, needle in (("comm=fp16", "give comm=fp8, attention=int8 or fp8, quant=fp8 and exact-steps=W"),
                          ("exact-steps=2", "exact-steps keeps steps out of 8-bit attention; add attention=int8"),
                          ("", "names no 8-bit mode")):
         with pytest.raises(ConfigError, match=needle):

@@ -10,20 +10,9 @@ import pytest
 import torch
 
 from cases import flux_generate
-from cases_eight import fp8_attention_case
+from cases_eight import exact_attention as _exact, fp8_attention_case, qkv as _qkv
 from ditmesh.attention import fp8
 from ditmesh.testing import rel_err
-
-
-def _qkv(seed=0, batch=2, seq=70, heads=3, dim=16, offset=3.0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, seq, heads, dim, generator=g) for _ in range(3))
-    return q, k + offset, v
-
-
-def _exact(q, k, v):
-    qh, kh, vh = (t.double().transpose(1, 2) for t in (q, k, v))
-    return (torch.softmax(qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ vh).transpose(1, 2).float()
 
 
 def test_fp8_scales_are_powers_of_two_per_sample_and_fit_e4m3():

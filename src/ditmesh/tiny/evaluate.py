@@ -273,8 +273,11 @@ def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], 
     return rows
 
 
-#: what an ``--eight-sweep`` setting may name: comm=fp8, attention=int8, exact-steps=W
-EIGHT_KEYS = {"comm": ("fp8",), "attention": ("int8",)}
+#: what an ``--eight-sweep`` setting may name: comm=fp8, attention=int8 or fp8, quant=fp8 (the block linears),
+#: exact-steps=W
+EIGHT_KEYS = {"comm": ("fp8",), "attention": ("int8", "fp8"), "quant": ("fp8",)}
+#: a setting's parts when it does not name them
+EIGHT_DEFAULT = {"comm": "auto", "attention": "exact", "quant": "off", "exact_steps": 0}
 
 
 def parse_eight_setting(text: str) -> dict:
@@ -282,7 +285,7 @@ def parse_eight_setting(text: str) -> dict:
     part optional; comm auto, attention exact and 0 exact steps by default)."""
     from ..config import ConfigError
 
-    setting = {"comm": "auto", "attention": "exact", "exact_steps": 0}
+    setting = dict(EIGHT_DEFAULT)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key == "exact-steps" and value.isdigit():
@@ -290,10 +293,11 @@ def parse_eight_setting(text: str) -> dict:
         elif value in EIGHT_KEYS.get(key, ()):
             setting[key] = value
         else:
-            raise ConfigError(f"--eight-sweep setting {text!r}: give comm=fp8, attention=int8 and exact-steps=W, joined "
-                              "by commas (e.g. comm=fp8,attention=int8,exact-steps=2)")
-    if setting == {"comm": "auto", "attention": "exact", "exact_steps": 0}:
-        raise ConfigError(f"--eight-sweep setting {text!r} names no 8-bit mode (comm=fp8 or attention=int8)")
+            raise ConfigError(f"--eight-sweep setting {text!r}: give comm=fp8, attention=int8 or fp8, quant=fp8 and "
+                              "exact-steps=W, joined by commas (e.g. comm=fp8,attention=int8,exact-steps=2)")
+    if setting == EIGHT_DEFAULT:
+        raise ConfigError(f"--eight-sweep setting {text!r} names no 8-bit mode (comm=fp8, attention=int8 or fp8, "
+                          "quant=fp8)")
     if setting["exact_steps"] and setting["attention"] == "exact":
         raise ConfigError(f"--eight-sweep setting {text!r}: exact-steps keeps steps out of 8-bit attention; add "
                           "attention=int8")
@@ -315,15 +319,18 @@ def eight_sweep(model_path: str | None, settings: list[dict], captions: list[str
     prompts = [c for c in captions for _ in range(images_per_caption)]
     start = time.time()
     reference = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
-    rows = [{"comm": "auto", "attention": "exact", "exact_steps": steps,
+    rows = [{"comm": "auto", "attention": "exact", "quant": "off", "exact_steps": steps,
              **against_reference(reference, reference, prompts), "seconds": round(time.time() - start, 1)}]
     (on_row or (lambda row: None))(rows[0])
     for setting in settings:
-        attention = "int8-emulated" if setting["attention"] == "int8" else "default"
+        attention = "default" if setting["attention"] == "exact" else f"{setting['attention']}-emulated"
+        quant = setting.get("quant", "off")
         if setting["comm"] == "fp8":
-            emulate_fp8_comm(parallelize(pipe, ParallelConfig()), "ulysses", attention, setting["exact_steps"])
+            emulate_fp8_comm(parallelize(pipe, ParallelConfig(), quant=quant), "ulysses", attention,
+                             setting["exact_steps"])
         else:
-            parallelize(pipe, ParallelConfig(), attention=attention, attention_bf16_steps=setting["exact_steps"])
+            parallelize(pipe, ParallelConfig(), attention=attention, attention_bf16_steps=setting["exact_steps"],
+                        quant=quant)
         start = time.time()
         images = generate(pipe, prompts, steps, seed, batch_size, guidance_scale)
         rows.append({**setting, **against_reference(images, reference, prompts), "seconds": round(time.time() - start, 1)})
