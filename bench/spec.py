@@ -368,12 +368,14 @@ EVAL = [("run", lambda r: r["_file"].rsplit("/", 1)[1][5:-5]), ("images", "n"), 
 
 def eight_mode(r: dict) -> str:
     """An ``eval-tiny --quant-sweep`` / ``--eight-sweep`` row's mode: block linears, payloads, attention."""
-    if "quant" in r:
+    if "comm" not in r:  # a --quant-sweep row
         return "exact (model dtype)" if r["quant"] == "off" else f"`--quant {r['quant']}`"
     parts = [f"comm {r['comm']}"] if r.get("comm", "auto") != "auto" else []
     if r.get("attention", "exact") not in ("exact", "default"):
         steps = r.get("exact_steps") or 0
         parts.append(f"attention {r['attention']}" + (f", first and last {steps} steps exact" if steps else ""))
+    if r.get("quant", "off") != "off":
+        parts.append(f"linears {r['quant']}")
     return ", ".join(parts) or "exact (model dtype)"
 
 
@@ -609,6 +611,8 @@ TABLES = [
     # docs/quantization.md: the 8-bit modes' quality on the tiny trained pipeline (CPU, the rounding emulated)
     dict(name="quant-tiny", doc=QUANTIZATION, files=[f"{CPU_QUALITY}/quant/eval-tiny-quant.json"], columns=EIGHT_QUALITY),
     dict(name="eight-tiny", doc=QUANTIZATION, files=[f"{CPU_QUALITY}/quant/eval-tiny-eight.json"], columns=EIGHT_QUALITY),
+    dict(name="eight-tiny-fp8-attention", doc=QUANTIZATION, files=["2026-12-02_cpu/quant/eval-tiny-fp8-attention.json"],
+         columns=EIGHT_QUALITY),
 ]
 
 #: the tiny pipeline's quality on CPU (``eval-tiny --json``), from suite ``quality``: not in ``TABLES`` while its

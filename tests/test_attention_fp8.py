@@ -134,3 +134,47 @@ def test_fp8_attention_under_ring_is_refused_before_any_import(config):
 
     with pytest.raises(ConfigError, match="--attention fp8 runs on one process or under ulysses alone"):
         RunOptions.create(ParallelConfig(**config), cli=True, attention="fp8")
+
+
+def test_fp8_attends_exactly_below_its_minimum_key_count(monkeypatch):
+    """``attention="fp8"`` calls cuDNN's kernel only from ``fp8.MIN_KEYS`` keys on (measured no faster below); the
+    kernel is replaced here by a stand-in, so the dispatch runs on CPU."""
+    from ditmesh.parallel.eight import EightBitAttention
+
+    seen = []
+    monkeypatch.setitem(EightBitAttention.KERNELS, "fp8", lambda q, k, v, mask=None, group=None: seen.append(
+        k.shape[1]) or torch.zeros_like(q))
+    local = EightBitAttention("fp8")
+    q, k, v = _qkv(seq=40)
+    exact = local(q, k, v)
+    assert seen == [] and local.calls == {"int8": 0, "exact": 1}
+    assert rel_err(exact, _exact(q, k, v)) <= 1e-5
+    monkeypatch.setattr(fp8, "MIN_KEYS", 40)
+    assert torch.equal(local(q, k, v), torch.zeros_like(q)) and seen == [40]
+    assert local.calls == {"int8": 1, "exact": 1}
+
+
+@pytest.mark.parametrize("attention", ["fp8-emulated", "int8-emulated"])
+def test_eight_bit_attention_compiles_once(attention):
+    """Its call counter is not traced: each new count used to be a guard, so every call recompiled the block."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from ditmesh.parallel.eight import EightBitAttention
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.local = EightBitAttention(attention)
+
+        def forward(self, q, k, v):
+            return self.local(q, k, v) * 2
+
+    torch._dynamo.reset()
+    block = Block()
+    compiled = torch.compile(block, backend="eager")
+    q, k, v = _qkv(seq=40)
+    for _ in range(3):
+        out = compiled(q, k, v)
+    assert len(_debug_get_cache_entry_list(Block.forward.__code__)) == 1
+    assert rel_err(out, block(q, k, v)) <= 1e-6

@@ -214,6 +214,13 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
         for p in [predict(c, stats, hw, eight, cal, vae) for c in configs]:
             p.quant = options.quant
             predictions.append(p)
+    if options is not None and options.attention == "fp8":  # one process or ulysses alone (options.validate)
+        rows = dataclasses.replace(workload, attention="fp8")
+        for quant in ["off"] + ([options.quant] if options.quant != "off" else []):
+            eight = dataclasses.replace(rows, quant=quant, quant_modulation=options.quantized_modulation)
+            for p in [predict(c, stats, hw, eight, cal, vae) for c in configs if c.ring == 1 and c.pp == 1]:
+                p.quant, p.attention = quant, "fp8"
+                predictions.append(p)
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms
     return PlanResult(stats, hw, workload, rank(predictions), baseline, vae)

@@ -47,6 +47,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     from ..shared import add_quant_flags
 
     add_quant_flags(p)
+    p.add_argument("--attention", default=None, metavar="KERNEL",
+                   help="also rank the fp8 attention (fp8: cuDNN's kernel, counted faster on calls of 8,192 keys or "
+                        "more, measured; on one GPU or ulysses alone), beside the exact rows")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -81,7 +84,8 @@ def format_table(result, top: int = 20) -> str:
     lines += ["", f"recommended: {result.best.describe()}  "
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1)
               + (" --displaced" if result.best.displaced else "")
-              + (f" --quant {result.best.quant}" if result.best.quant != "off" else ""),
+              + (f" --quant {result.best.quant}" if result.best.quant != "off" else "")
+              + (f" --attention {result.best.attention}" if result.best.attention != "default" else ""),
               f"why: {result.reason()}.",
               largest_line(result),
               "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
@@ -111,7 +115,8 @@ def run_plan(args: argparse.Namespace) -> int:
         options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
                                     vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,
                                     pp_patches=args.pp_patches, quant=args.quant or "off",
-                                    quant_modulation=args.quant_modulation, cli=True)
+                                    quant_modulation=args.quant_modulation, attention=args.attention or "default",
+                                    cli=True)
     except ConfigError as exc:
         print(f"ditmesh plan: error: {exc}", file=sys.stderr)
         return 2

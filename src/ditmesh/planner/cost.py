@@ -44,6 +44,10 @@ class Calibration:
     # ring round: slower per FLOP than the SDPA backend the unsplit and Ulysses attention dispatch to. Fitted
     # to our rows: only usp4 at 2048² is GPU-bound enough to show it (1024² ring rows are launch-bound)
     ring_attention_efficiency: float = 0.40
+    # ``attention="fp8"``: cuDNN's fp8 kernel with its quantization against the exact kernel, measured on one H200
+    # (docs/quantization.md): 38.3-39.6 / 29.9 ms at Wan 480p on one GPU, 9.76 / 7.46 ms on a ulysses-4 rank's heads;
+    # calls with fewer keys than attention.fp8.MIN_KEYS attend exactly
+    fp8_attention_speedup: float = 1.3
     hbm_efficiency: float = 0.85
     fused_traffic: dict = field(default_factory=lambda: {"compiled": 0.20, "eager": 1.0})
     kernel_us: dict = field(default_factory=lambda: {"compiled": 1.5, "eager": 2.0})  # GPU-side cost per kernel
@@ -100,6 +104,8 @@ class Workload:
     #: ``parallelize(quant=..., quant_modulation=...)``: the block linears in 8 bits
     quant: str = "off"
     quant_modulation: bool = True
+    #: ``parallelize(attention=...)``: ``fp8`` counts its self-attention calls of at least ``MIN_KEYS`` keys faster
+    attention: str = "default"
 
     def vae_mode(self, world: int) -> str:
         """The :meth:`VaeDecode.peak` mode of a decode on ``world`` ranks."""
@@ -129,18 +135,22 @@ class Prediction:
     exact_step_ms: float | None = None
     #: the block linears' 8-bit mode (``off``: the model's dtype)
     quant: str = "off"
+    #: the attention kernel (``default``: exact; ``fp8``)
+    attention: str = "default"
 
     def options(self, base=None):
         """The :class:`~ditmesh.options.RunOptions` that runs this prediction: ``base`` (default: the defaults) with
-        its degrees and displaced attention."""
+        its degrees, displaced attention, 8-bit linears and attention."""
         from ..options import RunOptions
 
-        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced, quant=self.quant)
+        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced, quant=self.quant,
+                                              attention=self.attention)
 
     def describe(self) -> str:
         """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
         return (self.config.describe() + (" displaced" if self.displaced else "")
-                + (f" {self.quant}" if self.quant != "off" else ""))
+                + (f" {self.quant}" if self.quant != "off" else "")
+                + (f" attention {self.attention}" if self.attention != "default" else ""))
 
     @property
     def effective_ms(self) -> float:
@@ -149,6 +159,7 @@ class Prediction:
     def as_dict(self) -> dict:
         return {
             "config": self.describe(), "degrees": self.config.as_dict(), "displaced": self.displaced, "quant": self.quant,
+            "attention": self.attention,
             "step_ms": round(self.step_ms, 2), "compute_ms": round(self.compute_ms, 2),
             "comm_ms": round(self.comm_ms, 2), "overhead_ms": round(self.overhead_ms, 2),
             "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},
@@ -263,6 +274,9 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
         return stats.op_count if stage is None else nonblock_ops + sum(o for _, _, o in stage_blocks(stats, stage))
 
     # ---- compute -----------------------------------------------------------------------------------
+    fp8_attention = workload.attention == "fp8"
+    fp8_min_keys = 8192  # attention.fp8.MIN_KEYS (the planner imports no torch-side attention module)
+
     def stage_compute(stage, patches: int = patches) -> float:
         """GPU seconds of the GEMMs, attention and memory-bound traffic of one call over the whole sequence on one
         GPU of ``stage`` (its blocks and every non-block module, which each pp rank runs), cut into ``patches``."""
@@ -289,6 +303,8 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             ringed = att.self_attention and ringed_rounds
             per_kernel = chunk / (config.ring if ringed else 1) / patches
             eff = cal.ring_attention_efficiency if ringed else cal.attention_efficiency
+            if fp8_attention and att.self_attention and att.kv_len >= fp8_min_keys:
+                eff *= cal.fp8_attention_speedup
             attn_s += chunk / (rate * eff * gemm_eff(per_kernel))
         traffic = ((stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples
                    + stats.mem_bytes_fixed)
