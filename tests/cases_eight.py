@@ -21,7 +21,7 @@ def exact_attention(q, k, v):
 
 
 def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, ulysses: int = 1, chunks: int = 1,
-                       attention: str = "default", seed: int = 0):
+                       attention: str = "default", seed: int = 0, big_head: bool = False):
     """Sequence-parallel attention (``method``: ulysses, ring or usp) with ``comm_dtype="fp8"`` on this rank's chunk,
     against one process that rounds where the method sends (``parallel.eight.FP8_POINTS``) and against exact
     attention. ``attention="int8-emulated"`` or ``"fp8-emulated"``: the 8-bit attention after the Ulysses all-to-all,
@@ -42,6 +42,9 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, seq_len, heads, 16, generator=g) for _ in range(3))
     k = k + 2.0  # a channel offset shared by the keys, as real keys carry
+    if big_head:  # head 0 of Q and V 2^10 larger: scales that leave it out round the other heads differently
+        q[:, :, 0] *= 1024.0
+        v[:, :, 0] *= 1024.0
 
     def sdpa(q_, k_, v_, mask=None):
         return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q_, k_, v_))).transpose(1, 2)
@@ -77,3 +80,16 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
         return float((a - b).norm() / b.norm())
 
     return err(out, ref), err(out, exact), counts, sent, exact_sent
+
+
+def fp8_local_scales_case():
+    """:func:`fp8_attention_case` (ulysses 2, the big head) with the fp8 attention's amax reduction taken out: each
+    rank scales by its own heads' amax."""
+    from ditmesh.attention import fp8 as module
+
+    reduce = module.all_reduce_max
+    module.all_reduce_max = lambda x, group: x
+    try:
+        return fp8_attention_case("ulysses", 15, 3, 1, 2, 1, "fp8-emulated", 0, True)
+    finally:
+        module.all_reduce_max = reduce

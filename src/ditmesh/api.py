@@ -358,7 +358,7 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
     pieces = chunk.query_chunks(chunk_tokens, torch.device(device))  # attention's query pieces, shared by the models
     eight_local = (None if options.attention == "default" else
                    eight.EightBitAttention(options.attention, options.attention_bf16_steps, ctx, chunks=pieces,
-                                           group=mesh.group("ulysses")))
+                                           group=eight.scale_group(mesh)))
     check = options.check_consistency and dist.is_initialized() and dist.get_world_size() > 1
 
     def each(step):

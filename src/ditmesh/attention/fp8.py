@@ -9,8 +9,8 @@ The rounding, for ``q``, ``k``, ``v`` ``[B, S, H, D]``:
   longer takes the fp8 range.
 * Each tensor has one scale per sample, a power of two: ``2^ceil(log2(amax / 448))`` with ``amax`` over the sample's
   tokens, heads and channels, so its largest value lands in ``(224, 448]`` (e4m3's largest is 448) and the descale is
-  exact. Under Ulysses a rank holds every token of some heads, so the amax is reduced (MAX) over the Ulysses group
-  (:func:`sample_scales`' ``group``): every rank then takes one process's scales, whichever heads it holds. fp8 is a
+  exact. Under Ulysses and tp a rank holds every token of some heads, so the amax is reduced (MAX) over the ranks of
+  both axes (:func:`sample_scales`' ``group``): every rank then takes one process's scales, whichever heads it holds. fp8 is a
   floating format, so one scale for every head costs little: values 2^14 below the largest still keep three
   mantissa bits.
 * ``S = (q8 k8^T) * sq * sk * softmax_scale`` in float32; ``P = exp(S - rowmax)``, ``l = sum(P)`` in float32;
@@ -90,12 +90,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None):
     return to_fp8(q, scales[0]), to_fp8(ks, scales[1]), to_fp8(v, scales[2]), scales
 
 
-def emulated_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                           mask=None, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp8 rounding in float32 math: ``(out [B, S_q, H, D] in q's dtype, lse [B, H, S_q] float32)``."""
-    _check(q, mask)
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    q8, k8, v8, scales = quantize(q, k, v, group)
+def attend_emulated(q8, k8, v8, scales: torch.Tensor, scale: float, dtype: torch.dtype):
+    """The arithmetic after the rounding, in float32, on quantized ``q8``, ``k8``, ``v8`` ``[B, S, H, D]`` and their
+    ``scales`` ``[3, B]``: ``(out [B, S_q, H, D] in dtype, lse [B, H, S_q] float32)``."""
     sq, sk, sv = (s.view(-1, 1, 1, 1) for s in scales)
     qf, kf, vf = (t.float().transpose(1, 2) for t in (q8, k8, v8))  # [B, H, S, D]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * (sq * sk * scale)
@@ -105,26 +102,51 @@ def emulated_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     p8 = (probs * P_SCALE).to(torch.float8_e4m3fn).float()
     out = (torch.matmul(p8, vf) / P_SCALE / total).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * sv
     lse = (rowmax + torch.log(total)).squeeze(-1)
-    return out.transpose(1, 2).to(q.dtype), lse
+    return out.transpose(1, 2).to(dtype), lse
 
 
-def emulated_attention(q, k, v, scale: float | None = None, mask=None, group=None) -> torch.Tensor:
-    """:func:`emulated_attention_lse`'s output alone."""
-    return emulated_attention_lse(q, k, v, scale, mask, group)[0]
-
-
-def fp8_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                      mask=None, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rounding on cuDNN's fused fp8 attention (CUDA, compute capability 9.0+, ``ditmesh[fp8]``):
-    ``(out [B, S_q, H, D] in q's dtype, lse [B, H, S_q] float32)``."""
-    _check(q, mask)
+def attend_cudnn(q8, k8, v8, scales: torch.Tensor, scale: float, dtype: torch.dtype):
+    """:func:`attend_emulated`'s arithmetic on cuDNN's fused fp8 attention (CUDA, compute capability 9.0+,
+    ``ditmesh[fp8]``)."""
     from .fp8_cudnn import attention as kernel
 
+    return kernel(q8, k8, v8, scales, scale, dtype)
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, mask=None,
+                  group=None, emulated: bool = True, pieces=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q``, ``k``, ``v`` ``[B, S, H, D]`` with the fp8 rounding (module docstring):
+    ``(out [B, S_q, H, D] in q's dtype, lse [B, H, S_q] float32)``, in float32 math (``emulated``) or on cuDNN's
+    kernel. The inputs are quantized once (one all-reduce over ``group``), then ``pieces``
+    (``attention.local.QueryChunks``, or None) cuts the attention of the quantized queries.
+
+    The log-sum-exp is that of the scores against the *smoothed* keys: the true one differs by ``scale * q . mean(k)``
+    per query, the same for every key chunk; a merge of partial results over key chunks must smooth them with one
+    mean (none does today: ring and USP are refused)."""
+    from .local import in_query_chunks
+
+    _check(q, mask)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     q8, k8, v8, scales = quantize(q, k, v, group)
-    return kernel(q8, k8, v8, scales, scale, q.dtype)
+    attend = attend_emulated if emulated else attend_cudnn
+    return in_query_chunks(lambda qp, kp, vp, m: attend(qp, kp, vp, scales, scale, q.dtype), q8, k8, v8, None, pieces)
 
 
-def fp8_attention(q, k, v, scale: float | None = None, mask=None, group=None) -> torch.Tensor:
+def emulated_attention_lse(q, k, v, scale: float | None = None, mask=None, group=None):
+    """The fp8 rounding in float32 math: :func:`attention_lse` with ``emulated=True``."""
+    return attention_lse(q, k, v, scale, mask, group, emulated=True)
+
+
+def emulated_attention(q, k, v, scale: float | None = None, mask=None, group=None, pieces=None) -> torch.Tensor:
+    """:func:`emulated_attention_lse`'s output alone."""
+    return attention_lse(q, k, v, scale, mask, group, emulated=True, pieces=pieces)[0]
+
+
+def fp8_attention_lse(q, k, v, scale: float | None = None, mask=None, group=None):
+    """The same rounding on cuDNN's fused fp8 attention: :func:`attention_lse` with ``emulated=False``."""
+    return attention_lse(q, k, v, scale, mask, group, emulated=False)
+
+
+def fp8_attention(q, k, v, scale: float | None = None, mask=None, group=None, pieces=None) -> torch.Tensor:
     """:func:`fp8_attention_lse`'s output alone."""
-    return fp8_attention_lse(q, k, v, scale, mask, group)[0]
+    return attention_lse(q, k, v, scale, mask, group, emulated=False, pieces=pieces)[0]

@@ -4,8 +4,8 @@
 (``attention.fp8``), ``"int8"`` (the Triton kernel) or ``"int8-emulated"`` (``attention.int8``), with the first and
 last ``bf16_steps`` steps of each run in exact attention (diffusers' dispatcher); the step comes from the call's
 :class:`~ditmesh.hooks.ForwardContext`, which every rank holds alike. Under Ulysses the sequence step runs it after
-the all-to-all, and the fp8 modes reduce their per-sample amaxes over the Ulysses group (``group``), so every rank
-takes one process's scales; at sequence degree 1 :func:`apply` installs the adapter's processor with a
+the all-to-all, and the fp8 modes reduce their per-sample amaxes over the Ulysses and tp axes (``group``,
+:func:`scale_group`), so every rank takes one process's scales; at sequence degree 1 :func:`apply` installs the adapter's processor with a
 :class:`OneProcessAttention` that calls it.
 
 :func:`emulate_fp8_comm` is the one-process reference of ``comm_dtype="fp8"``: a :class:`OneProcessAttention` that
@@ -16,8 +16,6 @@ payloads equals this run where the values before each rounding are the same.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -38,18 +36,20 @@ FP8_POINTS = {
 class EightBitAttention:
     """``attention`` (``fp8``, ``int8`` or their ``-emulated`` forms) as a local attention ``(q, k, v, mask=None)`` on
     ``[B, S, H, D]``, exact (diffusers' dispatcher with ``backend``) in the first and last ``bf16_steps`` steps of a
-    run. ``group``: the Ulysses group the fp8 modes reduce their scales over (None on one process)."""
+    run. ``group``: the process group (or its name) the fp8 modes reduce their scales over, every rank that holds
+    heads of the same tokens (Ulysses and tp; None on one process). The fp8 modes quantize once per call and cut
+    only the attention of the quantized queries into ``chunks``' pieces, so every rank makes one all-reduce per
+    call whatever its pieces."""
 
     KERNELS = {"fp8": fp8.fp8_attention, "fp8-emulated": fp8.emulated_attention, "int8": int8.int8_attention,
                "int8-emulated": int8.emulated_attention}
 
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
                  chunks: QueryChunks | None = None, group=None):
-        kernel, self.attention = self.KERNELS[attention], attention
-        self.kernel = functools.partial(kernel, group=group) if attention.startswith("fp8") else kernel
+        self.attention, self.group = attention, group
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
-        self.calls = {"int8": 0, "exact": 0}
+        self.calls = {"8-bit": 0, "exact": 0}
 
     def exact_now(self) -> bool:
         """Whether this call is in the first or last ``bf16_steps`` steps of the run."""
@@ -69,8 +69,11 @@ class EightBitAttention:
         if self.exact_now() or (self.attention == "fp8" and k.shape[1] < fp8.MIN_KEYS):
             self._count("exact")
             return dispatched_attention(q, k, v, mask, self.backend, self.chunks)
-        self._count("int8")
-        return in_query_chunks(lambda q, k, v, m: self.kernel(q, k, v, mask=m), q, k, v, mask, self.chunks)
+        self._count("8-bit")
+        kernel = self.KERNELS[self.attention]
+        if self.attention.startswith("fp8"):
+            return kernel(q, k, v, mask=mask, group=self.group, pieces=self.chunks)
+        return in_query_chunks(lambda q, k, v, m: kernel(q, k, v, mask=m), q, k, v, mask, self.chunks)
 
 
 class OneProcessAttention:
@@ -96,6 +99,16 @@ class OneProcessAttention:
             self.local.backend = backend
             out = self.local(query, key, value, mask)
         return self._round(out, "out")
+
+
+def scale_group(mesh) -> str | None:
+    """The name of the group the fp8 attention reduces its amaxes over: every rank holding heads of the same tokens
+    (the Ulysses and tp axes; ring and pp do not take it); None when that is this rank alone. Creating a group that
+    spans both axes is a collective: every rank calls this, in the same order (``parallelize``)."""
+    from ..comm import group_name
+
+    group = mesh.group_of("ulysses", "tp")
+    return None if group is None else group_name(group)
 
 
 def apply(model: torch.nn.Module, adapter, runtime: OneProcessAttention) -> list:

@@ -300,7 +300,7 @@ def parse_eight_setting(text: str) -> dict:
                           "quant=fp8)")
     if setting["exact_steps"] and setting["attention"] == "exact":
         raise ConfigError(f"--eight-sweep setting {text!r}: exact-steps keeps steps out of 8-bit attention; add "
-                          "attention=int8")
+                          "attention=int8 or attention=fp8")
     return setting
 
 
