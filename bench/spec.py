@@ -40,7 +40,7 @@ def who(r: dict) -> str:
     m = r.get("method", "")
     if m == "single":
         return "ditmesh" if r.get("graph") else "diffusers"
-    return {"diffusers": "diffusers", "xdit": "xDiT"}.get(m.split("-")[0], "ditmesh")
+    return {"diffusers": "diffusers", "xdit": "xDiT", "torchao": "diffusers + torchao"}.get(m.split("-")[0], "ditmesh")
 
 
 def layout(r: dict) -> str:

@@ -3,8 +3,8 @@
 # less than its share of the call is left:
 #   kernels  scripts/attention8_bench.py: the 8-bit attention candidates against cuDNN's exact kernel, FLUX's and
 #            Wan's shapes, CUDA-graph and eager timing, TFLOP/s against the card's measured matmul peaks
-#   flux     `ditmesh bench` FLUX.1-dev 1024², compile + CUDA graphs, one GPU: diffusers eager and compiled, ditmesh
-#            with the default and the fp8 attention (linears in bf16)
+#   flux     `ditmesh bench` FLUX.1-dev 1024², compile + CUDA graphs, one GPU: diffusers eager and compiled, the
+#            torchao fp8 recipe on diffusers (peer row torchao-fp8), ditmesh with the default and the fp8 attention
 #   old      the diffusers rows and ditmesh's bf16 row on the baseline tree (.old/src): the exact row unchanged?
 #   quant    `ditmesh bench` as flux with fp8 linears (--quant fp8) x {default, fp8} attention (cold fp8 compiles),
 #            without diffusers' rows (--no-diffusers: the flux part measured them)
@@ -21,12 +21,12 @@ TOTAL_S=${TOTAL_S:-570}
 PARTS=${PARTS:-kernels,flux,old,wan,quant,tests}
 left() { echo $((TOTAL_S - SECONDS)); }
 want() { [[ ",$PARTS," == *",$1,"* ]] && [ "$(left)" -gt "$2" ]; }
-FLUX="--model flux-dev --height 1024 --width 1024 --methods ulysses --gpus 1 --compile on --steps 3 --warmup 1"
+FLUX="--model flux-dev --height 1024 --width 1024 --gpus 1 --compile on --steps 3 --warmup 1"
 if want kernels 100; then
   timeout $(( $(left) - 20 )) bash scripts/gpu.sh python3 scripts/attention8_bench.py --out "$OUT/attention8.json"
 fi
 if want flux 200; then
-  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --attention default,fp8 \
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --methods torchao-fp8 --attention default,fp8 \
     --row-timeout 200 --out "$OUT/flux-attention.json"
 fi
 if want old 100 && [ -d .old/src/ditmesh ]; then
@@ -40,7 +40,7 @@ if want wan 200; then
 fi
 if want quant 200; then
   timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 --attention default,fp8 \
-    --no-diffusers --row-timeout 280 --out "$OUT/flux-quant.json"
+    --methods ulysses --no-diffusers --row-timeout 280 --out "$OUT/flux-quant.json"
 fi
 if want tests 60; then
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider -x \

@@ -47,6 +47,10 @@ GRAPH_WARMUP = {"displaced": 5}
 #: peers, each measured with our ulysses/ring/usp degrees as ``<peer>-<method>``
 PEERS = ("diffusers", "xdit")
 METHODS.update({f"{peer}-{m}": METHODS[m] for peer in PEERS for m in ("ulysses", "ring", "usp")})
+#: one-GPU peers: diffusers with torchao's fp8 linears (every linear of the transformer, dynamic per-row activation
+#: and weight scales: the flux-fast recipe without FA3), its blocks compiled as ours are (``peers.enable_torchao_fp8``)
+SINGLE_PEERS = ("torchao-fp8",)
+METHODS.update({m: METHODS["single"] for m in SINGLE_PEERS})
 
 #: what a GPU run measures when ``--methods`` is not given: ours and both peers, side by side
 GPU_METHODS = "ulysses,diffusers-ulysses,xdit-ulysses"
@@ -297,14 +301,15 @@ def _measure(s: dict, tmp: Path) -> list[dict]:
     tmp.mkdir()
     interrupted = None
     compiled = {"off": [False], "on": [True], "both": [False, True]}[s["compile"]]
-    peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS))  # noqa: E731
+    peer = lambda m: m.startswith(tuple(f"{p}-" for p in PEERS)) or m in SINGLE_PEERS  # noqa: E731
     plan = []
     if s["single"]:  # diffusers eager (and compiled) on one GPU, then ditmesh on one GPU
         if s.get("diffusers", True):
             plan += [("single", 1, False, False)] + [("single", 1, True, False)] * (True in compiled)
         plan += [("single", 1, c, True) for c in compiled if s["cuda_graph"]]
+    plan += [(m, 1, c, False) for m in s["methods"] if m in SINGLE_PEERS for c in compiled]  # one GPU whatever --gpus
     plan += [(m, g, c, s["cuda_graph"] and not peer(m)) for c in compiled for g in s["gpus"]
-             if g > 1 for m in s["methods"]]
+             if g > 1 for m in s["methods"] if m not in SINGLE_PEERS]
     retried: dict[tuple, str] = {}
     variants = [(c, a, q) for q in s.get("quants", ["off"]) for c in s.get("comm_dtypes", ["auto"])
                 for a in s.get("attentions", ["default"])]

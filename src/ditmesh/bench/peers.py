@@ -19,6 +19,16 @@ def enable_diffusers(model, method: str, degrees: dict) -> None:
                                                           ring_degree=degrees.get("ring", 1) or None))
 
 
+def enable_torchao_fp8(model) -> None:
+    """diffusers with torchao's fp8 recipe, as flux-fast applies it (without its FA3 attention): every ``nn.Linear``
+    of the transformer in fp8 with dynamic per-row scales of activations and weights
+    (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``). The worker then compiles the blocks as it
+    compiles every peer's (regional compile). torchao is imported here only: without it the row records the error."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+
+
 def enable_xdit(model, config: dict, spec: dict, text_len: int):
     """xDiT (xfuser 0.7) as a peer, driven as in shared/ANCHORS.md: its FLUX wrapper on our weights.
 

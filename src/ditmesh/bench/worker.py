@@ -165,6 +165,10 @@ def run_worker(spec: dict) -> None:
             from .peers import enable_diffusers
 
             enable_diffusers(model, spec["method"], spec["degrees"])
+        elif spec["method"] == "torchao-fp8":
+            from .peers import enable_torchao_fp8
+
+            enable_torchao_fp8(model)
         elif spec["method"].startswith("xdit-"):
             from .peers import enable_xdit
 
