@@ -111,16 +111,19 @@ def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | 
     return kwargs
 
 
-def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None):
+def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None):
     """One call of the synthetic ``arch`` transformer (seed 0) on ``inputs`` under ``config`` on this rank (``{}``:
     one process, not parallelized); ``model_config``: entries written into its config first (what a pipeline sets
-    before its calls, e.g. SkyReels-V2's ``num_frame_per_block``). Returns (output sample, collectives of the call)."""
+    before its calls, e.g. SkyReels-V2's ``num_frame_per_block``); ``prepare``: a module-level function called on the
+    model before it is parallelized (a test's hook). Returns (output sample, collectives of the call)."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
     from ditmesh.synth import build_transformer
 
     model = build_transformer(arch, seed=0, dtype=torch.float32)
     model.register_to_config(**(model_config or {}))
+    if prepare is not None:
+        prepare(model)
     if config:
         class Pipe:  # parallelize() needs only `.transformer`
             transformer = model

@@ -613,6 +613,8 @@ class RunOptions:
             pipefusion_refusal(adapter)
         if self.displaced:
             displaced_refusal(adapter)
+        if self.cache.on and adapter.cache_refusal:
+            raise ConfigError(f"step caches do not run {adapter.name}: {adapter.cache_refusal}; run without a cache")
 
 
 def pipefusion_refusal(adapter) -> None:

@@ -210,6 +210,18 @@ class BlockList:
     packed: tuple[str, ...] = ()
 
 
+def token_range(runtime, stream: str, local: int) -> tuple[int, int]:
+    """``(first, total)``: the global index of this rank's first token of ``stream`` and the stream's global length,
+    for a processor that needs its tokens' positions (Wan Animate's per-frame face attention). ``runtime`` is what the
+    processor calls ``attention`` on: the sequence-parallel runtime (or a runtime holding it as ``sp``), whose split of
+    ``stream`` in this call gives both; any other (chunked attention at degree 1) holds every token, ``local`` of them."""
+    sp = getattr(runtime, "sp", runtime)
+    sizes = getattr(getattr(sp, "ctx", None), "stream_sizes", {}).get(stream)
+    if sizes is None:
+        return 0, local
+    return sum(sizes[: sp.rank]), sum(sizes)
+
+
 def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
     """The modulated input of a block whose ``norm1`` is an AdaLN-Zero layer returning the modulated stream first
     (FLUX's and SD3's joint blocks)."""
@@ -426,11 +438,17 @@ class ModelAdapter:
     graph_refusal: str | None = None
     #: why PipeFusion cannot run the family's calls (one line), or None: it runs wherever its block lists allow
     pp_refusal: str | None = None
+    #: why the step caches cannot skip the family's blocks (one line), or None: they run wherever it declares block
+    #: lists (Wan VACE adds its control hints between blocks, outside them: a skipped span would add them twice)
+    cache_refusal: str | None = None
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None
     #: its VAE decodes only with diffusers' tiling on (Allegro's raises otherwise): ``generate`` turns it on
     vae_tiled_only: bool = False
+    #: () -> None, called once its pipeline is loaded for ``generate``: makes up for what the diffusers pipeline expects
+    #: of the environment (WanVACEPipeline cleans prompts with ``ftfy`` whether or not it is installed); None: nothing
+    pipeline_setup: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming

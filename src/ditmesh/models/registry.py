@@ -35,6 +35,9 @@ CLASSES: dict[str, str] = {
     'SD3Transformer2DModel': 'sd3',
     'SkyReelsV2Transformer3DModel': 'skyreels_v2',
     'ZImageTransformer2DModel': 'zimage',
+    'ChronoEditTransformer3DModel': 'wan_variants',
+    'WanVACETransformer3DModel': 'wan_variants',
+    'WanAnimateTransformer3DModel': 'wan_variants',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -155,6 +158,21 @@ SYNTH: dict[str, tuple[str, str]] = {
                                "(diffusers' own test size, 48 wide)"),
     'z-image': ('zimage', 'Z-Image-Turbo-shaped transformer (30 layers + 2 + 2 refiners, 30 heads x 128, 6.2B '
                           "params), FLUX.1's VAE, a two-layer Qwen3 text encoder of Qwen3-4B's width"),
+    'chronoedit-14b': ('wan_variants', "ChronoEdit-14B transformer (Wan2.1-I2V-14B's: 40 blocks, 40 heads x 128, 36 "
+                                       'channels in, CLIP image tokens), full Wan VAE, small UMT5, a one-layer CLIP '
+                                       'vision encoder'),
+    'chronoedit-tiny': ('wan_variants', "ChronoEdit shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
+                                        "x 8) reading 36 channels and a tiny CLIP vision encoder's tokens, tiny Wan "
+                                        'VAE'),
+    'wan2.1-vace-14b': ('wan_variants', 'Wan2.1-VACE-14B transformer (40 blocks and 8 VACE blocks, 40 heads x 128), '
+                                        'full Wan VAE, small UMT5'),
+    'wan-vace-tiny': ('wan_variants', "Wan VACE shrunk for CPU tests: diffusers' test config (4 blocks, VACE blocks "
+                                      'at 0 and 2, 2 heads x 12) with 96 control channels, tiny Wan VAE'),
+    'wan2.2-animate-14b': ('wan_variants', 'Wan2.2-Animate-14B transformer (40 blocks, 40 heads x 128, a face '
+                                           'adapter every 5 blocks, motion and face encoders), full Wan VAE, small '
+                                           'UMT5, a one-layer CLIP vision encoder'),
+    'wan-animate-tiny': ('wan_variants', "Wan Animate shrunk for CPU tests: diffusers' test config (2 blocks, 2 "
+                                         'heads x 12, one face adapter, a 16-pixel motion encoder), tiny Wan VAE'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -214,6 +232,12 @@ HEADS: dict[str, int] = {
     'skyreels-v2-tiny': 6,
     'skyreels-v2-i2v-tiny': 6,
     'skyreels-v2-tiny-fps': 6,
+    'chronoedit-14b': 40,
+    'chronoedit-tiny': 2,
+    'wan2.1-vace-14b': 40,
+    'wan-vace-tiny': 2,
+    'wan2.2-animate-14b': 40,
+    'wan-animate-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

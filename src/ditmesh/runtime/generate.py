@@ -446,8 +446,11 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
                                      for name in names})
     else:
         pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype))
-    if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
+    adapter = adapter_for(pipe.transformer)
+    if adapter.vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
+    if adapter.pipeline_setup is not None:  # what its pipeline expects of the environment (WanVACEPipeline's ftfy)
+        adapter.pipeline_setup()
     join()
     with phase("parallelize"):
         runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
