@@ -38,6 +38,7 @@ CLASSES: dict[str, str] = {
     'ChronoEditTransformer3DModel': 'wan_variants',
     'WanVACETransformer3DModel': 'wan_variants',
     'WanAnimateTransformer3DModel': 'wan_variants',
+    'HunyuanVideo15Transformer3DModel': 'hunyuan_variants',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -173,6 +174,12 @@ SYNTH: dict[str, tuple[str, str]] = {
                                            'UMT5, a one-layer CLIP vision encoder'),
     'wan-animate-tiny': ('wan_variants', "Wan Animate shrunk for CPU tests: diffusers' test config (2 blocks, 2 "
                                          'heads x 12, one face adapter, a 16-pixel motion encoder), tiny Wan VAE'),
+    'hunyuan-video-1.5': ('hunyuan_variants', 'HunyuanVideo 1.5 (8.3B) transformer (54 dual-stream blocks, 16 heads '
+                                              'x 128, 2 refiner blocks; Qwen prompt, ByT5 glyph and SigLIP image '
+                                              'tokens in the text stream)'),
+    'hunyuan-video-1.5-tiny': ('hunyuan_variants', "HunyuanVideo 1.5 shrunk for CPU tests: diffusers' test config (2 "
+                                                   'blocks, 1 refiner block, 2 heads x 8, patch 1) reading 9 '
+                                                   'channels, a tiny 16x VAE, Qwen2.5-VL text model and ByT5'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -238,6 +245,8 @@ HEADS: dict[str, int] = {
     'wan-vace-tiny': 2,
     'wan2.2-animate-14b': 40,
     'wan-animate-tiny': 2,
+    'hunyuan-video-1.5': 16,
+    'hunyuan-video-1.5-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
