@@ -111,11 +111,13 @@ def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | 
     return kwargs
 
 
-def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None):
+def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None,
+                     outputs: int = 1):
     """One call of the synthetic ``arch`` transformer (seed 0) on ``inputs`` under ``config`` on this rank (``{}``:
     one process, not parallelized); ``model_config``: entries written into its config first (what a pipeline sets
     before its calls, e.g. SkyReels-V2's ``num_frame_per_block``); ``prepare``: a module-level function called on the
-    model before it is parallelized (a test's hook). Returns (output sample, collectives of the call)."""
+    model before it is parallelized (a test's hook). Returns (output sample, collectives of the call); with
+    ``outputs`` > 1, the first ``outputs`` outputs as a tuple in place of the sample (LTX-2's video and audio)."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
     from ditmesh.synth import build_transformer
@@ -130,8 +132,8 @@ def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict |
 
         parallelize(Pipe, ParallelConfig(**config))
     with torch.no_grad(), count_collectives() as counts:
-        out = model(**inputs)[0]
-    return out, dict(counts)
+        out = model(**inputs)
+    return (out[0] if outputs == 1 else tuple(out[:outputs])), dict(counts)
 
 
 def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, width: int, max_sequence_length: int,

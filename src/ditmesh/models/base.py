@@ -441,6 +441,9 @@ class ModelAdapter:
     #: why the step caches cannot skip the family's blocks (one line), or None: they run wherever it declares block
     #: lists (Wan VACE adds its control hints between blocks, outside them: a skipped span would add them twice)
     cache_refusal: str | None = None
+    #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
+    #: the batch hook gathers the first output only)
+    batch_refusal: str | None = None
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None

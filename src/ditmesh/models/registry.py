@@ -39,6 +39,7 @@ CLASSES: dict[str, str] = {
     'WanVACETransformer3DModel': 'wan_variants',
     'WanAnimateTransformer3DModel': 'wan_variants',
     'HunyuanVideo15Transformer3DModel': 'hunyuan_variants',
+    'LTX2VideoTransformer3DModel': 'ltx2',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -180,6 +181,11 @@ SYNTH: dict[str, tuple[str, str]] = {
     'hunyuan-video-1.5-tiny': ('hunyuan_variants', "HunyuanVideo 1.5 shrunk for CPU tests: diffusers' test config (2 "
                                                    'blocks, 1 refiner block, 2 heads x 8, patch 1) reading 9 '
                                                    'channels, a tiny 16x VAE, Qwen2.5-VL text model and ByT5'),
+    'ltx-2': ('ltx2', 'LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B '
+                      "params); the transformer alone (the pipeline's Gemma-3 encoder, connectors, audio VAE and "
+                      'vocoder are not synthesized)'),
+    'ltx-2-tiny': ('ltx2', "LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 "
+                           'heads x 4); the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -247,6 +253,8 @@ HEADS: dict[str, int] = {
     'wan-animate-tiny': 2,
     'hunyuan-video-1.5': 16,
     'hunyuan-video-1.5-tiny': 2,
+    'ltx-2': 32,
+    'ltx-2-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from ..attention.local import QueryChunks, score_mask
-from ..attention.ring import ring_attention
+from ..attention.local import QueryChunks, attention_with_lse, score_mask
+from ..attention.ring import merge_partial, ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import ring_chunk_sizes, usp_attention
 from ..comm import all_gather_uneven, all_reduce_sum, group_name, offsets, split_sizes
@@ -136,6 +136,21 @@ class SequenceParallel:
         return usp_attention(query, key, value, seq_sizes, self.ulysses_degree, self.ring_rank, self.ulysses_rank,
                              self.ring_group_name, self.ulysses_group_name, mask=mask, chunks=self.query_chunks,
                              comm_dtype=self.comm_dtype)
+
+    def whole_query_attention(self, query, key, value):
+        """Queries every sp rank holds whole (``[B, S_q, H, D]``: LTX-2's audio) against keys and values split over the
+        sp ranks (this rank's part of a stream: the video), all heads. Each rank attends to its own keys, keeping the
+        log-sum-exp; one all-gather of every rank's partial output and log-sum-exp (packed as one tensor), merged in
+        rank order. Cross-rank rule: every rank merges the same pieces in the same order, so every rank ends with the
+        same result, bit for bit. Exact up to the merge's rounding (as ring attention)."""
+        out, lse = attention_with_lse(query, key, value)
+        packed = torch.cat([out.float(), lse.transpose(1, 2).unsqueeze(-1)], dim=-1)  # [B, S_q, H, D + 1]
+        batch = packed.shape[0]
+        gathered = all_gather_uneven(packed, 0, [batch] * self.degree, self.group)
+        merged, merged_lse = None, None
+        for part in gathered.split(batch, dim=0):
+            merged, merged_lse = merge_partial(merged, merged_lse, part[..., :-1], part[..., -1].transpose(1, 2))
+        return merged.to(query.dtype)
 
     def ring_gathered(self, query, key, value, seq_sizes: list[int], local):
         """``local`` over every sp rank's keys and values under ring or USP: after the Ulysses all-to-all (USP) the
