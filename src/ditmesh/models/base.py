@@ -79,7 +79,8 @@ class SequencePlan:
     tensor); ``gathers`` gather its output. ``streams`` lists the token streams in the order the attention
     concatenates them (FLUX: text before image); each stream is split into contiguous chunks on its own, and
     the first split of a stream in a call fixes its chunk sizes (from the global length, so all ranks agree).
-    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each).
+    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each) and
+    ``-1`` for the last entry of a list (``visual_transformer_blocks.-1``: Kandinsky 5 gathers after its last block).
     """
 
     streams: tuple[str, ...]

@@ -40,6 +40,7 @@ CLASSES: dict[str, str] = {
     'WanAnimateTransformer3DModel': 'wan_variants',
     'HunyuanVideo15Transformer3DModel': 'hunyuan_variants',
     'LTX2VideoTransformer3DModel': 'ltx2',
+    'Kandinsky5Transformer3DModel': 'kandinsky5',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -186,6 +187,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                       'vocoder are not synthesized)'),
     'ltx-2-tiny': ('ltx2', "LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 "
                            'heads x 4); the transformer alone'),
+    'kandinsky5-lite': ('kandinsky5', 'Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x '
+                                      '64, 2B params); the transformer alone'),
+    'kandinsky5-tiny': ('kandinsky5', "Kandinsky 5 shrunk for CPU tests: diffusers' pipeline test's transformer (1 "
+                                      'text + 2 visual blocks, 4 heads x 4); the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
