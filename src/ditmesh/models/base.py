@@ -45,10 +45,12 @@ class Split:
 
 @dataclass(frozen=True)
 class Gather:
-    """All-gather the chunks of ``stream`` along ``dim`` (one collective), back to the full sequence."""
+    """All-gather the chunks of ``stream`` along ``dim`` (one collective), back to the full sequence. ``item``: of a
+    tuple output, only this element is gathered (Kandinsky 6's blocks return the video and the whole audio)."""
 
     dim: int
     stream: str
+    item: int | None = None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ CLASSES: dict[str, str] = {
     'HunyuanVideo15Transformer3DModel': 'hunyuan_variants',
     'LTX2VideoTransformer3DModel': 'ltx2',
     'Kandinsky5Transformer3DModel': 'kandinsky5',
+    'Kandinsky6Transformer3DModel': 'kandinsky6',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -191,6 +192,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                       '64, 2B params); the transformer alone'),
     'kandinsky5-tiny': ('kandinsky5', "Kandinsky 5 shrunk for CPU tests: diffusers' pipeline test's transformer (1 "
                                       'text + 2 visual blocks, 4 heads x 4); the transformer alone'),
+    'kandinsky6': ('kandinsky6', 'Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 '
+                                 'heads x 128); the transformer alone'),
+    'kandinsky6-tiny': ('kandinsky6', 'Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 '
+                                      'heads x 4, audio 2 heads x 4, the released flags; the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),

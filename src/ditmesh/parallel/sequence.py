@@ -378,7 +378,12 @@ def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: d
 
 
 def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
-    return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
+    def hook(mod, args, out):
+        if spec.item is None:
+            return sp.gather(out, spec.dim, spec.stream)
+        return type(out)(sp.gather(t, spec.dim, spec.stream) if i == spec.item else t for i, t in enumerate(out))
+
+    return module.register_forward_hook(hook)
 
 
 def module_paths(model: torch.nn.Module, pattern: str) -> list[str]:
