@@ -36,6 +36,18 @@ def sequence_counts(config: dict, layers: int, calls: int) -> dict:
     return {**{kind: n * layers * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
 
 
+def whole_audio_counts(config: dict, blocks: int, audio: bool = True) -> dict:
+    """Collectives of one call of a family that splits its video and keeps its audio whole (LTX-2, Kandinsky 6): per
+    block the video self-attention's 2 all-to-alls (Ulysses) or ``ring - 1`` rounds and, with audio, one all-gather of
+    the audio queries' partial results over the video keys; one all-gather of the video output."""
+    counts = {"all_gather": 1 + (blocks if audio else 0)}
+    if "ulysses" in config:
+        counts["all_to_all"] = 2 * blocks
+    if "ring" in config:
+        counts["ring_p2p"] = (config["ring"] - 1) * blocks
+    return counts
+
+
 def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
     """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
     ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""

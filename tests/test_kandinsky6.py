@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cases_models import axis_id, transformer_call
+from cases_models import axis_id, transformer_call, whole_audio_counts
 from ditmesh.testing import rel_err
 
 ARCH = "kandinsky6-tiny"
@@ -29,16 +29,6 @@ def inputs_of(shape: str) -> dict:
     return dict(inputs, timestep=torch.tensor([700.0, 300.0]), encoder_attention_mask=mask)
 
 
-def counts_of(config: dict, audio: bool) -> dict:
-    """Per fused block the video self-attention (2 all-to-alls, or ring - 1 rounds) and, with audio, one all-gather of
-    the audio-to-video partial results; one all-gather of the video at the end."""
-    counts = {"all_gather": 1 + (BLOCKS if audio else 0)}
-    if "ulysses" in config:
-        counts["all_to_all"] = 2 * BLOCKS
-    if "ring" in config:
-        counts["ring_p2p"] = (config["ring"] - 1) * BLOCKS
-    return counts
-
 
 @pytest.mark.parametrize("shape", ["small", "odd"])
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}], ids=axis_id)
@@ -48,7 +38,7 @@ def test_kandinsky6_video_and_audio_match_single_process(pools, config, shape):
     results = pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs, outputs=2)
     for (got_video, got_audio), counts in results:
         assert rel_err(got_video, video) <= 1e-5 and rel_err(got_audio, audio) <= 1e-5
-        assert counts == counts_of(config, audio=True)
+        assert counts == whole_audio_counts(config, BLOCKS)
     assert all(torch.equal(results[0][0][1], r[0][1]) for r in results)  # every rank holds the same audio
 
 
@@ -57,7 +47,7 @@ def test_kandinsky6_video_alone_matches_single_process(pools):
     ref, _ = transformer_call(ARCH, {}, inputs)
     for out, counts in pools(2).run(transformer_call, ARCH, {"ulysses": 2}, inputs):
         assert rel_err(out, ref) <= 1e-5
-        assert counts == counts_of({"ulysses": 2}, audio=False)
+        assert counts == whole_audio_counts({"ulysses": 2}, BLOCKS, audio=False)
 
 
 def test_kandinsky6_audio_reads_the_video():

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from cases_models import axis_id, transformer_call
+from cases_models import axis_id, transformer_call, whole_audio_counts
 from ditmesh.testing import rel_err
 
 ARCH = "ltx-2-tiny"  # diffusers' get_init_dict of the class
@@ -40,16 +40,6 @@ def inputs_of(shape: str) -> dict:
                 audio_coords=model.audio_rope.prepare_audio_coords(2, 7, "cpu"), return_dict=False)
 
 
-def counts_of(config: dict) -> dict:
-    """Per block: the video self-attention's 2 all-to-alls (Ulysses) or ring - 1 rounds, and the video-to-audio
-    attention's one all-gather of the partial results; one all-gather of the video output."""
-    counts = {"all_gather": LAYERS + 1}
-    if "ulysses" in config:
-        counts["all_to_all"] = 2 * LAYERS
-    if "ring" in config:
-        counts["ring_p2p"] = (config["ring"] - 1) * LAYERS
-    return counts
-
 
 @pytest.mark.parametrize("shape", ["diffusers", "odd"])
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}], ids=axis_id)
@@ -59,7 +49,7 @@ def test_ltx2_video_and_audio_match_single_process(pools, config, shape):
     results = pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs, outputs=2)
     for (got_video, got_audio), counts in results:
         assert rel_err(got_video, video) <= 1e-5 and rel_err(got_audio, audio) <= 1e-5
-        assert counts == counts_of(config)
+        assert counts == whole_audio_counts(config, LAYERS)
     assert all(torch.equal(results[0][0][1], r[0][1]) for r in results)  # every rank holds the same audio
 
 
@@ -101,4 +91,4 @@ def test_ltx2_split_rope_and_gated_attention_match_single_process(pools):
     assert rel_err(video, transformer_call(ARCH, {}, inputs)[0]) > 1e-3  # another model indeed
     for (got_video, got_audio), counts in pools(2).run(transformer_call, arch, {"ulysses": 2}, inputs, outputs=2):
         assert rel_err(got_video, video) <= 1e-5 and rel_err(got_audio, audio) <= 1e-5
-        assert counts == counts_of({"ulysses": 2})
+        assert counts == whole_audio_counts({"ulysses": 2}, LAYERS)

@@ -28,6 +28,7 @@ from diffusers.models.transformers import transformer_kandinsky6
 
 from .base import AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, Split, SynthArch, register
 from .kandinsky5 import kandinsky5_example_inputs, kandinsky5_layout
+from .ltx2 import WHOLE_AUDIO_REFUSALS
 
 
 class Kandinsky6SequenceParallelProcessor:
@@ -144,9 +145,6 @@ KANDINSKY6_ADAPTER = register(
         fps=24,
         pipelines=("Kandinsky6TI2VAPipeline",),
         synth_archs=(KANDINSKY6, KANDINSKY6_TINY),
-        batch_refusal="its transformer returns the audio beside the video, and cfg and dp gather the first output only",
-        cache_refusal="its blocks carry the whole audio beside the split video, which the caches' statistics and "
-                      "residuals are not tested on",
-        pp_refusal="its blocks carry the whole audio beside the split video, which PipeFusion's stages do not send",
+        **WHOLE_AUDIO_REFUSALS,
     )
 )

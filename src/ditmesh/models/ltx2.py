@@ -137,6 +137,15 @@ def ltx2_layout(config: dict, height: int, width: int, frames: int, text_tokens:
     return Layout(video, text_tokens, video, (config.get("in_channels", 128), latent_frames, rows, cols))
 
 
+#: what a family whose blocks carry a whole audio stream beside the split video refuses (LTX-2, Kandinsky 6)
+WHOLE_AUDIO_REFUSALS = dict(
+    batch_refusal="its transformer returns the audio beside the video, and cfg and dp gather the first output only",
+    cache_refusal="its blocks carry the whole audio beside the split video, which the caches' statistics and residuals "
+                  "are not tested on",
+    pp_refusal="its blocks carry the whole audio beside the split video, which PipeFusion's stages do not send",
+)
+
+
 # -- synthetic architectures ---------------------------------------------------------------------------------
 LTX2 = SynthArch(
     name="ltx-2",
@@ -214,9 +223,6 @@ LTX2_ADAPTER = register(
         fps=24,
         pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"),
         synth_archs=(LTX2, LTX2_TINY),
-        batch_refusal="its transformer returns the audio beside the video, and cfg and dp gather the first output only",
-        cache_refusal="its blocks carry the whole audio beside the split video, which the caches' statistics and "
-                      "residuals are not tested on",
-        pp_refusal="its blocks carry the whole audio beside the split video, which PipeFusion's stages do not send",
+        **WHOLE_AUDIO_REFUSALS,
     )
 )
