@@ -62,13 +62,16 @@ class TokenGrid:
     rank holding at least one. ``width``: (transformer, its forward inputs by name) -> tokens per row. ``rows``:
     module-path patterns (``*`` = one segment) -> the name of the int input that counts the grid's rows (the block's
     ``height``), replaced by this rank's rows. ``convs``: patterns of the convolutions over the grid (``[B, C, rows,
-    width]``), which exchange the halo rows their windows need with the neighbouring ranks before they run.
+    width]``), which exchange the halo rows their windows need with the neighbouring ranks before they run. A row may be
+    a whole frame of a video (Sana-Video: ``rows`` names the block's ``frames``, ``convs`` its temporal convolution).
     """
 
     stream: str
     width: Callable
     rows: dict[str, str] = field(default_factory=dict)
     convs: tuple[str, ...] = ()
+    #: what gives at least ``{n}`` rows, for the refusal of a grid with fewer rows than ranks
+    enough: str = "an image at least {n} latent rows tall"
 
 
 @dataclass(frozen=True)

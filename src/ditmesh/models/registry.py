@@ -42,6 +42,7 @@ CLASSES: dict[str, str] = {
     'LTX2VideoTransformer3DModel': 'ltx2',
     'Kandinsky5Transformer3DModel': 'kandinsky5',
     'Kandinsky6Transformer3DModel': 'kandinsky6',
+    'SanaVideoTransformer3DModel': 'sana_variants',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -196,6 +197,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                  'heads x 128); the transformer alone'),
     'kandinsky6-tiny': ('kandinsky6', 'Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 '
                                       'heads x 4, audio 2 heads x 4, the released flags; the transformer alone'),
+    'sana-video-2b': ('sana_variants', 'Sana-Video 2B transformer (20 blocks, linear attention 20 heads x 112, '
+                                       'cross-attention 20 x 112, Mix-FFN with a temporal convolution), Wan 2.1 VAE, '
+                                       'one-layer Gemma-2'),
+    'sana-video-tiny': ('sana_variants', "Sana-Video shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
+                                         'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -265,6 +271,8 @@ HEADS: dict[str, int] = {
     'hunyuan-video-1.5-tiny': 2,
     'ltx-2': 32,
     'ltx-2-tiny': 2,
+    'sana-video-2b': 20,
+    'sana-video-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

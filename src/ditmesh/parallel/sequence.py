@@ -244,7 +244,7 @@ class SequenceParallel:
         if rest or rows < self.degree:
             raise ValueError(f"{self.adapter.name} splits its {stream} tokens in whole grid rows, one or more per rank: "
                              f"{n} tokens in rows of {width} cannot go to {self.degree} sequence-parallel ranks; use "
-                             f"an image at least {self.degree} latent rows tall or fewer ranks")
+                             f"{self.grid.enough.format(n=self.degree)} or fewer ranks")
         self.grid_rows.units = split_sizes(rows, self.degree)
         return [r * width for r in self.grid_rows.units]
 

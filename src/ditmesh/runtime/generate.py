@@ -361,6 +361,8 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     if image_args_given(args):
         kwargs.update(image_call_kwargs(args, kwargs["height"], kwargs["width"]))
     accepted = inspect.signature(pipe.__call__).parameters
+    if "num_frames" not in accepted and "frames" in accepted:  # SanaVideoPipeline names its frame count `frames`
+        kwargs["frames"] = kwargs.pop("num_frames")
     return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
 
 
