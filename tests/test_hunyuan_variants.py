@@ -125,3 +125,57 @@ def test_a_pipeline_without_step_callbacks_is_timed_at_its_scheduler_steps_durin
     assert "step" not in vars(pipe.scheduler)  # the scheduler is the user's again
     pipe(prompt="x")
     assert len(seen) == 1
+
+
+# -- HunyuanVideo Framepack -----------------------------------------------------------------------------------------
+FRAMEPACK = "hunyuan-video-framepack-tiny"  # diffusers' get_init_dict of the class
+
+
+def framepack_inputs(shape: str) -> dict:
+    """diffusers' ``get_dummy_inputs`` (batch 1: 3 frames of 4 x 4, clean and 2x history of 2 frames, 4x of 8: 12 + 8 +
+    2 + 2 = 24 video tokens, the text cut to its length, no mask), or the pipeline's first window at 3 frames of 6 x 6
+    for two prompts of different lengths (an odd count of video tokens, the key mask over [video, text])."""
+    if shape == "diffusers":
+        g = torch.Generator().manual_seed(0)
+        rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+        return dict(hidden_states=rand(1, 4, 3, 4, 4), timestep=torch.tensor([700.0]),
+                    encoder_hidden_states=rand(1, 12, 16), pooled_projections=rand(1, 8),
+                    encoder_attention_mask=torch.ones(1, 12), guidance=torch.tensor([300.0]),
+                    image_embeds=rand(1, 12, 16), indices_latents=torch.ones(3), latents_clean=rand(1, 4, 2, 4, 4),
+                    indices_latents_clean=torch.ones(2), latents_history_2x=rand(1, 4, 2, 4, 4),
+                    indices_latents_history_2x=torch.ones(2), latents_history_4x=rand(1, 4, 8, 4, 4),
+                    indices_latents_history_4x=torch.ones(8), return_dict=False)
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(FRAMEPACK, dtype=torch.float32)
+    inputs = adapter_for_class("HunyuanVideoFramepackTransformer3DModel").example_inputs(
+        model, height=48, width=48, batch=2, text_len=11, generator=torch.Generator().manual_seed(3), device="cpu",
+        dtype=torch.float32, frames=3)
+    inputs["encoder_attention_mask"][1, 4:] = 0
+    return dict(inputs, image_embeds=inputs["image_embeds"][:, :5], timestep=torch.tensor([700.0, 300.0]))
+
+
+@pytest.mark.parametrize("shape", ["diffusers", "odd"])
+@pytest.mark.parametrize("config", CONFIGS, ids=axis_id)
+def test_hunyuan_video_framepack_transformer_matches_single_process(pools, config, shape):
+    inputs = framepack_inputs(shape)
+    ref, _ = transformer_call(FRAMEPACK, {}, inputs)
+    # tp: FLUX's plan, 4 all-reduces a dual block and 1 a single block; sp: one attention a block
+    want = {"all_reduce": 4 + 1} if "tp" in config else sequence_counts(config, 2, 1)
+    for out, counts in pools(math.prod(config.values())).run(transformer_call, FRAMEPACK, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == want
+
+
+def test_hunyuan_video_framepack_history_matters():
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import get_arch
+
+    layout = adapter_for_class("HunyuanVideoFramepackTransformer3DModel").layout(
+        get_arch(FRAMEPACK).transformer, 48, 48, 3, 11)
+    assert layout.image_tokens % 2 == 1  # the odd case's video tokens: 27 window + 18 clean + 2x and 4x history
+    inputs = framepack_inputs("odd")
+    ref = transformer_call(FRAMEPACK, {}, inputs)[0]
+    other = dict(inputs, latents_history_4x=-inputs["latents_history_4x"])
+    assert rel_err(transformer_call(FRAMEPACK, {}, other)[0], ref) > 1e-4

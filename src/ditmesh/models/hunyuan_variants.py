@@ -25,9 +25,9 @@ import dataclasses
 
 import torch
 
-from .base import (AttentionSelector, BlockList, Layout, SynthArch, TensorPlan, register, spatial_latent,
-                   temporal_latent, token_range)
-from .hunyuan_video import HUNYUAN_VIDEO_ADAPTER, HunyuanVideoSequenceParallelProcessor
+from .base import (AttentionSelector, BlockList, Gather, Layout, SequencePlan, Split, SynthArch, TensorPlan, register,
+                   spatial_latent, temporal_latent, token_range)
+from .hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO_ADAPTER, HunyuanVideoSequenceParallelProcessor
 from .flux import FLUX_TENSOR_PLAN
 
 #: the pipeline's text stream beyond the Qwen prompt: ByT5 glyph tokens and SigLIP image tokens
@@ -200,5 +200,109 @@ HUNYUAN_VIDEO15_ADAPTER = register(dataclasses.replace(
     synth_components=hunyuan_video15_components,
     unsupported=None,
     meta_trace=hunyuan_video15_meta_trace,
+    pp_refusal="its attention always takes the text's key mask, which PipeFusion's attention does not take",
+))
+
+
+# -- HunyuanVideo Framepack ----------------------------------------------------------------------------------------
+#: Framepack's video stream: its history latents ``[4x, 2x, clean, noisy]`` packed before the noisy window, each with
+#: its RoPE rows (``_pack_history_states``, a method, so the table is cut at every block's input, not at ``rope``); the
+#: noisy window is the sequence's end, which ``forward`` slices after the blocks, so the gather is after the last
+#: single block (its hidden states). The text and the key mask over ``[video, text]`` are HunyuanVideo's.
+FRAMEPACK_PLAN = SequencePlan(
+    streams=("video", "text"),
+    inputs={"transformer_blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3),
+                                     "encoder_hidden_states": Split(dim=1, stream="text", ndim=3)},
+            "transformer_blocks.*": {"freqs_cis": Split(dim=0, stream="video", ndim=2)},
+            "single_transformer_blocks.*": {"image_rotary_emb": Split(dim=0, stream="video", ndim=2)}},
+    gathers={"single_transformer_blocks.-1": Gather(dim=1, stream="video", item=0)},
+)
+
+#: the pipeline's context of one window: 9 latent frames denoised, 16 + 2 + 1 history frames at 4x, 2x and 1x and the
+#: start frame
+FRAMEPACK_WINDOW, FRAMEPACK_HISTORY = 9, (16, 2, 1)
+
+
+def framepack_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
+    """Transformer inputs of one HunyuanVideoFramepackPipeline step (its first window): ``frames`` latent frames
+    denoised (default 9: the pipeline's ``latent_window_size``), the history at 4x (16 frames), 2x (2) and 1x with the
+    start frame (2), 8x smaller frames, their frame indices, the Llama text and its mask, pooled CLIP and SigLIP image
+    tokens, distilled guidance."""
+    cfg = model.config
+    window = frames or FRAMEPACK_WINDOW
+    rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
+    h4, h2, h1 = FRAMEPACK_HISTORY
+    indices = torch.arange(1 + h4 + h2 + h1 + window, device=device)
+    start, i4, i2, i1, noisy = indices.split([1, h4, h2, h1, window])
+    latent = lambda n: rand(batch, cfg.in_channels, n, height // 8, width // 8)  # noqa: E731
+    return dict(hidden_states=latent(window), timestep=torch.full((batch,), 700.0).to(device, dtype),
+                encoder_hidden_states=rand(batch, text_len, cfg.text_embed_dim),
+                encoder_attention_mask=torch.ones(batch, text_len, dtype=torch.int64, device=device),
+                pooled_projections=rand(batch, cfg.pooled_projection_dim), image_embeds=rand(batch, 729, cfg.image_proj_dim),
+                indices_latents=noisy, guidance=torch.full((batch,), 10000.0).to(device, dtype),
+                latents_clean=latent(1 + h1), indices_latents_clean=torch.cat([start, i1]),
+                latents_history_2x=latent(h2), indices_latents_history_2x=i2, latents_history_4x=latent(h4),
+                indices_latents_history_4x=i4, return_dict=False)
+
+
+def framepack_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
+    """Token counts of one Framepack window of ``frames`` latent frames at 8x: the window and the clean frames in 2x2
+    patches, the 2x history in 2x4x4 cells and the 4x history in 4x8x8 (each rounded up), all split; the text with
+    the 729 image tokens."""
+    lh, lw = spatial_latent(height, width, 16, "HunyuanVideo Framepack (8x VAE, 2x2 patches)")
+    cells = lambda n, t, s: -(-n // t) * -(-lh // s) * -(-lw // s)  # noqa: E731
+    h4, h2, h1 = FRAMEPACK_HISTORY
+    video = cells(frames, 1, 2) + cells(1 + h1, 1, 2) + cells(h2, 2, 4) + cells(h4, 4, 8)
+    return Layout(video, text_tokens + 729, video + text_tokens + 729, (config.get("in_channels", 16), frames, lh, lw))
+
+
+HUNYUAN_VIDEO_FRAMEPACK = dataclasses.replace(
+    HUNYUAN_VIDEO,
+    name="hunyuan-video-framepack",
+    description="HunyuanVideo Framepack (FramePackI2V_HY) transformer (HunyuanVideo's 20 dual + 40 single blocks, "
+                "24 heads x 128, history patch embedders, SigLIP image projection); the transformer alone",
+    pipeline="HunyuanVideoFramepackPipeline",
+    transformer_class="HunyuanVideoFramepackTransformer3DModel",
+    transformer=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                     num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                     qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                     rope_theta=256.0, rope_axes_dim=[16, 56, 56], image_condition_type=None, has_image_proj=True,
+                     image_proj_dim=1152, has_clean_x_embedder=True),
+    default_dtype="bfloat16",
+    default_size=(640, 640),
+    default_frames=FRAMEPACK_WINDOW,
+)
+
+#: diffusers' test configuration of the class (2 heads x 10, 1 dual + 1 single block, 1 refiner block)
+HUNYUAN_VIDEO_FRAMEPACK_TINY = dataclasses.replace(
+    HUNYUAN_VIDEO_FRAMEPACK,
+    name="hunyuan-video-framepack-tiny",
+    description="HunyuanVideo Framepack shrunk for CPU tests: diffusers' test config (1 dual + 1 single block, 2 "
+                "heads x 10); the transformer alone",
+    transformer=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+                     num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+                     text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=[2, 4, 4], image_condition_type=None,
+                     has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True),
+    default_dtype="float32",
+    default_size=(64, 64),
+    default_frames=3,
+)
+
+HUNYUAN_VIDEO_FRAMEPACK_ADAPTER = register(dataclasses.replace(
+    HUNYUAN_VIDEO_ADAPTER,
+    name="hunyuan-video-framepack",
+    class_names=("HunyuanVideoFramepackTransformer3DModel",),
+    sequence_plan=FRAMEPACK_PLAN,
+    example_inputs=framepack_example_inputs,
+    layout=framepack_layout,
+    batch_inputs=HUNYUAN_VIDEO_ADAPTER.batch_inputs + ("image_embeds", "latents_clean", "latents_history_2x",
+                                                       "latents_history_4x"),
+    cfg_switch="guidance_scale",  # real CFG with guidance_scale > 1 (its checkpoints are distilled: 1 by default)
+    cfg_hint="--guidance > 1 (e.g. --guidance 5)",
+    frame_step=None,
+    pipelines=("HunyuanVideoFramepackPipeline",),
+    synth_archs=(HUNYUAN_VIDEO_FRAMEPACK, HUNYUAN_VIDEO_FRAMEPACK_TINY),
+    synth_components=None,
+    unsupported=None,
     pp_refusal="its attention always takes the text's key mask, which PipeFusion's attention does not take",
 ))

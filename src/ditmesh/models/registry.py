@@ -43,6 +43,7 @@ CLASSES: dict[str, str] = {
     'Kandinsky5Transformer3DModel': 'kandinsky5',
     'Kandinsky6Transformer3DModel': 'kandinsky6',
     'SanaVideoTransformer3DModel': 'sana_variants',
+    'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -202,6 +203,13 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        'one-layer Gemma-2'),
     'sana-video-tiny': ('sana_variants', "Sana-Video shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
                                          'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
+    'hunyuan-video-framepack': ('hunyuan_variants', 'HunyuanVideo Framepack (FramePackI2V_HY) transformer '
+                                                    "(HunyuanVideo's 20 dual + 40 single blocks, 24 heads x 128, "
+                                                    'history patch embedders, SigLIP image projection); the '
+                                                    'transformer alone'),
+    'hunyuan-video-framepack-tiny': ('hunyuan_variants', "HunyuanVideo Framepack shrunk for CPU tests: diffusers' "
+                                                         'test config (1 dual + 1 single block, 2 heads x 10); the '
+                                                         'transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -273,6 +281,8 @@ HEADS: dict[str, int] = {
     'ltx-2-tiny': 2,
     'sana-video-2b': 20,
     'sana-video-tiny': 2,
+    'hunyuan-video-framepack': 24,
+    'hunyuan-video-framepack-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
