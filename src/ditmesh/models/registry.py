@@ -44,6 +44,7 @@ CLASSES: dict[str, str] = {
     'Kandinsky6Transformer3DModel': 'kandinsky6',
     'SanaVideoTransformer3DModel': 'sana_variants',
     'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
+    'CosmosTransformer3DModel': 'cosmos',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -210,6 +211,10 @@ SYNTH: dict[str, tuple[str, str]] = {
     'hunyuan-video-framepack-tiny': ('hunyuan_variants', "HunyuanVideo Framepack shrunk for CPU tests: diffusers' "
                                                          'test config (1 dual + 1 single block, 2 heads x 10); the '
                                                          'transformer alone'),
+    'cosmos-1.0-7b': ('cosmos', 'Cosmos-1.0-Diffusion-7B-Text2World transformer (28 blocks, 32 heads x 128); the '
+                                'transformer alone'),
+    'cosmos-tiny': ('cosmos', "Cosmos shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads x 12, "
+                              'learnable position embedding) without the padding-mask channel; the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -283,6 +288,8 @@ HEADS: dict[str, int] = {
     'sana-video-tiny': 2,
     'hunyuan-video-framepack': 24,
     'hunyuan-video-framepack-tiny': 2,
+    'cosmos-1.0-7b': 32,
+    'cosmos-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
