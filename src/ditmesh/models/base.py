@@ -216,6 +216,19 @@ class BlockList:
     packed: tuple[str, ...] = ()
 
 
+class SequenceProcessor:
+    """What a family's sequence processor keeps: ``sp`` (what it calls ``attention`` on), the layer's ``previous``
+    processor (for the attentions it hands back unchanged) and that processor's attention backend. diffusers reads
+    ``_parallel_config`` on every processor; none is ours."""
+
+    _parallel_config = None
+
+    def __init__(self, sp, previous=None):
+        self.sp = sp
+        self.previous = previous
+        self._attention_backend = getattr(previous, "_attention_backend", None)
+
+
 def token_range(runtime, stream: str, local: int) -> tuple[int, int]:
     """``(first, total)``: the global index of this rank's first token of ``stream`` and the stream's global length,
     for a processor that needs its tokens' positions (Wan Animate's per-frame face attention). ``runtime`` is what the

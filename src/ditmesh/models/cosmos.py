@@ -23,19 +23,12 @@ import dataclasses
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, temporal_latent)
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
+                   SynthArch, TensorPlan, register, spatial_latent, temporal_latent)
 
 
-class CosmosSequenceParallelProcessor:
+class CosmosSequenceParallelProcessor(SequenceProcessor):
     """Processor for Cosmos' attention layers: self-attention sequence-parallel, cross-attention as diffusers'."""
-
-    _parallel_config = None
-
-    def __init__(self, sp, previous=None):
-        self.sp = sp
-        self.previous = previous
-        self._attention_backend = getattr(previous, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         if encoder_hidden_states is not None:

@@ -25,8 +25,8 @@ import dataclasses
 
 import torch
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, temporal_latent)
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
+                   SynthArch, TensorPlan, register, spatial_latent, temporal_latent)
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -36,16 +36,9 @@ def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return (rope * pairs).sum(dim=-1).reshape(*x.shape).to(torch.bfloat16).type_as(x)
 
 
-class Kandinsky5SequenceParallelProcessor:
+class Kandinsky5SequenceParallelProcessor(SequenceProcessor):
     """Processor for ``Kandinsky5Attention`` of the visual blocks: self-attention sequence-parallel, cross-attention to
     the whole text as diffusers' processor (see the module docstring)."""
-
-    _parallel_config = None
-
-    def __init__(self, sp, previous=None):
-        self.sp = sp
-        self.previous = previous
-        self._attention_backend = getattr(previous, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None):
         if encoder_hidden_states is not None:

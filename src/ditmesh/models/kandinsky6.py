@@ -26,20 +26,15 @@ import dataclasses
 import torch
 from diffusers.models.transformers import transformer_kandinsky6
 
-from .base import AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, Split, SynthArch, register
+from .base import (AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, SequenceProcessor, Split, SynthArch,
+                   register)
 from .kandinsky5 import kandinsky5_example_inputs, kandinsky5_layout
 from .ltx2 import WHOLE_AUDIO_REFUSALS
 
 
-class Kandinsky6SequenceParallelProcessor:
+class Kandinsky6SequenceParallelProcessor(SequenceProcessor):
     """Processor for the fused blocks' video self-attention (split video) and audio-to-video cross-attention (whole
     audio queries, split video keys); see the module docstring."""
-
-    _parallel_config = None
-
-    def __init__(self, sp, previous=None):
-        self.sp = sp
-        self._attention_backend = getattr(previous, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, rotary_emb_kv=None,
                  attn_mask=None):

@@ -1,17 +1,18 @@
 """LTX-2 (``LTX2VideoTransformer3DModel``): video and audio streams side by side, each with self-attention and text
 cross-attention, and cross-attention between them in every block (audio-to-video and video-to-audio).
 
-Where the tokens are: the pipelines pack the video latents into tokens (``hidden_states`` ``[B, N, C]``, patch 1)
-and the audio latents into ``audio_hidden_states`` ``[B, A, C]``. ``forward`` builds RoPE tables from per-token
+Where the tokens are: the pipelines pack the video latents into tokens (``hidden_states`` ``[B, N, C]``, patch 1) and
+the audio latents into ``audio_hidden_states`` ``[B, A, C]``. ``forward`` builds RoPE tables from per-token
 coordinates (``rope`` and ``cross_attn_rope`` for the video, ``audio_rope`` and ``cross_attn_audio_rope`` for the
 audio), embeds the timesteps (one per sample, or one per video token: ``[B, N]`` when frames condition the call),
 runs the blocks and projects each stream out (``proj_out``, ``audio_proj_out``).
 
-Only the video is split: it is the long stream (tens of thousands of tokens); the audio is a few hundred tokens (25
-a second) and stays whole on every rank, computed alike everywhere. The sequence plan splits, like diffusers'
+Only the video is split: it is the long stream (tens of thousands of tokens); the audio is a few hundred tokens (25 a
+second) and stays whole on every rank, computed alike everywhere. The sequence plan splits, like diffusers'
 ``_cp_plan``, the video tokens and a per-token timestep at the entry (a ``[B, 1]`` timestep stays whole), and the
-video RoPE tables at the output of both video RoPE modules (tokens next to last in either layout), and gathers ``proj_out``'s output. diffusers' plan also splits the text for a ring over the cross-attention;
-here the text stays whole (``whole``).
+video RoPE tables at the output of both video RoPE modules (tokens next to last in either layout), and gathers
+``proj_out``'s output. diffusers' plan also splits the text for a ring over the cross-attention; here the text stays
+whole (``whole``).
 
 Attention, per block:
 
@@ -30,8 +31,9 @@ So a block issues one Ulysses attention (or ring) and one all-gather of ``[B, A,
 
 The CFG of its pipelines is batched (``[uncond, cond]`` in one call), but cfg and dp are refused: the transformer
 returns the audio beside the video and the batch hook gathers the first output only. Tensor parallelism, the step
-caches and PipeFusion are not offered either: the six attentions of a block have their own head counts and RoPE layouts (not planned
-yet), the blocks carry the whole audio beside the split video, and PipeFusion's stages would send only the video.
+caches and PipeFusion are not offered either: the six attentions of a block have their own head counts and RoPE
+layouts (not planned yet), the blocks carry the whole audio beside the split video, and PipeFusion's stages would
+send only the video.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import dataclasses
 import torch
 from diffusers.models.transformers import transformer_ltx2
 
-from .base import AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch, register
+from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
+                   SynthArch, register)
 from .ltx import LTX_SPATIAL, LTX_TEMPORAL, ltx_latent_size
 
 
@@ -52,15 +55,9 @@ def rotate(attn, x: torch.Tensor, table) -> torch.Tensor:
     return transformer_ltx2.apply_interleaved_rotary_emb(x, table)
 
 
-class LTX2SequenceParallelProcessor:
+class LTX2SequenceParallelProcessor(SequenceProcessor):
     """Processor for ``LTX2Attention``'s ``attn1`` (video self-attention over the split video) and
     ``video_to_audio_attn`` (the whole audio against the split video); see the module docstring."""
-
-    _parallel_config = None
-
-    def __init__(self, sp, previous=None):
-        self.sp = sp
-        self._attention_backend = getattr(previous, "_attention_backend", None)
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
                  key_rotary_emb=None, perturbation_mask=None, all_perturbed=None):
