@@ -45,6 +45,7 @@ CLASSES: dict[str, str] = {
     'SanaVideoTransformer3DModel': 'sana_variants',
     'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
     'CosmosTransformer3DModel': 'cosmos',
+    'EasyAnimateTransformer3DModel': 'easyanimate',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -215,6 +216,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                 'transformer alone'),
     'cosmos-tiny': ('cosmos', "Cosmos shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads x 12, "
                               'learnable position embedding) without the padding-mask channel; the transformer alone'),
+    'easyanimate-v5.1-12b': ('easyanimate', 'EasyAnimateV5.1-12B transformer (48 blocks, 48 heads x 64, MMDiT text '
+                                            'projections throughout); the transformer alone'),
+    'easyanimate-tiny': ('easyanimate', "EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 "
+                                        'heads x 16); the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -290,6 +295,8 @@ HEADS: dict[str, int] = {
     'hunyuan-video-framepack-tiny': 2,
     'cosmos-1.0-7b': 32,
     'cosmos-tiny': 2,
+    'easyanimate-v5.1-12b': 48,
+    'easyanimate-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
