@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, SequencePlan, Split, SynthArch, TensorPlan, register,
+from .base import (AttentionSelector, Gather, Layout, SequencePlan, Split, SynthArch, TensorPlan, register,
                    spatial_latent, temporal_latent, token_range)
 from .hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO_ADAPTER, HunyuanVideoSequenceParallelProcessor
 from .flux import FLUX_TENSOR_PLAN

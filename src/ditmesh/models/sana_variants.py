@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .base import Gather, Layout, SequencePlan, Split, SynthArch, TensorPlan, TokenGrid, register, spatial_latent
+from .base import Gather, Layout, SequencePlan, Split, SynthArch, TokenGrid, register, spatial_latent
 from .sana import SANA, SANA_TENSOR_PLAN, SanaSequenceParallelProcessor, _SANA_SCHEDULER, _SANA_TINY
 from .wan import WAN_VAE_PLAN, rotate_pairs
 

@@ -35,7 +35,7 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers import transformer_wan_animate
 
-from .base import (AttentionSelector, BlockList, ImagePipeline, Layout, SequencePlan, Split, SynthArch, TensorPlan,
+from .base import (AttentionSelector, BlockList, ImagePipeline, Layout, SequencePlan, Split, TensorPlan,
                    register, token_range)
 from .wan import (_WAN_TINY, WAN, WAN21_14B, WanSequenceParallelProcessor, ftfy_setup, wan_example_inputs, wan_layout,
                   wan_tensor_plan)
