@@ -36,6 +36,18 @@ def sequence_counts(config: dict, layers: int, calls: int) -> dict:
     return {**{kind: n * layers * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
 
 
+def whole_audio_counts(config: dict, blocks: int, audio: bool = True) -> dict:
+    """Collectives of one call of a family that splits its video and keeps its audio whole (LTX-2, Kandinsky 6): per
+    block the video self-attention's 2 all-to-alls (Ulysses) or ``ring - 1`` rounds and, with audio, one all-gather of
+    the audio queries' partial results over the video keys; one all-gather of the video output."""
+    counts = {"all_gather": 1 + (blocks if audio else 0)}
+    if "ulysses" in config:
+        counts["all_to_all"] = 2 * blocks
+    if "ring" in config:
+        counts["ring_p2p"] = (config["ring"] - 1) * blocks
+    return counts
+
+
 def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
     """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
     ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""
@@ -111,24 +123,29 @@ def call_kwargs(final: dict, steps: int, height: int, width: int, frames: int | 
     return kwargs
 
 
-def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None):
+def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None,
+                     outputs: int = 1):
     """One call of the synthetic ``arch`` transformer (seed 0) on ``inputs`` under ``config`` on this rank (``{}``:
     one process, not parallelized); ``model_config``: entries written into its config first (what a pipeline sets
-    before its calls, e.g. SkyReels-V2's ``num_frame_per_block``). Returns (output sample, collectives of the call)."""
+    before its calls, e.g. SkyReels-V2's ``num_frame_per_block``); ``prepare``: a module-level function called on the
+    model before it is parallelized (a test's hook). Returns (output sample, collectives of the call); with
+    ``outputs`` > 1, the first ``outputs`` outputs as a tuple in place of the sample (LTX-2's video and audio)."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
     from ditmesh.synth import build_transformer
 
     model = build_transformer(arch, seed=0, dtype=torch.float32)
     model.register_to_config(**(model_config or {}))
+    if prepare is not None:
+        prepare(model)
     if config:
         class Pipe:  # parallelize() needs only `.transformer`
             transformer = model
 
         parallelize(Pipe, ParallelConfig(**config))
     with torch.no_grad(), count_collectives() as counts:
-        out = model(**inputs)[0]
-    return out, dict(counts)
+        out = model(**inputs)
+    return (out[0] if outputs == 1 else tuple(out[:outputs])), dict(counts)
 
 
 def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, width: int, max_sequence_length: int,

@@ -630,6 +630,11 @@ class RunOptions:
             pipefusion_refusal(adapter)
         if self.displaced:
             displaced_refusal(adapter)
+        if (self.config.cfg > 1 or self.config.dp > 1) and adapter.batch_refusal:
+            raise ConfigError(f"cfg and dp do not run {adapter.name} yet: {adapter.batch_refusal}; use cfg=1 and dp=1 "
+                              "(ulysses and ring run it)")
+        if self.cache.on and adapter.cache_refusal:
+            raise ConfigError(f"step caches do not run {adapter.name}: {adapter.cache_refusal}; run without a cache")
 
 
 def pipefusion_refusal(adapter) -> None:

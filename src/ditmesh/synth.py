@@ -284,8 +284,14 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
     dtype = dtype or getattr(torch, arch.default_dtype)
     device = torch.device(device)
 
+    adapter = adapter_for_class(arch.transformer_class)
+    if adapter.synth_components is None:
+        from .config import ConfigError
+
+        raise ConfigError(f"synth --arch {arch.name}: ditmesh builds only the transformer of {arch.pipeline} (its other "
+                          f"components are not synthesized yet); plan --model {arch.name} and bench take it")
     kit = Kit(arch, seed, device, dtype, affine)
-    components = adapter_for_class(arch.transformer_class).synth_components(arch, kit)
+    components = adapter.synth_components(arch, kit)
     components["transformer"] = build_transformer(arch, seed, device, dtype, affine)
     if arch.transformer_2 is not None:
         cls = getattr(diffusers, arch.transformer_class)

@@ -45,10 +45,12 @@ class Split:
 
 @dataclass(frozen=True)
 class Gather:
-    """All-gather the chunks of ``stream`` along ``dim`` (one collective), back to the full sequence."""
+    """All-gather the chunks of ``stream`` along ``dim`` (one collective), back to the full sequence. ``item``: of a
+    tuple output, only this element is gathered (Kandinsky 6's blocks return the video and the whole audio)."""
 
     dim: int
     stream: str
+    item: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,16 @@ class TokenGrid:
     rank holding at least one. ``width``: (transformer, its forward inputs by name) -> tokens per row. ``rows``:
     module-path patterns (``*`` = one segment) -> the name of the int input that counts the grid's rows (the block's
     ``height``), replaced by this rank's rows. ``convs``: patterns of the convolutions over the grid (``[B, C, rows,
-    width]``), which exchange the halo rows their windows need with the neighbouring ranks before they run.
+    width]``), which exchange the halo rows their windows need with the neighbouring ranks before they run. A row may be
+    a whole frame of a video (Sana-Video: ``rows`` names the block's ``frames``, ``convs`` its temporal convolution).
     """
 
     stream: str
     width: Callable
     rows: dict[str, str] = field(default_factory=dict)
     convs: tuple[str, ...] = ()
+    #: what gives at least ``{n}`` rows, for the refusal of a grid with fewer rows than ranks
+    enough: str = "an image at least {n} latent rows tall"
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class SequencePlan:
     tensor); ``gathers`` gather its output. ``streams`` lists the token streams in the order the attention
     concatenates them (FLUX: text before image); each stream is split into contiguous chunks on its own, and
     the first split of a stream in a call fixes its chunk sizes (from the global length, so all ranks agree).
-    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each).
+    A path may hold ``*`` for one segment (``transformer_blocks.*``: an input every block takes is split at each) and
+    ``-1`` for the last entry of a list (``visual_transformer_blocks.-1``: Kandinsky 5 gathers after its last block).
     """
 
     streams: tuple[str, ...]
@@ -208,6 +214,31 @@ class BlockList:
     streams: tuple[str, ...] = ()
     joins: tuple[str, ...] = ()
     packed: tuple[str, ...] = ()
+
+
+class SequenceProcessor:
+    """What a family's sequence processor keeps: ``sp`` (what it calls ``attention`` on), the layer's ``previous``
+    processor (for the attentions it hands back unchanged) and that processor's attention backend. diffusers reads
+    ``_parallel_config`` on every processor; none is ours."""
+
+    _parallel_config = None
+
+    def __init__(self, sp, previous=None):
+        self.sp = sp
+        self.previous = previous
+        self._attention_backend = getattr(previous, "_attention_backend", None)
+
+
+def token_range(runtime, stream: str, local: int) -> tuple[int, int]:
+    """``(first, total)``: the global index of this rank's first token of ``stream`` and the stream's global length,
+    for a processor that needs its tokens' positions (Wan Animate's per-frame face attention). ``runtime`` is what the
+    processor calls ``attention`` on: the sequence-parallel runtime (or a runtime holding it as ``sp``), whose split of
+    ``stream`` in this call gives both; any other (chunked attention at degree 1) holds every token, ``local`` of them."""
+    sp = getattr(runtime, "sp", runtime)
+    sizes = getattr(getattr(sp, "ctx", None), "stream_sizes", {}).get(stream)
+    if sizes is None:
+        return 0, local
+    return sum(sizes[: sp.rank]), sum(sizes)
 
 
 def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
@@ -426,11 +457,20 @@ class ModelAdapter:
     graph_refusal: str | None = None
     #: why PipeFusion cannot run the family's calls (one line), or None: it runs wherever its block lists allow
     pp_refusal: str | None = None
+    #: why the step caches cannot skip the family's blocks (one line), or None: they run wherever it declares block
+    #: lists (Wan VACE adds its control hints between blocks, outside them: a skipped span would add them twice)
+    cache_refusal: str | None = None
+    #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
+    #: the batch hook gathers the first output only)
+    batch_refusal: str | None = None
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None
     #: its VAE decodes only with diffusers' tiling on (Allegro's raises otherwise): ``generate`` turns it on
     vae_tiled_only: bool = False
+    #: () -> None, called once its pipeline is loaded for ``generate``: makes up for what the diffusers pipeline expects
+    #: of the environment (WanVACEPipeline cleans prompts with ``ftfy`` whether or not it is installed); None: nothing
+    pipeline_setup: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming

@@ -47,6 +47,8 @@ class HunyuanVideoSequenceParallelProcessor:
     """
 
     _parallel_config = None
+    #: the joint sequence's order: video then text (HunyuanVideo), or text then video (EasyAnimate)
+    text_first = False
 
     def __init__(self, sp, previous=None):
         self.sp = sp
@@ -74,10 +76,12 @@ class HunyuanVideoSequenceParallelProcessor:
         else:
             eq, ek, ev = qkv(attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k, encoder_hidden_states)
 
-        out = self.sp.attention(torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1),
+        order = (lambda video, text: (text, video)) if self.text_first else (lambda video, text: (video, text))
+        out = self.sp.attention(*(torch.cat(order(a, b), dim=1) for a, b in ((q, eq), (k, ek), (v, ev))),
                                 backend=self._attention_backend, mask=attention_mask)
         out = out.flatten(2, 3).to(q.dtype)
-        video_out, text_out = out.split_with_sizes([q.shape[1], eq.shape[1]], dim=1)
+        parts = out.split_with_sizes(order(q.shape[1], eq.shape[1]), dim=1)
+        video_out, text_out = order(*parts)  # the same swap undoes itself
         if getattr(attn, "to_out", None) is not None:
             video_out = attn.to_out[1](attn.to_out[0](video_out.contiguous()))
         if getattr(attn, "to_add_out", None) is not None:

@@ -35,6 +35,17 @@ CLASSES: dict[str, str] = {
     'SD3Transformer2DModel': 'sd3',
     'SkyReelsV2Transformer3DModel': 'skyreels_v2',
     'ZImageTransformer2DModel': 'zimage',
+    'ChronoEditTransformer3DModel': 'wan_variants',
+    'WanVACETransformer3DModel': 'wan_variants',
+    'WanAnimateTransformer3DModel': 'wan_variants',
+    'HunyuanVideo15Transformer3DModel': 'hunyuan_variants',
+    'LTX2VideoTransformer3DModel': 'ltx2',
+    'Kandinsky5Transformer3DModel': 'kandinsky5',
+    'Kandinsky6Transformer3DModel': 'kandinsky6',
+    'SanaVideoTransformer3DModel': 'sana_variants',
+    'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
+    'CosmosTransformer3DModel': 'cosmos',
+    'EasyAnimateTransformer3DModel': 'easyanimate',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -155,6 +166,60 @@ SYNTH: dict[str, tuple[str, str]] = {
                                "(diffusers' own test size, 48 wide)"),
     'z-image': ('zimage', 'Z-Image-Turbo-shaped transformer (30 layers + 2 + 2 refiners, 30 heads x 128, 6.2B '
                           "params), FLUX.1's VAE, a two-layer Qwen3 text encoder of Qwen3-4B's width"),
+    'chronoedit-14b': ('wan_variants', "ChronoEdit-14B transformer (Wan2.1-I2V-14B's: 40 blocks, 40 heads x 128, 36 "
+                                       'channels in, CLIP image tokens), full Wan VAE, small UMT5, a one-layer CLIP '
+                                       'vision encoder'),
+    'chronoedit-tiny': ('wan_variants', "ChronoEdit shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
+                                        "x 8) reading 36 channels and a tiny CLIP vision encoder's tokens, tiny Wan "
+                                        'VAE'),
+    'wan2.1-vace-14b': ('wan_variants', 'Wan2.1-VACE-14B transformer (40 blocks and 8 VACE blocks, 40 heads x 128), '
+                                        'full Wan VAE, small UMT5'),
+    'wan-vace-tiny': ('wan_variants', "Wan VACE shrunk for CPU tests: diffusers' test config (4 blocks, VACE blocks "
+                                      'at 0 and 2, 2 heads x 12) with 96 control channels, tiny Wan VAE'),
+    'wan2.2-animate-14b': ('wan_variants', 'Wan2.2-Animate-14B transformer (40 blocks, 40 heads x 128, a face '
+                                           'adapter every 5 blocks, motion and face encoders), full Wan VAE, small '
+                                           'UMT5, a one-layer CLIP vision encoder'),
+    'wan-animate-tiny': ('wan_variants', "Wan Animate shrunk for CPU tests: diffusers' test config (2 blocks, 2 "
+                                         'heads x 12, one face adapter, a 16-pixel motion encoder), tiny Wan VAE'),
+    'hunyuan-video-1.5': ('hunyuan_variants', 'HunyuanVideo 1.5 (8.3B) transformer (54 dual-stream blocks, 16 heads '
+                                              'x 128, 2 refiner blocks; Qwen prompt, ByT5 glyph and SigLIP image '
+                                              'tokens in the text stream)'),
+    'hunyuan-video-1.5-tiny': ('hunyuan_variants', "HunyuanVideo 1.5 shrunk for CPU tests: diffusers' test config (2 "
+                                                   'blocks, 1 refiner block, 2 heads x 8, patch 1) reading 9 '
+                                                   'channels, a tiny 16x VAE, Qwen2.5-VL text model and ByT5'),
+    'ltx-2': ('ltx2', 'LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B '
+                      "params); the transformer alone (the pipeline's Gemma-3 encoder, connectors, audio VAE and "
+                      'vocoder are not synthesized)'),
+    'ltx-2-tiny': ('ltx2', "LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 "
+                           'heads x 4); the transformer alone'),
+    'kandinsky5-lite': ('kandinsky5', 'Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x '
+                                      '64, 2B params); the transformer alone'),
+    'kandinsky5-tiny': ('kandinsky5', "Kandinsky 5 shrunk for CPU tests: diffusers' pipeline test's transformer (1 "
+                                      'text + 2 visual blocks, 4 heads x 4); the transformer alone'),
+    'kandinsky6': ('kandinsky6', 'Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 '
+                                 'heads x 128); the transformer alone'),
+    'kandinsky6-tiny': ('kandinsky6', 'Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 '
+                                      'heads x 4, audio 2 heads x 4, the released flags; the transformer alone'),
+    'sana-video-2b': ('sana_variants', 'Sana-Video 2B transformer (20 blocks, linear attention 20 heads x 112, '
+                                       'cross-attention 20 x 112, Mix-FFN with a temporal convolution), Wan 2.1 VAE, '
+                                       'one-layer Gemma-2'),
+    'sana-video-tiny': ('sana_variants', "Sana-Video shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
+                                         'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
+    'hunyuan-video-framepack': ('hunyuan_variants', 'HunyuanVideo Framepack (FramePackI2V_HY) transformer '
+                                                    "(HunyuanVideo's 20 dual + 40 single blocks, 24 heads x 128, "
+                                                    'history patch embedders, SigLIP image projection); the '
+                                                    'transformer alone'),
+    'hunyuan-video-framepack-tiny': ('hunyuan_variants', "HunyuanVideo Framepack shrunk for CPU tests: diffusers' "
+                                                         'test config (1 dual + 1 single block, 2 heads x 10); the '
+                                                         'transformer alone'),
+    'cosmos-1.0-7b': ('cosmos', 'Cosmos-1.0-Diffusion-7B-Text2World transformer (28 blocks, 32 heads x 128); the '
+                                'transformer alone'),
+    'cosmos-tiny': ('cosmos', "Cosmos shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads x 12, "
+                              'learnable position embedding) without the padding-mask channel; the transformer alone'),
+    'easyanimate-v5.1-12b': ('easyanimate', 'EasyAnimateV5.1-12B transformer (48 blocks, 48 heads x 64, MMDiT text '
+                                            'projections throughout); the transformer alone'),
+    'easyanimate-tiny': ('easyanimate', "EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 "
+                                        'heads x 16); the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -214,6 +279,24 @@ HEADS: dict[str, int] = {
     'skyreels-v2-tiny': 6,
     'skyreels-v2-i2v-tiny': 6,
     'skyreels-v2-tiny-fps': 6,
+    'chronoedit-14b': 40,
+    'chronoedit-tiny': 2,
+    'wan2.1-vace-14b': 40,
+    'wan-vace-tiny': 2,
+    'wan2.2-animate-14b': 40,
+    'wan-animate-tiny': 2,
+    'hunyuan-video-1.5': 16,
+    'hunyuan-video-1.5-tiny': 2,
+    'ltx-2': 32,
+    'ltx-2-tiny': 2,
+    'sana-video-2b': 20,
+    'sana-video-tiny': 2,
+    'hunyuan-video-framepack': 24,
+    'hunyuan-video-framepack-tiny': 2,
+    'cosmos-1.0-7b': 32,
+    'cosmos-tiny': 2,
+    'easyanimate-v5.1-12b': 48,
+    'easyanimate-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

@@ -55,17 +55,19 @@ class SanaSequenceParallelProcessor:
         self.sp = sp
         self.previous = previous
 
+    @staticmethod
+    def projections(attn, hidden_states):
+        """Q, K, V of the local tokens ``[B, N, H * D]``, the QK-norms applied where the layer has them."""
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        return (attn.norm_q(q) if attn.norm_q is not None else q), (attn.norm_k(k) if attn.norm_k is not None else k), v
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
         if encoder_hidden_states is not None:
             return self.previous(attn, hidden_states, encoder_hidden_states, attention_mask)
         if attention_mask is not None:
             raise NotImplementedError("ditmesh: Sana's linear self-attention takes no attention mask")
         dtype = hidden_states.dtype
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
+        q, k, v = self.projections(attn, hidden_states)
         # [B, N, H * D] -> [B, H, D, N] (keys [B, H, N, D]), as diffusers' processor lays them out
         q, k, v = (t.transpose(1, 2).unflatten(1, (attn.heads, -1)) for t in (q, k, v))
         q, k, v = F.relu(q).float(), F.relu(k).transpose(2, 3).float(), v.float()

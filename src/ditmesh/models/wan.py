@@ -134,21 +134,23 @@ def wan_layout(config: dict, height: int, width: int, frames: int, text_tokens: 
 #: the ``?`` patterns may match nothing (T2V). The condition embedder (time, text, image), the per-block
 #: ``scale_shift_table``, ``norm2`` and ``proj_out`` stay replicated. Fused projections (``fuse_projections``)
 #: are not covered by the plan.
-WAN_TENSOR_PLAN = TensorPlan(
-    colwise=(
-        "blocks.*.attn1.to_q", "blocks.*.attn1.to_k", "blocks.*.attn1.to_v",
-        "blocks.*.attn2.to_q", "blocks.*.attn2.to_k", "blocks.*.attn2.to_v",
-        "blocks.*.attn2.add_k_proj?", "blocks.*.attn2.add_v_proj?",
-        "blocks.*.ffn.net.0.proj",
-    ),
-    rowwise=("blocks.*.attn1.to_out.0", "blocks.*.attn2.to_out.0", "blocks.*.ffn.net.2"),
-    per_rank_attrs={"blocks.*.attn1": ("heads", "inner_dim", "kv_inner_dim"),
-                    "blocks.*.attn2": ("heads", "inner_dim", "kv_inner_dim")},
-    sharded_norms=(
-        "blocks.*.attn1.norm_q", "blocks.*.attn1.norm_k",
-        "blocks.*.attn2.norm_q", "blocks.*.attn2.norm_k", "blocks.*.attn2.norm_added_k?",
-    ),
-)
+def wan_tensor_plan(*lists: str) -> TensorPlan:
+    """The plan below for the Wan blocks of each ``ModuleList`` named in ``lists`` (Wan VACE's ``vace_blocks`` are Wan
+    blocks too)."""
+    def each(*suffixes: str) -> tuple[str, ...]:
+        return tuple(f"{path}.*.{suffix}" for path in lists for suffix in suffixes)
+
+    heads = ("heads", "inner_dim", "kv_inner_dim")
+    return TensorPlan(
+        colwise=each("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+                     "attn2.add_k_proj?", "attn2.add_v_proj?", "ffn.net.0.proj"),
+        rowwise=each("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
+        per_rank_attrs={pattern: heads for pattern in each("attn1", "attn2")},
+        sharded_norms=each("attn1.norm_q", "attn1.norm_k", "attn2.norm_q", "attn2.norm_k", "attn2.norm_added_k?"),
+    )
+
+
+WAN_TENSOR_PLAN = wan_tensor_plan("blocks")
 
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
@@ -289,16 +291,22 @@ def _needs_i2v(config: dict) -> str | None:
             f"the first-frame mask and the encoded image); this one reads {cin} channels (text-to-video)")
 
 
-def _i2v_setup() -> None:
-    """WanImageToVideoPipeline cleans prompts with ``ftfy`` unconditionally (WanPipeline only when it is installed);
-    without ftfy, give its module an ``ftfy`` that leaves text as it is, which is what WanPipeline does then."""
-    import types
+def ftfy_setup(pipeline_module: str):
+    """A ``setup`` for a pipeline module (``diffusers.pipelines.<pipeline_module>``) that cleans prompts with ``ftfy``
+    unconditionally (WanImageToVideoPipeline, ChronoEditPipeline; WanPipeline only when it is installed): without ftfy,
+    give the module an ``ftfy`` that leaves text as it is, which is what WanPipeline does then."""
 
-    from diffusers.pipelines.wan import pipeline_wan_i2v
-    from diffusers.utils import is_ftfy_available
+    def setup() -> None:
+        import importlib
+        import types
 
-    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
-        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+        from diffusers.utils import is_ftfy_available
+
+        module = importlib.import_module(f"diffusers.pipelines.{pipeline_module}")
+        if not is_ftfy_available() and not hasattr(module, "ftfy"):
+            module.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
+
+    return setup
 
 
 #: Image-to-video: the condition image is VAE-encoded (as the first frame of an otherwise black video, split over
@@ -306,7 +314,7 @@ def _i2v_setup() -> None:
 #: the tensor plan are those of text-to-video; Wan 2.1 I2V checkpoints also cross-attend to CLIP image tokens
 #: (``add_k_proj``/``add_v_proj``, in the tensor plan). No strength: every run starts from noise.
 WAN_IMAGE_PIPELINES = (ImagePipeline("i2v", "WanImageToVideoPipeline", strength=False, check=_needs_i2v,
-                                     setup=_i2v_setup),)
+                                     setup=ftfy_setup("wan.pipeline_wan_i2v")),)
 
 
 def wan_components(arch: SynthArch, kit) -> dict:
@@ -360,7 +368,7 @@ WAN = register(
         out_channels=lambda model: model.config.out_channels,
         frame_step=4,  # the Wan VAE compresses time 4x: 4k+1 frames
         fps=16,  # Wan 2.1 is trained on 16 fps clips
-        pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline", "WanVACEPipeline"),
+        pipelines=("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
         image_pipelines=WAN_IMAGE_PIPELINES,
         synth_archs=WAN_ARCHS,
         synth_components=wan_components,

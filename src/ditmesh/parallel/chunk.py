@@ -110,6 +110,10 @@ class LocalAttention:
     def attention(self, query, key, value, backend=None, streams=None, mask=None):
         return dispatched_attention(query, key, value, mask, backend, self.query_chunks)
 
+    def whole_query_attention(self, query, key, value):
+        """:meth:`~ditmesh.parallel.sequence.SequenceParallel.whole_query_attention` at degree 1: every key is here."""
+        return dispatched_attention(query, key, value, None, None, self.query_chunks)
+
 
 def apply(model: torch.nn.Module, adapter, chunk, device: torch.device, attention: QueryChunks | None = None) -> list:
     """Put a :class:`ChunkHook` on every module of ``model`` the adapter names token-wise and, with ``attention``

@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from ..attention.local import QueryChunks, score_mask
-from ..attention.ring import ring_attention
+from ..attention.local import QueryChunks, attention_with_lse, score_mask
+from ..attention.ring import merge_partial, ring_attention
 from ..attention.ulysses import ulysses_attention
 from ..attention.usp import ring_chunk_sizes, usp_attention
 from ..comm import all_gather_uneven, all_reduce_sum, group_name, offsets, split_sizes
@@ -140,6 +140,21 @@ class SequenceParallel:
                              self.ring_group_name, self.ulysses_group_name, mask=mask, chunks=self.query_chunks,
                              comm_dtype=self.comm_dtype)
 
+    def whole_query_attention(self, query, key, value):
+        """Queries every sp rank holds whole (``[B, S_q, H, D]``: LTX-2's audio) against keys and values split over the
+        sp ranks (this rank's part of a stream: the video), all heads. Each rank attends to its own keys, keeping the
+        log-sum-exp; one all-gather of every rank's partial output and log-sum-exp (packed as one tensor), merged in
+        rank order. Cross-rank rule: every rank merges the same pieces in the same order, so every rank ends with the
+        same result, bit for bit. Exact up to the merge's rounding (as ring attention)."""
+        out, lse = attention_with_lse(query, key, value)
+        packed = torch.cat([out.float(), lse.transpose(1, 2).unsqueeze(-1)], dim=-1)  # [B, S_q, H, D + 1]
+        batch = packed.shape[0]
+        gathered = all_gather_uneven(packed, 0, [batch] * self.degree, self.group)
+        merged, merged_lse = None, None
+        for part in gathered.split(batch, dim=0):
+            merged, merged_lse = merge_partial(merged, merged_lse, part[..., :-1], part[..., -1].transpose(1, 2))
+        return merged.to(query.dtype)
+
     def ring_gathered(self, query, key, value, seq_sizes: list[int], local):
         """``local`` over every sp rank's keys and values under ring or USP: after the Ulysses all-to-all (USP) the
         ring ranks' keys and values are all-gathered (one all-gather, K and V together), and ``local`` attends this
@@ -232,7 +247,7 @@ class SequenceParallel:
         if rest or rows < self.degree:
             raise ValueError(f"{self.adapter.name} splits its {stream} tokens in whole grid rows, one or more per rank: "
                              f"{n} tokens in rows of {width} cannot go to {self.degree} sequence-parallel ranks; use "
-                             f"an image at least {self.degree} latent rows tall or fewer ranks")
+                             f"{self.grid.enough.format(n=self.degree)} or fewer ranks")
         self.grid_rows.units = split_sizes(rows, self.degree)
         return [r * width for r in self.grid_rows.units]
 
@@ -366,12 +381,24 @@ def _split_outputs_hook(sp: SequenceParallel, module: torch.nn.Module, splits: d
 
 
 def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
-    return module.register_forward_hook(lambda mod, args, out: sp.gather(out, spec.dim, spec.stream))
+    def hook(mod, args, out):
+        if spec.item is None:
+            return sp.gather(out, spec.dim, spec.stream)
+        return type(out)(sp.gather(t, spec.dim, spec.stream) if i == spec.item else t for i, t in enumerate(out))
+
+    return module.register_forward_hook(hook)
 
 
 def module_paths(model: torch.nn.Module, pattern: str) -> list[str]:
     """The paths of ``model``'s modules that ``pattern`` names: itself when it has no ``*``, else every module it
-    matches (``*`` = one path segment; QwenImage's ``transformer_blocks.*`` is every block)."""
+    matches (``*`` = one path segment; QwenImage's ``transformer_blocks.*`` is every block). A ``-1`` segment is the
+    last entry of the list before it (Kandinsky 5's ``visual_transformer_blocks.-1``: the last block, whatever the
+    checkpoint's depth)."""
+    segments = pattern.split(".")
+    if "-1" in segments:
+        at = segments.index("-1")
+        segments[at] = str(len(model.get_submodule(".".join(segments[:at]))) - 1)
+        pattern = ".".join(segments)
     if "*" not in pattern:
         return [pattern]
     regex = name_pattern(pattern)

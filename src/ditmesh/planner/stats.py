@@ -285,6 +285,10 @@ def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
         for module in model.modules():
             if hasattr(module, "heads") and hasattr(module, "inner_dim"):
                 return int(module.heads), int(module.inner_dim // module.heads)
+        for module in model.modules():  # an attention layer counting ``num_heads``, its first linear the query's width
+            query = next((c for c in module.children() if isinstance(c, torch.nn.Linear)), None)
+            if isinstance(getattr(module, "num_heads", None), int) and query is not None:
+                return module.num_heads, query.out_features // module.num_heads
         raise PlannerError("cannot find the attention head count in the model config")
     return int(heads), int(head_dim)
 

@@ -6,8 +6,10 @@ the outputs (image, JSON report, optional latents); every rank contributes its l
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -359,17 +361,37 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     if image_args_given(args):
         kwargs.update(image_call_kwargs(args, kwargs["height"], kwargs["width"]))
     accepted = inspect.signature(pipe.__call__).parameters
+    if "num_frames" not in accepted and "frames" in accepted:  # SanaVideoPipeline names its frame count `frames`
+        kwargs["frames"] = kwargs.pop("num_frames")
     return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
 
 
-def step_callback(pipe, on_step_end) -> dict:
+@contextlib.contextmanager
+def step_callback(pipe, on_step_end):
     """Pipeline-call kwargs that run ``on_step_end(pipe, i, t, {"latents": latents, ...})`` after every denoising step:
     ``callback_on_step_end`` where the pipeline takes it, else the older ``callback(i, t, latents)`` on every step
-    (``callback_steps=1``; PixArt's pipelines)."""
+    (``callback_steps=1``; PixArt's pipelines). A pipeline that takes neither (HunyuanVideo15Pipeline) gets none: its
+    scheduler's ``step`` ends each denoising step, and while the call runs (the context) a wrapper on that instance
+    calls ``on_step_end`` with the step's output as the latents, then leaves."""
     accepted = inspect.signature(pipe.__call__).parameters
-    if "callback_on_step_end" in accepted or "callback" not in accepted:
-        return {"callback_on_step_end": on_step_end}
-    return {"callback": lambda i, t, latents: on_step_end(pipe, i, t, {"latents": latents}), "callback_steps": 1}
+    if "callback_on_step_end" in accepted:
+        yield {"callback_on_step_end": on_step_end}
+    elif "callback" in accepted:
+        yield {"callback": lambda i, t, latents: on_step_end(pipe, i, t, {"latents": latents}), "callback_steps": 1}
+    else:
+        scheduler, index = pipe.scheduler, itertools.count()
+
+        def step(*args, **kwargs):
+            out = type(scheduler).step(scheduler, *args, **kwargs)
+            on_step_end(pipe, next(index), args[1] if len(args) > 1 else kwargs.get("timestep"),
+                        {"latents": out[0] if isinstance(out, tuple) else out.prev_sample})
+            return out
+
+        scheduler.step = step
+        try:
+            yield {}
+        finally:
+            del scheduler.step
 
 
 @dataclass
@@ -446,8 +468,11 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
                                      for name in names})
     else:
         pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype))
-    if adapter_for(pipe.transformer).vae_tiled_only:  # its VAE has no other decode (Allegro's)
+    adapter = adapter_for(pipe.transformer)
+    if adapter.vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
+    if adapter.pipeline_setup is not None:  # what its pipeline expects of the environment (WanVACEPipeline's ftfy)
+        adapter.pipeline_setup()
     join()
     with phase("parallelize"):
         runtime = parallelize(pipe, options, device=device)  # loads the LoRAs last (fused with options.fuse_lora)
@@ -516,7 +541,8 @@ def run(args) -> int:
     phases = CallPhases(pipe, transformers_of(pipe), lambda: _sync(device), first_step_name(args))
     t0 = time.perf_counter()
     with phases:
-        result = pipe(**call, **step_callback(pipe, on_step_end))
+        with step_callback(pipe, on_step_end) as callback:
+            result = pipe(**call, **callback)
         _sync(device)
     total_s = time.perf_counter() - t0
     step_s = [b - a for a, b in zip([t0] + marks[:-1], marks)]

@@ -210,7 +210,8 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
                 raise _Cancelled(i + 1)
             return kw
 
-        result = pipe(**call, **step_callback(pipe, on_step_end))
+        with step_callback(pipe, on_step_end) as callback:
+            result = pipe(**call, **callback)
         if rank == 0:
             pictures = _pictures(result)  # PNG-encoded by the front end, off the ranks' path
             phases = timeline.report(start, time.perf_counter())
