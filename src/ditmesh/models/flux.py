@@ -61,21 +61,27 @@ class FluxSequenceParallelProcessor:
         return image_out, text_out
 
 
+def flux_image_ids(h: int, w: int) -> torch.Tensor:
+    """FLUX's image position ids of an ``h`` x ``w`` token grid, ``[h * w, 3]``: (0, row, column)."""
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] += torch.arange(h)[:, None]
+    img_ids[..., 2] += torch.arange(w)[None, :]
+    return img_ids.reshape(h * w, 3)
+
+
 def flux_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one FluxPipeline denoising step (random latents and text embeddings)."""
     cfg = model.config
     h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
     rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] += torch.arange(h)[:, None]
-    img_ids[..., 2] += torch.arange(w)[None, :]
+    img_ids = flux_image_ids(h, w)
     return dict(
         hidden_states=rand(batch, h * w, cfg.in_channels),
         encoder_hidden_states=rand(batch, text_len, cfg.joint_attention_dim),
         pooled_projections=rand(batch, cfg.pooled_projection_dim),
         timestep=torch.full((batch,), 0.7).to(device, dtype),
         guidance=torch.full((batch,), 3.5).to(device, dtype) if cfg.guidance_embeds else None,
-        img_ids=img_ids.reshape(h * w, 3).to(device, dtype),
+        img_ids=img_ids.to(device, dtype),
         txt_ids=torch.zeros(text_len, 3).to(device, dtype),
         return_dict=False,
     )

@@ -35,6 +35,9 @@ CLASSES: dict[str, str] = {
     'SD3Transformer2DModel': 'sd3',
     'SkyReelsV2Transformer3DModel': 'skyreels_v2',
     'ZImageTransformer2DModel': 'zimage',
+    'LongCatImageTransformer2DModel': 'flux_like',
+    'OvisImageTransformer2DModel': 'flux_like',
+    'BriaTransformer2DModel': 'flux_like',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -155,6 +158,19 @@ SYNTH: dict[str, tuple[str, str]] = {
                                "(diffusers' own test size, 48 wide)"),
     'z-image': ('zimage', 'Z-Image-Turbo-shaped transformer (30 layers + 2 + 2 refiners, 30 heads x 128, 6.2B '
                           "params), FLUX.1's VAE, a two-layer Qwen3 text encoder of Qwen3-4B's width"),
+    'longcat-image-tiny': ('flux_like', "LongCat-Image shrunk for CPU tests: diffusers' test configuration (1 "
+                                        'double + 1 single block, 2 heads x 16), a tiny VAE and Qwen2.5-VL'),
+    'longcat-image': ('flux_like', 'LongCat-Image transformer (19 double + 38 single blocks, 24 heads x 128, text'
+                                   " width 3584), FLUX.1's VAE, a one-layer Qwen2.5-VL text encoder"),
+    'ovis-image-tiny': ('flux_like', "Ovis-Image shrunk for CPU tests: diffusers' test configuration (1 double +"
+                                     ' 1 single block, 2 heads x 16, SwiGLU), a tiny VAE and Qwen3'),
+    'ovis-image': ('flux_like', 'Ovis-Image 7B transformer (6 double + 27 single blocks, 24 heads x 128, SwiGLU, '
+                                "text width 2048), FLUX.1's VAE, a one-layer Qwen3 text encoder of Qwen3-1.7B's "
+                                'width'),
+    'bria-tiny': ('flux_like', "Bria shrunk for CPU tests: diffusers' test configuration (1 double + 1 single "
+                               'block, 2 heads x 16, RoPE axes 0 + 8 + 8, text width 64), a tiny VAE and T5'),
+    'bria-3.2': ('flux_like', "Bria 3.2 transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
+                              " x 128, text width 4096), FLUX.1's VAE, a one-layer T5-XXL-wide encoder"),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -214,6 +230,12 @@ HEADS: dict[str, int] = {
     'skyreels-v2-tiny': 6,
     'skyreels-v2-i2v-tiny': 6,
     'skyreels-v2-tiny-fps': 6,
+    'longcat-image-tiny': 2,
+    'longcat-image': 24,
+    'ovis-image-tiny': 2,
+    'ovis-image': 24,
+    'bria-tiny': 2,
+    'bria-3.2': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
