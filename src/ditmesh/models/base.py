@@ -391,6 +391,9 @@ class ModelAdapter:
     #: the transformer's output sample has ``hidden_states``'s shape except this dim, which is ``out_channels(model)``
     output_channel_dim: int = -1
     out_channels: Callable | None = None
+    #: (model, a call's forward kwargs) -> the output's tokens (dim 1) where they are not the sample input's (Qwen-Image
+    #: 2.1 returns its whole joint sequence of text and images); None: the sample input's
+    output_tokens: Callable | None = None
     #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
     fuse_qkv: bool = False
     #: video families: valid frame counts are ``frame_step * k + first_frames`` (the VAE's temporal compression);
@@ -439,11 +442,14 @@ class ModelAdapter:
     unsupported: Callable | None = None
     notes: dict = field(default_factory=dict)
 
-    def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """An uninitialized tensor shaped like the model's output for input ``hidden_states``."""
+    def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:
+        """An uninitialized tensor shaped like the model's output for input ``hidden_states`` (of the call whose forward
+        kwargs are ``kwargs``, for ``output_tokens``)."""
         shape = list(hidden_states.shape)
         if self.out_channels is not None:
             shape[self.output_channel_dim] = self.out_channels(model)
+        if self.output_tokens is not None:
+            shape[1] = self.output_tokens(model, kwargs)
         return hidden_states.new_empty(shape)
 
     def attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -38,6 +38,7 @@ CLASSES: dict[str, str] = {
     'LongCatImageTransformer2DModel': 'flux_like',
     'OvisImageTransformer2DModel': 'flux_like',
     'BriaTransformer2DModel': 'flux_like',
+    'QwenImage21Transformer2DModel': 'qwenimage21',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -171,6 +172,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                'block, 2 heads x 16, RoPE axes 0 + 8 + 8, text width 64), a tiny VAE and T5'),
     'bria-3.2': ('flux_like', "Bria 3.2 transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
                               " x 128, text width 4096), FLUX.1's VAE, a one-layer T5-XXL-wide encoder"),
+    'qwenimage21-tiny': ('qwenimage21', 'Qwen-Image 2.1 shrunk for CPU tests: 2 single-stream blocks, 4 heads x '
+                                        '16, text width 32'),
+    'qwenimage21': ('qwenimage21', "Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32"
+                                   ' heads x 128, text width 4096, block-causal attention); the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -236,6 +241,8 @@ HEADS: dict[str, int] = {
     'ovis-image': 24,
     'bria-tiny': 2,
     'bria-3.2': 24,
+    'qwenimage21-tiny': 4,
+    'qwenimage21': 32,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

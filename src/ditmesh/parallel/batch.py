@@ -189,7 +189,7 @@ class BatchHook(Hook):
     def placeholder(self, kwargs: dict):
         bp = self.bp
         like = bp.sample_template.narrow(0, 0, 0) if bp.adapter.sample_lists else kwargs[bp.adapter.sample_input]
-        sample = bp.adapter.output_like(bp.model, like)
+        sample = bp.adapter.output_like(bp.model, like, kwargs)
         if not kwargs.get("return_dict", self.return_dict_default):
             return (sample,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
