@@ -1,4 +1,4 @@
-"""The FLUX.1-shaped families (LongCat-Image, Ovis-Image, Bria: ``models/flux_like.py``) on real gloo process groups,
+"""The FLUX.1-shaped families (LongCat-Image, Ovis-Image, Bria, Bria FIBO: ``models/flux_like.py``) on real gloo process groups,
 against one process: each transformer at diffusers' own test configuration under Ulysses, ring, USP and tp, on
 diffusers' test input sizes and on odd token counts; each pipeline under its CFG mode; one ``generate`` per family."""
 
@@ -10,7 +10,7 @@ import torch
 from cases_models import FamilyRuns, axis_id, check_ranks, run_ranks, transformer_call
 from ditmesh.testing import rel_err
 
-FAMILIES = ["longcat-image-tiny", "ovis-image-tiny", "bria-tiny"]
+FAMILIES = ["longcat-image-tiny", "ovis-image-tiny", "bria-tiny", "bria-fibo-tiny"]
 #: (height, width, text tokens): diffusers' test inputs (4 x 4 image tokens, 48 text tokens) and an odd count
 #: (3 x 5 image tokens, 11 text tokens) that no degree divides
 SIZES = {"diffusers": (64, 64, 48), "odd": (48, 80, 11)}
@@ -27,8 +27,13 @@ def _inputs(arch: str, size: str) -> dict:
 
     height, width, text = SIZES[size]
     model = build_transformer(arch, dtype=torch.float32)
-    return adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                             torch.float32)
+    inputs = adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
+                                               torch.float32)
+    if arch == "bria-fibo-tiny":  # BriaFiboPipeline's key padding over [text, image]: sample 0's last 3 text tokens
+        keys = torch.ones(2, text + inputs["hidden_states"].shape[1], dtype=torch.bool)
+        keys[0, text - 3:text] = False
+        inputs["joint_attention_kwargs"] = {"attention_mask": keys[:, None, None, :]}
+    return inputs
 
 
 def call_counts(config: dict) -> dict:
@@ -53,6 +58,25 @@ def test_flux_like_transformer_matches_single_process(pools, arch, config, size)
     for out, counts in pools(degree).run(transformer_call, arch, config, inputs):
         assert rel_err(out, ref) <= 1e-5
         assert counts == call_counts(config)
+
+
+def test_bria_fibo_batched_cfg_splits_the_mask_and_layers(pools):
+    # BriaFiboPipeline runs CFG as one call on [uncond, cond]: each cfg rank takes its sample of the latents, of every
+    # encoder layer and of the key padding inside joint_attention_kwargs (sample 0 is padded, sample 1 is not)
+    inputs = _inputs("bria-fibo-tiny", "odd")
+    ref, _ = transformer_call("bria-fibo-tiny", {}, inputs)
+    for out, counts in pools(2).run(transformer_call, "bria-fibo-tiny", {"cfg": 2}, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == {"all_gather": 1}
+
+
+def test_bria_fibo_mask_and_encoder_layers_matter():
+    # what the parallel runs split or reorder changes the output: the key padding, the per-block encoder layers
+    inputs = _inputs("bria-fibo-tiny", "odd")
+    ref, _ = transformer_call("bria-fibo-tiny", {}, inputs)
+    assert rel_err(transformer_call("bria-fibo-tiny", {}, dict(inputs, joint_attention_kwargs=None))[0], ref) > 1e-3
+    layers = [layer.flip(1) for layer in inputs["text_encoder_layers"]]
+    assert rel_err(transformer_call("bria-fibo-tiny", {}, dict(inputs, text_encoder_layers=layers))[0], ref) > 1e-3
 
 
 def test_flux_like_ids_matter():

@@ -38,11 +38,14 @@ class FluxSequenceParallelProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         q, k, v, eq, ek, ev = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
+        # diffusers' generic ``Attention`` (Bria-FIBO's single blocks) has no ``head_dim``: its heads (divided under
+        # tensor parallelism) split the projection
+        head_dim = getattr(attn, "head_dim", None) or q.shape[-1] // attn.heads
+        q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
         q, k = attn.norm_q(q), attn.norm_k(k)
         joint = attn.added_kv_proj_dim is not None and encoder_hidden_states is not None
         if joint:
-            eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
+            eq, ek, ev = (t.unflatten(-1, (-1, head_dim)) for t in (eq, ek, ev))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
         if image_rotary_emb is not None:

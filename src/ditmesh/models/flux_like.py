@@ -1,5 +1,5 @@
 """The FLUX.1-shaped image transformers: LongCat-Image (``LongCatImageTransformer2DModel``), Ovis-Image
-(``OvisImageTransformer2DModel``) and Bria 3.x (``BriaTransformer2DModel``).
+(``OvisImageTransformer2DModel``), Bria 3.x (``BriaTransformer2DModel``) and Bria FIBO (``BriaFiboTransformer2DModel``).
 
 Each is FLUX.1's transformer under other class names: double blocks over ``[text, image]`` (``transformer_blocks``),
 then single blocks that concatenate the two streams (``single_transformer_blocks``), one RoPE table built from
@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from .base import ModelAdapter, AttentionSelector, SequencePlan, Split, SynthArch, TensorPlan, register
+from .base import AttentionSelector, BlockList, ModelAdapter, SequencePlan, Split, SynthArch, TensorPlan, register
 from .flux import FLUX, FLUX_DEV, FLUX_SCHEDULER, FLUX_TENSOR_PLAN, _FLUX_TINY, flux_components, flux_image_ids
 
 #: the split points of every FLUX-shaped family: text and image tokens and their ids, each on its own stream (the ids
@@ -58,21 +58,26 @@ def flux_like_example_inputs(model, height, width, batch, text_len, generator, d
     )
     if cfg.get("guidance_embeds"):
         inputs["guidance"] = torch.full((batch,), 3.5).to(device, dtype)
+    if "text_encoder_dim" in cfg:  # Bria-FIBO: one text-encoder layer per block, projected into half the text stream
+        inputs["text_encoder_layers"] = [rand(batch, text_len, cfg.text_encoder_dim)
+                                         for _ in range(cfg.num_layers + cfg.num_single_layers)]
     accepted = inspect.signature(model.forward).parameters
     return {name: value for name, value in inputs.items() if name in accepted}
 
 
-def flux_like(name: str, class_name: str, attention: str, pipeline: str, archs: tuple, components,
+def flux_like(name: str, class_name: str, attention: AttentionSelector, pipeline: str, archs: tuple, components,
               tensor_plan: TensorPlan = FLUX_TENSOR_PLAN, batched_cfg: bool = False, text_tokens: int = 512,
-              batch_inputs=("hidden_states", "encoder_hidden_states", "timestep", "guidance")) -> ModelAdapter:
+              batch_inputs=("hidden_states", "encoder_hidden_states", "timestep", "guidance"),
+              sequence_plan: SequencePlan = FLUX_LIKE_PLAN, **fields) -> ModelAdapter:
     """The adapter of a FLUX.1-shaped class: FLUX's plans, processor and blocks under ``class_name`` (whose attention
-    layers are ``attention``), with its own pipeline, CFG mode, synthetic architectures and components."""
+    layers ``attention`` selects), with its own pipeline, CFG mode, synthetic architectures and components (``fields``:
+    any other adapter field that differs)."""
     return dataclasses.replace(
         FLUX,
         name=name,
         class_names=(class_name,),
-        sequence_plan=FLUX_LIKE_PLAN,
-        attention=AttentionSelector(class_names=(attention,)),
+        sequence_plan=sequence_plan,
+        attention=attention,
         example_inputs=flux_like_example_inputs,
         text_tokens=text_tokens,
         checkpoint_text_tokens=None,
@@ -85,6 +90,7 @@ def flux_like(name: str, class_name: str, attention: str, pipeline: str, archs: 
         synth_archs=archs,
         synth_components=components,
         image_pipelines=(),
+        **fields,
     )
 
 
@@ -214,11 +220,70 @@ OVIS_IMAGE_TENSOR_PLAN = TensorPlan(
     per_rank_attrs=dict(FLUX_TENSOR_PLAN.per_rank_attrs, **{"single_transformer_blocks.*": ("mlp_hidden_dim",)}),
 )
 
-LONGCAT_IMAGE_ADAPTER = register(flux_like("longcat-image", "LongCatImageTransformer2DModel", "LongCatImageAttention",
+LONGCAT_IMAGE_ADAPTER = register(flux_like("longcat-image", "LongCatImageTransformer2DModel",
+                                           AttentionSelector(class_names=("LongCatImageAttention",)),
                                            "LongCatImagePipeline", (LONGCAT_IMAGE_TINY, LONGCAT_IMAGE),
                                            _qwen25vl_components))
-OVIS_IMAGE_ADAPTER = register(flux_like("ovis-image", "OvisImageTransformer2DModel", "OvisImageAttention",
-                                        "OvisImagePipeline", (OVIS_IMAGE_TINY, OVIS_IMAGE), _qwen3_components,
+OVIS_IMAGE_ADAPTER = register(flux_like("ovis-image", "OvisImageTransformer2DModel",
+                                        AttentionSelector(class_names=("OvisImageAttention",)), "OvisImagePipeline",
+                                        (OVIS_IMAGE_TINY, OVIS_IMAGE), _qwen3_components,
                                         tensor_plan=OVIS_IMAGE_TENSOR_PLAN, text_tokens=256))
-BRIA_ADAPTER = register(flux_like("bria", "BriaTransformer2DModel", "BriaAttention", "BriaPipeline", (BRIA_TINY, BRIA),
-                                  _t5_components, batched_cfg=True, text_tokens=128))
+BRIA_ADAPTER = register(flux_like("bria", "BriaTransformer2DModel", AttentionSelector(class_names=("BriaAttention",)),
+                                  "BriaPipeline", (BRIA_TINY, BRIA), _t5_components, batched_cfg=True, text_tokens=128))
+
+# -- Bria-FIBO ----------------------------------------------------------------------------------------------------
+#: FIBO's single blocks take one joined sequence, cat([text, image]) (FLUX.2's and Chroma's layout); before every block
+#: the model rewrites half the text stream's width from that block's text-encoder layer (``text_encoder_layers``: one
+#: ``[B, text, D]`` per block, split with the text). The pipeline's text padding mask arrives as
+#: ``joint_attention_kwargs["attention_mask"]`` ``[B, 1, 1, text + image]``, whole on every rank: FLUX's processor passes
+#: it to ``sp.attention``, which reorders it like the keys. The single blocks' attention is diffusers' generic
+#: ``Attention``.
+FIBO_PLAN = dataclasses.replace(
+    FLUX_LIKE_PLAN,
+    inputs={"": dict(FLUX_LIKE_PLAN.inputs[""], text_encoder_layers=Split(dim=1, stream="text", ndim=3))},
+)
+
+BRIA_FIBO = SynthArch(
+    name="bria-fibo",
+    description="Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads x 128, text "
+                "width 4096, text-encoder layers 2048 wide), the transformer alone",
+    pipeline="BriaFiboPipeline",
+    transformer_class="BriaFiboTransformer2DModel",
+    transformer=dict(patch_size=1, in_channels=48, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=4096, text_encoder_dim=2048,
+                     axes_dims_rope=[16, 56, 56]),
+    vae={}, clip={}, t5={},
+    scheduler=BRIA.scheduler,
+    default_dtype="bfloat16",
+    max_sequence_length=512,
+)
+
+BRIA_FIBO_TINY = dataclasses.replace(
+    BRIA_FIBO, name="bria-fibo-tiny",
+    description="Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 single block, 2 heads x 8, "
+                "text width 64, text-encoder layers 32 wide), the transformer alone",
+    transformer=dict(patch_size=1, in_channels=48, num_layers=1, num_single_layers=1, attention_head_dim=8,
+                     num_attention_heads=2, joint_attention_dim=64, text_encoder_dim=32, axes_dims_rope=[0, 4, 4]),
+    default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+
+def _fibo_components(arch: SynthArch, kit) -> dict:
+    """BriaFiboPipeline's other components are not built: its SmolLM3 encoder reads the token id 128000 for an empty
+    prompt (a vocabulary of that size) and its Wan 2.2 VAE's latents are packed by the pipeline."""
+    raise NotImplementedError(f"{arch.name}: ditmesh builds Bria FIBO's transformer only; use build_transformer or a "
+                              "real checkpoint")
+
+
+BRIA_FIBO_ADAPTER = register(flux_like(
+    "bria-fibo", "BriaFiboTransformer2DModel",
+    AttentionSelector(class_names=("BriaFiboAttention",), paths=("single_transformer_blocks.*.attn",)),
+    "BriaFiboPipeline", (BRIA_FIBO_TINY, BRIA_FIBO), _fibo_components, batched_cfg=True,
+    batch_inputs=("hidden_states", "encoder_hidden_states", "text_encoder_layers", "timestep", "guidance",
+                  "joint_attention_kwargs"),
+    sequence_plan=FIBO_PLAN,
+    blocks=(FLUX.blocks[0], BlockList("single_transformer_blocks", ("hidden_states",), ("hidden_states",),
+                                      joins=("encoder_hidden_states", "hidden_states"))),
+    vae=None,
+    pp_refusal="Bria FIBO rewrites its text stream between blocks from per-block encoder layers, which PipeFusion's "
+               "stages do not pass on",
+))

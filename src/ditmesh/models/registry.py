@@ -39,6 +39,7 @@ CLASSES: dict[str, str] = {
     'OvisImageTransformer2DModel': 'flux_like',
     'BriaTransformer2DModel': 'flux_like',
     'QwenImage21Transformer2DModel': 'qwenimage21',
+    'BriaFiboTransformer2DModel': 'flux_like',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -176,6 +177,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                         '16, text width 32'),
     'qwenimage21': ('qwenimage21', "Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32"
                                    ' heads x 128, text width 4096, block-causal attention); the transformer alone'),
+    'bria-fibo-tiny': ('flux_like', "Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 "
+                                    'single block, 2 heads x 8, text width 64, text-encoder layers 32 wide), the '
+                                    'transformer alone'),
+    'bria-fibo': ('flux_like', "Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
+                               ' x 128, text width 4096, text-encoder layers 2048 wide), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -243,6 +249,8 @@ HEADS: dict[str, int] = {
     'bria-3.2': 24,
     'qwenimage21-tiny': 4,
     'qwenimage21': 32,
+    'bria-fibo-tiny': 2,
+    'bria-fibo': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
