@@ -36,6 +36,20 @@ def sequence_counts(config: dict, layers: int, calls: int) -> dict:
     return {**{kind: n * layers * calls for kind, n in per_layer.items() if n}, "all_gather": calls}
 
 
+def call_counts(config: dict, layers: int, all_reduces: int) -> dict:
+    """Collectives of ONE transformer call of a family whose ``layers`` attentions run over the split joint sequence:
+    per layer 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds under ring, one all-gather of the output;
+    under tp the plan's ``all_reduces``."""
+    counts = {"all_reduce": all_reduces} if config.get("tp", 1) > 1 else {}
+    if config.get("ulysses", 1) > 1:
+        counts["all_to_all"] = 2 * layers
+    if config.get("ring", 1) > 1:
+        counts["ring_p2p"] = (config["ring"] - 1) * layers
+    if config.get("ulysses", 1) * config.get("ring", 1) > 1:
+        counts["all_gather"] = 1
+    return counts
+
+
 def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
     """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
     ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import FamilyRuns, axis_id, check_ranks, run_ranks, transformer_call
+from cases_models import FamilyRuns, axis_id, call_counts, check_ranks, run_ranks, transformer_call
 from ditmesh.testing import rel_err
 
 FAMILIES = ["longcat-image-tiny", "ovis-image-tiny", "bria-tiny", "bria-fibo-tiny"]
@@ -36,19 +36,6 @@ def _inputs(arch: str, size: str) -> dict:
     return inputs
 
 
-def call_counts(config: dict) -> dict:
-    """Collectives of one transformer call: per attention layer 2 all-to-alls under Ulysses and ``ring - 1`` exchange
-    rounds under ring, one all-gather of the output; under tp the plan's all-reduces."""
-    counts = {"all_reduce": ALL_REDUCES} if "tp" in config else {}
-    if "ulysses" in config:
-        counts["all_to_all"] = 2 * LAYERS
-    if "ring" in config:
-        counts["ring_p2p"] = (config["ring"] - 1) * LAYERS
-    if "ulysses" in config or "ring" in config:
-        counts["all_gather"] = 1
-    return counts
-
-
 @pytest.mark.parametrize("config, size", CASES, ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_flux_like_transformer_matches_single_process(pools, arch, config, size):
@@ -57,7 +44,7 @@ def test_flux_like_transformer_matches_single_process(pools, arch, config, size)
     degree = config.get("ulysses", 1) * config.get("ring", 1) * config.get("tp", 1)
     for out, counts in pools(degree).run(transformer_call, arch, config, inputs):
         assert rel_err(out, ref) <= 1e-5
-        assert counts == call_counts(config)
+        assert counts == call_counts(config, LAYERS, ALL_REDUCES)
 
 
 def test_bria_fibo_batched_cfg_splits_the_mask_and_layers(pools):

@@ -40,6 +40,7 @@ CLASSES: dict[str, str] = {
     'BriaTransformer2DModel': 'flux_like',
     'QwenImage21Transformer2DModel': 'qwenimage21',
     'BriaFiboTransformer2DModel': 'flux_like',
+    'HunyuanImageTransformer2DModel': 'hunyuan_image',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -182,6 +183,12 @@ SYNTH: dict[str, tuple[str, str]] = {
                                     'transformer alone'),
     'bria-fibo': ('flux_like', "Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
                                ' x 128, text width 4096, text-encoder layers 2048 wide), the transformer alone'),
+    'hunyuan-image-tiny': ('hunyuan_image', 'HunyuanImage 2.1 shrunk for CPU tests: 2 dual + 2 single blocks, 1 '
+                                            'refiner block, 4 heads x 16, a 24-wide glyph stream; the transformer '
+                                            'alone'),
+    'hunyuan-image-2.1': ('hunyuan_image', 'HunyuanImage 2.1 transformer (20 dual + 40 single blocks, 28 heads x '
+                                           '128, 2 refiner blocks, text width 3584, ByT5 glyph stream 1472), the '
+                                           'transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -251,6 +258,8 @@ HEADS: dict[str, int] = {
     'qwenimage21': 32,
     'bria-fibo-tiny': 2,
     'bria-fibo': 24,
+    'hunyuan-image-tiny': 4,
+    'hunyuan-image-2.1': 28,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
