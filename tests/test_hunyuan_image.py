@@ -41,7 +41,7 @@ def test_hunyuan_image_transformer_matches_single_process(pools, config):
 
 def test_hunyuan_image_cfg_runs_the_two_guider_calls_on_two_ranks(pools):
     # the guider calls the transformer for the prompt, then for the negative prompt; a bare transformer alternates
-    from cases_hunyuan_image import two_calls
+    from cases_two_calls import two_calls
 
     cond, uncond = _inputs(), _inputs()
     uncond["encoder_hidden_states"] = uncond["encoder_hidden_states"].flip(1)

@@ -41,6 +41,7 @@ CLASSES: dict[str, str] = {
     'QwenImage21Transformer2DModel': 'qwenimage21',
     'BriaFiboTransformer2DModel': 'flux_like',
     'HunyuanImageTransformer2DModel': 'hunyuan_image',
+    'Krea2Transformer2DModel': 'krea2',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -189,6 +190,10 @@ SYNTH: dict[str, tuple[str, str]] = {
     'hunyuan-image-2.1': ('hunyuan_image', 'HunyuanImage 2.1 transformer (20 dual + 40 single blocks, 28 heads x '
                                            '128, 2 refiner blocks, text width 3584, ByT5 glyph stream 1472), the '
                                            'transformer alone'),
+    'krea2-tiny': ('krea2', "Krea 2 at diffusers' test configuration: 2 blocks, 4 query / 2 key-value heads x 8, 3 "
+                            'tapped text layers of 16; the transformer alone'),
+    'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, FFN"
+                       ' 16384, 12 tapped text layers of 2560), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -260,6 +265,8 @@ HEADS: dict[str, int] = {
     'bria-fibo': 24,
     'hunyuan-image-tiny': 4,
     'hunyuan-image-2.1': 28,
+    'krea2-tiny': 4,
+    'krea2': 48,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
