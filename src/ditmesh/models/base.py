@@ -383,6 +383,9 @@ class ModelAdapter:
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"
+    #: why cfg parallelism cannot pair the family's two CFG branches (one line: Ideogram 4 runs its unconditional
+    #: branch on a second transformer), or None: it can; ``parallelize`` refuses cfg > 1 with it
+    cfg_refusal: str | None = None
     #: the pipeline argument that turns CFG on: "guidance_scale" (> 1) or "true_cfg_scale" (> 1, with a
     #: negative prompt; FLUX's ``guidance_scale`` is distilled guidance, an input of one call)
     cfg_switch: str = "guidance_scale"

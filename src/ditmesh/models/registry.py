@@ -42,6 +42,7 @@ CLASSES: dict[str, str] = {
     'BriaFiboTransformer2DModel': 'flux_like',
     'HunyuanImageTransformer2DModel': 'hunyuan_image',
     'Krea2Transformer2DModel': 'krea2',
+    'Ideogram4Transformer2DModel': 'ideogram4',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -194,6 +195,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                             'tapped text layers of 16; the transformer alone'),
     'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, FFN"
                        ' 16384, 12 tapped text layers of 2560), the transformer alone'),
+    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration: 2 blocks, 4 heads x 8, text "
+                                    'features 24 wide; the transformer alone'),
+    'ideogram4': ('ideogram4', "Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, "
+                               'text features 53248 wide), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -267,6 +272,8 @@ HEADS: dict[str, int] = {
     'hunyuan-image-2.1': 28,
     'krea2-tiny': 4,
     'krea2': 48,
+    'ideogram4-tiny': 4,
+    'ideogram4': 18,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it

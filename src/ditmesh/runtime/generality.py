@@ -77,7 +77,7 @@ def axes(adapter) -> dict[str, str]:
     return {
         "sequence": "ulysses, ring, USP" if adapter.sequence_plan is not None else "",
         "tp": "yes" if adapter.tensor_plan is not None else "",
-        "cfg / dp": f"yes ({adapter.cfg_mode} CFG)",
+        "cfg / dp": "dp only (cfg refused)" if adapter.cfg_refusal else f"yes ({adapter.cfg_mode} CFG)",
         "step cache": ", ".join(caches) if adapter.blocks else "",
         "parallel VAE": "yes" if adapter.vae is not None else "",
         "PipeFusion": "yes" if _pipefusion_runs(adapter) else "",
