@@ -288,6 +288,18 @@ VAES: dict[str, str] = {
 }
 
 
+#: diffusers transformer classes that are not diffusion transformers over latent tokens, with why ditmesh refuses them
+#: (one line each: the generality table and the refusal name it)
+NOT_DITS: dict[str, str] = {
+    'Transformer2DModel': "VQ-Diffusion's transformer (a deprecated pipeline): discrete diffusion over VQ codebook indices, "
+                          'returning per-pixel class log-probabilities, not a latent',
+    'UVit2DModel': "aMUSEd's U-ViT: masked-token prediction over a VQ codebook (logits) through convolutional down and "
+                   'up blocks around its transformer, not a diffusion transformer over latent tokens',
+    'RFD4ProteinaTransformer': 'a protein-structure denoiser: its pair representation [B, N, N, C], updated by triangle '
+                               'multiplications and biasing every attention, mixes all token pairs outside attention',
+}
+
+
 def supported_classes() -> list[str]:
     """Names of the diffusers transformer classes ditmesh can parallelize."""
     return sorted(CLASSES)
