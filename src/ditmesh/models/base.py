@@ -216,6 +216,14 @@ def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
     return block.norm1(named["hidden_states"], emb=named["temb"])[0]
 
 
+def replace_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
+    """Give ``module`` ``forward`` in place of its own (a family's ``meta_trace``: a RoPE table that turns autocast off
+    on its positions' device, which the meta device has not, answered with an empty table of its shape); returns the
+    undo callable."""
+    module.forward = forward
+    return lambda: delattr(module, "forward")
+
+
 # -- what the planner and the benchmark build ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:

@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_ideogram4 import (IMAGE_POSITION_
                                                                   OUTPUT_IMAGE_INDICATOR, _rotate_half)
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, register, replace_forward, spatial_latent)
 
 
 class Ideogram4SequenceParallelProcessor:
@@ -83,14 +83,11 @@ def ideogram4_layout(config: dict, height: int, width: int, frames: int, text_to
 def ideogram4_meta_trace(model: torch.nn.Module):
     """Make ``model`` traceable on the meta device for the planner: the multi-axis RoPE (which turns autocast off on the
     positions' device, which the meta device does not have) returns empty tables of its shape. Returns the undo."""
-    rope = model.rotary_emb
-
     def tables(position_ids):
-        empty = position_ids.new_empty(*position_ids.shape[:2], rope.head_dim, dtype=torch.float32)
+        empty = position_ids.new_empty(*position_ids.shape[:2], model.rotary_emb.head_dim, dtype=torch.float32)
         return empty, empty
 
-    rope.forward = tables
-    return lambda: delattr(rope, "forward")
+    return replace_forward(model.rotary_emb, tables)
 
 
 IDEOGRAM4 = SynthArch(

@@ -43,6 +43,7 @@ CLASSES: dict[str, str] = {
     'HunyuanImageTransformer2DModel': 'hunyuan_image',
     'Krea2Transformer2DModel': 'krea2',
     'Ideogram4Transformer2DModel': 'ideogram4',
+    'ErnieImageTransformer2DModel': 'ernie_image',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -199,6 +200,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                     'features 24 wide; the transformer alone'),
     'ideogram4': ('ideogram4', "Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, "
                                'text features 53248 wide), the transformer alone'),
+    'ernie-image-tiny': ('ernie_image', "ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text "
+                                        'width 16; the transformer alone'),
+    'ernie-image': ('ernie_image', "ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN "
+                                   '8192, text width 2560), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -274,6 +279,8 @@ HEADS: dict[str, int] = {
     'krea2': 48,
     'ideogram4-tiny': 4,
     'ideogram4': 18,
+    'ernie-image-tiny': 1,
+    'ernie-image': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
