@@ -44,6 +44,7 @@ CLASSES: dict[str, str] = {
     'Krea2Transformer2DModel': 'krea2',
     'Ideogram4Transformer2DModel': 'ideogram4',
     'ErnieImageTransformer2DModel': 'ernie_image',
+    'AuraFlowTransformer2DModel': 'auraflow',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -204,6 +205,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                         'width 16; the transformer alone'),
     'ernie-image': ('ernie_image', "ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN "
                                    '8192, text width 2560), the transformer alone'),
+    'auraflow-tiny': ('auraflow', "AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x "
+                                  '8, text width 32; the transformer alone'),
+    'auraflow': ('auraflow', "AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads x"
+                             ' 256, text width 2048), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -281,6 +286,8 @@ HEADS: dict[str, int] = {
     'ideogram4': 18,
     'ernie-image-tiny': 1,
     'ernie-image': 24,
+    'auraflow-tiny': 4,
+    'auraflow': 12,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
