@@ -50,6 +50,28 @@ def call_counts(config: dict, layers: int, all_reduces: int) -> dict:
     return counts
 
 
+def check_transformer(pools, arch, config: dict, inputs: dict, counts: dict) -> torch.Tensor:
+    """The synthetic ``arch`` transformer's call on ``inputs`` under ``config`` on every rank of the pool of its world
+    size, against one process: rel. err <= 1e-5 and the collectives ``counts`` on every rank. Returns the reference."""
+    from ditmesh.testing import rel_err
+
+    ref, _ = transformer_call(arch, {}, inputs)
+    for out, got in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert got == counts
+    return ref
+
+
+def example_inputs(arch, height: int, width: int, text: int, batch: int = 2, seed: int = 3) -> dict:
+    """The synthetic ``arch`` transformer's adapter's ``example_inputs`` at that size (float32, CPU)."""
+    from ditmesh.models import adapter_for
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(arch, dtype=torch.float32)
+    return adapter_for(model).example_inputs(model, height, width, batch, text, torch.Generator().manual_seed(seed),
+                                             "cpu", torch.float32)
+
+
 def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
     """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
     ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""

@@ -5,13 +5,9 @@ input sizes and at odd token counts."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
-from cases_models import axis_id, call_counts, transformer_call
-from ditmesh.testing import rel_err
+from cases_models import axis_id, call_counts, check_transformer, example_inputs
 
 ARCH = "auraflow-tiny"
 #: (height, width, text tokens): diffusers' test inputs (a 32 x 32 latent: 256 image tokens; 256 text tokens + 8
@@ -20,22 +16,9 @@ SIZES = {"diffusers": (256, 256, 256), "odd": (48, 80, 11)}
 LAYERS, ALL_REDUCES = 2, 4 + 2
 
 
-def _inputs(size: str) -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
-    height, width, text = SIZES[size]
-    model = build_transformer(ARCH, dtype=torch.float32)
-    return adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                             torch.float32)
-
-
 @pytest.mark.parametrize("config, size", [({"ulysses": 2}, "diffusers"), ({"ulysses": 2}, "odd"), ({"ring": 2}, "odd"),
                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"tp": 2}, "odd"), ({"cfg": 2}, "odd")],
                          ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_auraflow_transformer_matches_single_process(pools, config, size):
-    inputs = _inputs(size)
-    ref, _ = transformer_call(ARCH, {}, inputs)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == ({"all_gather": 1} if "cfg" in config else call_counts(config, LAYERS, ALL_REDUCES))
+    counts = {"all_gather": 1} if "cfg" in config else call_counts(config, LAYERS, ALL_REDUCES)
+    check_transformer(pools, ARCH, config, example_inputs(ARCH, *SIZES[size]), counts)

@@ -6,12 +6,11 @@ heads over 2 Ulysses ranks, odd token counts); tp over the heads; batched CFG's 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, refused_call, transformer_call
+from cases_models import axis_id, call_counts, check_transformer, example_inputs, refused_call, transformer_call
 from ditmesh.testing import rel_err
 
 
@@ -31,13 +30,8 @@ CASES = {"diffusers": (1, 256, 256, 16), "odd": (3, 48, 80, 11)}
 
 
 def _inputs(case: str) -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
     heads, height, width, text = CASES[case]
-    model = build_transformer(_arch(heads), dtype=torch.float32)
-    inputs = adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                               torch.float32)
+    inputs = example_inputs(_arch(heads), height, width, text)
     if case == "odd":
         inputs["text_lens"] = torch.tensor([8, 11])
     return inputs
@@ -48,12 +42,9 @@ def _inputs(case: str) -> dict:
                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"cfg": 2}, "odd")],
                          ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_ernie_image_transformer_matches_single_process(pools, config, case):
-    arch, inputs = _arch(CASES[case][0]), _inputs(case)
-    layers = arch.transformer["num_layers"]
-    ref, _ = transformer_call(arch, {}, inputs)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == ({"all_gather": 1} if "cfg" in config else call_counts(config, layers, 0))
+    arch = _arch(CASES[case][0])
+    counts = {"all_gather": 1} if "cfg" in config else call_counts(config, arch.transformer["num_layers"], 0)
+    check_transformer(pools, arch, config, _inputs(case), counts)
 
 
 def test_ernie_image_one_head_refuses_ulysses(pools):
@@ -63,11 +54,7 @@ def test_ernie_image_one_head_refuses_ulysses(pools):
 
 def test_ernie_image_tensor_parallel_matches_single_process(pools):
     arch = _arch(2)
-    inputs = _inputs("odd")
-    ref, _ = transformer_call(arch, {}, inputs)
-    for out, counts in pools(2).run(transformer_call, arch, {"tp": 2}, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == {"all_reduce": 2 * arch.transformer["num_layers"]}
+    check_transformer(pools, arch, {"tp": 2}, _inputs("odd"), {"all_reduce": 2 * arch.transformer["num_layers"]})
 
 
 def test_ernie_image_prompt_lengths_matter():

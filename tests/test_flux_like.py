@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import FamilyRuns, axis_id, call_counts, check_ranks, run_ranks, transformer_call
+from cases_models import (FamilyRuns, axis_id, call_counts, check_ranks, check_transformer, example_inputs, run_ranks,
+                          transformer_call)
 from ditmesh.testing import rel_err
 
 FAMILIES = ["longcat-image-tiny", "ovis-image-tiny", "bria-tiny", "bria-fibo-tiny"]
@@ -22,13 +23,8 @@ CASES = [({"ulysses": 2}, "diffusers"), ({"ulysses": 2}, "odd"), ({"ring": 2}, "
 
 
 def _inputs(arch: str, size: str) -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
     height, width, text = SIZES[size]
-    model = build_transformer(arch, dtype=torch.float32)
-    inputs = adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                               torch.float32)
+    inputs = example_inputs(arch, height, width, text)
     if arch == "bria-fibo-tiny":  # BriaFiboPipeline's key padding over [text, image]: sample 0's last 3 text tokens
         keys = torch.ones(2, text + inputs["hidden_states"].shape[1], dtype=torch.bool)
         keys[0, text - 3:text] = False
@@ -39,12 +35,7 @@ def _inputs(arch: str, size: str) -> dict:
 @pytest.mark.parametrize("config, size", CASES, ids=lambda c: axis_id(c) if isinstance(c, dict) else c)
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_flux_like_transformer_matches_single_process(pools, arch, config, size):
-    inputs = _inputs(arch, size)
-    ref, _ = transformer_call(arch, {}, inputs)
-    degree = config.get("ulysses", 1) * config.get("ring", 1) * config.get("tp", 1)
-    for out, counts in pools(degree).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == call_counts(config, LAYERS, ALL_REDUCES)
+    check_transformer(pools, arch, config, _inputs(arch, size), call_counts(config, LAYERS, ALL_REDUCES))
 
 
 def test_bria_fibo_batched_cfg_splits_the_mask_and_layers(pools):

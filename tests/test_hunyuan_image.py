@@ -4,12 +4,10 @@ like the keys (Ulysses, ring, USP), the heads sharded (tp), the two guider calls
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import axis_id, call_counts, check_transformer, example_inputs, transformer_call
 from ditmesh.testing import rel_err
 
 ARCH = "hunyuan-image-tiny"
@@ -19,12 +17,7 @@ LAYERS, ALL_REDUCES = 4, 4 * 2 + 1 * 2
 
 
 def _inputs() -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
-    model = build_transformer(ARCH, dtype=torch.float32)
-    inputs = adapter_for(model).example_inputs(model, 96, 160, 2, 11, torch.Generator().manual_seed(3), "cpu",
-                                               torch.float32)
+    inputs = example_inputs(ARCH, 96, 160, 11)
     inputs["encoder_attention_mask"][0, 8:] = 0
     return inputs
 
@@ -32,11 +25,7 @@ def _inputs() -> dict:
 @pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2},
                                     {"tp": 2, "ulysses": 2}], ids=axis_id)
 def test_hunyuan_image_transformer_matches_single_process(pools, config):
-    inputs = _inputs()
-    ref, _ = transformer_call(ARCH, {}, inputs)
-    for out, got in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert got == call_counts(config, LAYERS, ALL_REDUCES)
+    check_transformer(pools, ARCH, config, _inputs(), call_counts(config, LAYERS, ALL_REDUCES))
 
 
 def test_hunyuan_image_cfg_runs_the_two_guider_calls_on_two_ranks(pools):

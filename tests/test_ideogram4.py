@@ -4,12 +4,10 @@ and at odd token counts with two samples packed in one row; cfg refused in one l
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, refused_call, transformer_call
+from cases_models import axis_id, call_counts, check_transformer, example_inputs, refused_call, transformer_call
 from ditmesh.testing import rel_err
 
 ARCH = "ideogram4-tiny"
@@ -20,13 +18,7 @@ LAYERS, ALL_REDUCES = 2, 2 * 2
 
 
 def _inputs(size: str, packed: bool = False) -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
-    height, width, text = SIZES[size]
-    model = build_transformer(ARCH, dtype=torch.float32)
-    inputs = adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                               torch.float32)
+    inputs = example_inputs(ARCH, *SIZES[size])
     if packed:  # sample 1's row holds two segments: its first 9 positions are another sample's
         inputs["segment_ids"][1, :9] = 2
         inputs["timestep"] = torch.rand(2, inputs["indicator"].shape[1], generator=torch.Generator().manual_seed(4))
@@ -37,11 +29,7 @@ def _inputs(size: str, packed: bool = False) -> dict:
                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"tp": 2}, "odd")],
                          ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_ideogram4_transformer_matches_single_process(pools, config, size):
-    inputs = _inputs(size, packed=size == "odd")
-    ref, _ = transformer_call(ARCH, {}, inputs)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == call_counts(config, LAYERS, ALL_REDUCES)
+    check_transformer(pools, ARCH, config, _inputs(size, packed=size == "odd"), call_counts(config, LAYERS, ALL_REDUCES))
 
 
 def test_ideogram4_segments_and_token_timesteps_matter():

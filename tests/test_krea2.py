@@ -5,12 +5,9 @@ configuration and input sizes, and at odd token counts."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import axis_id, call_counts, check_transformer, example_inputs, transformer_call
 from ditmesh.testing import rel_err
 
 ARCH = "krea2-tiny"
@@ -21,13 +18,7 @@ LAYERS, ALL_REDUCES = 2, 2 * 2
 
 
 def _inputs(size: str) -> dict:
-    from ditmesh.models import adapter_for
-    from ditmesh.synth import build_transformer
-
-    height, width, text = SIZES[size]
-    model = build_transformer(ARCH, dtype=torch.float32)
-    inputs = adapter_for(model).example_inputs(model, height, width, 2, text, torch.Generator().manual_seed(3), "cpu",
-                                               torch.float32)
+    inputs = example_inputs(ARCH, *SIZES[size])
     if size == "diffusers":
         inputs["encoder_attention_mask"][:, -1] = False
     else:
@@ -39,11 +30,7 @@ def _inputs(size: str) -> dict:
                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"tp": 2}, "odd")],
                          ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_krea2_transformer_matches_single_process(pools, config, size):
-    inputs = _inputs(size)
-    ref, _ = transformer_call(ARCH, {}, inputs)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == call_counts(config, LAYERS, ALL_REDUCES)
+    check_transformer(pools, ARCH, config, _inputs(size), call_counts(config, LAYERS, ALL_REDUCES))
 
 
 def test_krea2_cfg_runs_the_two_calls_on_two_ranks(pools):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from cases_models import axis_id
 from cases_qwenimage21 import layout_inputs, steps

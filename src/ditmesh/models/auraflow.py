@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, register, spatial_latent, transformer_only)
 
 
 class AuraFlowSequenceParallelProcessor:
@@ -118,12 +118,6 @@ AURAFLOW_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def auraflow_components(arch: SynthArch, kit) -> dict:
-    """AuraFlowPipeline's other components (UMT5, the SDXL VAE) are not built here."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds AuraFlow's transformer only; use build_transformer or a "
-                              "real checkpoint")
-
-
 AURAFLOW_ADAPTER = register(
     ModelAdapter(
         name="auraflow",
@@ -155,6 +149,6 @@ AURAFLOW_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("AuraFlowPipeline",),
         synth_archs=(AURAFLOW_TINY, AURAFLOW),
-        synth_components=auraflow_components,
+        synth_components=transformer_only("AuraFlow", "UMT5 and the SDXL VAE"),
     )
 )

@@ -332,6 +332,18 @@ class VaePlan:
     tiled_method: str = "tiled_decode"
 
 
+def transformer_only(family: str, missing: str) -> Callable:
+    """The ``synth_components`` of a family whose pipeline ditmesh does not synthesize (``missing``: what it would
+    need), so that only its transformer is built (``synth.build_transformer``, every transformer-level test): a
+    pipeline asked for raises NotImplementedError in one line."""
+
+    def components(arch: SynthArch, kit) -> dict:
+        raise NotImplementedError(f"{arch.name}: ditmesh builds {family}'s transformer only (its pipeline needs "
+                                  f"{missing}); use build_transformer or a real checkpoint")
+
+    return components
+
+
 # -- image-conditioned pipelines ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ImagePipeline:

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, replace_forward, spatial_latent)
+                   TensorPlan, register, replace_forward, spatial_latent, transformer_only)
 
 
 class ErnieImageSequenceParallelProcessor:
@@ -109,12 +109,6 @@ ERNIE_IMAGE_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def ernie_image_components(arch: SynthArch, kit) -> dict:
-    """ErnieImagePipeline's other components (a Mistral 3 text encoder, FLUX.2's VAE) are not built here."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds ERNIE-Image's transformer only; use build_transformer or a "
-                              "real checkpoint")
-
-
 ERNIE_IMAGE_ADAPTER = register(
     ModelAdapter(
         name="ernie-image",
@@ -149,7 +143,7 @@ ERNIE_IMAGE_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("ErnieImagePipeline",),
         synth_archs=(ERNIE_IMAGE_TINY, ERNIE_IMAGE),
-        synth_components=ernie_image_components,
+        synth_components=transformer_only("ERNIE-Image", "a Mistral 3 text encoder and FLUX.2's VAE"),
         meta_trace=ernie_image_meta_trace,
         pp_refusal="ERNIE-Image's blocks carry one sequence-first [image, text] sequence whose key mask PipeFusion "
                    "does not take",

@@ -22,7 +22,8 @@ import inspect
 
 import torch
 
-from .base import AttentionSelector, BlockList, ModelAdapter, SequencePlan, Split, SynthArch, TensorPlan, register
+from .base import (AttentionSelector, BlockList, ModelAdapter, SequencePlan, Split, SynthArch, TensorPlan, register,
+                   transformer_only)
 from .flux import FLUX, FLUX_DEV, FLUX_SCHEDULER, FLUX_TENSOR_PLAN, _FLUX_TINY, flux_components, flux_image_ids
 
 #: the split points of every FLUX-shaped family: text and image tokens and their ids, each on its own stream (the ids
@@ -267,17 +268,12 @@ BRIA_FIBO_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def _fibo_components(arch: SynthArch, kit) -> dict:
-    """BriaFiboPipeline's other components are not built: its SmolLM3 encoder reads the token id 128000 for an empty
-    prompt (a vocabulary of that size) and its Wan 2.2 VAE's latents are packed by the pipeline."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds Bria FIBO's transformer only; use build_transformer or a "
-                              "real checkpoint")
-
-
 BRIA_FIBO_ADAPTER = register(flux_like(
     "bria-fibo", "BriaFiboTransformer2DModel",
     AttentionSelector(class_names=("BriaFiboAttention",), paths=("single_transformer_blocks.*.attn",)),
-    "BriaFiboPipeline", (BRIA_FIBO_TINY, BRIA_FIBO), _fibo_components, batched_cfg=True,
+    "BriaFiboPipeline", (BRIA_FIBO_TINY, BRIA_FIBO),
+    transformer_only("Bria FIBO", "a SmolLM3 encoder of a 128001-token vocabulary and the Wan 2.2 VAE"),
+    batched_cfg=True,
     batch_inputs=("hidden_states", "encoder_hidden_states", "text_encoder_layers", "timestep", "guidance",
                   "joint_attention_kwargs"),
     sequence_plan=FIBO_PLAN,

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from .base import Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent
+from .base import (Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent, transformer_only)
 from .hunyuan_video import HUNYUAN_VIDEO_ADAPTER
 
 
@@ -92,12 +92,6 @@ HUNYUAN_IMAGE_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(128, 128), max_sequence_length=32)
 
 
-def hunyuan_image_components(arch: SynthArch, kit) -> dict:
-    """HunyuanImagePipeline's other components (Qwen2.5-VL, ByT5, the 32x VAE, its guiders) are not built here."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds HunyuanImage's transformer only; use build_transformer or "
-                              "a real checkpoint")
-
-
 HUNYUAN_IMAGE_ADAPTER = register(dataclasses.replace(
     HUNYUAN_VIDEO_ADAPTER,
     name="hunyuan-image",
@@ -122,7 +116,7 @@ HUNYUAN_IMAGE_ADAPTER = register(dataclasses.replace(
     fps=16,
     pipelines=("HunyuanImagePipeline", "HunyuanImageRefinerPipeline"),
     synth_archs=(HUNYUAN_IMAGE_TINY, HUNYUAN_IMAGE),
-    synth_components=hunyuan_image_components,
+    synth_components=transformer_only("HunyuanImage", "Qwen2.5-VL, ByT5, its 32x VAE and guiders"),
     unsupported=None,
     meta_trace=hunyuan_image_meta_trace,
     pp_refusal="HunyuanImage's attention always takes the padded-text key mask, which PipeFusion does not take",

@@ -24,7 +24,7 @@ from diffusers.models.transformers.transformer_ideogram4 import (IMAGE_POSITION_
                                                                   OUTPUT_IMAGE_INDICATOR, _rotate_half)
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, replace_forward, spatial_latent)
+                   TensorPlan, register, replace_forward, spatial_latent, transformer_only)
 
 
 class Ideogram4SequenceParallelProcessor:
@@ -115,13 +115,6 @@ IDEOGRAM4_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def ideogram4_components(arch: SynthArch, kit) -> dict:
-    """Ideogram4Pipeline's other components (its LLM text encoder and prompt enhancer, the FLUX.2 VAE, the
-    unconditional transformer) are not built here."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds Ideogram 4's transformer only; use build_transformer or a "
-                              "real checkpoint")
-
-
 IDEOGRAM4_ADAPTER = register(
     ModelAdapter(
         name="ideogram4",
@@ -158,7 +151,8 @@ IDEOGRAM4_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("Ideogram4Pipeline",),
         synth_archs=(IDEOGRAM4_TINY, IDEOGRAM4),
-        synth_components=ideogram4_components,
+        synth_components=transformer_only("Ideogram 4",
+                                          "its LLM text encoder, prompt enhancer and a second transformer"),
         meta_trace=ideogram4_meta_trace,
         pp_refusal="Ideogram 4's attention always takes its segment mask, which PipeFusion does not take",
     )

@@ -24,7 +24,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, register, spatial_latent, transformer_only)
 from .qwenimage import QWENIMAGE_SCHEDULER
 
 
@@ -117,12 +117,6 @@ KREA2_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def krea2_components(arch: SynthArch, kit) -> dict:
-    """Krea2Pipeline's other components (a Qwen3-VL model whose layers it taps, the QwenImage VAE) are not built."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds Krea 2's transformer only; use build_transformer or a "
-                              "real checkpoint")
-
-
 KREA2_ADAPTER = register(
     ModelAdapter(
         name="krea2",
@@ -151,7 +145,7 @@ KREA2_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("Krea2Pipeline",),
         synth_archs=(KREA2_TINY, KREA2),
-        synth_components=krea2_components,
+        synth_components=transformer_only("Krea 2", "a Qwen3-VL model whose layers it taps and the QwenImage VAE"),
         pp_refusal="Krea 2's blocks carry one joined [text, image] sequence whose key mask PipeFusion does not take",
     )
 )

@@ -39,7 +39,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_e
 
 from ..comm import offsets, split_sizes
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
+                   TensorPlan, register, spatial_latent, transformer_only)
 from .qwenimage import QWENIMAGE_SCHEDULER
 
 
@@ -203,14 +203,6 @@ QWENIMAGE21_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
-def qwenimage21_components(arch: SynthArch, kit) -> dict:
-    """QwenImage21Pipeline's other components need a Qwen3-VL processor, whose video processor needs torchvision:
-    ditmesh does not build them (its transformer is built alone, ``synth.build_transformer``)."""
-    raise NotImplementedError(f"{arch.name}: ditmesh builds Qwen-Image 2.1's transformer only (its pipeline's Qwen3-VL "
-                              "processor needs torchvision's video processor); use build_transformer or a real "
-                              "checkpoint")
-
-
 QWENIMAGE21_ADAPTER = register(
     ModelAdapter(
         name="qwenimage21",
@@ -247,7 +239,8 @@ QWENIMAGE21_ADAPTER = register(
         out_channels=lambda model: model.proj_out.out_features,
         pipelines=("QwenImage21Pipeline",),
         synth_archs=(QWENIMAGE21_TINY, QWENIMAGE21),
-        synth_components=qwenimage21_components,
+        synth_components=transformer_only("Qwen-Image 2.1",
+                                          "a Qwen3-VL processor, whose video processor needs torchvision"),
         meta_trace=qwenimage21_meta_trace,
         pp_refusal="Qwen-Image 2.1's prefix K/V cache and block-causal mask are not carried across PipeFusion's patches",
         graph_refusal="Qwen-Image 2.1's forward reads its image layout on the host (tolist) to build the segments",

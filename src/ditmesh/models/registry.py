@@ -45,6 +45,7 @@ CLASSES: dict[str, str] = {
     'Ideogram4Transformer2DModel': 'ideogram4',
     'ErnieImageTransformer2DModel': 'ernie_image',
     'AuraFlowTransformer2DModel': 'auraflow',
+    'CogView3PlusTransformer2DModel': 'cogview3plus',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -209,6 +210,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                   '8, text width 32; the transformer alone'),
     'auraflow': ('auraflow', "AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads x"
                              ' 256, text width 2048), the transformer alone'),
+    'cogview3plus-tiny': ('cogview3plus', "CogView3-Plus at diffusers' test configuration: 2 blocks, 2 heads x 4, "
+                                          'text width 8; the transformer alone'),
+    'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40,"
+                                     ' text width 4096), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -288,6 +293,8 @@ HEADS: dict[str, int] = {
     'ernie-image': 24,
     'auraflow-tiny': 4,
     'auraflow': 12,
+    'cogview3plus-tiny': 2,
+    'cogview3plus': 64,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
