@@ -46,6 +46,7 @@ CLASSES: dict[str, str] = {
     'ErnieImageTransformer2DModel': 'ernie_image',
     'AuraFlowTransformer2DModel': 'auraflow',
     'CogView3PlusTransformer2DModel': 'cogview3plus',
+    'DiTTransformer2DModel': 'dit',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -214,6 +215,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                           'text width 8; the transformer alone'),
     'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40,"
                                      ' text width 4096), the transformer alone'),
+    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes; the transformer "
+                        'alone'),
+    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
+                            'alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -295,6 +300,8 @@ HEADS: dict[str, int] = {
     'auraflow': 12,
     'cogview3plus-tiny': 2,
     'cogview3plus': 64,
+    'dit-tiny': 2,
+    'dit-xl-2-256': 16,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
