@@ -47,6 +47,7 @@ CLASSES: dict[str, str] = {
     'AuraFlowTransformer2DModel': 'auraflow',
     'CogView3PlusTransformer2DModel': 'cogview3plus',
     'DiTTransformer2DModel': 'dit',
+    'StableAudioDiTModel': 'stable_audio',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -219,6 +220,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                         'alone'),
     'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
                             'alone'),
+    'stable-audio-tiny': ('stable_audio', "Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 "
+                                          'key-value heads; the transformer alone'),
+    'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "
+                                          'heads x 64, 12 key-value heads in the cross-attention, 1024 latent '
+                                          'samples), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -302,6 +308,8 @@ HEADS: dict[str, int] = {
     'cogview3plus': 64,
     'dit-tiny': 2,
     'dit-xl-2-256': 16,
+    'stable-audio-tiny': 24,
+    'stable-audio-open': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
