@@ -48,6 +48,7 @@ CLASSES: dict[str, str] = {
     'CogView3PlusTransformer2DModel': 'cogview3plus',
     'DiTTransformer2DModel': 'dit',
     'StableAudioDiTModel': 'stable_audio',
+    'PRXTransformer2DModel': 'prx',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -225,6 +226,9 @@ SYNTH: dict[str, tuple[str, str]] = {
     'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "
                                           'heads x 64, 12 key-value heads in the cross-attention, 1024 latent '
                                           'samples), the transformer alone'),
+    'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; the transformer alone'),
+    'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), the "
+                   'transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
