@@ -49,6 +49,7 @@ CLASSES: dict[str, str] = {
     'DiTTransformer2DModel': 'dit',
     'StableAudioDiTModel': 'stable_audio',
     'PRXTransformer2DModel': 'prx',
+    'LuminaNextDiT2DModel': 'lumina_next',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -229,6 +230,10 @@ SYNTH: dict[str, tuple[str, str]] = {
     'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; the transformer alone'),
     'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), the "
                    'transformer alone'),
+    'lumina-next-tiny': ('lumina_next', 'Lumina-Next shrunk for CPU tests: 2 blocks, 4 query / 2 key-value heads x '
+                                        '8, text width 8; the transformer alone'),
+    'lumina-next-sft': ('lumina_next', 'Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x '
+                                       '72, Gemma-2B text), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -314,6 +319,8 @@ HEADS: dict[str, int] = {
     'dit-xl-2-256': 16,
     'stable-audio-tiny': 24,
     'stable-audio-open': 24,
+    'lumina-next-tiny': 4,
+    'lumina-next-sft': 32,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
