@@ -50,6 +50,7 @@ CLASSES: dict[str, str] = {
     'StableAudioDiTModel': 'stable_audio',
     'PRXTransformer2DModel': 'prx',
     'LuminaNextDiT2DModel': 'lumina_next',
+    'AceStepTransformer1DModel': 'ace_step',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -234,6 +235,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                         '8, text width 8; the transformer alone'),
     'lumina-next-sft': ('lumina_next', 'Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x '
                                        '72, Gemma-2B text), the transformer alone'),
+    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads"
+                                  ' x 8, windows of 16; the transformer alone'),
+    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value"
+                                 ' heads x 128, sliding windows of 128), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -321,6 +326,8 @@ HEADS: dict[str, int] = {
     'stable-audio-open': 24,
     'lumina-next-tiny': 4,
     'lumina-next-sft': 32,
+    'ace-step-tiny': 4,
+    'ace-step-1.5': 16,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
