@@ -48,6 +48,42 @@ def whole_audio_counts(config: dict, blocks: int, audio: bool = True) -> dict:
     return counts
 
 
+def call_counts(config: dict, layers: int, all_reduces: int) -> dict:
+    """Collectives of ONE transformer call of a family whose ``layers`` attentions run over the split joint sequence:
+    per layer 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds under ring, one all-gather of the output;
+    under tp the plan's ``all_reduces``."""
+    counts = {"all_reduce": all_reduces} if config.get("tp", 1) > 1 else {}
+    if config.get("ulysses", 1) > 1:
+        counts["all_to_all"] = 2 * layers
+    if config.get("ring", 1) > 1:
+        counts["ring_p2p"] = (config["ring"] - 1) * layers
+    if config.get("ulysses", 1) * config.get("ring", 1) > 1:
+        counts["all_gather"] = 1
+    return counts
+
+
+def check_transformer(pools, arch, config: dict, inputs: dict, counts: dict) -> torch.Tensor:
+    """The synthetic ``arch`` transformer's call on ``inputs`` under ``config`` on every rank of the pool of its world
+    size, against one process: rel. err <= 1e-5 and the collectives ``counts`` on every rank. Returns the reference."""
+    from ditmesh.testing import rel_err
+
+    ref, _ = transformer_call(arch, {}, inputs)
+    for out, got in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert got == counts
+    return ref
+
+
+def example_inputs(arch, height: int, width: int, text: int, batch: int = 2, seed: int = 3) -> dict:
+    """The synthetic ``arch`` transformer's adapter's ``example_inputs`` at that size (float32, CPU)."""
+    from ditmesh.models import adapter_for
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(arch, dtype=torch.float32)
+    return adapter_for(model).example_inputs(model, height, width, batch, text, torch.Generator().manual_seed(seed),
+                                             "cpu", torch.float32)
+
+
 def check_ranks(outs: list, ref: torch.Tensor, calls: int, counts: dict) -> None:
     """Every rank's :func:`pipeline_generate` result against the one-process latents ``ref``: rel. err <= 1e-5,
     ``calls`` transformer calls and the collectives ``counts``; every rank ends with the same latents."""

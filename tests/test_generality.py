@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,5 +31,13 @@ def test_every_registered_family_appears_with_its_axes_and_unknown_classes_are_r
     for class_name in supported_classes():
         if class_name in walked:
             assert by_class[class_name][3] == "ulysses, ring, USP", by_class[class_name]
-    refused = [row for name, row in by_class.items() if name not in supported_classes()]
+    from ditmesh.models.registry import NOT_DITS
+
+    refused = [row for name, row in by_class.items() if name not in supported_classes() and name not in NOT_DITS]
     assert refused and all(row[2] == "no adapter: refused" for row in refused)
+    # a class that is not a DiT over tokens says why, and asking for its adapter says the same in one line
+    assert all(by_class[name][2] == f"refused, not a DiT over tokens: {why}" for name, why in NOT_DITS.items())
+    from ditmesh.models import adapter_for_class
+
+    with pytest.raises(NotImplementedError, match="does not parallelize UVit2DModel: aMUSEd's U-ViT"):
+        adapter_for_class("UVit2DModel")

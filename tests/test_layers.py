@@ -114,8 +114,9 @@ def family_words() -> tuple[re.Pattern, set[str]]:
         names.update(adapter.class_names + adapter.pipelines + adapter.attention.class_names)
         for cls in adapter.class_names:
             prefix = re.match(r"[A-Z0-9]+(?=[A-Z][a-z])|[A-Z][a-z0-9]+", cls).group()
-            if len(prefix) == 1:  # one letter names no family ("A-Z"): Z-Image's "Z" takes its next word, "ZImage"
-                prefix = re.match(r"[A-Z]{2}[a-z0-9]+", cls).group()
+            if len(prefix) <= 2:  # one or two letters name no family: Z-Image's "Z" takes its next word, "ZImage";
+                # DiT's "Di" would be the generic "DiT": it takes "DiTTransformer2"
+                prefix = re.match(r"[A-Z]+[a-z0-9]*[A-Z]+[a-z0-9]+", cls).group()
             prefixes.add(prefix)
     words = sorted(names | prefixes, key=len, reverse=True)
     # a family word not glued to other lowercase letters ("Wan" but not "Wanted"); "Attention" alone is a

@@ -83,10 +83,11 @@ def _runtime_of_model(model: torch.nn.Module) -> ParallelRuntime | None:
 
 
 def transformers_of(pipe) -> dict[str, torch.nn.Module]:
-    """The pipeline's transformers by component name: ``transformer`` and any ``transformer_*`` that is set."""
+    """The pipeline's transformers by component name: ``transformer``, any ``transformer_*`` and any ``*_transformer``
+    (Ideogram 4's ``unconditional_transformer``) that is set."""
     components = getattr(pipe, "components", None) or {"transformer": getattr(pipe, "transformer", None)}
     return {name: module for name, module in sorted(components.items())
-            if name.startswith("transformer") and isinstance(module, torch.nn.Module)}
+            if (name.startswith("transformer") or name.endswith("_transformer")) and isinstance(module, torch.nn.Module)}
 
 
 def runtime_of(pipe) -> ParallelRuntime | None:

@@ -247,6 +247,14 @@ def norm1_modulated_input(block: torch.nn.Module, named: dict) -> torch.Tensor:
     return block.norm1(named["hidden_states"], emb=named["temb"])[0]
 
 
+def replace_forward(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
+    """Give ``module`` ``forward`` in place of its own (a family's ``meta_trace``: a RoPE table that turns autocast off
+    on its positions' device, which the meta device has not, answered with an empty table of its shape); returns the
+    undo callable."""
+    module.forward = forward
+    return lambda: delattr(module, "forward")
+
+
 # -- what the planner and the benchmark build ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
@@ -355,6 +363,18 @@ class VaePlan:
     tiled_method: str = "tiled_decode"
 
 
+def transformer_only(family: str, missing: str) -> Callable:
+    """The ``synth_components`` of a family whose pipeline ditmesh does not synthesize (``missing``: what it would
+    need), so that only its transformer is built (``synth.build_transformer``, every transformer-level test): a
+    pipeline asked for raises NotImplementedError in one line."""
+
+    def components(arch: SynthArch, kit) -> dict:
+        raise NotImplementedError(f"{arch.name}: ditmesh builds {family}'s transformer only (its pipeline needs "
+                                  f"{missing}); use build_transformer or a real checkpoint")
+
+    return components
+
+
 # -- image-conditioned pipelines ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ImagePipeline:
@@ -414,6 +434,9 @@ class ModelAdapter:
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"
+    #: why cfg parallelism cannot pair the family's two CFG branches (one line: Ideogram 4 runs its unconditional
+    #: branch on a second transformer), or None: it can; ``parallelize`` refuses cfg > 1 with it
+    cfg_refusal: str | None = None
     #: the pipeline argument that turns CFG on: "guidance_scale" (> 1) or "true_cfg_scale" (> 1, with a
     #: negative prompt; FLUX's ``guidance_scale`` is distilled guidance, an input of one call)
     cfg_switch: str = "guidance_scale"
@@ -422,6 +445,9 @@ class ModelAdapter:
     #: the transformer's output sample has ``hidden_states``'s shape except this dim, which is ``out_channels(model)``
     output_channel_dim: int = -1
     out_channels: Callable | None = None
+    #: (model, a call's forward kwargs) -> the output's tokens (dim 1) where they are not the sample input's (Qwen-Image
+    #: 2.1 returns its whole joint sequence of text and images); None: the sample input's
+    output_tokens: Callable | None = None
     #: its processors read diffusers' fused Q/K/V path (``attn.fused_projections``): ``ditmesh.fusion`` applies
     fuse_qkv: bool = False
     #: video families: valid frame counts are ``frame_step * k + first_frames`` (the VAE's temporal compression);
@@ -479,11 +505,14 @@ class ModelAdapter:
     unsupported: Callable | None = None
     notes: dict = field(default_factory=dict)
 
-    def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        """An uninitialized tensor shaped like the model's output for input ``hidden_states``."""
+    def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:
+        """An uninitialized tensor shaped like the model's output for input ``hidden_states`` (of the call whose forward
+        kwargs are ``kwargs``, for ``output_tokens``)."""
         shape = list(hidden_states.shape)
         if self.out_channels is not None:
             shape[self.output_channel_dim] = self.out_channels(model)
+        if self.output_tokens is not None:
+            shape[1] = self.output_tokens(model, kwargs)
         return hidden_states.new_empty(shape)
 
     def attention_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -585,6 +614,10 @@ def adapter_for_class(class_name: str) -> ModelAdapter:
     if class_name not in _REGISTRY and class_name in CLASSES:
         import_family(CLASSES[class_name])
     if class_name not in _REGISTRY:
+        from .registry import NOT_DITS
+
+        if class_name in NOT_DITS:
+            raise NotImplementedError(f"ditmesh does not parallelize {class_name}: {NOT_DITS[class_name]}")
         raise NotImplementedError(
             f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
         )

@@ -38,11 +38,14 @@ class FluxSequenceParallelProcessor:
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         q, k, v, eq, ek, ev = transformer_flux._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in (q, k, v))
+        # diffusers' generic ``Attention`` (Bria-FIBO's single blocks) has no ``head_dim``: its heads (divided under
+        # tensor parallelism) split the projection
+        head_dim = getattr(attn, "head_dim", None) or q.shape[-1] // attn.heads
+        q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
         q, k = attn.norm_q(q), attn.norm_k(k)
         joint = attn.added_kv_proj_dim is not None and encoder_hidden_states is not None
         if joint:
-            eq, ek, ev = (t.unflatten(-1, (-1, attn.head_dim)) for t in (eq, ek, ev))
+            eq, ek, ev = (t.unflatten(-1, (-1, head_dim)) for t in (eq, ek, ev))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
         if image_rotary_emb is not None:
@@ -61,21 +64,27 @@ class FluxSequenceParallelProcessor:
         return image_out, text_out
 
 
+def flux_image_ids(h: int, w: int) -> torch.Tensor:
+    """FLUX's image position ids of an ``h`` x ``w`` token grid, ``[h * w, 3]``: (0, row, column)."""
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] += torch.arange(h)[:, None]
+    img_ids[..., 2] += torch.arange(w)[None, :]
+    return img_ids.reshape(h * w, 3)
+
+
 def flux_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
     """Transformer inputs of one FluxPipeline denoising step (random latents and text embeddings)."""
     cfg = model.config
     h, w = height // 16, width // 16  # VAE /8, then 2x2 packing
     rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] += torch.arange(h)[:, None]
-    img_ids[..., 2] += torch.arange(w)[None, :]
+    img_ids = flux_image_ids(h, w)
     return dict(
         hidden_states=rand(batch, h * w, cfg.in_channels),
         encoder_hidden_states=rand(batch, text_len, cfg.joint_attention_dim),
         pooled_projections=rand(batch, cfg.pooled_projection_dim),
         timestep=torch.full((batch,), 0.7).to(device, dtype),
         guidance=torch.full((batch,), 3.5).to(device, dtype) if cfg.guidance_embeds else None,
-        img_ids=img_ids.reshape(h * w, 3).to(device, dtype),
+        img_ids=img_ids.to(device, dtype),
         txt_ids=torch.zeros(text_len, 3).to(device, dtype),
         return_dict=False,
     )

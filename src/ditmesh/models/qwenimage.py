@@ -209,6 +209,14 @@ def qwenimage_components(arch: SynthArch, kit) -> dict:
     """QwenImagePipeline's other components: the QwenImage VAE, a Qwen2.5-VL text encoder (``arch.t5``) and a
     byte-level BPE Qwen2 tokenizer built locally, knowing the chat template's special tokens."""
     import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), **qwen25vl_text_encoder(arch, kit))
+
+
+def qwen25vl_text_encoder(arch: SynthArch, kit) -> dict:
+    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes) and ``tokenizer`` (a byte-level BPE Qwen2
+    tokenizer built locally, knowing the chat template's special tokens), as QwenImage's and LongCat-Image's pipelines
+    take them."""
     import transformers
 
     specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -219,9 +227,7 @@ def qwenimage_components(arch: SynthArch, kit) -> dict:
                pad_token_id=tokenizer.pad_token_id)
     config = transformers.Qwen2_5_VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
                                            hidden_size=arch.t5["text"]["hidden_size"], **ids)
-    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1),
-                text_encoder=kit.make(transformers.Qwen2_5_VLForConditionalGeneration, config, 3),
-                tokenizer=tokenizer)
+    return dict(text_encoder=kit.make(transformers.Qwen2_5_VLForConditionalGeneration, config, 3), tokenizer=tokenizer)
 
 
 QWENIMAGE_ADAPTER = register(

@@ -46,6 +46,22 @@ CLASSES: dict[str, str] = {
     'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
     'CosmosTransformer3DModel': 'cosmos',
     'EasyAnimateTransformer3DModel': 'easyanimate',
+    'LongCatImageTransformer2DModel': 'flux_like',
+    'OvisImageTransformer2DModel': 'flux_like',
+    'BriaTransformer2DModel': 'flux_like',
+    'QwenImage21Transformer2DModel': 'qwenimage21',
+    'BriaFiboTransformer2DModel': 'flux_like',
+    'HunyuanImageTransformer2DModel': 'hunyuan_image',
+    'Krea2Transformer2DModel': 'krea2',
+    'Ideogram4Transformer2DModel': 'ideogram4',
+    'ErnieImageTransformer2DModel': 'ernie_image',
+    'AuraFlowTransformer2DModel': 'auraflow',
+    'CogView3PlusTransformer2DModel': 'cogview3plus',
+    'DiTTransformer2DModel': 'dit',
+    'StableAudioDiTModel': 'stable_audio',
+    'PRXTransformer2DModel': 'prx',
+    'LuminaNextDiT2DModel': 'lumina_next',
+    'AceStepTransformer1DModel': 'ace_step',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -220,6 +236,74 @@ SYNTH: dict[str, tuple[str, str]] = {
                                             'projections throughout); the transformer alone'),
     'easyanimate-tiny': ('easyanimate', "EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 "
                                         'heads x 16); the transformer alone'),
+    'longcat-image-tiny': ('flux_like', "LongCat-Image shrunk for CPU tests: diffusers' test configuration (1 "
+                                        'double + 1 single block, 2 heads x 16), a tiny VAE and Qwen2.5-VL'),
+    'longcat-image': ('flux_like', 'LongCat-Image transformer (19 double + 38 single blocks, 24 heads x 128, text'
+                                   " width 3584), FLUX.1's VAE, a one-layer Qwen2.5-VL text encoder"),
+    'ovis-image-tiny': ('flux_like', "Ovis-Image shrunk for CPU tests: diffusers' test configuration (1 double +"
+                                     ' 1 single block, 2 heads x 16, SwiGLU), a tiny VAE and Qwen3'),
+    'ovis-image': ('flux_like', 'Ovis-Image 7B transformer (6 double + 27 single blocks, 24 heads x 128, SwiGLU, '
+                                "text width 2048), FLUX.1's VAE, a one-layer Qwen3 text encoder of Qwen3-1.7B's "
+                                'width'),
+    'bria-tiny': ('flux_like', "Bria shrunk for CPU tests: diffusers' test configuration (1 double + 1 single "
+                               'block, 2 heads x 16, RoPE axes 0 + 8 + 8, text width 64), a tiny VAE and T5'),
+    'bria-3.2': ('flux_like', "Bria 3.2 transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
+                              " x 128, text width 4096), FLUX.1's VAE, a one-layer T5-XXL-wide encoder"),
+    'qwenimage21-tiny': ('qwenimage21', 'Qwen-Image 2.1 shrunk for CPU tests: 2 single-stream blocks, 4 heads x '
+                                        '16, text width 32'),
+    'qwenimage21': ('qwenimage21', "Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32"
+                                   ' heads x 128, text width 4096, block-causal attention); the transformer alone'),
+    'bria-fibo-tiny': ('flux_like', "Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 "
+                                    'single block, 2 heads x 8, text width 64, text-encoder layers 32 wide), the '
+                                    'transformer alone'),
+    'bria-fibo': ('flux_like', "Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
+                               ' x 128, text width 4096, text-encoder layers 2048 wide), the transformer alone'),
+    'hunyuan-image-tiny': ('hunyuan_image', 'HunyuanImage 2.1 shrunk for CPU tests: 2 dual + 2 single blocks, 1 '
+                                            'refiner block, 4 heads x 16, a 24-wide glyph stream; the transformer '
+                                            'alone'),
+    'hunyuan-image-2.1': ('hunyuan_image', 'HunyuanImage 2.1 transformer (20 dual + 40 single blocks, 28 heads x '
+                                           '128, 2 refiner blocks, text width 3584, ByT5 glyph stream 1472), the '
+                                           'transformer alone'),
+    'krea2-tiny': ('krea2', "Krea 2 at diffusers' test configuration: 2 blocks, 4 query / 2 key-value heads x 8, 3 "
+                            'tapped text layers of 16; the transformer alone'),
+    'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, FFN"
+                       ' 16384, 12 tapped text layers of 2560), the transformer alone'),
+    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration: 2 blocks, 4 heads x 8, text "
+                                    'features 24 wide; the transformer alone'),
+    'ideogram4': ('ideogram4', "Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, "
+                               'text features 53248 wide), the transformer alone'),
+    'ernie-image-tiny': ('ernie_image', "ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text "
+                                        'width 16; the transformer alone'),
+    'ernie-image': ('ernie_image', "ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN "
+                                   '8192, text width 2560), the transformer alone'),
+    'auraflow-tiny': ('auraflow', "AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x "
+                                  '8, text width 32; the transformer alone'),
+    'auraflow': ('auraflow', "AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads x"
+                             ' 256, text width 2048), the transformer alone'),
+    'cogview3plus-tiny': ('cogview3plus', "CogView3-Plus at diffusers' test configuration: 2 blocks, 2 heads x 4, "
+                                          'text width 8; the transformer alone'),
+    'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40,"
+                                     ' text width 4096), the transformer alone'),
+    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes; the transformer "
+                        'alone'),
+    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
+                            'alone'),
+    'stable-audio-tiny': ('stable_audio', "Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 "
+                                          'key-value heads; the transformer alone'),
+    'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "
+                                          'heads x 64, 12 key-value heads in the cross-attention, 1024 latent '
+                                          'samples), the transformer alone'),
+    'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; the transformer alone'),
+    'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), the "
+                   'transformer alone'),
+    'lumina-next-tiny': ('lumina_next', 'Lumina-Next shrunk for CPU tests: 2 blocks, 4 query / 2 key-value heads x '
+                                        '8, text width 8; the transformer alone'),
+    'lumina-next-sft': ('lumina_next', 'Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x '
+                                       '72, Gemma-2B text), the transformer alone'),
+    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads"
+                                  ' x 8, windows of 16; the transformer alone'),
+    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value"
+                                 ' heads x 128, sliding windows of 128), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -297,6 +381,36 @@ HEADS: dict[str, int] = {
     'cosmos-tiny': 2,
     'easyanimate-v5.1-12b': 48,
     'easyanimate-tiny': 2,
+    'longcat-image-tiny': 2,
+    'longcat-image': 24,
+    'ovis-image-tiny': 2,
+    'ovis-image': 24,
+    'bria-tiny': 2,
+    'bria-3.2': 24,
+    'qwenimage21-tiny': 4,
+    'qwenimage21': 32,
+    'bria-fibo-tiny': 2,
+    'bria-fibo': 24,
+    'hunyuan-image-tiny': 4,
+    'hunyuan-image-2.1': 28,
+    'krea2-tiny': 4,
+    'krea2': 48,
+    'ideogram4-tiny': 4,
+    'ideogram4': 18,
+    'ernie-image-tiny': 1,
+    'ernie-image': 24,
+    'auraflow-tiny': 4,
+    'auraflow': 12,
+    'cogview3plus-tiny': 2,
+    'cogview3plus': 64,
+    'dit-tiny': 2,
+    'dit-xl-2-256': 16,
+    'stable-audio-tiny': 24,
+    'stable-audio-open': 24,
+    'lumina-next-tiny': 4,
+    'lumina-next-sft': 32,
+    'ace-step-tiny': 4,
+    'ace-step-1.5': 16,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -308,6 +422,18 @@ VAES: dict[str, str] = {
     'AutoencoderKLMochi': 'mochi',
     'AutoencoderKLWan': 'wan',
     'AutoencoderKLQwenImage': 'qwenimage',
+}
+
+
+#: diffusers transformer classes that are not diffusion transformers over latent tokens, with why ditmesh refuses them
+#: (one line each: the generality table and the refusal name it)
+NOT_DITS: dict[str, str] = {
+    'Transformer2DModel': "VQ-Diffusion's transformer (a deprecated pipeline): discrete diffusion over VQ codebook indices, "
+                          'returning per-pixel class log-probabilities, not a latent',
+    'UVit2DModel': "aMUSEd's U-ViT: masked-token prediction over a VQ codebook (logits) through convolutional down and "
+                   'up blocks around its transformer, not a diffusion transformer over latent tokens',
+    'RFD4ProteinaTransformer': 'a protein-structure denoiser: its pair representation [B, N, N, C], updated by triangle '
+                               'multiplications and biasing every attention, mixes all token pairs outside attention',
 }
 
 

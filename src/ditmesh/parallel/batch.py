@@ -189,7 +189,7 @@ class BatchHook(Hook):
     def placeholder(self, kwargs: dict):
         bp = self.bp
         like = bp.sample_template.narrow(0, 0, 0) if bp.adapter.sample_lists else kwargs[bp.adapter.sample_input]
-        sample = bp.adapter.output_like(bp.model, like)
+        sample = bp.adapter.output_like(bp.model, like, kwargs)
         if not kwargs.get("return_dict", self.return_dict_default):
             return (sample,)
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -203,5 +203,8 @@ def apply(pipe, model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapte
         return []
     if not adapter.batch_inputs:
         raise NotImplementedError(f"{adapter.name}: no batch plan; data/CFG parallelism is not available for it")
+    if mesh.size("cfg") > 1 and adapter.cfg_refusal:
+        raise ConfigError(f"cfg={mesh.size('cfg')} cannot run {adapter.name}: {adapter.cfg_refusal}; use cfg=1 (dp, "
+                          "ulysses, ring and tp run)")
     bp = BatchParallel(pipe, model, mesh, adapter, ctx)
     return [add_hook(model, BatchHook(bp, model.forward))]

@@ -392,13 +392,15 @@ def _gather_hook(sp: SequenceParallel, module: torch.nn.Module, spec: Gather):
 def module_paths(model: torch.nn.Module, pattern: str) -> list[str]:
     """The paths of ``model``'s modules that ``pattern`` names: itself when it has no ``*``, else every module it
     matches (``*`` = one path segment; QwenImage's ``transformer_blocks.*`` is every block). A ``-1`` segment is the
-    last entry of the list before it (Kandinsky 5's ``visual_transformer_blocks.-1``: the last block, whatever the
-    checkpoint's depth)."""
-    segments = pattern.split(".")
-    if "-1" in segments:
-        at = segments.index("-1")
-        segments[at] = str(len(model.get_submodule(".".join(segments[:at]))) - 1)
-        pattern = ".".join(segments)
+    last module of the list before it (Krea 2's and Kandinsky 5's ``transformer_blocks.-1``: the last block, whatever
+    the checkpoint's depth)."""
+    if "-1" in pattern.split("."):
+        resolved: list[str] = []
+        for segment in pattern.split("."):
+            if segment == "-1":
+                segment = str(len(model.get_submodule(".".join(resolved))) - 1)
+            resolved.append(segment)
+        pattern = ".".join(resolved)
     if "*" not in pattern:
         return [pattern]
     regex = name_pattern(pattern)

@@ -77,7 +77,8 @@ def axes(adapter) -> dict[str, str]:
     return {
         "sequence": "ulysses, ring, USP" if adapter.sequence_plan is not None else "",
         "tp": "yes" if adapter.tensor_plan is not None else "",
-        "cfg / dp": "" if adapter.batch_refusal else f"yes ({adapter.cfg_mode} CFG)",
+        "cfg / dp": "" if adapter.batch_refusal else
+        ("dp only (cfg refused)" if adapter.cfg_refusal else f"yes ({adapter.cfg_mode} CFG)"),
         "step cache": ", ".join(caches) if adapter.blocks and not adapter.cache_refusal else "",
         "parallel VAE": "yes" if adapter.vae is not None else "",
         "PipeFusion": "yes" if _pipefusion_runs(adapter) else "",
@@ -93,6 +94,7 @@ def _pipefusion_runs(adapter) -> bool:
 def rows() -> list[list[str]]:
     """One row per transformer class: class, pipelines, family (or what happens), then :func:`axes`' columns."""
     from ..models import adapter_for_class
+    from ..models.registry import NOT_DITS
 
     out = []
     for class_name, pipelines in sorted(pipeline_transformers().items()):
@@ -100,11 +102,15 @@ def rows() -> list[list[str]]:
         try:
             adapter = adapter_for_class(class_name)
         except Exception:  # noqa: BLE001  (no adapter: refused before loading)
-            out.append([f"`{class_name}`", shown, "no adapter: refused", "", "", "", "", "", ""])
+            refused = f"refused, not a DiT over tokens: {NOT_DITS[class_name]}" if class_name in NOT_DITS else NO_ADAPTER
+            out.append([f"`{class_name}`", shown, refused, "", "", "", "", "", ""])
             continue
         out.append([f"`{class_name}`", shown, adapter.name, *axes(adapter).values()])
     return out
 
+
+#: the family cell of a class without an adapter
+NO_ADAPTER = "no adapter: refused"
 
 HEADER = ["transformer class", "pipelines", "family", "sequence", "tp", "cfg / dp", "step cache", "parallel VAE",
           "PipeFusion"]
@@ -131,7 +137,7 @@ def families_markdown() -> str:
     """The families ditmesh runs, one row each with its transformer classes, between the :data:`FAMILIES` markers."""
     by_family: dict[str, list[list[str]]] = {}
     for row in rows():
-        if row[2] != "no adapter: refused":
+        if not row[2].startswith(("refused", NO_ADAPTER)):
             by_family.setdefault(row[2], []).append(row)
     header = ["family", "transformer", "sequence", "tp", "cfg / dp", "step cache", "parallel VAE", "PipeFusion"]
     body = [[family, ", ".join(r[0] for r in group), *group[0][3:]] for family, group in sorted(by_family.items())]
