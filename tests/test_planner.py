@@ -236,7 +236,7 @@ def test_cli_json(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "flux-dev", "--gpus", "4", "--link", "nvlink-x"], "unknown link 'nvlink-x'; known:"),
     (["--model", "flux-dev", "--gpus", "4", "--device", "tpu"], "unknown device 'tpu'; known:"),
-    (["--model", "flux-dev", "--gpus", "0"], "gpus=0 must be a positive integer"),
+    (["--model", "flux-dev", "--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--model", "flux-dev", "--gpus", "4", "--height", "1000"], "height=1000"),
     (["--model", "nope", "--gpus", "4"], "--model nope: no such folder; give a diffusers pipeline folder"),
     (["--model", "flux-dev", "--gpus", "4", "--nodes", "3"], "nodes=3"),

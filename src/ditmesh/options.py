@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .config import PP_CHUNK_BYTES, ConfigError, ParallelConfig
+from .config import PP_CHUNK_BYTES, ConfigError, ParallelConfig, require_extra
 
 #: how Ulysses all-to-alls travel: NCCL kernels (any backend), or copy engines writing into the peers' symmetric
 #: memory (``ditmesh.symm``; CUDA GPUs of one host, Ulysses alone)
@@ -551,6 +551,8 @@ class RunOptions:
                 raise ConfigError(f"{flag('loras')}{text}: the folder {lora.path} has no .safetensors file")
             if not local.exists() and (not HUB_ID.match(lora.path) or local.suffix in (".safetensors", ".bin")):
                 raise ConfigError(f"{flag('loras')}{text}: no such file or folder")
+        if self.loras:  # diffusers loads adapters through peft
+            require_extra(flag("loras").strip("= "), "lora", ("peft",))
         if self.fuse_lora and not self.loras:
             raise ConfigError(f"{flag('fuse_lora').strip('= ')} is given without {flag('loras').strip('= ')}: add "
                               "the adapters to fuse (PATH[:SCALE]) or drop it")
@@ -565,6 +567,8 @@ class RunOptions:
                 raise ConfigError(f"{flag('quant_backend')}{self.quant_backend} is given without a "
                                   f"{flag('quant').strip()} mode; add one (fp8, fp8-weight, int8-weight) or drop it")
             return
+        if self.quant_backend == "torchao":  # torchao on any device (auto takes it on CUDA: checked with the device)
+            require_extra(f"{flag('quant_backend')}torchao", "quant", ("torchao",))
         if self.loras and not self.fuse_lora:
             raise ConfigError(f"{flag('quant')}{self.quant} with unfused LoRA adapters: add "
                               f"{flag('fuse_lora').strip('= ')} (the fused weights are quantized), or drop the quant")

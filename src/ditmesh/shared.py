@@ -37,6 +37,15 @@ def one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def no_cuda_here() -> bool:
+    """Whether torch will certainly find no CUDA device here, known without importing it: ``CUDA_VISIBLE_DEVICES``
+    hides every GPU, or no GPU driver is loaded (neither NVIDIA's ``/proc/driver/nvidia`` nor ROCm's ``/dev/kfd``).
+    False means "may have one": the ranks then check with torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return True
+    return not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists())
+
+
 def __getattr__(name: str):
     if name == "DTYPES":  # dtype name -> torch.dtype, built on first use
         import torch

@@ -22,7 +22,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="prompts per call")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
     p.add_argument("--gpus", type=int, default=None, help="total GPUs")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1, help="hosts the GPUs are spread over (default 1)")
     p.add_argument("--device", default=None, help=f"GPU preset: {', '.join(DEVICES)} (default: the link's card, else h100)")
     p.add_argument("--link", default=None, help=f"link inside a node: {', '.join(LINKS)}, or custom")
     p.add_argument("--link-gbps", type=float, default=None, help="override the link bandwidth (GB/s per GPU per direction)")
@@ -107,6 +107,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..options import RunOptions
 
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes)):  # before anything loads
+        if value is not None and value < 1:
+            print(f"ditmesh plan: error: {flag} {value} must be >= 1 (e.g. {flag} 4)", file=sys.stderr)
+            return 2
     try:  # the run's options as generate takes them (checked before torch loads); the planner counts their cost
         options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
                                     vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,

@@ -20,8 +20,9 @@ from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_r
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
-from .models import (check_transformer_class, checkpoint_options, local_model_path, read_adapter, read_defaults,
-                     read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model)
+from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults,
+                     read_family_facts, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
+                     transformer_class)
 
 
 def validate(args, world_size: int) -> tuple["RunOptions", str]:
@@ -64,17 +65,16 @@ def validate_heads(options: "RunOptions", model: str) -> None:
     that split attention heads (``check_heads``, as :func:`validate_family` runs it), torch-free: the heads from a
     folder's transformer config or the registry's table of synthetic architectures (a hub id's are checked by the
     ranks). The local launcher runs it before starting any rank."""
-    from ..models.registry import CLASSES, HEADS, SYNTH
+    from ..models.registry import HEADS, SYNTH
 
     try:
-        check_transformer_class(model)  # no transformer, or one without an adapter: refused before any rank starts
+        name = transformer_class(model)  # no transformer, or one without an adapter: refused before any rank starts
     except ConfigError:
         raise
     except (OSError, ValueError):
         return  # the ranks report an unreadable config with its cause
     if model in SYNTH:
         heads = HEADS.get(model)
-        name = next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
     else:
         try:
             tcfg = read_transformer_config(model) or {}  # a folder's JSON (None for a hub id)
@@ -83,6 +83,24 @@ def validate_heads(options: "RunOptions", model: str) -> None:
         heads, name = tcfg.get("num_attention_heads"), tcfg.get("_class_name", "the transformer")
     if isinstance(heads, int):
         options.config.check_heads(heads, name)
+
+
+def validate_family_early(args, options: "RunOptions", model: str) -> None:
+    """The checks of :func:`validate_family` that need neither torch nor the family's module, run before any rank
+    starts (and, in one process, before torch loads): ``--frames`` against the family's frame rule, ``--cfg 2``
+    against its CFG switch (both from the registry's :class:`~ditmesh.models.registry.FamilyFacts`), and the
+    options' device checks (``--cuda-graph``, ``--attention int8``, ``--transport symm``) where this machine
+    certainly has no CUDA device. A folder whose configs cannot be read is left to the ranks, which name the file."""
+    from ..shared import no_cuda_here
+    from .video import validate_frames
+
+    facts = read_family_facts(model)
+    if facts is not None and getattr(args, "frames", None) is not None:
+        validate_frames(facts, args.frames)
+    if options.config.cfg > 1 and facts is not None:
+        check_guidance_on(facts, args)
+    if no_cuda_here():
+        options.validate(device="cpu", cli=True)
 
 
 def validate_family(args, options: "RunOptions", model: str) -> None:

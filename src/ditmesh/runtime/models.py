@@ -111,6 +111,30 @@ def check_transformer_class(model: str) -> str | None:
     return config["_class_name"]
 
 
+def transformer_class(model: str) -> str | None:
+    """The transformer class of a local folder (checked: :func:`check_transformer_class`) or synthetic architecture,
+    torch-free; None for a hub id."""
+    from ..models.registry import CLASSES, SYNTH
+
+    if model in SYNTH:
+        return next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
+    return check_transformer_class(model)
+
+
+def read_family_facts(model: str):
+    """The family's torch-free rules (:class:`~ditmesh.models.registry.FamilyFacts`: CFG switch, frame rule) of a local
+    folder or synthetic architecture; None for a hub id or a folder whose configs do not say (or cannot be read)."""
+    from ..models.registry import family_facts
+
+    try:
+        name = transformer_class(model)
+    except ConfigError:
+        raise
+    except (OSError, ValueError):
+        return None  # an unreadable config: the ranks report it with its cause
+    return family_facts(name) if name else None
+
+
 def read_adapter(model: str):
     """The model adapter of a local folder's or synthetic architecture's transformer (None for hub ids).
 

@@ -1,0 +1,161 @@
+"""A new user's first hour (issue 47): what needs no weights is refused before any rank starts, at once, with one
+line; a missing optional package is named with its ``pip install 'ditmesh[...]'`` line; nothing is left running.
+
+Each refusal runs the real command in a subprocess and is timed. A ``sitecustomize`` on the subprocess's path hides
+the modules named in ``DITMESH_TEST_HIDE`` (``sys.modules[name] = None``: importing one raises ImportError, as for a
+package that is not installed) and writes, at exit, whether the process imported torch: a refusal that loads no
+torch has started no rank and built no weight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: the most seconds a refusal that needs no weights may take here (the issue's bar is 1 s on the 2-core machine;
+#: the margin is for a loaded machine running the suite on both cores: a path that imports torch, as a rank does,
+#: takes 5 s or more here, so the bound still tells the two apart)
+REFUSAL_S = 2.0
+
+SITECUSTOMIZE = """\
+import os, sys
+for _name in os.environ.get("DITMESH_TEST_HIDE", "").split(","):
+    if _name:
+        sys.modules[_name] = None
+_report = os.environ.get("DITMESH_TEST_TORCH_FILE")
+if _report and os.environ.get("DITMESH_TEST_MAIN_PID", str(os.getpid())) == str(os.getpid()):
+    os.environ["DITMESH_TEST_MAIN_PID"] = str(os.getpid())  # the command's own process, not its children
+    open(_report, "w").write("False")
+
+    class _TorchWatch:  # the first look-up of torch says so (generate leaves by os._exit: no atexit)
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "torch":
+                open(_report, "w").write("True")
+            return None
+
+    sys.meta_path.insert(0, _TorchWatch)
+"""
+
+
+def _leftovers(marker: str) -> list[int]:
+    """Processes (other than this one) whose environment holds ``marker``: what a command started and left."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def refuse(tmp_path: Path, argv: list[str], hide: tuple[str, ...] = (), shadow: dict[str, str] | None = None):
+    """Run ``ditmesh argv`` with the modules ``hide`` hidden (and ``shadow``: module files put first on the path);
+    return (exit code, stderr, seconds, whether it imported torch). Asserts nothing of it is left running."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    for name, text in (shadow or {}).items():
+        (site / f"{name}.py").write_text(text)
+    marker = f"DITMESH_TEST_MARK_{uuid.uuid4().hex}"
+    torch_file = tmp_path / "torch-imported"
+    torch_file.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "src")]), DITMESH_TEST_HIDE=",".join(hide),
+               DITMESH_TEST_TORCH_FILE=str(torch_file), **{marker: "1"})
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ditmesh", *argv], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120, stdin=subprocess.DEVNULL)
+    seconds = time.perf_counter() - start
+    time.sleep(0.2)  # a child that outlived its parent would still be there
+    assert not _leftovers(marker), f"left running after {argv}: {_leftovers(marker)}"
+    imported = torch_file.read_text() == "True" if torch_file.exists() else None
+    return proc.returncode, proc.stderr, seconds, imported
+
+
+def _one_line_error(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
+    return errors[0]
+
+
+MISSING = [
+    (["serve", "--nproc", "2", "--ulysses", "2", "--port", "0"], ("fastapi",), "ditmesh[serve]"),
+    (["serve", "--nproc", "2", "--ulysses", "2", "--port", "0"], ("uvicorn",), "ditmesh[serve]"),
+    (["serve", "--ray", "auto", "--port", "0"], ("ray",), "ditmesh[ray]"),
+    (["serve", "--ray", "auto", "--port", "0"], ("uvicorn",), "ditmesh[ray]"),
+    (["generate", "--nproc", "2", "--ulysses", "2", "--lora", "LORA"], ("peft",), "ditmesh[lora]"),
+    (["generate", "--lora", "LORA"], ("peft",), "ditmesh[lora]"),
+    (["generate", "--quant", "int8-weight", "--quant-backend", "torchao"], ("torchao",), "ditmesh[quant]"),
+]
+
+
+@pytest.mark.parametrize("argv, hide, extra", MISSING, ids=[f"{a[0]}-{h[0]}" + ("-nproc" if "--nproc" in a else "")
+                                                            for a, h, _ in MISSING])
+def test_a_missing_extra_is_named_before_any_rank_starts(tmp_path, argv, hide, extra):
+    if hide == ("uvicorn",) and "--ray" in argv:
+        pytest.importorskip("ray")  # with ray installed the front end's packages are checked next
+    lora = tmp_path / "lora.safetensors"
+    lora.write_bytes(b"")
+    argv = [str(lora) if a == "LORA" else a for a in argv]
+    code, stderr, seconds, torch_loaded = refuse(tmp_path, argv, hide=hide)
+    line = _one_line_error(stderr)
+    assert code == 2 and f"needs {hide[0]}, which is not installed here: pip install '{extra}'" in line, stderr
+    assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)
+    assert "bound" not in stderr  # nothing said of a service that will not run
+
+
+def test_a_broken_front_end_package_is_caught_before_any_rank_starts(tmp_path):
+    # installed but failing to import (a shadowing module raising ImportError): imported for real before the ranks
+    broken = "raise ImportError(\"No module named 'uvicorn'\", name='uvicorn')\n"
+    code, stderr, seconds, torch_loaded = refuse(tmp_path, ["serve", "--nproc", "2", "--ulysses", "2", "--port", "0"],
+                                                 shadow={"uvicorn": broken})
+    assert code == 2 and "pip install 'ditmesh[serve]'" in _one_line_error(stderr)
+    assert torch_loaded is False and seconds < REFUSAL_S + 1.5, seconds  # fastapi is imported for real first
+
+
+def _busy_port():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock
+
+
+NO_WEIGHTS = [
+    (["generate", "--nproc", "2", "--cfg", "2"], "--cfg 2 needs classifier-free guidance"),
+    (["generate", "--nproc", "1", "--frames", "5"], "--frames 5: flux pipelines generate images"),
+    (["generate", "--frames", "5"], "--frames 5: flux pipelines generate images"),
+    (["generate", "--nproc", "1", "--model", "wan-tiny", "--frames", "6"], "--frames 6 must be 4k+1 for wan"),
+    (["generate", "--nproc", "1", "--cuda-graph"], "CUDA graphs need a CUDA device"),
+    (["plan", "--model", "flux-dev", "--gpus", "0"], "--gpus 0 must be >= 1"),
+    (["serve", "--nproc", "1", "--max-steps", "10", "--port", "0"], "steps 28 is over this server's limit: 1 to 10"),
+    (["serve", "--nproc", "1", "--frames", "5", "--port", "0"], "--frames 5: flux pipelines generate images"),
+    (["serve", "--nproc", "1", "--port", "BUSY"], "Address already in use"),
+]
+
+
+@pytest.mark.parametrize("argv, says", NO_WEIGHTS, ids=[" ".join(a[:4]) for a, _ in NO_WEIGHTS])
+def test_a_refusal_that_needs_no_weights_comes_before_any_rank(tmp_path, argv, says):
+    from ditmesh.shared import no_cuda_here
+
+    if "--cuda-graph" in argv and not no_cuda_here():
+        pytest.skip("this machine may have a CUDA device: the ranks check CUDA graphs with torch")
+    busy = _busy_port()
+    try:
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        code, stderr, seconds, torch_loaded = refuse(tmp_path, argv)
+    finally:
+        busy.close()
+    assert code == 2 and says in _one_line_error(stderr), stderr
+    assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)
