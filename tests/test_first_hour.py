@@ -159,3 +159,17 @@ def test_a_refusal_that_needs_no_weights_comes_before_any_rank(tmp_path, argv, s
         busy.close()
     assert code == 2 and says in _one_line_error(stderr), stderr
     assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)
+
+
+def test_the_readme_feature_table_names_the_extra_each_feature_needs():
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]) - {"test"}
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| feature | how | needs | docs |"):]
+    table = table[:table.index("\n\n")]
+    needs = {row.split(" | ")[0].lstrip("| "): row.split(" | ")[2] for row in table.splitlines()[2:]}
+    named = {extra for cell in needs.values() for extra in extras if f"`ditmesh[{extra}]`" in cell}
+    assert named == extras, f"extras the table does not name: {sorted(extras - named)}"
+    for feature, extra in (("HTTP service", "serve"), ("Ray cluster", "ray"), ("LoRA", "lora"), ("8-bit", "quant")):
+        assert any(feature in name and f"ditmesh[{extra}]" in cell for name, cell in needs.items()), feature
