@@ -173,3 +173,59 @@ def test_the_readme_feature_table_names_the_extra_each_feature_needs():
     assert named == extras, f"extras the table does not name: {sorted(extras - named)}"
     for feature, extra in (("HTTP service", "serve"), ("Ray cluster", "ray"), ("LoRA", "lora"), ("8-bit", "quant")):
         assert any(feature in name and f"ditmesh[{extra}]" in cell for name, cell in needs.items()), feature
+
+
+def _flux_tiny_bytes() -> int:
+    """float32 bytes of flux-tiny's transformer, counted here from its config on the meta device."""
+    import diffusers
+    import torch
+
+    from ditmesh.models.registry import ARCHS
+
+    arch = ARCHS["flux-tiny"]
+    with torch.device("meta"):
+        model = getattr(diffusers, arch.transformer_class)(**arch.transformer)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_weight_is_built(tmp_path, monkeypatch):
+    # DITMESH_TEST_FREE_MEMORY fakes a small machine; the two CPU ranks of one host share its memory, so 1.5 times
+    # one rank's weights is too little; the ranks refuse before the architecture is synthesized
+    need = _flux_tiny_bytes()
+    free = int(need * 1.5)
+    monkeypatch.setenv("DITMESH_TEST_FREE_MEMORY", str(free))
+    monkeypatch.setenv("DITMESH_CACHE", str(tmp_path / "cache"))
+    argv = ["generate", "--model", "flux-tiny", "--out", str(tmp_path / "x.png"), "--nproc", "2", "--ulysses", "2"]
+    code, stderr, seconds, _ = refuse(tmp_path, argv)
+    line = _one_line_error(stderr)
+    assert code == 2 and f"its weights need {2 * need / 2**20:.1f} MiB for 2 processes" in line, line
+    assert f"and {free / 2**20:.1f} MiB is available on this host" in line, line
+    assert "--dtype bfloat16" in line and "--quant int8-weight" in line and "a smaller model" in line, line
+    assert "--tp" not in line  # more CPU ranks of one host hold as much in all
+    assert not (tmp_path / "cache" / "flux-tiny-seed0").exists()  # nothing was synthesized: no weight was made
+
+
+def test_what_fits_on_a_gpu_names_more_ranks(monkeypatch):
+    from ditmesh.config import ConfigError, ParallelConfig
+    from ditmesh.options import RunOptions
+    from ditmesh.runtime.fit import check_fit
+
+    need = _flux_tiny_bytes()
+    monkeypatch.setenv("DITMESH_TEST_FREE_MEMORY", str(int(need * 0.6)))
+    with pytest.raises(ConfigError) as refused:
+        check_fit("flux-tiny", RunOptions.create(), "cuda", 4, local_ranks=4)  # each rank its own GPU
+    line = str(refused.value)
+    assert f"its weights need {need / 2**20:.1f} MiB (" in line and "is free on cuda" in line, line
+    assert "--tp 2 (" in line and "--quant int8-weight (" in line, line
+    assert "--tp 4" not in line and "--tp 8" not in line  # flux-tiny's 6 heads split over 2 ranks, not 4 or 8
+    check_fit("flux-tiny", RunOptions.create(config=ParallelConfig(tp=2)), "cuda", 4, local_ranks=4)  # it fits
+
+
+def test_weights_per_rank_split_blocks_over_tp_and_pp_and_quantize_their_linears():
+    from ditmesh.runtime.fit import TransformerCount, rank_bytes
+
+    counts = [TransformerCount("transformer", total=1000, blocks=800, quantizable=600)]
+    assert rank_bytes(counts, (0, 0), 4) == 4000
+    assert rank_bytes(counts, (10, 3), 2) == 2000 + 20 + 3  # other components: floating ones in the run's dtype
+    assert rank_bytes(counts, (0, 0), 4, tp=2, pp=2) == 200 * 4 + 800 * 4 // 4
+    assert rank_bytes(counts, (0, 0), 4, quant="int8-weight") == 200 * 4 + 200 * 4 + 600

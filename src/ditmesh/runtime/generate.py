@@ -120,11 +120,27 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
     from ..mesh import default_device
 
     heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
+    device = default_device()
     try:
-        options.validate(device=default_device(), adapters=[adapter] if adapter is not None else [], heads=heads,
+        options.validate(device=device, adapters=[adapter] if adapter is not None else [], heads=heads,
                          model_name=(tcfg or {}).get("_class_name", "the transformer"), cli=True)
     except NotImplementedError as exc:  # the family's own refusal, before any rank starts
         raise ConfigError(str(exc)) from None
+    from .fit import check_fit
+
+    # the weights against the memory, before any is built (on CPU every rank of this host shares its memory)
+    replicas = 1 if getattr(args, "ray", None) else getattr(args, "replicas", 1)  # a Ray replica has a node of its own
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)) * replicas
+    check_fit(model, options, device, run_dtype(args, device).itemsize, local_ranks)
+
+
+def run_dtype(args, device):
+    """The dtype a run loads its weights in: ``--dtype``, else bfloat16 on CUDA and float32 elsewhere."""
+    import torch
+
+    from ..shared import DTYPES
+
+    return DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def check_size(args) -> None:
@@ -421,10 +437,8 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
     from ..api import parallelize
     from ..comm import all_gather_object
     from ..models import adapter_for
-    from ..shared import DTYPES
-
     config = options.config
-    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = run_dtype(args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_load = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import ConfigError, cache_dir  # noqa: F401  (cache_dir: where the tools look for it)
+from ..config import ConfigError, cache_dir
 from ..options import modulation_flag
 
 
@@ -22,6 +22,11 @@ def default_model() -> str:
     return "flux-tiny"
 
 
+def synthesized_path(arch_name: str, seed: int = 0) -> Path:
+    """Where :func:`synthesize_cached` keeps the checkpoint of ``arch_name`` (written or not)."""
+    return cache_dir() / f"{arch_name}-seed{seed}"
+
+
 def synthesize_cached(arch_name: str, seed: int = 0) -> str:
     """Path of the cached synthetic checkpoint of ``arch_name``, writing it on first use.
 
@@ -29,7 +34,7 @@ def synthesize_cached(arch_name: str, seed: int = 0) -> str:
     """
     from ..synth import write_checkpoint
 
-    path = cache_dir() / f"{arch_name}-seed{seed}"
+    path = synthesized_path(arch_name, seed)
     if (path / "model_index.json").is_file():
         return str(path)
     try:
