@@ -229,3 +229,39 @@ def test_weights_per_rank_split_blocks_over_tp_and_pp_and_quantize_their_linears
     assert rank_bytes(counts, (10, 3), 2) == 2000 + 20 + 3  # other components: floating ones in the run's dtype
     assert rank_bytes(counts, (0, 0), 4, tp=2, pp=2) == 200 * 4 + 800 * 4 // 4
     assert rank_bytes(counts, (0, 0), 4, quant="int8-weight") == 200 * 4 + 200 * 4 + 600
+
+
+def _broken(tmp_path: Path, how: str) -> str:
+    """A copy of the shipped tiny pipeline with one file error, or a hub id no one has."""
+    import shutil
+
+    from ditmesh.tiny import default_model_path
+
+    if how == "hub":
+        return "nobody-ditmesh-test/no-such-model"
+    folder = tmp_path / "pipe"
+    shutil.copytree(default_model_path(), folder)
+    if how == "index":
+        (folder / "model_index.json").write_text("{'not': 'json'}")
+    elif how == "config":
+        (folder / "transformer" / "config.json").write_text("{'not': 'json'}")
+    else:
+        shutil.rmtree(folder / "transformer")
+    return str(folder)
+
+
+@pytest.mark.parametrize("how, says", [
+    ("index", "pipe/model_index.json is not valid JSON"),
+    ("config", "pipe/transformer/config.json is not valid JSON"),
+    ("folder", "names the component transformer (FluxTransformer2DModel), but the folder {model}/transformer is missing"),
+    ("hub", "--model nobody-ditmesh-test/no-such-model: could not read model_index.json of this hub id"),
+])
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2", "--ulysses", "2"]], ids=["one", "nproc2"])
+def test_a_file_error_names_the_file_before_any_rank_starts(tmp_path, monkeypatch, how, says, nproc):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub id is looked up in the cache only
+    model = _broken(tmp_path, how)
+    code, stderr, seconds, torch_loaded = refuse(tmp_path, ["generate", "--model", model, *nproc])
+    line = _one_line_error(stderr)
+    assert code == 2 and says.format(model=model) in line, line
+    assert "local_files_only" not in line and "stacktrace" not in line
+    assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)

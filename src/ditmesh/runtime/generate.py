@@ -21,7 +21,7 @@ from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults,
-                     read_family_facts, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
+                     read_family_facts, read_model_json, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
                      transformer_class)
 
 
@@ -90,10 +90,17 @@ def validate_family_early(args, options: "RunOptions", model: str) -> None:
     starts (and, in one process, before torch loads): ``--frames`` against the family's frame rule, ``--cfg 2``
     against its CFG switch (both from the registry's :class:`~ditmesh.models.registry.FamilyFacts`), and the
     options' device checks (``--cuda-graph``, ``--attention int8``, ``--transport symm``) where this machine
-    certainly has no CUDA device. A folder whose configs cannot be read is left to the ranks, which name the file."""
-    from ..shared import no_cuda_here
+    certainly has no CUDA device; a hub id's model index is fetched (no weights), so that an unknown or unreachable
+    id is one line naming it."""
+    from ..models.registry import ARCHS
+    from ..shared import hub_config_folder, no_cuda_here
     from .video import validate_frames
 
+    if model not in ARCHS and not Path(model).is_dir():  # a hub id: its model index (no weights), or one line
+        try:
+            hub_config_folder(model, ("model_index.json",))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     facts = read_family_facts(model)
     if facts is not None and getattr(args, "frames", None) is not None:
         validate_frames(facts, args.frames)
@@ -753,7 +760,7 @@ def transformer_components(path: str) -> list[str]:
     index = Path(path) / "model_index.json"
     if not index.is_file():
         return ["transformer"]
-    entries = json.loads(index.read_text())
+    entries = read_model_json(index)
     return [name for name, value in sorted(entries.items())
             if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
 

@@ -73,6 +73,18 @@ def local_model_path(model: str) -> str:
     return synthesize_cached(model) if model in ARCHS else model
 
 
+def read_model_json(path: Path):
+    """A JSON file of a model folder (model_index.json, a component's config.json, ditmesh's own files); one line
+    naming the file when it cannot be read or is not JSON (ConfigError)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not JSON (json.JSONDecodeError), or not text (UnicodeDecodeError)
+        raise ConfigError(f"{path} is not valid JSON ({exc}); restore the file (or download the pipeline "
+                          "again)") from None
+
+
 def read_transformer_config(model: str) -> dict | None:
     """The transformer's config.json of a local pipeline folder or synthetic architecture (None for hub ids)."""
     from ..models.registry import ARCHS
@@ -80,7 +92,7 @@ def read_transformer_config(model: str) -> dict | None:
     if model in ARCHS:
         return dict(ARCHS[model].transformer, _class_name=ARCHS[model].transformer_class)
     cfg = Path(model) / "transformer" / "config.json"
-    return json.loads(cfg.read_text()) if cfg.is_file() else None
+    return read_model_json(cfg) if cfg.is_file() else None
 
 
 def read_pipeline_class(model: str) -> str | None:
@@ -90,7 +102,7 @@ def read_pipeline_class(model: str) -> str | None:
     if model in ARCHS:
         return ARCHS[model].pipeline
     index = Path(model) / "model_index.json"
-    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    return read_model_json(index).get("_class_name") if index.is_file() else None
 
 
 def check_transformer_class(model: str) -> str | None:
@@ -102,11 +114,15 @@ def check_transformer_class(model: str) -> str | None:
     if model in SYNTH:
         return None
     index = Path(model) / "model_index.json"
-    entries = json.loads(index.read_text()) if index.is_file() else None
+    entries = read_model_json(index) if index.is_file() else None
     if entries is not None and not any(k.startswith("transformer") for k in entries):
         kind = entries.get("_class_name", "this")
         raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
                           f"(transformers: {', '.join(supported_classes())})")
+    for name, entry in (entries or {}).items():  # every component model_index.json names has its folder
+        if isinstance(entry, list) and len(entry) == 2 and all(entry) and not (Path(model) / name).is_dir():
+            raise ConfigError(f"--model {model}: {index} names the component {name} ({entry[1]}), but the folder "
+                              f"{Path(model) / name} is missing; restore it (or download the pipeline again)")
     config = read_transformer_config(model)
     if not config or "_class_name" not in config:
         return None
@@ -171,7 +187,7 @@ def read_defaults(model: str) -> dict:
     for name in ("ditmesh_tiny.json", "ditmesh_synth.json"):
         f = Path(model) / name
         if f.is_file():
-            return json.loads(f.read_text())
+            return read_model_json(f)
     return {}
 
 
@@ -184,7 +200,7 @@ def read_quant_manifest(model: str) -> dict | None:
     for component in sorted(folder.glob("transformer*")) if folder.is_dir() else ():
         manifest = component / QUANT_MANIFEST
         if manifest.is_file():
-            return json.loads(manifest.read_text())
+            return read_model_json(manifest)
     return None
 
 
