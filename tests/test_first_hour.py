@@ -9,6 +9,7 @@ torch has started no rank and built no weight.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -28,6 +29,8 @@ REFUSAL_S = 2.0
 
 SITECUSTOMIZE = """\
 import os, sys
+if os.environ.get("DITMESH_TEST_LOAD"):  # a busy machine, as os.getloadavg says it
+    os.getloadavg = lambda: (float(os.environ["DITMESH_TEST_LOAD"]),) * 3
 for _name in os.environ.get("DITMESH_TEST_HIDE", "").split(","):
     if _name:
         sys.modules[_name] = None
@@ -61,7 +64,8 @@ def _leftovers(marker: str) -> list[int]:
     return found
 
 
-def refuse(tmp_path: Path, argv: list[str], hide: tuple[str, ...] = (), shadow: dict[str, str] | None = None):
+def ditmesh(tmp_path: Path, argv: list[str], hide: tuple[str, ...] = (), shadow: dict[str, str] | None = None,
+            unset: tuple[str, ...] = ()):
     """Run ``ditmesh argv`` with the modules ``hide`` hidden (and ``shadow``: module files put first on the path);
     return (exit code, stderr, seconds, whether it imported torch). Asserts nothing of it is left running."""
     site = tmp_path / "site"
@@ -74,6 +78,8 @@ def refuse(tmp_path: Path, argv: list[str], hide: tuple[str, ...] = (), shadow: 
     torch_file.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "src")]), DITMESH_TEST_HIDE=",".join(hide),
                DITMESH_TEST_TORCH_FILE=str(torch_file), **{marker: "1"})
+    for name in unset:
+        env.pop(name, None)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ditmesh", *argv], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=120, stdin=subprocess.DEVNULL)
@@ -109,7 +115,7 @@ def test_a_missing_extra_is_named_before_any_rank_starts(tmp_path, argv, hide, e
     lora = tmp_path / "lora.safetensors"
     lora.write_bytes(b"")
     argv = [str(lora) if a == "LORA" else a for a in argv]
-    code, stderr, seconds, torch_loaded = refuse(tmp_path, argv, hide=hide)
+    code, stderr, seconds, torch_loaded = ditmesh(tmp_path, argv, hide=hide)
     line = _one_line_error(stderr)
     assert code == 2 and f"needs {hide[0]}, which is not installed here: pip install '{extra}'" in line, stderr
     assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)
@@ -119,7 +125,7 @@ def test_a_missing_extra_is_named_before_any_rank_starts(tmp_path, argv, hide, e
 def test_a_broken_front_end_package_is_caught_before_any_rank_starts(tmp_path):
     # installed but failing to import (a shadowing module raising ImportError): imported for real before the ranks
     broken = "raise ImportError(\"No module named 'uvicorn'\", name='uvicorn')\n"
-    code, stderr, seconds, torch_loaded = refuse(tmp_path, ["serve", "--nproc", "2", "--ulysses", "2", "--port", "0"],
+    code, stderr, seconds, torch_loaded = ditmesh(tmp_path, ["serve", "--nproc", "2", "--ulysses", "2", "--port", "0"],
                                                  shadow={"uvicorn": broken})
     assert code == 2 and "pip install 'ditmesh[serve]'" in _one_line_error(stderr)
     assert torch_loaded is False and seconds < REFUSAL_S + 1.5, seconds  # fastapi is imported for real first
@@ -154,7 +160,7 @@ def test_a_refusal_that_needs_no_weights_comes_before_any_rank(tmp_path, argv, s
     busy = _busy_port()
     try:
         argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
-        code, stderr, seconds, torch_loaded = refuse(tmp_path, argv)
+        code, stderr, seconds, torch_loaded = ditmesh(tmp_path, argv)
     finally:
         busy.close()
     assert code == 2 and says in _one_line_error(stderr), stderr
@@ -196,7 +202,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_weight_is_built(tmp_path,
     monkeypatch.setenv("DITMESH_TEST_FREE_MEMORY", str(free))
     monkeypatch.setenv("DITMESH_CACHE", str(tmp_path / "cache"))
     argv = ["generate", "--model", "flux-tiny", "--out", str(tmp_path / "x.png"), "--nproc", "2", "--ulysses", "2"]
-    code, stderr, seconds, _ = refuse(tmp_path, argv)
+    code, stderr, seconds, _ = ditmesh(tmp_path, argv)
     line = _one_line_error(stderr)
     assert code == 2 and f"its weights need {2 * need / 2**20:.1f} MiB for 2 processes" in line, line
     assert f"and {free / 2**20:.1f} MiB is available on this host" in line, line
@@ -260,8 +266,39 @@ def _broken(tmp_path: Path, how: str) -> str:
 def test_a_file_error_names_the_file_before_any_rank_starts(tmp_path, monkeypatch, how, says, nproc):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub id is looked up in the cache only
     model = _broken(tmp_path, how)
-    code, stderr, seconds, torch_loaded = refuse(tmp_path, ["generate", "--model", model, *nproc])
+    code, stderr, seconds, torch_loaded = ditmesh(tmp_path, ["generate", "--model", model, *nproc])
     line = _one_line_error(stderr)
     assert code == 2 and says.format(model=model) in line, line
     assert "local_files_only" not in line and "stacktrace" not in line
     assert torch_loaded is False and seconds < REFUSAL_S, (seconds, torch_loaded)
+
+
+def test_one_thread_policy_and_a_busy_machine(monkeypatch):
+    from ditmesh import shared
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [shared.cpu_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.4, 0.4, 0.4))
+    assert shared.cpu_load(8)["warning"] is None  # an idle machine: the run's threads fill its cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    busy = shared.cpu_load(8)
+    assert busy["load_1min"] == 3.0 and busy["cores"] == 8 and "1-minute load 3.0 on 8 cores" in busy["warning"]
+    assert shared.cpu_load(4)["warning"] is None  # four threads beside a load of 3 fit in 8 cores
+
+
+def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
+    # OMP_NUM_THREADS unset: the launcher's policy gives each of the 2 ranks this machine's cores // 2
+    from ditmesh.shared import cpu_threads
+
+    out = tmp_path / "x.png"
+    os.environ["DITMESH_TEST_LOAD"] = str(os.cpu_count() + 5)
+    try:
+        code, stderr, _, _ = ditmesh(tmp_path, ["generate", "--nproc", "2", "--ulysses", "2", "--steps", "1",
+                                                "--out", str(out)], unset=("OMP_NUM_THREADS",))
+    finally:
+        del os.environ["DITMESH_TEST_LOAD"]
+    assert code == 0, stderr[-2000:]
+    cpu = json.loads(out.with_name(out.name + ".json").read_text())["cpu"]
+    assert cpu["threads_per_rank"] == cpu_threads(2) and cpu["threads"] == 2 * cpu_threads(2), cpu
+    assert cpu["cores"] == os.cpu_count() and cpu["load_1min"] == os.cpu_count() + 5
+    assert cpu["warning"] and stderr.count(cpu["warning"]) == 1, stderr  # said once, by rank 0

@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,8 +250,6 @@ def check_guidance_on(adapter, args) -> None:
 def apply_auto_plan(args, world_size: int) -> ParallelConfig:
     """``--plan auto``: set the degree options of ``args`` to the planner's choice for ``world_size`` processes
     (said on stderr) and return it."""
-    import sys
-
     chosen = planned_setting(args, world_size)
     config = chosen.config
     print(f"ditmesh: --plan auto picked {chosen.describe()} for {world_size} process(es)", file=sys.stderr)
@@ -519,6 +518,16 @@ def run(args) -> int:
     with phase("checks"):
         options, model = rendezvous.validate(args, world)
     config = options.config
+    cpu = None
+    if device.type == "cpu":  # what the CPU timing ran against: threads per rank, cores, the load before the run
+        import torch
+
+        from ..shared import cpu_load
+
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cpu = {"threads_per_rank": torch.get_num_threads(), **cpu_load(torch.get_num_threads() * local_world)}
+        if rank == 0 and cpu["warning"]:
+            print(cpu["warning"], file=sys.stderr, flush=True)
     if rank != 0:
         import diffusers
 
@@ -609,6 +618,7 @@ def run(args) -> int:
             "options": options.as_dict(),
             "world_size": world,
             "devices": devices,
+            "cpu": cpu,  # CPU runs: threads_per_rank, cores, load_1min before the run, threads, warning
             "dtype": str(dtype).replace("torch.", ""),
             "height": call.get("height"),
             "width": call.get("width"),
@@ -788,8 +798,6 @@ def end_rank_process(code: int) -> None:
     ("terminate called without an active exception") and fail a finished run; all outputs are written
     and flushed by now, so the process leaves without running C++ destructors.
     """
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

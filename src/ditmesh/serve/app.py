@@ -16,6 +16,7 @@ import base64
 import collections
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -59,6 +60,11 @@ class Job:
 def _batch_key(options: dict) -> tuple:
     """What requests that share a call must have in common: every option but the prompt and the seed."""
     return tuple(sorted((k, repr(v)) for k, v in options.items() if k not in ("prompt", "seed")))
+
+
+def log(line: str) -> None:
+    """One line of the server's log (stderr): a rank fault, a restart, a replica given up."""
+    print(f"ditmesh: {line}", file=sys.stderr, flush=True)
 
 
 class Service:
@@ -205,8 +211,9 @@ class Service:
                     return
                 try:
                     replica.check()
-                except RankFault:
+                except RankFault as exc:
                     self.counts["faults"] += 1
+                    log(f"replica {replica.index}: rank fault while idle: {exc}; restarting the replica")
                 continue
             with self.lock:
                 if job.state != "queued":  # cancelled while it waited
@@ -263,15 +270,24 @@ class Service:
             return fail("failed", (422, f"the pipeline refused the request: {exc}"))
         except RankFault as exc:
             self.counts["faults"] += 1
+            retried, failed = [], []
             for member in batch:
                 if member.step == 0 and not member.retried and not member.future.done():
                     self._retry(member)
+                    retried.append(member.id)
                 else:
                     self._finish(member, "failed", error=(500, f"{exc}; the replica is restarting, send the "
                                                                 f"request again"))
+                    failed.append(member.id)
+            log(f"replica {replica.index}: rank fault: {exc}; "
+                + "; ".join(part for part in (f"request {', '.join(failed)} answered 500" if failed else "",
+                                              f"request {', '.join(retried)} queued again" if retried else "") if part)
+                + "; restarting the replica")
             return  # no pictures: the dispatcher goes on to restart the replica
         except Exception as exc:  # noqa: BLE001  (answer the jobs whatever happened)
             replica.state = "failed"
+            log(f"replica {replica.index}: {type(exc).__name__}: {exc}; request {first.id} answered 500; restarting "
+                "the replica")
             return fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
         finally:
             with self.lock:
@@ -313,10 +329,12 @@ class Service:
         a row, each retried after twice the delay of the one before, the replica is given up: state ``down``."""
         if self.stopping.is_set():
             return
+        start = time.perf_counter()
         try:
             replica.restart()
             self.counts["restarts"] += 1
             self.failed_restarts[replica.index] = 0
+            log(f"replica {replica.index}: restarted in {time.perf_counter() - start:.1f} s")
         except RankFault as exc:
             self.last_restart_error = str(exc)
             self.failed_restarts[replica.index] += 1
@@ -324,9 +342,16 @@ class Service:
             if failed >= self.restart_attempts:
                 replica.state = "down"
                 self.counts["replicas_down"] += 1
+                up = sum(r.state != "down" for r in self.replicas)
+                log(f"replica {replica.index}: given up after {failed} failed restarts in a row (last: {exc}); "
+                    f"{up} of {len(self.replicas)} replica(s) left"
+                    + ("" if up else "; requests are answered 503 until the server is restarted"))
                 return
             replica.state = "failed"
-            self.stopping.wait(self.restart_delay_s * 2 ** (failed - 1))
+            delay = self.restart_delay_s * 2 ** (failed - 1)
+            log(f"replica {replica.index}: restart {failed} of {self.restart_attempts} failed: {exc}; trying again "
+                f"in {delay:g} s")
+            self.stopping.wait(delay)
 
     def _all_down(self) -> bool:
         return all(r.state == "down" for r in self.replicas)
