@@ -302,3 +302,44 @@ def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
     assert cpu["threads_per_rank"] == cpu_threads(2) and cpu["threads"] == 2 * cpu_threads(2), cpu
     assert cpu["cores"] == os.cpu_count() and cpu["load_1min"] == os.cpu_count() + 5
     assert cpu["warning"] and stderr.count(cpu["warning"]) == 1, stderr  # said once, by rank 0
+
+
+def _synopses() -> tuple[dict[str, str], str]:
+    """docs/usage.md's command-line reference: each sub-command's synopsis lines (a command may have several), and
+    usage.md without that block."""
+    text = (ROOT / "docs" / "usage.md").read_text()
+    start = text.index("```\n", text.index("## Command-line reference")) + 4
+    block = text[start:text.index("```", start)]
+    synopses: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        if line.startswith("ditmesh "):
+            current = line.split()[1]
+        if current:
+            synopses[current] = synopses.get(current, "") + line.split("#")[0] + "\n"
+    return synopses, text.replace(block, "")
+
+
+def test_the_usage_reference_lists_every_option_of_every_command():
+    # serve takes generate's options (its synopsis says so); each option is also explained in usage.md or serve.md
+    import argparse
+    import re
+
+    from ditmesh.cli import EXTRA_COMMANDS, build_parser
+
+    synopses, prose = _synopses()  # each option explained outside the synopsis, too (in any doc)
+    prose += "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "usage.md")
+    missing = []
+    for command in ["generate", "synth", *EXTRA_COMMANDS]:
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        listed = synopses.get(command, "") + (synopses["generate"] if command == "serve" else "")
+        for action in sub._actions:
+            options = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+            if action.help == argparse.SUPPRESS or not options:
+                continue
+            said = [re.compile(re.escape(option) + r"(?![\w-])") for option in options]  # one name of it will do
+            explained = command in ("train-tiny", "eval-tiny") or any(s.search(prose) for s in said)  # their --help
+            if not (any(s.search(listed) for s in said) and explained):
+                missing.append(f"{command} {options[0]}")
+    assert not missing, f"options docs/usage.md (or serve.md) does not list: {missing}"
