@@ -526,8 +526,6 @@ def run(args) -> int:
 
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         cpu = {"threads_per_rank": torch.get_num_threads(), **cpu_load(torch.get_num_threads() * local_world)}
-        if rank == 0 and cpu["warning"]:
-            print(cpu["warning"], file=sys.stderr, flush=True)
     if rank != 0:
         import diffusers
 
@@ -674,8 +672,11 @@ def run(args) -> int:
 
             timelines[0] = timeline().as_dict(0)
             write_trace(args.trace, timelines)
-        print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
-              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
+        written = [*paths, report_path] + ([args.trace] if getattr(args, "trace", None) else [])
+        busy = (f"; a busy machine (1-minute load {cpu['load_1min']:.1f} on {cpu['cores']} cores): the time measures "
+                "the contention more than the run" if cpu and cpu["warning"] else "")
+        print(f"ditmesh: wrote {', '.join(written[:-1])} and {written[-1]} "
+              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()}{busy})", flush=True)
     finish_rank()
     return 0
 
