@@ -125,9 +125,11 @@ class ParallelConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the product of degrees equals ``world_size``."""
         if self.world_size != world_size:
+            given = (f"the degrees {self.describe()} multiply to {self.world_size}" if self.active_axes() else
+                     "every degree is 1 (one process's work)")
             raise ConfigError(
-                f"the degrees {self.describe()} multiply to {self.world_size}, but there are {world_size} processes; "
-                f"make the product of --dp --cfg --pp --ring --ulysses --tp equal the process count"
+                f"{given}, but there are {world_size} processes; make the product of --dp --cfg --pp --ring "
+                f"--ulysses --tp equal the process count" + ("" if self.active_axes() else f" (e.g. --ulysses {world_size})")
             )
 
     def check_heads(self, num_heads: int, model_name: str) -> None:

@@ -61,6 +61,15 @@ def current_umask() -> int:
     return mask
 
 
+def follow_umask(folder: str | os.PathLike) -> None:
+    """Give every file written into ``folder`` (a folder of our own making) the mode the umask gives a new file:
+    libraries that write through private temporary files (safetensors' writer) leave them 0600."""
+    mode = 0o666 & ~current_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename: never half-written."""
     path = Path(path)

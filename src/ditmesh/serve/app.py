@@ -465,6 +465,21 @@ def create_app(service: Service, token: str | None = None):
     async def answered(request, exc: _Answered):  # noqa: ARG001
         return refuse(exc.status, exc.message, job=exc.job)
 
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):  # an unknown path (404), a wrong method (405): our shape
+        if exc.status_code == 404:
+            message = (f"no such path: {request.url.path} (the API: POST /v1/images/generations, POST /generate, "
+                       "POST /jobs, GET or DELETE /jobs/<id>, GET /jobs/<id>/events, GET /health, GET /metrics, and "
+                       "the web page at /)")
+        elif exc.status_code == 405:
+            allow = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), None)
+            message = f"{request.method} is not served at {request.url.path}" + (f" (allowed: {allow})" if allow else "")
+        else:
+            message = str(exc.detail)
+        return refuse(exc.status_code, message)
+
     async def read_options(request: Request, parse) -> dict:
         if request.headers.get("content-type", "application/json").split(";")[0].strip() != "application/json":
             raise BadRequest("send the body as application/json", 415)
