@@ -215,13 +215,14 @@ def test_a_model_that_cannot_fit_is_refused_before_any_weight_is_built(tmp_path,
     assert not (tmp_path / "cache" / "flux-tiny-seed0").exists()  # nothing was synthesized: no weight was made
 
 
-def test_what_fits_on_a_gpu_names_more_ranks(monkeypatch):
+def test_what_fits_on_a_gpu_names_more_ranks(monkeypatch, tmp_path):
     from ditmesh.config import ConfigError, ParallelConfig
     from ditmesh.options import RunOptions
     from ditmesh.runtime.fit import check_fit
 
     need = _flux_tiny_bytes()
     monkeypatch.setenv("DITMESH_TEST_FREE_MEMORY", str(int(need * 0.6)))
+    monkeypatch.setenv("DITMESH_CACHE", str(tmp_path))  # not synthesized: the transformer alone is counted
     with pytest.raises(ConfigError) as refused:
         check_fit("flux-tiny", RunOptions.create(), "cuda", 4, local_ranks=4)  # each rank its own GPU
     line = str(refused.value)
@@ -298,7 +299,8 @@ def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
     os.environ["DITMESH_TEST_LOAD"] = str(os.cpu_count() + 5)
     try:
         code, stderr, _, _ = ditmesh(tmp_path, ["generate", "--nproc", "2", "--ulysses", "2", "--steps", "1",
-                                                "--out", str(out)], unset=("OMP_NUM_THREADS",))
+                                                "--out", str(out), "--trace", str(tmp_path / "t.json")],
+                                     unset=("OMP_NUM_THREADS",))
     finally:
         del os.environ["DITMESH_TEST_LOAD"]
     assert code == 0, stderr[-2000:]
@@ -306,7 +308,8 @@ def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
     assert cpu["threads_per_rank"] == cpu_threads(2) and cpu["threads"] == 2 * cpu_threads(2), cpu
     assert cpu["cores"] == os.cpu_count() and cpu["load_1min"] == os.cpu_count() + 5 and cpu["warning"]
     wrote = [line for line in stderr.splitlines() if line.startswith("ditmesh: wrote")]  # the line with the time
-    assert len(wrote) == 1 and f"a busy machine (1-minute load {os.cpu_count() + 5:.1f} on {os.cpu_count()} cores)" \
+    assert len(wrote) == 1 and str(tmp_path / "t.json") in wrote[0], stderr  # --trace's file is named too
+    assert f"a busy machine (1-minute load {os.cpu_count() + 5:.1f} on {os.cpu_count()} cores)" \
         in wrote[0], stderr
 
 

@@ -84,8 +84,8 @@ def format_table(result, top: int = 20) -> str:
               + (f" --quant {result.best.quant}" if result.best.quant != "off" else ""),
               f"why: {result.reason()}.",
               largest_line(result),
-              "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
-              "(generate --plan auto picks among the runnable ones)."]
+              "fits: yes (in the GPU's memory), offload (the weights that do not fit stream from host memory every "
+              "step; its step ms counts that), no."]
     return "\n".join(lines)
 
 
