@@ -304,7 +304,10 @@ def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
     finally:
         del os.environ["DITMESH_TEST_LOAD"]
     assert code == 0, stderr[-2000:]
-    cpu = json.loads(out.with_name(out.name + ".json").read_text())["cpu"]
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    cpu = report["cpu"]
+    # the options as they ran: gloo carried the collectives here, and no 8-bit backend ran
+    assert report["options"]["transport"] == "gloo" and report["options"]["quant_backend"] is None
     assert cpu["threads_per_rank"] == cpu_threads(2) and cpu["threads"] == 2 * cpu_threads(2), cpu
     assert cpu["cores"] == os.cpu_count() and cpu["load_1min"] == os.cpu_count() + 5 and cpu["warning"]
     wrote = [line for line in stderr.splitlines() if line.startswith("ditmesh: wrote")]  # the line with the time

@@ -442,3 +442,13 @@ def test_the_table_footer_explains_only_columns_the_table_has():
     labels = [line.split(":")[0] for line in lines if re.match(r"^[a-z]+: ", line)]
     explained = [label for label in labels if label not in ("recommended", "why", "largest")]
     assert explained and all(label in header.split() for label in explained), (explained, header)
+
+
+def test_plan_of_a_video_architecture_plans_its_default_clip(tmp_path):
+    from ditmesh.models.registry import ARCHS
+    from ditmesh.planner.cli import _default_frames
+
+    assert _default_frames("hunyuan-video") == ARCHS["hunyuan-video"].default_frames > 1  # not one frame
+    assert _default_frames("flux-dev") == 1 and _default_frames(str(tmp_path)) == 1
+    (tmp_path / "ditmesh_synth.json").write_text('{"default_frames": 9}')
+    assert _default_frames(str(tmp_path)) == 9

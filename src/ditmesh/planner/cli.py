@@ -18,7 +18,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--frames", type=int, default=1, help="video frames (the family's frame rule applies, e.g. 4k+1)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video frames (the family's frame rule applies, e.g. 4k+1; default: a video architecture's "
+                        "default, else 1)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
     p.add_argument("--gpus", type=int, default=None, help="total GPUs")
@@ -139,6 +141,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"ditmesh plan: error: {' and '.join(missing)} required (e.g. --model flux-dev --gpus 4), "
               "or --validate RESULTS.json", file=sys.stderr)
         return 2
+    if args.frames is None:  # a video architecture plans its default clip, not one frame
+        args.frames = _default_frames(args.model)
     supported = None
     if args.only:
         supported = {a.strip() for a in args.only.split(",") if a.strip()}
@@ -156,6 +160,22 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_table(result, args.top))
     return 0
+
+
+def _default_frames(model: str) -> int:
+    """The frames a run of ``model`` makes without ``--frames``: a synthetic video architecture's default, or a
+    folder's (``ditmesh_synth.json``); 1 otherwise."""
+    from pathlib import Path
+
+    from ..models.registry import ARCHS
+
+    if model in ARCHS:
+        return ARCHS[model].default_frames or 1
+    meta = Path(model) / "ditmesh_synth.json"
+    try:
+        return int(json.loads(meta.read_text()).get("default_frames") or 1) if meta.is_file() else 1
+    except (OSError, ValueError):
+        return 1
 
 
 def main(argv=None) -> int:

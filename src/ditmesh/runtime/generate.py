@@ -142,6 +142,19 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
     check_fit(model, options, device, run_dtype(args, device).itemsize, local_ranks)
 
 
+def ran_options(options: RunOptions, device, world: int) -> dict:
+    """The report's ``options``: as given, but the transport and the 8-bit backend as they ran here (``nccl`` names
+    the collective path, which is gloo on CPU; ``auto`` is torchao on CUDA and ditmesh's own layer elsewhere)."""
+    out = options.as_dict()
+    if device.type != "cuda" and out["transport"] == "nccl":
+        out["transport"] = "gloo" if world > 1 else None
+    if out["quant"] == "off":
+        out["quant_backend"] = None
+    elif out["quant_backend"] == "auto":
+        out["quant_backend"] = "torchao" if device.type == "cuda" else "ditmesh"
+    return out
+
+
 def run_dtype(args, device):
     """The dtype a run loads its weights in: ``--dtype``, else bfloat16 on CUDA and float32 elsewhere."""
     import torch
@@ -613,7 +626,7 @@ def run(args) -> int:
         report = {
             "model": model,
             "config": config.as_dict(),
-            "options": options.as_dict(),
+            "options": ran_options(options, device, world),
             "world_size": world,
             "devices": devices,
             "cpu": cpu,  # CPU runs: threads_per_rank, cores, load_1min before the run, threads, warning
@@ -675,8 +688,9 @@ def run(args) -> int:
         written = [*paths, report_path] + ([args.trace] if getattr(args, "trace", None) else [])
         busy = (f"; a busy machine (1-minute load {cpu['load_1min']:.1f} on {cpu['cores']} cores): the time measures "
                 "the contention more than the run" if cpu and cpu["warning"] else "")
+        layout = config.describe() + (" with displaced attention" if options.displaced else "")
         print(f"ditmesh: wrote {', '.join(written[:-1])} and {written[-1]} "
-              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()}{busy})", flush=True)
+              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {layout}{busy})", flush=True)
     finish_rank()
     return 0
 
