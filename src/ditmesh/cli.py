@@ -247,7 +247,10 @@ def _cmd_generate(args, argv: list[str]) -> int:
             argv.append("--displaced")
     with phase("checks"):
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
-        generate.validate_family_early(args, options, model)  # the family's rules from the registry's table
+        from .runtime.launch import launched_rank
+
+        if not launched_rank():  # the family's rules from the registry's table (the launcher checked them already)
+            generate.validate_family_early(args, options, model)
     if args.nproc and "RANK" not in os.environ and args.nnodes == 1 and not args.rdzv_endpoint:
         # The launcher of a run on this host imports neither torch nor diffusers: the ranks (forked from one process
         # that imported them) run the family's checks themselves (a refusal is their first error, printed once); the

@@ -213,7 +213,8 @@ class Service:
                     replica.check()
                 except RankFault as exc:
                     self.counts["faults"] += 1
-                    log(f"replica {replica.index}: rank fault while idle: {exc}; restarting the replica")
+                    if not self.stopping.is_set():
+                        log(f"replica {replica.index}: rank fault while idle: {exc}; restarting the replica")
                 continue
             with self.lock:
                 if job.state != "queued":  # cancelled while it waited
@@ -279,6 +280,8 @@ class Service:
                     self._finish(member, "failed", error=(500, f"{exc}; the replica is restarting, send the "
                                                                 f"request again"))
                     failed.append(member.id)
+            if self.stopping.is_set():  # the server stops its ranks: no fault of theirs (its own lines say so)
+                return
             log(f"replica {replica.index}: rank fault: {exc}; "
                 + "; ".join(part for part in (f"request {', '.join(failed)} answered 500" if failed else "",
                                               f"request {', '.join(retried)} queued again" if retried else "") if part)
