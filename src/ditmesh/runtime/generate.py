@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import io
-import json
 import math
 import os
 import sys
@@ -21,8 +20,8 @@ from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_r
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
-from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults,
-                     read_family_facts, read_model_json, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
+from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_family_facts,
+                     read_model_json, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
                      transformer_class)
 
 
