@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench(args: list[str], tmp_path: Path, cwd: Path | None = None, **env) -> subprocess.Popen:
-    """Start ``python -m ditmesh bench ARGS`` (in ``cwd``) with its own TMPDIR (``tmp_path/tmp``) and extra ``env``."""
+    """Start ``python -m ditmesh bench ARGS`` (in ``cwd``) with its own TMPDIR (``tmp_path/tmp``) and extra ``env``
+    (a value None: the variable unset)."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {k: v for k, v in dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env).items() if v is not None}
     return subprocess.Popen([sys.executable, "-m", "ditmesh", "bench", "--model", "flux-tiny", *args], cwd=cwd,
-                            env=dict(os.environ, TMPDIR=str(tmp_path / "tmp"), **env),
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -52,7 +54,8 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     args = ["--gpus", "1,2", "--methods", "ulysses,diffusers-ulysses,xdit-ulysses", "--steps", "1", "--warmup", "1"]
-    proc = bench(args, tmp_path, cwd=work, PYTHONPATH=paths, DITMESH_BENCH_DIR=str(tmp_path / "runs"))
+    proc = bench(args, tmp_path, cwd=work, PYTHONPATH=paths, DITMESH_BENCH_DIR=str(tmp_path / "runs"),
+                 OMP_NUM_THREADS=None)  # the bench's own thread policy
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-2000:]
     [out] = (tmp_path / "runs").glob("flux-tiny-64x64-*.json")
@@ -74,6 +77,11 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
     assert ours["ulysses_chunks"] == 1  # the head groups it ran with are recorded (one on CPU)
     assert "error" in rows[("diffusers-ulysses", 2)]  # the peer fails on CPU; the row records how
     assert rows[("xdit-ulysses", 2)]["error"] == "ImportError: xfuser hidden by the test"
+    # one thread policy: the 1-process reference runs with the threads of each of the 2 ranks, not every core
+    from ditmesh.shared import cpu_threads
+
+    assert doc["settings"]["cpu"]["threads_per_rank"] == cpu_threads(2)
+    assert {r["cpu_threads"] for r in doc["rows"]} == {cpu_threads(2)} and rows[("single", 1)]["cpu_threads"]
     assert "| ulysses | 2 |" in out.with_suffix(".md").read_text()
     assert leftovers(tmp_path) == []  # the workers' temporary folder is gone
 

@@ -33,6 +33,10 @@ def test_config_is_frozen():
 def test_config_checks_world_size_and_heads():
     with pytest.raises(ConfigError, match="multiply to 4, but there are 2 processes"):
         ParallelConfig(ulysses=4).check_world_size(2)
+    with pytest.raises(ConfigError) as none_set:  # no "the degrees single multiply to 1"
+        ParallelConfig().check_world_size(2)
+    assert str(none_set.value).startswith("every degree is 1 (one process's work), but there are 2 processes")
+    assert str(none_set.value).endswith("(e.g. --ulysses 2)")
     with pytest.raises(ConfigError, match="ulysses=32 exceeds the 24 attention heads of Flux"):
         ParallelConfig(ulysses=32).check_heads(24, "FluxTransformer2DModel")
     with pytest.raises(ConfigError, match=r"tp=5 does not divide the 24 attention heads .* valid: 1, 2, 3, 4, 6, 8, 12, 24"):

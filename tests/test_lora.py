@@ -240,6 +240,9 @@ def test_synth_lora_writes_the_benchs_adapter_as_a_file_the_pipeline_loads(flux_
 
     assert main(["synth", "--lora", "4", "--model", flux_tiny, "--out", str(tmp_path / "lora"), "--seed", "5"]) == 0
     assert "rank-4 LoRA on 22 attention linears" in capsys.readouterr().out  # flux-tiny: 2 x 8 + 2 x 3
+    from ditmesh.shared import current_umask
+
+    assert (tmp_path / "lora" / "lora.safetensors").stat().st_mode & 0o777 == 0o666 & ~current_umask()  # not 0600
     pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
     want = attention_lora(pipe.transformer, 4, seed=5)
     pipe.load_lora_weights(str(tmp_path / "lora" / "lora.safetensors"), adapter_name="synth")

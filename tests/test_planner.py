@@ -1,6 +1,7 @@
 """ditmesh plan: closed forms, enumeration rules, model statistics, memory and ranking sanity."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from ditmesh.planner import (  # noqa: E402
     tensor_parallel_cost,
     ulysses_attention_cost,
 )
-from ditmesh.planner.cli import add_plan_parser, run_plan  # noqa: E402
+from ditmesh.planner.cli import add_plan_parser, format_table, run_plan  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -236,7 +237,7 @@ def test_cli_json(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "flux-dev", "--gpus", "4", "--link", "nvlink-x"], "unknown link 'nvlink-x'; known:"),
     (["--model", "flux-dev", "--gpus", "4", "--device", "tpu"], "unknown device 'tpu'; known:"),
-    (["--model", "flux-dev", "--gpus", "0"], "gpus=0 must be a positive integer"),
+    (["--model", "flux-dev", "--gpus", "0"], "--gpus 0 must be >= 1"),
     (["--model", "flux-dev", "--gpus", "4", "--height", "1000"], "height=1000"),
     (["--model", "nope", "--gpus", "4"], "--model nope: no such folder; give a diffusers pipeline folder"),
     (["--model", "flux-dev", "--gpus", "4", "--nodes", "3"], "nodes=3"),
@@ -433,3 +434,21 @@ def test_chunked_transformer_is_traced_in_pieces_and_counted():
     # single blocks' fused MLP and attention projections, which chunk does not cut, so it stays (docs/planner.md)
     assert chunked.best.memory["activations"] <= whole.best.memory["activations"] * 1.001
     assert chunked.best.memory["weights"] == whole.best.memory["weights"]
+
+
+def test_the_table_footer_explains_only_columns_the_table_has():
+    lines = format_table(plan("flux-dev", 1024, 1024, 4, link="nvlink-h100")).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    labels = [line.split(":")[0] for line in lines if re.match(r"^[a-z]+: ", line)]
+    explained = [label for label in labels if label not in ("recommended", "why", "largest")]
+    assert explained and all(label in header.split() for label in explained), (explained, header)
+
+
+def test_plan_of_a_video_architecture_plans_its_default_clip(tmp_path):
+    from ditmesh.models.registry import ARCHS
+    from ditmesh.planner.cli import _default_frames
+
+    assert _default_frames("hunyuan-video") == ARCHS["hunyuan-video"].default_frames > 1  # not one frame
+    assert _default_frames("flux-dev") == 1 and _default_frames(str(tmp_path)) == 1
+    (tmp_path / "ditmesh_synth.json").write_text('{"default_frames": 9}')
+    assert _default_frames(str(tmp_path)) == 9

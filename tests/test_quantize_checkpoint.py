@@ -45,6 +45,10 @@ def test_written_folder_holds_8bit_weights_and_the_rest_unchanged(flux_tiny, wri
     from ditmesh.models import adapter_for
 
     folder = written["fp8"]
+    from ditmesh.shared import current_umask
+
+    for name in ("diffusion_pytorch_model.safetensors", "ditmesh_quant.json", "config.json"):  # as the umask says
+        assert os.stat(os.path.join(folder, "transformer", name)).st_mode & 0o777 == 0o666 & ~current_umask(), name
     manifest = json.loads(open(os.path.join(folder, "transformer", "ditmesh_quant.json")).read())
     assert manifest["mode"] == "fp8" and manifest["quant_modulation"] is True and manifest["dtype"] == "float32"
     with safe_open(os.path.join(folder, "transformer", "diffusion_pytorch_model.safetensors"), "pt") as f:

@@ -45,6 +45,10 @@ def test_tables_match_what_the_adapters_register():
         assert arch.description == description and registry.ARCHS[name] is arch
         assert registry.CLASSES[adapter.class_names[0]] == module
         assert registry.HEADS.get(name) == arch.transformer.get("num_attention_heads"), name
+    for cls, adapter in base._REGISTRY.items():  # the torch-free rules the launcher checks before any rank
+        facts = registry.family_facts(cls)
+        assert (facts.name, facts.cfg_switch, facts.cfg_hint, facts.frame_step, facts.first_frames) == (
+            adapter.name, adapter.cfg_switch, adapter.cfg_hint, adapter.frame_step, adapter.first_frames), cls
     first_vae = {}
     for adapter in adapters:
         for vae in adapter.vae.class_names if adapter.vae else ():

@@ -37,6 +37,7 @@ def running_server(*argv, ready_s: float = 180, tmp=None):
     ranks."""
     port = free_port()
     env = dict(os.environ, **({"TMPDIR": str(tmp)} if tmp else {}))
+    launched = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "ditmesh", "serve", "--port", str(port), *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     proc.lines = []
@@ -55,6 +56,13 @@ def running_server(*argv, ready_s: float = 180, tmp=None):
                 pass
             assert time.time() < deadline, "the server did not become ready"
             time.sleep(0.5)
+        ready = time.time() - launched  # as a user times it: launch to the first answer of /health
+        while not any("ditmesh: serving" in line for line in proc.lines) and time.time() < deadline:
+            time.sleep(0.1)
+        said = next(line for line in proc.lines if "ditmesh: serving" in line)
+        after = float(re.search(r"ready ([\d.]+) s after launch", said).group(1))
+        # the line comes before the first answer; /health may wait up to its 2 s timeout and 0.5 s between tries
+        assert ready - 3.0 <= after <= ready + 0.5, (said, ready)
         yield base, proc
     finally:
         pids = []
@@ -208,6 +216,11 @@ def test_progress_events_then_the_picture(server):
     # a finished request cannot be cancelled; an unknown one is not found
     assert server.delete(f"/jobs/{job.json()['id']}").status_code == 409
     assert server.delete("/jobs/nope").status_code == 404
+    # an unknown path or a wrong method: the documented error shape, not FastAPI's {"detail": ...}
+    missing, method = server.get("/nope"), server.put("/generate")
+    assert missing.status_code == 404 and missing.json()["error"]["message"].startswith("no such path: /nope")
+    assert method.status_code == 405 and method.json()["error"] == {
+        "message": "PUT is not served at /generate (allowed: POST)", "code": 405}
 
 
 def test_load_every_request_is_answered_exactly_once(server):

@@ -232,7 +232,7 @@ def test_cancelling_every_member_of_a_running_batch_stops_its_call(service):
     assert _outcomes(service) == {"ok": 2, "cancelled": 3}
 
 
-def test_a_batch_whose_rank_times_out_fails_500_together_and_the_replica_restarts(service):
+def test_a_batch_whose_rank_times_out_fails_500_together_and_the_replica_restarts(service, capsys):
     replica = service.replica
     busy = service.submit({"prompt": "busy"})
     replica.next_call()
@@ -254,9 +254,12 @@ def test_a_batch_whose_rank_times_out_fails_500_together_and_the_replica_restart
     assert after.future.result(10)["error"] is None and after.state == "done"
     assert _outcomes(service) == {"ok": 2, "fault": 2} and "ditmesh_rank_faults_total 1" in service.metrics()
     assert "ditmesh_restarts_total 1" in service.metrics()
+    log = capsys.readouterr().err.splitlines()  # the server's log has the fault (with its requests) and the restart
+    assert log == [f"ditmesh: replica 0: rank fault: {hung}; request {a.id}, {b.id} answered 500; restarting the "
+                   "replica", "ditmesh: replica 0: restarted in 0.0 s"], log
 
 
-def test_a_rank_found_dead_while_idle_is_counted_once_and_its_replica_restarted(service):
+def test_a_rank_found_dead_while_idle_is_counted_once_and_its_replica_restarted(service, capsys):
     replica = service.replica
     dead = threading.Event()
 
@@ -273,6 +276,9 @@ def test_a_rank_found_dead_while_idle_is_counted_once_and_its_replica_restarted(
     replica.script.put(("done",))
     assert after.future.result(10)["error"] is None
     assert "ditmesh_rank_faults_total 1" in service.metrics() and "ditmesh_restarts_total 1" in service.metrics()
+    assert capsys.readouterr().err.splitlines() == [
+        "ditmesh: replica 0: rank fault while idle: rank 1 of replica 0 died (exit code -9) while idle; restarting "
+        "the replica", "ditmesh: replica 0: restarted in 0.0 s"]
     assert _outcomes(service) == {"ok": 1}
 
 
@@ -490,7 +496,7 @@ class _ReplicaThatWillNotStart:
         return []
 
 
-def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503():
+def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503(capsys):
     replicas = [_ReplicaThatWillNotStart(0), _ReplicaThatWillNotStart(1)]
     service = Service(replicas, limits=None, defaults=SimpleNamespace(steps=2), restart_delay_s=0.01,
                       restart_attempts=3)
@@ -506,5 +512,14 @@ def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503
         assert service.health()["status"] == "unavailable"
         assert "ditmesh_down_replicas 2" in service.metrics()
         assert 'ditmesh_requests_total{outcome="unavailable"} 2' in service.metrics()
+        log = capsys.readouterr().err.splitlines()  # two failed tries each, then the give-up, in the server's log
+        why = "failed loading the pipeline: no such folder"
+        for i in (0, 1):
+            mine = [line for line in log if line.startswith(f"ditmesh: replica {i}: ")]
+            assert mine[:2] == [f"ditmesh: replica {i}: restart {n} of 3 failed: rank 0 of replica {i} {why}; trying "
+                                f"again in {0.01 * 2 ** (n - 1):g} s" for n in (1, 2)], log
+            assert mine[2].startswith(f"ditmesh: replica {i}: given up after 3 failed restarts in a row (last: rank 0 "
+                                      f"of replica {i} {why}); "), log
+        assert log[-1].endswith("0 of 2 replica(s) left; requests are answered 503 until the server is restarted")
     finally:
         service.stop()

@@ -9,11 +9,13 @@ residual the middle blocks produced at the last step they ran (per carried strea
 streams). The last ``last`` blocks always run.
 
 Cross-rank rule: the two sums are taken over this rank's part of the tensor and added, in float64, over every
-rank that holds another part of the same images (the sequence-parallel ranks, and the cfg ranks of a family that
-batches CFG; tensor-parallel ranks hold the whole stream), with one all-reduce per call; the decision reads that
-one scalar on the host. So every rank of a computation takes the same decision, the one a single process takes
-on the same images. Data-parallel groups decide for their own images; under sequential CFG each branch decides
-for itself, as it does on one process.
+rank that holds another part of the same call's batch (the sequence-parallel ranks, the data-parallel ranks, and
+the cfg ranks of a family that batches CFG; tensor-parallel ranks hold the whole stream), with one all-reduce per
+call; the decision reads that one scalar on the host. So every rank takes the same decision, the one a single
+process takes on the same batch: one process decides once per call for all the images of its batch, so the dp
+ranks, which split that batch, add their sums too (a batched-CFG family's dp split can even put the two halves of
+CFG, not two prompts, on two ranks). Under sequential CFG each branch decides for itself, as it does on one
+process (tests/test_cache.py).
 
 Policy ``teacache`` (TeaCache-like) decides before the first block, from the change of block 0's modulated input
 (the family's ``modulated_input``: FLUX's and SD3's ``norm1`` output, Wan's shifted and scaled ``norm1``): the
@@ -371,7 +373,7 @@ def apply(runtime, config: CacheConfig) -> list:
     if not config.on:
         return []
     mesh = runtime.mesh
-    axes = ("ring", "ulysses") + (("dp", "cfg") if batched_cfg(runtime) else ())
+    axes = ("ring", "ulysses", "dp") + (("cfg",) if batched_cfg(runtime) else ())  # the ranks of one call's batch
     group = mesh.group_of(*axes) if any(mesh.size(a) > 1 for a in axes) else None
     undo = []
     runtime.caches = {}

@@ -13,7 +13,7 @@ import sys
 
 from .config import AXIS_HELP, AXIS_ORDER, ConfigError
 from .shared import one_line
-from .shared import add_quant_flags, quiet_libraries, strip_option
+from .shared import add_quant_flags, quiet_libraries, share_cpu_threads, strip_option
 
 
 def add_degree_flags(parser: argparse.ArgumentParser) -> None:
@@ -249,6 +249,10 @@ def _cmd_generate(args, argv: list[str]) -> int:
             argv.append("--displaced")
     with phase("checks"):
         options, model = generate.validate_arguments(args, world)  # torch-free: a bad value is refused at once
+        from .runtime.launch import launched_rank
+
+        if not launched_rank():  # the family's rules from the registry's table (the launcher checked them already)
+            generate.validate_family_early(args, options, model)
     if args.nproc and "RANK" not in os.environ and args.nnodes == 1 and not args.rdzv_endpoint:
         # The launcher of a run on this host imports neither torch nor diffusers: the ranks (forked from one process
         # that imported them) run the family's checks themselves (a refusal is their first error, printed once); the
@@ -257,6 +261,8 @@ def _cmd_generate(args, argv: list[str]) -> int:
             generate.validate_heads(options, model)
         return _launch(args, argv)
     if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
+        # the threads of every CPU path: this host's cores shared by its ranks (one process: all of them)
+        share_cpu_threads(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         with phase("imports"):
             import diffusers  # noqa: F401
             import torch  # noqa: F401

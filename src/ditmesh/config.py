@@ -38,6 +38,24 @@ class ConfigError(ValueError):
     """A parallel configuration that cannot run; the message says what would work."""
 
 
+def require_extra(what: str, extra: str, modules: tuple[str, ...], load: bool = False) -> None:
+    """Raise :class:`ConfigError` (one line naming ``pip install 'ditmesh[extra]'``) when ``what`` needs a module of
+    the optional extra ``extra`` that is not installed. Each of ``modules`` is looked up (nothing imported); with
+    ``load`` they are then imported too, so that an install that raises ImportError is caught before anything
+    starts."""
+    import importlib
+    import importlib.util
+
+    for loading in (False, True) if load else (False,):  # every look-up first: a missing module is said at once
+        for module in modules:
+            try:
+                found = importlib.import_module(module) if loading else importlib.util.find_spec(module)
+            except (ImportError, ValueError):
+                found = None
+            if found is None:
+                raise ConfigError(f"{what} needs {module}, which is not installed here: pip install 'ditmesh[{extra}]'")
+
+
 def divisors(n: int) -> list[int]:
     """All positive divisors of ``n`` in increasing order."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -107,9 +125,11 @@ class ParallelConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the product of degrees equals ``world_size``."""
         if self.world_size != world_size:
+            given = (f"the degrees {self.describe()} multiply to {self.world_size}" if self.active_axes() else
+                     "every degree is 1 (one process's work)")
             raise ConfigError(
-                f"the degrees {self.describe()} multiply to {self.world_size}, but there are {world_size} processes; "
-                f"make the product of --dp --cfg --pp --ring --ulysses --tp equal the process count"
+                f"{given}, but there are {world_size} processes; make the product of --dp --cfg --pp --ring "
+                f"--ulysses --tp equal the process count" + ("" if self.active_axes() else f" (e.g. --ulysses {world_size})")
             )
 
     def check_heads(self, num_heads: int, model_name: str) -> None:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .config import PP_CHUNK_BYTES, ConfigError, ParallelConfig
+from .config import PP_CHUNK_BYTES, ConfigError, ParallelConfig, require_extra
 
 #: how Ulysses all-to-alls travel: NCCL kernels (any backend), or copy engines writing into the peers' symmetric
 #: memory (``ditmesh.symm``; CUDA GPUs of one host, Ulysses alone)
@@ -535,6 +535,8 @@ class RunOptions:
             what = f"ring={c.ring}" if c.ring > 1 else f"pp={c.pp}" if c.pp > 1 else "displaced"
             raise ConfigError(f"{flag('attention')}{self.attention} runs on one process or under ulysses alone, and "
                               f"{what} merges partial attention over key chunks; use the default attention there")
+        if self.attention == "fp8":  # cuDNN's frontend, named before any rank starts (its device is checked there)
+            require_extra(f"{flag('attention')}fp8", "fp8", ("cudnn",))
         if steps and self.cuda_graph:
             raise ConfigError(f"{flag('attention_bf16_steps')}{steps} switches attention per step on the host, which "
                               "a CUDA graph's replay does not see; drop one of them")
@@ -552,6 +554,8 @@ class RunOptions:
                 raise ConfigError(f"{flag('loras')}{text}: the folder {lora.path} has no .safetensors file")
             if not local.exists() and (not HUB_ID.match(lora.path) or local.suffix in (".safetensors", ".bin")):
                 raise ConfigError(f"{flag('loras')}{text}: no such file or folder")
+        if self.loras:  # diffusers loads adapters through peft
+            require_extra(flag("loras").strip("= "), "lora", ("peft",))
         if self.fuse_lora and not self.loras:
             raise ConfigError(f"{flag('fuse_lora').strip('= ')} is given without {flag('loras').strip('= ')}: add "
                               "the adapters to fuse (PATH[:SCALE]) or drop it")
@@ -566,6 +570,8 @@ class RunOptions:
                 raise ConfigError(f"{flag('quant_backend')}{self.quant_backend} is given without a "
                                   f"{flag('quant').strip()} mode; add one (fp8, fp8-weight, int8-weight) or drop it")
             return
+        if self.quant_backend == "torchao":  # torchao on any device (auto takes it on CUDA: checked with the device)
+            require_extra(f"{flag('quant_backend')}torchao", "quant", ("torchao",))
         if self.loras and not self.fuse_lora:
             raise ConfigError(f"{flag('quant')}{self.quant} with unfused LoRA adapters: add "
                               f"{flag('fuse_lora').strip('= ')} (the fused weights are quantized), or drop the quant")

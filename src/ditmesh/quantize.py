@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .options import modulation_quantized
-from .shared import DTYPE_NAMES, add_quant_flags, one_line
+from .shared import DTYPE_NAMES, add_quant_flags, follow_umask, one_line
 
 
 def _size(n: int) -> str:
@@ -107,6 +107,7 @@ def quantize_pipeline(model: str, out: Path, mode: str, modulation: bool, dtype_
             transformer = cls.from_pretrained(str(path / name), torch_dtype=dtype).eval()
             before = sum(p.numel() * p.element_size() for p in transformer.parameters())
             manifest = save_quantized(transformer, adapter_for(transformer), partial / name, mode, modulation)
+            follow_umask(partial / name)  # written here (the other components are links to the originals)
             after = sum(f.stat().st_size for f in (partial / name).glob("*.safetensors"))
             summary[name] = {"linears": len(manifest["layers"]), "bytes_before": before, "bytes_after": after}
             log(f"ditmesh quantize: {name}: {len(manifest['layers'])} linears in {mode}, {_size(before)} -> "

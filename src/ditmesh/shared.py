@@ -37,6 +37,15 @@ def one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def no_cuda_here() -> bool:
+    """Whether torch will certainly find no CUDA device here, known without importing it: ``CUDA_VISIBLE_DEVICES``
+    hides every GPU, or no GPU driver is loaded (neither NVIDIA's ``/proc/driver/nvidia`` nor ROCm's ``/dev/kfd``).
+    False means "may have one": the ranks then check with torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return True
+    return not (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists())
+
+
 def __getattr__(name: str):
     if name == "DTYPES":  # dtype name -> torch.dtype, built on first use
         import torch
@@ -50,6 +59,15 @@ def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def follow_umask(folder: str | os.PathLike) -> None:
+    """Give every file written into ``folder`` (a folder of our own making) the mode the umask gives a new file:
+    libraries that write through private temporary files (safetensors' writer) leave them 0600."""
+    mode = 0o666 & ~current_umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -72,10 +90,32 @@ def write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
+def cpu_threads(processes: int) -> int:
+    """The one thread policy of every CPU path: each of ``processes`` processes started together gets this
+    machine's cores shared (at least one each). A one-process run is ``processes=1``; a benchmark gives its
+    one-process reference the threads of its ranks (``processes``: the most ranks of its rows)."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
 def share_cpu_threads(env: dict, processes: int) -> None:
-    """Set ``OMP_NUM_THREADS`` in ``env`` (unless the user set it) to this machine's cores shared by ``processes``
-    processes started together (at least one each)."""
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
+    """Set ``OMP_NUM_THREADS`` in ``env`` (unless the user set it) to :func:`cpu_threads` of ``processes``."""
+    env.setdefault("OMP_NUM_THREADS", str(cpu_threads(processes)))
+
+
+def cpu_load(threads: int) -> dict:
+    """What a CPU timing ran against: this machine's ``cores``, the 1-minute load average before the run
+    (``load_1min``), the run's ``threads`` in all, and ``warning``: one line when the load and the run's threads
+    together ask for a whole core more than there are (the timing then measures the contention), else None."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not known on this system
+        return {"cores": cores, "load_1min": None, "threads": threads, "warning": None}
+    warning = None
+    if load + threads - cores >= 1:
+        warning = (f"ditmesh: warning: this machine is busy (1-minute load {load:.1f} on {cores} cores, and this run "
+                   f"adds {threads} threads): CPU timings will measure the contention more than the run")
+    return {"cores": cores, "load_1min": round(load, 2), "threads": threads, "warning": warning}
 
 
 def strip_option(argv: list[str], name: str) -> list[str]:

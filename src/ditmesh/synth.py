@@ -28,7 +28,7 @@ import torch
 from .models import adapter_for_class, registry
 from .models.base import SynthArch as Arch
 from .models.base import adapter_for
-from .shared import DTYPES, current_umask
+from .shared import DTYPES, current_umask, follow_umask
 
 #: Words the synthetic tokenizers know as whole tokens (anything else falls back to characters).
 WORDS = (
@@ -344,6 +344,7 @@ def _write_folder(out: Path, write) -> None:
     os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes a private folder
     try:
         write(tmp)
+        follow_umask(tmp)
         if out.exists():
             out.rmdir()
         tmp.rename(out)

@@ -241,6 +241,16 @@ def _settings(args) -> dict:
         raise ConfigError(f"--baseline-src {args.baseline_src}: no ditmesh package there (expected "
                           f"{Path(args.baseline_src) / 'ditmesh' / '__init__.py'}); give a source folder such as "
                           "the src/ of another checkout")
+    cpu = None
+    if not on_gpu:  # one thread policy: every row's ranks, the 1-process reference included, get the threads of the
+        # widest row's ranks (else the reference runs on every core and the speed-ups count threads, not ranks)
+        from ..shared import cpu_load, cpu_threads
+
+        threads = int(os.environ.get("OMP_NUM_THREADS") or cpu_threads(max(gpus)))
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the rows' launcher passes it on to every rank
+        cpu = {"threads_per_rank": threads, **cpu_load(threads * max(gpus))}
+        if cpu["warning"]:
+            print(cpu["warning"], file=sys.stderr, flush=True)
     return dict(model=model, height=args.height or arch.default_size[0], width=args.width or arch.default_size[1],
                 frames=args.frames, batch=args.batch, gpus=gpus, methods=methods, steps=args.steps,
                 warmup=args.warmup, compile=args.compile or ("on" if on_gpu else "off"), cuda_graph=cuda_graph,
@@ -248,7 +258,7 @@ def _settings(args) -> dict:
                 profile=args.profile, dtype=dtype, available=available, cache=args.cache, single=not args.no_single,
                 diffusers=not args.no_diffusers,
                 lora=lora, comm_dtypes=comm_dtypes, attentions=attentions, quants=quants,
-                quant_backend=args.quant_backend, row_timeout=args.row_timeout,
+                quant_backend=args.quant_backend, row_timeout=args.row_timeout, cpu=cpu,
                 baseline_src=str(Path(args.baseline_src).resolve()) if args.baseline_src else None)
 
 

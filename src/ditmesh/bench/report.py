@@ -11,6 +11,8 @@ The schema (``SCHEMA``), one JSON object per run:
 - ``model``, ``height``, ``width``, ``frames``, ``batch``, ``dtype``: the workload
 - ``rows``: one per configuration (``method``, ``gpus``, ``degrees``, ``compiled``, ``graph``, ``step_ms`` =
   median of the timed steps, ``step_ms_all``, ``peak_gib_per_gpu``, ``rel_err_vs_1gpu``, speedups, ``card``;
+  on CPU ``cpu_threads``: each rank's threads, the same in every row, the 1-process reference's included
+  (``settings.cpu``: them, the cores, the 1-minute load before the run and a warning when it was busy);
   ``breakdown`` with ``--profile``; with ``--lora RANK``: ``lora_rank``, ``step_ms_lora_<phase>`` and
   ``lora_<phase>_overhead`` (a fraction of ``step_ms``) for each of ``LORA_PHASES`` (``unfused``, ``fused``,
   ``fused_unloaded``), ``lora_layers`` / ``lora_merged_layers`` (adapted, and merged by ``fuse_lora``),
@@ -37,7 +39,7 @@ LORA_PHASES = ("unfused", "fused", "fused_unloaded")
 SCHEMA = "ditmesh-bench/1"
 
 #: environment variables that change how collectives run, recorded with every run
-ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+ENV_PREFIXES = ("NCCL_", "TORCH_SYMM_MEM_", "NVSHMEM_", "OMP_NUM_THREADS")
 
 
 def default_out_dir() -> Path:

@@ -158,6 +158,8 @@ def run_worker(spec: dict) -> None:
     row = {"method": spec["method"], "gpus": spec["gpus"], "degrees": spec["degrees"], "height": spec["height"],
            "width": spec["width"], "compiled": spec["compile"], "graph": spec.get("graph", False),
            "model": spec["model"], "dtype": spec["dtype"]}
+    if device.type == "cpu":
+        row["cpu_threads"] = torch.get_num_threads()  # per rank: the same in every row (bench/cli.py)
 
     ours = False  # parallelize() compiles our rows itself; peers and plain diffusers are compiled below
     try:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .registry import FamilyFacts
+
 
 # -- sequence parallelism ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -542,11 +544,9 @@ class ModelAdapter:
         """Every repeated block of ``model``, in the order the forward runs them."""
         return [block for spec in self.blocks for block in model.get_submodule(spec.path)]
 
-    def cfg_on(self, guidance_scale: float | None, true_cfg_scale: float | None, negative_prompt) -> bool:
-        """Whether a pipeline call with these arguments runs both CFG branches."""
-        if self.cfg_switch == "true_cfg_scale":
-            return negative_prompt is not None and (true_cfg_scale or 0) > 1
-        return (guidance_scale or 0) > 1
+    #: whether a call with (guidance_scale, true_cfg_scale, negative_prompt) runs both CFG branches (one rule for the
+    #: adapter and its torch-free :class:`~ditmesh.models.registry.FamilyFacts`)
+    cfg_on = FamilyFacts.cfg_on
 
     def image_pipeline(self, mode: str | None, checkpoint_pipeline: str | None, mask: bool) -> ImagePipeline:
         """The image-conditioned pipeline of a run: ``mode`` when given; else the checkpoint's own pipeline class
@@ -568,15 +568,8 @@ class ModelAdapter:
             raise ValueError(f"{self.name} has no image-conditioned pipeline {'with' if mask else 'without'} a mask")
         return fitting[0]
 
-    def frames_error(self, frames: int) -> str | None:
-        """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""
-        if self.frame_step is None:
-            return None
-        step, first = self.frame_step, self.first_frames
-        if frames < first or (frames - first) % step:
-            lower = max(first, (frames - first) // step * step + first)
-            return f"--frames {frames} must be {step}k+{first} for {self.name} (e.g. {lower} or {lower + step})"
-        return None
+    #: why a positive frame count breaks the family's frame rule (one line), or None (as ``FamilyFacts``'s)
+    frames_error = FamilyFacts.frames_error
 
 
 _REGISTRY: dict[str, ModelAdapter] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 #: diffusers transformer class -> the adapter module (``ditmesh.models.<module>``) that registers it, in the order
 #: the adapters register when every family is imported (``adapters()`` keeps it)
@@ -435,6 +436,99 @@ NOT_DITS: dict[str, str] = {
     'RFD4ProteinaTransformer': 'a protein-structure denoiser: its pair representation [B, N, N, C], updated by triangle '
                                'multiplications and biasing every attention, mixes all token pairs outside attention',
 }
+
+
+#: transformer class -> what the checks before any rank starts read of its family, without importing it
+#: (:class:`FamilyFacts`): (name, cfg_switch, cfg_hint, frame_step, first_frames) as its adapter has them
+FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
+    'LTXVideoTransformer3DModel': ('ltx-video', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 8, 1),
+    'FluxTransformer2DModel': ('flux', 'true_cfg_scale', "a negative prompt with --true-cfg-scale > 1 (e.g. --negative-prompt '' --true-cfg-scale 4)", None, 1),
+    'PixArtTransformer2DModel': ('pixart', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'AllegroTransformer3DModel': ('allegro', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 16, 24),
+    'ChromaTransformer2DModel': ('chroma', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'CogVideoXTransformer3DModel': ('cogvideox', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'CogView4Transformer2DModel': ('cogview4', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'Flux2Transformer2DModel': ('flux2', 'guidance_scale', "--guidance > 1 with a Klein checkpoint (FLUX.2-dev's guidance is distilled: no second branch)", None, 1),
+    'HiDreamImageTransformer2DModel': ('hidream', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'HunyuanDiT2DModel': ('hunyuan-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'HunyuanVideoTransformer3DModel': ('hunyuan-video', 'true_cfg_scale', "a negative prompt with --true-cfg-scale > 1 (e.g. --negative-prompt ' ' --true-cfg-scale 6)", 4, 1),
+    'Lumina2Transformer2DModel': ('lumina2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 4)', None, 1),
+    'MochiTransformer3DModel': ('mochi', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 6, 1),
+    'WanTransformer3DModel': ('wan', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'QwenImageTransformer2DModel': ('qwenimage', 'true_cfg_scale', "a negative prompt with --true-cfg-scale > 1 (e.g. --negative-prompt ' ' --true-cfg-scale 4)", None, 1),
+    'SanaTransformer2DModel': ('sana', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'SD3Transformer2DModel': ('sd3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'SkyReelsV2Transformer3DModel': ('skyreels-v2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'ZImageTransformer2DModel': ('zimage', 'guidance_scale', '--guidance > 1 (e.g. --guidance 4; Z-Image-Turbo runs without guidance)', None, 1),
+    'ChronoEditTransformer3DModel': ('chronoedit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'WanVACETransformer3DModel': ('wan-vace', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'WanAnimateTransformer3DModel': ('wan-animate', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'HunyuanVideo15Transformer3DModel': ('hunyuan-video-1.5', 'guidance_scale', "the checkpoint's guider (guider/config.json guidance_scale > 1)", 4, 1),
+    'LTX2VideoTransformer3DModel': ('ltx-2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 8, 1),
+    'Kandinsky5Transformer3DModel': ('kandinsky5', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'Kandinsky6Transformer3DModel': ('kandinsky6', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'SanaVideoTransformer3DModel': ('sana-video', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'HunyuanVideoFramepackTransformer3DModel': ('hunyuan-video-framepack', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'CosmosTransformer3DModel': ('cosmos', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 8, 1),
+    'EasyAnimateTransformer3DModel': ('easyanimate', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'LongCatImageTransformer2DModel': ('longcat-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'OvisImageTransformer2DModel': ('ovis-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'BriaTransformer2DModel': ('bria', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'QwenImage21Transformer2DModel': ('qwenimage21', 'true_cfg_scale', "a negative prompt with --true-cfg-scale > 1 (e.g. --negative-prompt ' ' --true-cfg-scale 4)", None, 1),
+    'BriaFiboTransformer2DModel': ('bria-fibo', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'HunyuanImageTransformer2DModel': ('hunyuan-image', 'guidance_scale', "the pipeline's guider (guidance_scale > 1 on a non-distilled checkpoint)", None, 1),
+    'Krea2Transformer2DModel': ('krea2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'Ideogram4Transformer2DModel': ('ideogram4', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'ErnieImageTransformer2DModel': ('ernie-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'AuraFlowTransformer2DModel': ('auraflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'CogView3PlusTransformer2DModel': ('cogview3plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'DiTTransformer2DModel': ('dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'StableAudioDiTModel': ('stable-audio', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'PRXTransformer2DModel': ('prx', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'LuminaNextDiT2DModel': ('lumina-next', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+}
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """A family's rules that need no model (how CFG is switched on, the frame rule of video families), read from
+    :data:`FAMILIES` without importing the family (and torch): the launcher and ``serve`` refuse ``--cfg 2`` without
+    guidance and a frame count the family cannot make before any rank starts. :class:`~ditmesh.models.base.ModelAdapter`
+    keeps the same fields and these methods (tests/test_registry.py checks the table against it)."""
+
+    name: str
+    cfg_switch: str = "guidance_scale"
+    cfg_hint: str = "--guidance > 1 (e.g. --guidance 5)"
+    frame_step: int | None = None
+    first_frames: int = 1
+
+    def cfg_on(self, guidance_scale: float | None, true_cfg_scale: float | None, negative_prompt) -> bool:
+        """Whether a pipeline call with these arguments runs both CFG branches."""
+        if self.cfg_switch == "true_cfg_scale":
+            return negative_prompt is not None and (true_cfg_scale or 0) > 1
+        return (guidance_scale or 0) > 1
+
+    def frames_error(self, frames: int) -> str | None:
+        """Why a positive frame count ``frames`` breaks this family's frame rule (one line), or None when it keeps it."""
+        if self.frame_step is None:
+            return None
+        step, first = self.frame_step, self.first_frames
+        if frames < first or (frames - first) % step:
+            lower = max(first, (frames - first) // step * step + first)
+            return f"--frames {frames} must be {step}k+{first} for {self.name} (e.g. {lower} or {lower + step})"
+        return None
+
+
+def family_facts(class_name: str) -> FamilyFacts | None:
+    """The :class:`FamilyFacts` of a transformer class (None: no family has it)."""
+    row = FAMILIES.get(class_name)
+    return FamilyFacts(*row) if row else None
+
+
+def video_families() -> list[str]:
+    """The names of the video families (those with a frame rule), in :data:`CLASSES` order, each once."""
+    return list(dict.fromkeys(row[0] for row in FAMILIES.values() if row[3] is not None))
 
 
 def supported_classes() -> list[str]:

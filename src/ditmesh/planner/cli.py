@@ -18,11 +18,13 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--frames", type=int, default=1, help="video frames (the family's frame rule applies, e.g. 4k+1)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video frames (the family's frame rule applies, e.g. 4k+1; default: a video architecture's "
+                        "default, else 1)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance on (two branches per step)")
     p.add_argument("--gpus", type=int, default=None, help="total GPUs")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1, help="hosts the GPUs are spread over (default 1)")
     p.add_argument("--device", default=None, help=f"GPU preset: {', '.join(DEVICES)} (default: the link's card, else h100)")
     p.add_argument("--link", default=None, help=f"link inside a node: {', '.join(LINKS)}, or custom")
     p.add_argument("--link-gbps", type=float, default=None, help="override the link bandwidth (GB/s per GPU per direction)")
@@ -48,8 +50,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
     add_quant_flags(p)
     p.add_argument("--attention", default=None, metavar="KERNEL",
-                   help="also rank the fp8 attention (fp8: cuDNN's kernel, counted faster on calls of 8,192 keys or "
-                        "more, measured; on one GPU or ulysses alone), beside the exact rows")
+                   help="the run's attention kernel: with fp8 (cuDNN's kernel, counted faster on calls of 8,192 keys or "
+                        "more, measured) its rows are ranked beside the exact ones; an 8-bit kernel (fp8, int8) "
+                        "keeps the layouts it runs on (one GPU, ulysses, tp)")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -85,11 +88,11 @@ def format_table(result, top: int = 20) -> str:
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1)
               + (" --displaced" if result.best.displaced else "")
               + (f" --quant {result.best.quant}" if result.best.quant != "off" else "")
-              + (f" --attention {result.best.attention}" if result.best.attention != "default" else ""),
+              + (f" --attention {result.best.attention}" if result.best.attention else ""),
               f"why: {result.reason()}.",
               largest_line(result),
-              "runs: whether this build runs the configuration; rows marked \"not yet\" are predictions only "
-              "(generate --plan auto picks among the runnable ones)."]
+              "fits: yes (in the GPU's memory), offload (the weights that do not fit stream from host memory every "
+              "step; its step ms counts that), no."]
     return "\n".join(lines)
 
 
@@ -111,6 +114,10 @@ def run_plan(args: argparse.Namespace) -> int:
     from ..config import ConfigError
     from ..options import RunOptions
 
+    for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes)):  # before anything loads
+        if value is not None and value < 1:
+            print(f"ditmesh plan: error: {flag} {value} must be >= 1 (e.g. {flag} 4)", file=sys.stderr)
+            return 2
     try:  # the run's options as generate takes them (checked before torch loads); the planner counts their cost
         options = RunOptions.create(compile=args.mode == "compiled", cuda_graph=args.cuda_graph, chunk_tokens=args.chunk,
                                     vae_parallel=args.vae_parallel, vae_chunk=args.vae_chunk,
@@ -140,6 +147,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"ditmesh plan: error: {' and '.join(missing)} required (e.g. --model flux-dev --gpus 4), "
               "or --validate RESULTS.json", file=sys.stderr)
         return 2
+    if args.frames is None:  # a video architecture plans its default clip, not one frame
+        args.frames = _default_frames(args.model)
     supported = None
     if args.only:
         supported = {a.strip() for a in args.only.split(",") if a.strip()}
@@ -157,6 +166,22 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_table(result, args.top))
     return 0
+
+
+def _default_frames(model: str) -> int:
+    """The frames a run of ``model`` makes without ``--frames``: a synthetic video architecture's default, or a
+    folder's (``ditmesh_synth.json``); 1 otherwise."""
+    from pathlib import Path
+
+    from ..models.registry import ARCHS
+
+    if model in ARCHS:
+        return ARCHS[model].default_frames or 1
+    meta = Path(model) / "ditmesh_synth.json"
+    try:
+        return int(json.loads(meta.read_text()).get("default_frames") or 1) if meta.is_file() else 1
+    except (OSError, ValueError):
+        return 1
 
 
 def main(argv=None) -> int:

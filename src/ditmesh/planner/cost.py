@@ -135,22 +135,22 @@ class Prediction:
     exact_step_ms: float | None = None
     #: the block linears' 8-bit mode (``off``: the model's dtype)
     quant: str = "off"
-    #: the attention kernel (``default``: exact; ``fp8``)
-    attention: str = "default"
+    #: the attention kernel this row counts (``fp8``), or None: the run's own (``base``'s in :meth:`options`)
+    attention: str | None = None
 
     def options(self, base=None):
         """The :class:`~ditmesh.options.RunOptions` that runs this prediction: ``base`` (default: the defaults) with
-        its degrees, displaced attention, 8-bit linears and attention."""
+        its degrees, displaced attention, 8-bit linears and, where the row counts one, attention."""
         from ..options import RunOptions
 
-        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced, quant=self.quant,
-                                              attention=self.attention)
+        extra = {"attention": self.attention} if self.attention else {}
+        return (base or RunOptions()).replace(config=self.config, displaced=self.displaced, quant=self.quant, **extra)
 
     def describe(self) -> str:
         """The configuration as the tables write it, e.g. ``ulysses4 displaced``."""
         return (self.config.describe() + (" displaced" if self.displaced else "")
                 + (f" {self.quant}" if self.quant != "off" else "")
-                + (f" attention {self.attention}" if self.attention != "default" else ""))
+                + (f" attention {self.attention}" if self.attention else ""))
 
     @property
     def effective_ms(self) -> float:
@@ -159,7 +159,7 @@ class Prediction:
     def as_dict(self) -> dict:
         return {
             "config": self.describe(), "degrees": self.config.as_dict(), "displaced": self.displaced, "quant": self.quant,
-            "attention": self.attention,
+            "attention": self.attention or "default",
             "step_ms": round(self.step_ms, 2), "compute_ms": round(self.compute_ms, 2),
             "comm_ms": round(self.comm_ms, 2), "overhead_ms": round(self.overhead_ms, 2),
             "speedup": round(self.speedup, 3), "memory_gib": {k: round(v, 3) for k, v in self.memory.items()},

@@ -10,9 +10,9 @@ import contextlib
 import inspect
 import io
 import itertools
-import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +22,9 @@ from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_r
 from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
-from .models import (check_transformer_class, checkpoint_options, local_model_path, read_adapter, read_defaults,
-                     read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model)
+from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_family_facts,
+                     read_model_json, read_pipeline_class, read_quant_manifest, read_transformer_config, resolve_model,
+                     transformer_class)
 
 
 def validate(args, world_size: int) -> tuple["RunOptions", str]:
@@ -66,17 +67,16 @@ def validate_heads(options: "RunOptions", model: str) -> None:
     that split attention heads (``check_heads``, as :func:`validate_family` runs it), torch-free: the heads from a
     folder's transformer config or the registry's table of synthetic architectures (a hub id's are checked by the
     ranks). The local launcher runs it before starting any rank."""
-    from ..models.registry import CLASSES, HEADS, SYNTH
+    from ..models.registry import HEADS, SYNTH
 
     try:
-        check_transformer_class(model)  # no transformer, or one without an adapter: refused before any rank starts
+        name = transformer_class(model)  # no transformer, or one without an adapter: refused before any rank starts
     except ConfigError:
         raise
     except (OSError, ValueError):
         return  # the ranks report an unreadable config with its cause
     if model in SYNTH:
         heads = HEADS.get(model)
-        name = next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
     else:
         try:
             tcfg = read_transformer_config(model) or {}  # a folder's JSON (None for a hub id)
@@ -85,6 +85,31 @@ def validate_heads(options: "RunOptions", model: str) -> None:
         heads, name = tcfg.get("num_attention_heads"), tcfg.get("_class_name", "the transformer")
     if isinstance(heads, int):
         options.config.check_heads(heads, name)
+
+
+def validate_family_early(args, options: "RunOptions", model: str) -> None:
+    """The checks of :func:`validate_family` that need neither torch nor the family's module, run before any rank
+    starts (and, in one process, before torch loads): ``--frames`` against the family's frame rule, ``--cfg 2``
+    against its CFG switch (both from the registry's :class:`~ditmesh.models.registry.FamilyFacts`), and the
+    options' device checks (``--cuda-graph``, ``--attention int8``, ``--transport symm``) where this machine
+    certainly has no CUDA device; a hub id's model index is fetched (no weights), so that an unknown or unreachable
+    id is one line naming it."""
+    from ..models.registry import ARCHS
+    from ..shared import hub_config_folder, no_cuda_here
+    from .video import validate_frames
+
+    if model not in ARCHS and not Path(model).is_dir():  # a hub id: its model index (no weights), or one line
+        try:
+            hub_config_folder(model, ("model_index.json",))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    facts = read_family_facts(model)
+    if facts is not None and getattr(args, "frames", None) is not None:
+        validate_frames(facts, args.frames)
+    if options.config.cfg > 1 and facts is not None:
+        check_guidance_on(facts, args)
+    if no_cuda_here():
+        options.validate(device="cpu", cli=True)
 
 
 def validate_family(args, options: "RunOptions", model: str) -> None:
@@ -104,11 +129,40 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
     from ..mesh import default_device
 
     heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
+    device = default_device()
     try:
-        options.validate(device=default_device(), adapters=[adapter] if adapter is not None else [], heads=heads,
+        options.validate(device=device, adapters=[adapter] if adapter is not None else [], heads=heads,
                          model_name=(tcfg or {}).get("_class_name", "the transformer"), cli=True)
     except NotImplementedError as exc:  # the family's own refusal, before any rank starts
         raise ConfigError(str(exc)) from None
+    from .fit import check_fit
+
+    # the weights against the memory, before any is built (on CPU every rank of this host shares its memory)
+    replicas = 1 if getattr(args, "ray", None) else getattr(args, "replicas", 1)  # a Ray replica has a node of its own
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size)) * replicas
+    check_fit(model, options, device, run_dtype(args, device).itemsize, local_ranks)
+
+
+def ran_options(options: RunOptions, device, world: int) -> dict:
+    """The report's ``options``: as given, but the transport and the 8-bit backend as they ran here (``nccl`` names
+    the collective path, which is gloo on CPU; ``auto`` is torchao on CUDA and ditmesh's own layer elsewhere)."""
+    out = options.as_dict()
+    if device.type != "cuda" and out["transport"] == "nccl":
+        out["transport"] = "gloo" if world > 1 else None
+    if out["quant"] == "off":
+        out["quant_backend"] = None
+    elif out["quant_backend"] == "auto":
+        out["quant_backend"] = "torchao" if device.type == "cuda" else "ditmesh"
+    return out
+
+
+def run_dtype(args, device):
+    """The dtype a run loads its weights in: ``--dtype``, else bfloat16 on CUDA and float32 elsewhere."""
+    import torch
+
+    from ..shared import DTYPES
+
+    return DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def check_size(args) -> None:
@@ -210,8 +264,6 @@ def check_guidance_on(adapter, args) -> None:
 def apply_auto_plan(args, world_size: int) -> ParallelConfig:
     """``--plan auto``: set the degree options of ``args`` to the planner's choice for ``world_size`` processes
     (said on stderr) and return it."""
-    import sys
-
     chosen = planned_setting(args, world_size)
     config = chosen.config
     print(f"ditmesh: --plan auto picked {chosen.describe()} for {world_size} process(es)", file=sys.stderr)
@@ -425,10 +477,8 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
     from ..api import parallelize
     from ..comm import all_gather_object
     from ..models import adapter_for
-    from ..shared import DTYPES
-
     config = options.config
-    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = run_dtype(args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_load = time.perf_counter()
@@ -505,6 +555,14 @@ def run(args) -> int:
     with phase("checks"):
         options, model = rendezvous.validate(args, world)
     config = options.config
+    cpu = None
+    if device.type == "cpu":  # what the CPU timing ran against: threads per rank, cores, the load before the run
+        import torch
+
+        from ..shared import cpu_load
+
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cpu = {"threads_per_rank": torch.get_num_threads(), **cpu_load(torch.get_num_threads() * local_world)}
     if rank != 0:
         import diffusers
 
@@ -593,9 +651,10 @@ def run(args) -> int:
         report = {
             "model": model,
             "config": config.as_dict(),
-            "options": options.as_dict(),
+            "options": ran_options(options, device, world),
             "world_size": world,
             "devices": devices,
+            "cpu": cpu,  # CPU runs: threads_per_rank, cores, load_1min before the run, threads, warning
             "dtype": str(dtype).replace("torch.", ""),
             "height": call.get("height"),
             "width": call.get("width"),
@@ -651,8 +710,12 @@ def run(args) -> int:
 
             timelines[0] = timeline().as_dict(0)
             write_trace(args.trace, timelines)
-        print(f"ditmesh: wrote {', '.join(paths)} and {report_path} "
-              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {config.describe()})", flush=True)
+        written = [*paths, report_path] + ([args.trace] if getattr(args, "trace", None) else [])
+        busy = (f"; a busy machine (1-minute load {cpu['load_1min']:.1f} on {cpu['cores']} cores): the time measures "
+                "the contention more than the run" if cpu and cpu["warning"] else "")
+        layout = config.describe() + (" with displaced attention" if options.displaced else "")
+        print(f"ditmesh: wrote {', '.join(written[:-1])} and {written[-1]} "
+              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {layout}{busy})", flush=True)
     finish_rank()
     return 0
 
@@ -747,7 +810,7 @@ def transformer_components(path: str) -> list[str]:
     index = Path(path) / "model_index.json"
     if not index.is_file():
         return ["transformer"]
-    entries = json.loads(index.read_text())
+    entries = read_model_json(index)
     return [name for name, value in sorted(entries.items())
             if name.startswith("transformer") and isinstance(value, list) and value[0] is not None]
 
@@ -775,8 +838,6 @@ def end_rank_process(code: int) -> None:
     ("terminate called without an active exception") and fail a finished run; all outputs are written
     and flushed by now, so the process leaves without running C++ destructors.
     """
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import ConfigError, cache_dir  # noqa: F401  (cache_dir: where the tools look for it)
+from ..config import ConfigError, cache_dir
 from ..options import modulation_flag
 
 
@@ -22,6 +22,11 @@ def default_model() -> str:
     return "flux-tiny"
 
 
+def synthesized_path(arch_name: str, seed: int = 0) -> Path:
+    """Where :func:`synthesize_cached` keeps the checkpoint of ``arch_name`` (written or not)."""
+    return cache_dir() / f"{arch_name}-seed{seed}"
+
+
 def synthesize_cached(arch_name: str, seed: int = 0) -> str:
     """Path of the cached synthetic checkpoint of ``arch_name``, writing it on first use.
 
@@ -29,7 +34,7 @@ def synthesize_cached(arch_name: str, seed: int = 0) -> str:
     """
     from ..synth import write_checkpoint
 
-    path = cache_dir() / f"{arch_name}-seed{seed}"
+    path = synthesized_path(arch_name, seed)
     if (path / "model_index.json").is_file():
         return str(path)
     try:
@@ -68,6 +73,18 @@ def local_model_path(model: str) -> str:
     return synthesize_cached(model) if model in ARCHS else model
 
 
+def read_model_json(path: Path):
+    """A JSON file of a model folder (model_index.json, a component's config.json, ditmesh's own files); one line
+    naming the file when it cannot be read or is not JSON (ConfigError)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # not JSON (json.JSONDecodeError), or not text (UnicodeDecodeError)
+        raise ConfigError(f"{path} is not valid JSON ({exc}); restore the file (or download the pipeline "
+                          "again)") from None
+
+
 def read_transformer_config(model: str) -> dict | None:
     """The transformer's config.json of a local pipeline folder or synthetic architecture (None for hub ids)."""
     from ..models.registry import ARCHS
@@ -75,7 +92,7 @@ def read_transformer_config(model: str) -> dict | None:
     if model in ARCHS:
         return dict(ARCHS[model].transformer, _class_name=ARCHS[model].transformer_class)
     cfg = Path(model) / "transformer" / "config.json"
-    return json.loads(cfg.read_text()) if cfg.is_file() else None
+    return read_model_json(cfg) if cfg.is_file() else None
 
 
 def read_pipeline_class(model: str) -> str | None:
@@ -85,7 +102,7 @@ def read_pipeline_class(model: str) -> str | None:
     if model in ARCHS:
         return ARCHS[model].pipeline
     index = Path(model) / "model_index.json"
-    return json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    return read_model_json(index).get("_class_name") if index.is_file() else None
 
 
 def check_transformer_class(model: str) -> str | None:
@@ -97,11 +114,15 @@ def check_transformer_class(model: str) -> str | None:
     if model in SYNTH:
         return None
     index = Path(model) / "model_index.json"
-    entries = json.loads(index.read_text()) if index.is_file() else None
+    entries = read_model_json(index) if index.is_file() else None
     if entries is not None and not any(k.startswith("transformer") for k in entries):
         kind = entries.get("_class_name", "this")
         raise ConfigError(f"--model {model}: {kind} has no transformer; ditmesh parallelizes DiT pipelines "
                           f"(transformers: {', '.join(supported_classes())})")
+    for name, entry in (entries or {}).items():  # every component model_index.json names has its folder
+        if isinstance(entry, list) and len(entry) == 2 and all(entry) and not (Path(model) / name).is_dir():
+            raise ConfigError(f"--model {model}: {index} names the component {name} ({entry[1]}), but the folder "
+                              f"{Path(model) / name} is missing; restore it (or download the pipeline again)")
     config = read_transformer_config(model)
     if not config or "_class_name" not in config:
         return None
@@ -112,6 +133,30 @@ def check_transformer_class(model: str) -> str | None:
         raise ConfigError(f"--model {model}: ditmesh has no adapter for {config['_class_name']}; supported "
                           f"transformers: {', '.join(supported_classes())}")
     return config["_class_name"]
+
+
+def transformer_class(model: str) -> str | None:
+    """The transformer class of a local folder (checked: :func:`check_transformer_class`) or synthetic architecture,
+    torch-free; None for a hub id."""
+    from ..models.registry import CLASSES, SYNTH
+
+    if model in SYNTH:
+        return next(cls for cls, module in CLASSES.items() if module == SYNTH[model][0])
+    return check_transformer_class(model)
+
+
+def read_family_facts(model: str):
+    """The family's torch-free rules (:class:`~ditmesh.models.registry.FamilyFacts`: CFG switch, frame rule) of a local
+    folder or synthetic architecture; None for a hub id or a folder whose configs do not say (or cannot be read)."""
+    from ..models.registry import family_facts
+
+    try:
+        name = transformer_class(model)
+    except ConfigError:
+        raise
+    except (OSError, ValueError):
+        return None  # an unreadable config: the ranks report it with its cause
+    return family_facts(name) if name else None
 
 
 def read_adapter(model: str):
@@ -145,7 +190,7 @@ def read_defaults(model: str) -> dict:
     for name in ("ditmesh_tiny.json", "ditmesh_synth.json"):
         f = Path(model) / name
         if f.is_file():
-            return json.loads(f.read_text())
+            return read_model_json(f)
     return {}
 
 
@@ -158,7 +203,7 @@ def read_quant_manifest(model: str) -> dict | None:
     for component in sorted(folder.glob("transformer*")) if folder.is_dir() else ():
         manifest = component / QUANT_MANIFEST
         if manifest.is_file():
-            return json.loads(manifest.read_text())
+            return read_model_json(manifest)
     return None
 
 

@@ -31,16 +31,17 @@ DEFAULT_FPS = 16
 def validate_frames(adapter, frames: int) -> None:
     """Raise :class:`ConfigError` (one line) unless ``--frames frames`` suits the family of ``adapter``.
 
-    ``adapter`` None (a hub id, not inspected before loading) accepts any positive count.
+    ``adapter``: the family's adapter or its torch-free :class:`~ditmesh.models.registry.FamilyFacts`; None (a hub id,
+    not inspected before loading) accepts any positive count.
     """
     if frames < 1:
         raise ConfigError(f"--frames {frames} must be >= 1")
     if adapter is None:
         return
     if adapter.frame_step is None:
-        from ..models import adapters
+        from ..models.registry import video_families
 
-        video = [a.name for a in adapters() if a.frame_step is not None]
+        video = video_families()
         raise ConfigError(f"--frames {frames}: {adapter.name} pipelines generate images; --frames is for video "
                           f"families ({', '.join(video)})")
     error = adapter.frames_error(frames)

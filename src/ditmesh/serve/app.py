@@ -16,6 +16,7 @@ import base64
 import collections
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -59,6 +60,11 @@ class Job:
 def _batch_key(options: dict) -> tuple:
     """What requests that share a call must have in common: every option but the prompt and the seed."""
     return tuple(sorted((k, repr(v)) for k, v in options.items() if k not in ("prompt", "seed")))
+
+
+def log(line: str) -> None:
+    """One line of the server's log (stderr): a rank fault, a restart, a replica given up."""
+    print(f"ditmesh: {line}", file=sys.stderr, flush=True)
 
 
 class Service:
@@ -205,8 +211,10 @@ class Service:
                     return
                 try:
                     replica.check()
-                except RankFault:
+                except RankFault as exc:
                     self.counts["faults"] += 1
+                    if not self.stopping.is_set():
+                        log(f"replica {replica.index}: rank fault while idle: {exc}; restarting the replica")
                 continue
             with self.lock:
                 if job.state != "queued":  # cancelled while it waited
@@ -263,15 +271,26 @@ class Service:
             return fail("failed", (422, f"the pipeline refused the request: {exc}"))
         except RankFault as exc:
             self.counts["faults"] += 1
+            retried, failed = [], []
             for member in batch:
                 if member.step == 0 and not member.retried and not member.future.done():
                     self._retry(member)
+                    retried.append(member.id)
                 else:
                     self._finish(member, "failed", error=(500, f"{exc}; the replica is restarting, send the "
                                                                 f"request again"))
+                    failed.append(member.id)
+            if self.stopping.is_set():  # the server stops its ranks: no fault of theirs (its own lines say so)
+                return
+            log(f"replica {replica.index}: rank fault: {exc}; "
+                + "; ".join(part for part in (f"request {', '.join(failed)} answered 500" if failed else "",
+                                              f"request {', '.join(retried)} queued again" if retried else "") if part)
+                + "; restarting the replica")
             return  # no pictures: the dispatcher goes on to restart the replica
         except Exception as exc:  # noqa: BLE001  (answer the jobs whatever happened)
             replica.state = "failed"
+            log(f"replica {replica.index}: {type(exc).__name__}: {exc}; request {first.id} answered 500; restarting "
+                "the replica")
             return fail("failed", (500, f"replica {replica.index}: {type(exc).__name__}: {exc}"))
         finally:
             with self.lock:
@@ -313,10 +332,12 @@ class Service:
         a row, each retried after twice the delay of the one before, the replica is given up: state ``down``."""
         if self.stopping.is_set():
             return
+        start = time.perf_counter()
         try:
             replica.restart()
             self.counts["restarts"] += 1
             self.failed_restarts[replica.index] = 0
+            log(f"replica {replica.index}: restarted in {time.perf_counter() - start:.1f} s")
         except RankFault as exc:
             self.last_restart_error = str(exc)
             self.failed_restarts[replica.index] += 1
@@ -324,9 +345,16 @@ class Service:
             if failed >= self.restart_attempts:
                 replica.state = "down"
                 self.counts["replicas_down"] += 1
+                up = sum(r.state != "down" for r in self.replicas)
+                log(f"replica {replica.index}: given up after {failed} failed restarts in a row (last: {exc}); "
+                    f"{up} of {len(self.replicas)} replica(s) left"
+                    + ("" if up else "; requests are answered 503 until the server is restarted"))
                 return
             replica.state = "failed"
-            self.stopping.wait(self.restart_delay_s * 2 ** (failed - 1))
+            delay = self.restart_delay_s * 2 ** (failed - 1)
+            log(f"replica {replica.index}: restart {failed} of {self.restart_attempts} failed: {exc}; trying again "
+                f"in {delay:g} s")
+            self.stopping.wait(delay)
 
     def _all_down(self) -> bool:
         return all(r.state == "down" for r in self.replicas)
@@ -439,6 +467,21 @@ def create_app(service: Service, token: str | None = None):
     @app.exception_handler(_Answered)
     async def answered(request, exc: _Answered):  # noqa: ARG001
         return refuse(exc.status, exc.message, job=exc.job)
+
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):  # an unknown path (404), a wrong method (405): our shape
+        if exc.status_code == 404:
+            message = (f"no such path: {request.url.path} (the API: POST /v1/images/generations, POST /generate, "
+                       "POST /jobs, GET or DELETE /jobs/<id>, GET /jobs/<id>/events, GET /health, GET /metrics, and "
+                       "the web page at /)")
+        elif exc.status_code == 405:
+            allow = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), None)
+            message = f"{request.method} is not served at {request.url.path}" + (f" (allowed: {allow})" if allow else "")
+        else:
+            message = str(exc.detail)
+        return refuse(exc.status_code, message)
 
     async def read_options(request: Request, parse) -> dict:
         if request.headers.get("content-type", "application/json").split(";")[0].strip() != "application/json":

@@ -70,10 +70,10 @@ def add_serve_parser(sub) -> None:
 
 def run_serve(args) -> int:
     """Check the options, start the replicas (load, parallelize, warm up) and serve until interrupted."""
-    from ..config import AXIS_ORDER, ConfigError
+    from ..config import AXIS_ORDER, ConfigError, require_extra
     from ..runtime import generate
-    from ..runtime.models import read_adapter, read_defaults
-    from .requests import BadRequest, Limits, check_options
+    from ..runtime.models import read_adapter, read_defaults, read_family_facts
+    from .requests import Limits
 
     for flag, value, example in (("--step-timeout", args.step_timeout, 60), ("--load-timeout", args.load_timeout, 1800)):
         if not value > 0:
@@ -112,23 +112,31 @@ def run_serve(args) -> int:
     size = defaults.get("default_size") or [None, None]
     args.height, args.width = args.height or size[0], args.width or size[1]
     limits = Limits(args.max_pixels, args.max_steps, args.max_frames, args.max_n)
-    # The ranks start now and import torch and diffusers while this process runs the checks that need them (the
-    # model's family, the limits against its adapter); a refusal stops them and is the one-line error it was.
-    early = _prestart(args, world)
+    # Every check that needs no torch runs before a rank starts, each refusal at once: the family's rules from the
+    # registry's table, the server's own defaults against its limits, the warm-up sizes, the port, the front end's
+    # packages
+    generate.validate_family_early(args, options, model)
+    _check_limits(limits, args, read_family_facts(model))
+    sock = _bind(args.host, args.port)
+    try:
+        require_extra("ditmesh serve", "ray" if args.ray else "serve", ("fastapi", "uvicorn"), load=True)
+        # The ranks start now and import torch and diffusers while this process runs the checks that need them
+        # (the model's family); a refusal stops them and is the one-line error it was.
+        print(f"ditmesh: bound http://{args.host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+        early = _prestart(args, world)
+    except BaseException:
+        sock.close()
+        raise
     try:
         generate.validate_family(args, options, model)
         adapter = read_adapter(model)
-        try:
-            check_options({}, limits, args, adapter)
-            if args.frames is not None:
-                check_options({"frames": args.frames}, limits, args, adapter)
-        except BadRequest as exc:
-            raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
-        args.warmup_sizes = [_size(text, limits, args, adapter) for text in (args.warmup_sizes or "").split(",")
-                             if text]
-        sock = _bind(args.host, args.port)
+        _check_limits(limits, args, adapter)
+        from .server import serve
+
+        return serve(args, world, options.config, model, limits, adapter, sock, early=early)
     except BaseException as exc:
         stopped = [(r.index, *rank) for r in early for rank in r.close()]
+        sock.close()
         if isinstance(exc, KeyboardInterrupt):
             from .server import _ignore_signals, _say_stopped
 
@@ -136,9 +144,23 @@ def run_serve(args) -> int:
             _say_stopped(stopped, "while starting")
             return 0
         raise
-    from .server import serve
 
-    return serve(args, world, options.config, model, limits, adapter, sock, early=early)
+
+def _check_limits(limits, args, family) -> None:
+    """The server's own defaults against its limits, and ``--warmup-sizes`` (set as (height, width) pairs), for the
+    model's ``family`` (its adapter, or the registry's torch-free facts; None for a hub id)."""
+    from ..config import ConfigError
+    from .requests import BadRequest, check_options
+
+    try:
+        check_options({}, limits, args, family)
+        if args.frames is not None:
+            check_options({"frames": args.frames}, limits, args, family)
+    except BadRequest as exc:
+        raise ConfigError(f"the server's own defaults break its limits: {exc}") from None
+    sizes = args.warmup_sizes if isinstance(args.warmup_sizes, list) else (args.warmup_sizes or "").split(",")
+    args.warmup_sizes = [size if isinstance(size, tuple) else _size(size, limits, args, family) for size in sizes
+                         if size]
 
 
 def _prestart(args, world: int) -> list:
@@ -171,7 +193,7 @@ def _size(text: str, limits, defaults, adapter) -> tuple[int, int]:
 
 
 def _bind(host: str, port: int):
-    """The listening socket, bound before any rank loads (a port in use is said at once)."""
+    """The listening socket, bound before any rank starts (a port in use is said at once)."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -185,6 +207,5 @@ def _bind(host: str, port: int):
                       "machine (e.g. 127.0.0.1, or 0.0.0.0 for every interface) and a free --port (0: any)") from None
     sock.listen(128)
     sock.set_inheritable(False)
-    print(f"ditmesh: bound http://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     return sock
 

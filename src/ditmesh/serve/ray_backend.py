@@ -42,9 +42,7 @@ def add_ray_options(parser) -> None:
 def check_ray_options(args) -> None:
     """Check the Ray options before anything loads (ConfigError, one line); with --ray fill ``min_replicas`` and
     ``max_replicas`` and set ``replicas`` to the number started first."""
-    import importlib.util
-
-    from ..config import ConfigError
+    from ..config import ConfigError, require_extra
 
     if args.ray is None:
         for flag, value in (("--min-replicas", args.min_replicas), ("--max-replicas", args.max_replicas)):
@@ -56,8 +54,7 @@ def check_ray_options(args) -> None:
         host, _, port = args.ray.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--ray {args.ray} must be HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379) or auto")
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("--ray needs Ray in this environment: pip install 'ditmesh[ray]'")
+    require_extra("--ray", "ray", ("ray",))
     if args.min_replicas is not None and args.replicas > 1 and args.min_replicas != args.replicas:
         raise ConfigError(f"--replicas {args.replicas} and --min-replicas {args.min_replicas} disagree; with --ray give "
                           f"--min-replicas (and --max-replicas)")

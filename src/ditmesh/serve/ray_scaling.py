@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .app import Service
+from .app import Service, log
 
 #: how often the scaler looks at the queue (seconds)
 SCALE_TICK_S = 0.5
@@ -81,6 +81,7 @@ class RayService(Service):
         except RankFault as exc:
             self.last_restart_error = str(exc)
             self.counts["scale_up_failures"] += 1
+            log(f"replica {index}: could not start while scaling up: {exc}")
             return
         finally:
             with self.lock:

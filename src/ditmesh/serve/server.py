@@ -22,6 +22,7 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
 
     from ..runtime.launch import LaunchError
     from ..shared import share_cpu_threads
+    from ..timeline import timeline
     from .app import Service, create_app
     from .replica import RankFault, Replica
 
@@ -68,7 +69,8 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
-          f"on {world} process(es); ready in {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+          f"on {world} process(es); ready {timeline().now():.1f} s after launch, {time.perf_counter() - t0:.1f} s of "
+          f"it after the checks)", file=sys.stderr, flush=True)
     server = _Server(service, uvicorn.Config(create_app(service, args.token), log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=5))
     try:
