@@ -312,6 +312,7 @@ def test_a_cpu_run_reports_its_threads_and_warns_of_a_busy_machine(tmp_path):
     assert cpu["cores"] == os.cpu_count() and cpu["load_1min"] == os.cpu_count() + 5 and cpu["warning"]
     wrote = [line for line in stderr.splitlines() if line.startswith("ditmesh: wrote")]  # the line with the time
     assert len(wrote) == 1 and str(tmp_path / "t.json") in wrote[0], stderr  # --trace's file is named too
+    assert "noise by design" not in wrote[0]  # the default model is the tiny trained one
     assert f"a busy machine (1-minute load {os.cpu_count() + 5:.1f} on {os.cpu_count()} cores)" \
         in wrote[0], stderr
 

@@ -176,3 +176,14 @@ def test_synth_is_seeded():
     c = build_pipeline("flux-tiny", seed=6).transformer.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_a_random_weights_video_says_its_output_is_noise_by_design(tmp_path):
+    """A synthetic architecture's output is noise: the closing line says so, beside what the run measured."""
+    out = tmp_path / "clip.gif"
+    proc = subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--model", "wan-tiny", "--frames", "5",
+                           "--height", "32", "--width", "32", "--steps", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wrote = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ditmesh: wrote")]
+    assert len(wrote) == 1 and "random weights (a synthetic architecture): the output is noise by design" in wrote[0]

@@ -353,6 +353,16 @@ def test_the_page_generates_a_picture_in_headless_chromium(server, chromium, tmp
         value, top = browser.evaluate("[document.getElementById('progress').value, document.getElementById('progress').max]")
         assert value == top > 0  # the bar is full
         assert browser.evaluate("document.getElementById('message').textContent").startswith("done in")
+        # a refused request after that picture: its error stands alone, the old picture is gone
+        # (the submit event itself: the form's own check would stop the click before any request)
+        browser.evaluate("document.getElementById('steps').value = 100000; "
+                         "document.getElementById('form').dispatchEvent(new Event('submit', {cancelable: true}))")
+        while browser.evaluate("document.getElementById('go').disabled") or browser.evaluate(
+                "document.getElementById('message').textContent").startswith(("waiting", "done in")):
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert "steps" in browser.evaluate("document.getElementById('message').textContent")
+        assert not browser.evaluate("!!document.querySelector('#result img')")
     finally:
         browser.close()
 
@@ -509,9 +519,12 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
                 time.sleep(0.05)
             ids = [client.post("/jobs", json={"prompt": p, "seed": s}).json()["id"] for p, s in asks]
             assert client.get(f"/jobs/{long}").json()["state"] == "running"
+            served = client.get("/health").json()["replicas"][0]["served"]
             client.delete(f"/jobs/{long}").raise_for_status()
             batched = [_progress_then(client, job, 99, lambda: None) for job in ids]
             assert [event for event, _ in batched] == ["done"] * 3, batched
+            # /health counts requests answered with pictures: the batched call answered three
+            assert client.get("/health").json()["replicas"][0]["served"] == served + 3
             alone = [client.post("/generate", json={"prompt": p, "seed": s}).json() for p, s in asks]
             assert [a["batch"] for a in alone] == [1, 1, 1]
             assert _metric(client, "ditmesh_batched_requests_total") == 3

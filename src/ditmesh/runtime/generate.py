@@ -714,8 +714,12 @@ def run(args) -> int:
         busy = (f"; a busy machine (1-minute load {cpu['load_1min']:.1f} on {cpu['cores']} cores): the time measures "
                 "the contention more than the run" if cpu and cpu["warning"] else "")
         layout = config.describe() + (" with displaced attention" if options.displaced else "")
+        from ..models.registry import SYNTH
+
+        noise = ("; random weights (a synthetic architecture): the output is noise by design, its time and memory "
+                 "are the real model's" if model in SYNTH or Path(model, "ditmesh_synth.json").is_file() else "")
         print(f"ditmesh: wrote {', '.join(written[:-1])} and {written[-1]} "
-              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {layout}{busy})", flush=True)
+              f"({total_s:.2f} s, {world} process{'es' if world > 1 else ''}, {layout}{busy}{noise})", flush=True)
     finish_rank()
     return 0
 

@@ -212,7 +212,9 @@ class Replica:
                             self._check_alive(None)
                             time.sleep(POLL_S / 4)
                     raise RequestFailed(payload)
-                self.served += 1
+                # requests answered with pictures: a batched call answers one request per prompt
+                prompts = options.get("prompt")
+                self.served += len(prompts) if isinstance(prompts, list) else 1
                 return payload, phases
 
     def cancel(self, job_id: str) -> bool:
