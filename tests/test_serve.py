@@ -460,8 +460,10 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     (["--plan", "auto"], "--plan auto needs --nproc (the ranks of one replica)"),
     (["--port", "65536"], "--port 65536 must be between 0 and 65535"),
     (["--step-timeout", "0"], "--step-timeout 0.0 must be > 0 seconds (e.g. 60)"),
+    (["--unavailable-timeout", "0"], "--unavailable-timeout 0.0 must be > 0 seconds (e.g. 60)"),
     # timeouts under a second pass their check: the refusal is the next one's
-    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--port", "65536"], "--port 65536 must be between 0 and 65535"),
+    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--unavailable-timeout", "0.5", "--port", "65536"],
+     "--port 65536 must be between 0 and 65535"),
 ])
 def test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank(capsys, argv, line):
     """The values' checks come before any rank starts; those that read the model's family run while the ranks

@@ -523,3 +523,93 @@ def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503
         assert log[-1].endswith("0 of 2 replica(s) left; requests are answered 503 until the server is restarted")
     finally:
         service.stop()
+
+
+# -- no replica able to serve: a bounded answer ---------------------------------------------------------------------
+class _ReplicaWaitingForRoom(_ScriptedReplica):
+    """Stands in for a Ray replica whose node went: its restart waits for a node with room (``room``), saying so in
+    ``waiting``, as ``RayReplica`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.room = threading.Event()
+        self.waiting = None
+
+    def restart(self):
+        self.state, self.waiting = "restarting", "waiting for a node of the Ray cluster with room (alive nodes: none)"
+        assert self.room.wait(20)
+        self.state, self.waiting = "ready", None
+        self.restarts += 1
+
+
+def test_no_replica_able_to_serve_answers_waiting_and_new_requests_503_within_the_unavailable_timeout(capsys):
+    from fastapi.testclient import TestClient
+
+    replica = _ReplicaWaitingForRoom()
+    service = Service([replica], LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01, unavailable_timeout_s=1.0)
+    service.start()
+    try:
+        with TestClient(create_app(service)) as client:
+            lost = service.submit({"prompt": "lost before its first step"})
+            replica.next_call(then=("fault", "rank 0 of replica 0 died: its node died or left the cluster"))
+            fault_at = time.time()
+            # retried (no step had finished), then it waits for a replica that waits for a node: answered 503 once
+            # the service has had no replica for more than 1 s, naming why
+            answer = lost.future.result(10)
+            assert 1.0 < time.time() - fault_at < 1.0 + 4 * 0.25 + 0.5, time.time() - fault_at
+            assert lost.retried and lost.state == "failed" and answer["error"][0] == 503, answer
+            message = answer["error"][1]
+            assert message.startswith("no replica has been able to serve for 1 s (more than --unavailable-timeout "
+                                      "1 s): replica 0 restarting, waiting for a node of the Ray cluster"), message
+            assert "after: rank 0 of replica 0 died: its node died" in message and "/health says ok" in message
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            assert health.json()["unavailable_s"] >= 1.0 and health.json()["reason"].startswith("replica 0 restarting")
+            late = client.post("/generate", json={"prompt": "late"})  # at once, not after another second
+            assert late.status_code == 503 and late.json()["error"]["message"].startswith("no replica has been able")
+            assert late.elapsed.total_seconds() < 0.5
+            replica.room.set()  # a node joins: the replica is rebuilt and serves
+            _wait(lambda: client.get("/health").status_code == 200, "the rebuilt replica serves")
+            after = service.submit({"prompt": "after"})
+            assert replica.next_call(then=None)["prompt"] == "after"
+            replica.script.put(("done",))
+            assert after.future.result(10)["error"] is None
+            _wait(lambda: service.unavailable_since is None, "the watchdog sees the replica serve")
+        assert _outcomes(service) == {"ok": 1, "unavailable": 2}
+        log = capsys.readouterr().err.splitlines()
+        assert any(line.startswith("ditmesh: no replica has been able to serve for 1 s") and
+                   line.endswith("waiting and new requests are answered 503 until one serves again") for line in log)
+        assert any(line.startswith("ditmesh: a replica serves again after ") for line in log), log
+    finally:
+        replica.room.set()
+        service.stop()
+
+
+@pytest.mark.parametrize("waited, answered", [(1.0, False), (1.001, True)])
+def test_a_job_waits_for_a_replica_up_to_the_unavailable_timeout_and_no_longer(monkeypatch, waited, answered):
+    """The bound's edge, on a clock of the test's: no replica for exactly ``unavailable_timeout_s`` is still in
+    time (the job waits, a new one is queued); a millisecond past it both are answered 503, exactly once."""
+    from ditmesh.serve import app
+
+    clock = [1000.0]
+    monkeypatch.setattr(app, "time", SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter))
+    replica = _ScriptedReplica()
+    service = Service([replica], LIMITS, DEFAULTS, queue_size=4, unavailable_timeout_s=1.0)  # no dispatcher runs
+    replica.state = "failed"
+    service._check_unavailable(clock[0])
+    job = service.submit({"prompt": "waits"})
+    clock[0] += waited
+    service._check_unavailable(clock[0])
+    assert job.future.done() is answered and service.queue.qsize() == (0 if answered else 1)
+    new = service.submit({"prompt": "new"})
+    assert new.future.done() is answered
+    service._check_unavailable(clock[0])  # looked at again: nothing is answered twice
+    for j in (job, new):
+        if answered:
+            assert j.future.result()["error"][0] == 503 and j.state == "failed"
+    assert _outcomes(service) == ({"unavailable": 2} if answered else {})
+    replica.state = "ready"  # serving again: the clock starts over
+    clock[0] += 10
+    assert not service.submit({"prompt": "x"}).future.done()  # before the watchdog looks, too
+    service._check_unavailable(clock[0])
+    assert service.unavailable_since is None and not service.submit({"prompt": "y"}).future.done()

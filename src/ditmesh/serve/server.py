@@ -64,7 +64,8 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
             r.close()
         raise LaunchError(errors[0])
     service = service_class(replicas, limits, args, adapter, queue_size=args.queue_size,
-                            restart_attempts=args.restart_attempts, max_batch=args.max_batch)
+                            restart_attempts=args.restart_attempts, max_batch=args.max_batch,
+                            unavailable_timeout_s=args.unavailable_timeout)
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
