@@ -613,3 +613,63 @@ def test_a_job_waits_for_a_replica_up_to_the_unavailable_timeout_and_no_longer(m
     assert not service.submit({"prompt": "x"}).future.done()  # before the watchdog looks, too
     service._check_unavailable(clock[0])
     assert service.unavailable_since is None and not service.submit({"prompt": "y"}).future.done()
+
+
+# -- each state at its edge: answered once, in no call it should not join -------------------------------------------
+def test_a_job_cancelled_while_queued_joins_no_batch_and_a_batch_fills_to_max_batch_and_no_further(service):
+    replica = service.replica
+    busy = service.submit({"prompt": "busy"})
+    replica.next_call()
+    a, b, c, d = [service.submit({"prompt": p}) for p in "abcd"]  # the queue's limit: 4 wait
+    assert service.submit({"prompt": "e"}).future.result(1)["error"][0] == 429  # one past it
+    assert service.cancel(b) and b.future.result(1)["error"][0] == 499
+    call = replica.next_call(then=("done",))
+    assert call["prompt"] == ["a", "c", "d"]  # exactly max_batch 3, the cancelled one left out
+    replica.script.put(("done",))
+    assert [j.future.result(10)["batch"] for j in (busy, a, c, d)] == [1, 3, 3, 3]
+    assert b.state == "cancelled" and b.future.result()["error"][0] == 499  # answered once, its answer kept
+    assert not any("b" in (call["prompt"] if isinstance(call["prompt"], list) else [call["prompt"]])
+                   for call in replica.calls)
+    assert _outcomes(service) == {"ok": 4, "cancelled": 1, "queue_full": 1}
+
+
+def test_max_batch_one_runs_every_job_alone():
+    replica = _ScriptedReplica()
+    svc = Service([replica], LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01)  # --max-batch 1 (the default)
+    svc.start()
+    try:
+        busy = svc.submit({"prompt": "busy"})
+        replica.next_call()
+        jobs = [svc.submit({"prompt": p}) for p in "ab"]
+        assert [replica.next_call(then=("done",))["prompt"] for _ in jobs] == ["a", "b"]
+        replica.script.put(("done",))
+        assert [j.future.result(10)["batch"] for j in (busy, *jobs)] == [1, 1, 1]
+    finally:
+        svc.stop()
+
+
+def test_each_job_runs_on_one_replica_once_whatever_its_end():
+    """Two replicas: every job reaches exactly one of them, once; a refused (422) one is not run again, a done one
+    cannot be cancelled, one answered 503 at shutdown while it runs keeps that answer when its pictures come."""
+    replicas = [_ScriptedReplica(0), _ScriptedReplica(1)]
+    svc = Service(replicas, LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01)
+    svc.start()
+    try:
+        first, second = svc.submit({"prompt": "first"}), svc.submit({"prompt": "second"})
+        _wait(lambda: sum(len(r.calls) for r in replicas) == 2, "both replicas took a job")
+        assert sorted(c["prompt"] for r in replicas for c in r.calls) == ["first", "second"]
+        on = {c["prompt"]: r for r in replicas for c in r.calls}
+        on["first"].script.put(("refused", "no"))
+        on["second"].script.put(("done",))
+        assert first.future.result(10)["error"][0] == 422 and second.future.result(10)["error"] is None
+        assert not svc.cancel(first) and not svc.cancel(second)  # finished: nothing to cancel
+        last = svc.submit({"prompt": "last"})
+        _wait(lambda: sum(len(r.calls) for r in replicas) == 3, "a replica took the last job")
+        assert svc.shutdown("SIGTERM") == 1 and last.future.result(1)["error"][0] == 503
+        next(r for r in replicas if r.in_flight).script.put(("done",))  # its pictures come after the answer
+        time.sleep(0.3)
+        assert last.state == "failed" and last.future.result()["error"][0] == 503
+        assert sorted(c["prompt"] for r in replicas for c in r.calls) == ["first", "last", "second"]
+        assert _outcomes(svc) == {"ok": 1, "refused": 1, "unavailable": 1}
+    finally:
+        svc.stop()
