@@ -18,7 +18,7 @@ from ditmesh.options import CacheConfig
 STEPS = 8
 
 
-def _pattern(setting: str, steps: int = STEPS, calls: int = 1, runs: int = 1) -> str:
+def _pattern(setting: str, steps: int = STEPS, calls: int = 1, runs: int = 1, factors: list | None = None) -> str:
     """The decisions of a cache of ``setting`` over ``steps`` steps of ``calls`` branches each (C: computed,
     S: skipped), the statistic 1.5**step (a relative change of 0.5 a step); ``runs`` pipeline runs in a row, the
     last one's pattern per branch joined by '|'."""
@@ -36,6 +36,8 @@ def _pattern(setting: str, steps: int = STEPS, calls: int = 1, runs: int = 1) ->
                 ctx.call_in_step = call
                 cache.decide(torch.full((4,), 1.5 ** step))
                 cache.end_call()
+                if factors is not None and run == runs - 1:
+                    factors.append(round(cache.factor, 4))
     return "|".join("".join("S" if h["skip"] else "C" for h in cache.history if h["branch"] == call)
                     for call in range(calls))
 
@@ -83,3 +85,12 @@ def test_each_branch_and_each_run_counts_its_own_limits():
     assert _pattern("dbcache:threshold=0.6,warmup=2,max_skips=2", calls=2, runs=2) == "CCSSCSSC|CCSSCSSC"
     assert _pattern("teacache:threshold=1.000001,poly=1/0,max_skips=9", runs=2) == "CSSCSSCC"
     assert _pattern("taylor:interval=3,warmup=0", runs=3) == "CCSCSSCS"
+
+
+def test_taylor_extrapolates_from_its_last_two_computed_steps():
+    # a skipped step is extrapolated (step - last computed) / (last computed - the one before) spans ahead; a
+    # computed one not at all; a second run measures its spans afresh
+    for runs in (1, 2):
+        factors = []
+        assert _pattern("taylor:interval=3,warmup=0", runs=runs, factors=factors) == "CCSCSSCS"
+        assert factors == [0, 0, 1.0, 0, 0.5, 1.0, 0, 0.3333], factors
