@@ -673,3 +673,64 @@ def test_each_job_runs_on_one_replica_once_whatever_its_end():
         assert _outcomes(svc) == {"ok": 1, "refused": 1, "unavailable": 1}
     finally:
         svc.stop()
+
+
+# -- batching decided by a measurement at start-up ----------------------------------------------------------------
+class _Pipe:
+    """A pipeline stand-in: the arguments ``_call_kwargs`` keeps."""
+
+    def __call__(self, prompt=None, height=None, width=None, num_inference_steps=None, generator=None,
+                 output_type=None):
+        raise AssertionError("the timed calls go through warm_up_call")
+
+
+@pytest.mark.parametrize("seconds, use", [
+    ({1: 1.0, 2: 1.2, 3: 1.5}, 3),  # the batch amortises a fixed cost: the largest makes the cheapest picture
+    ({1: 1.0, 2: 1.2, 3: 3.3}, 2),  # the cheapest picture at 2
+    ({1: 1.0, 2: 2.0, 3: 3.0}, 1),  # a picture costs the same in any batch (a saturated GPU): no batching
+    ({1: 1.0, 2: 1.9, 3: 3.0}, 2),  # 5% cheaper at 2: the least gain that batches
+    ({1: 1.0, 2: 1.902, 3: 3.0}, 1),  # 4.9% cheaper: not worth it
+])
+def test_the_start_up_measurement_warms_every_batch_shape_and_batches_only_where_a_picture_gets_cheaper(
+        monkeypatch, seconds, use):
+    import argparse
+
+    import torch
+
+    from ditmesh.runtime import generate
+    from ditmesh.serve.worker import BATCH_REPEATS, _measure_batching
+
+    calls = []
+
+    def timed(pipe, call, device):
+        size = len(call["prompt"]) if isinstance(call["prompt"], list) else 1
+        assert size == 1 or len(call["generator"]) == size  # a seed per picture, as a shared call has
+        calls.append(size)
+        return seconds[size] + 0.01 * (calls.count(size) == 1)  # the first call of a shape is the slowest
+
+    monkeypatch.setattr(generate, "warm_up_call", timed)
+    args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
+                              seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
+    measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3)
+    # each shape warmed once (size 1 was warmed with the sizes), then timed: the fastest counts
+    assert calls == [1] * BATCH_REPEATS + [2] * (1 + BATCH_REPEATS) + [3] * (1 + BATCH_REPEATS)
+    assert measured == {"seconds": {str(k): v for k, v in seconds.items()}, "use": use}
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 1) is None  # --max-batch 1: nothing to time
+
+
+def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
+    from ditmesh.serve.server import batch_policy, describe_batching
+
+    fast, slow = {"seconds": {"1": 0.1, "2": 0.12}, "use": 2}, {"seconds": {"1": 0.1, "2": 0.2}, "use": 1}
+    assert batch_policy(2, "auto", [fast, fast]) == (2, dict(fast, policy="auto"))
+    assert batch_policy(2, "auto", [fast, slow])[0] == 1  # a replica that would not batch: none does
+    assert batch_policy(2, "always", [slow])[0] == 2
+    assert batch_policy(1, "auto", [None]) == (1, None) and batch_policy(2, "auto", [None]) == (1, None)
+    assert describe_batching(2, dict(fast, policy="auto")) == (
+        "batching up to 2 pictures a call: a batch makes the cheapest picture (one step, seconds a picture by batch "
+        "size: 1: 0.1 s, 2: 0.06 s)")
+    assert describe_batching(1, dict(slow, policy="auto")).startswith("batching off: no batch made a picture cheaper")
+    service = Service([_ScriptedReplica()], LIMITS, DEFAULTS, max_batch=1)
+    service.batching = dict(slow, policy="auto")
+    metrics = service.metrics()
+    assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_step_seconds{size="2"} 0.2' in metrics

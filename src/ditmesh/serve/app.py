@@ -96,6 +96,8 @@ class Service:
         #: many pictures
         self.max_batch = max_batch
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
+        #: the start-up measurement behind ``max_batch`` (``server.batch_policy``), for /metrics; None without one
+        self.batching: dict | None = None
         self.last_restart_error = ""
         #: no replica able to serve for longer than this: waiting and new jobs are answered 503 (module docstring)
         self.unavailable_timeout_s = unavailable_timeout_s
@@ -447,7 +449,8 @@ class Service:
                                          "reason": self._replicas_why()}
         return {"status": status, **why, "queue": self.queue.qsize(),
                 "replicas": [{"index": r.index, "state": r.state, "ranks": r.world, "pids": r.pids(),
-                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s}
+                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s,
+                              "batching": getattr(r, "batching", None)}
                              for r in self.replicas]}
 
     def metrics(self) -> str:
@@ -462,6 +465,12 @@ class Service:
             "# TYPE ditmesh_down_replicas gauge", f"ditmesh_down_replicas {sum(r.state == 'down' for r in self.replicas)}",
             "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
             f"ditmesh_images_total {c['images']}",
+            "# HELP ditmesh_max_batch Most pictures one call runs (--max-batch as the start-up measurement decided).",
+            "# TYPE ditmesh_max_batch gauge", f"ditmesh_max_batch {self.max_batch}",
+            *(["# HELP ditmesh_batch_step_seconds One step's seconds at start-up by batch size (the first replica's "
+               "rank 0).", "# TYPE ditmesh_batch_step_seconds gauge"]
+              + [f'ditmesh_batch_step_seconds{{size="{size}"}} {seconds}'
+                 for size, seconds in self.batching["seconds"].items()] if self.batching else []),
             "# HELP ditmesh_batched_requests_total Requests that shared a pipeline call with others.",
             "# TYPE ditmesh_batched_requests_total counter", f"ditmesh_batched_requests_total {c['batched']}",
             "# HELP ditmesh_requests_total Requests answered, by outcome.", "# TYPE ditmesh_requests_total counter",

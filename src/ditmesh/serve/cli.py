@@ -61,6 +61,11 @@ def add_serve_parser(sub) -> None:
     group.add_argument("--max-batch", type=_positive_int, default=1, metavar="N",
                        help="waiting requests that differ only in prompt and seed (one picture each) run as one "
                             "pipeline call of up to N pictures (default 1: one request per call)")
+    group.add_argument("--batching", choices=("auto", "always"), default="auto",
+                       help="with --max-batch N > 1: every batch shape (1 to N pictures) is warmed up before the "
+                            "service is ready and timed; auto (default) batches only up to the size whose picture "
+                            "came out cheapest, and not at all where no batch beat one picture a call; always: up "
+                            "to N whatever the measurement (said in the start-up line and /metrics)")
     group.add_argument("--prompt-cache", type=_non_negative_int, default=16, metavar="N",
                        help="text encodings of the last N distinct prompts kept on the ranks: a prompt sent again is "
                             "not encoded again (default 16; 0: none)")
