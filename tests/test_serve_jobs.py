@@ -734,3 +734,15 @@ def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
     service.batching = dict(slow, policy="auto")
     metrics = service.metrics()
     assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_step_seconds{size="2"} 0.2' in metrics
+
+
+def test_a_call_that_ends_after_the_encoders_stopped_is_answered_503_once(service):
+    # the server stops (its encoders shut down) while a call runs: its pictures cannot be encoded, the job is
+    # answered 503 naming the stop, not left waiting
+    replica = service.replica
+    job = service.submit({"prompt": "late"})
+    replica.next_call()
+    service.encoders.shutdown(wait=True)
+    replica.script.put(("done",))
+    assert job.future.result(10)["error"] == (503, "the server is stopping") and job.state == "failed"
+    assert _outcomes(service) == {"unavailable": 1}

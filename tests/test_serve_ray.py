@@ -103,7 +103,7 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
     argv = SMALL
     reference = _reference_pictures(argv, BODIES[:1])
     with running_server(*argv, "--ray", c.address, "--min-replicas", "1", "--max-replicas", "2",
-                        "--scale-down-idle", "10", ready_s=300) as (base, _):
+                        "--scale-down-idle", "10", ready_s=300) as (base, proc):
         with httpx.Client(base_url=base, timeout=300) as client:
             r = client.post("/generate", json=BODIES[0])
             assert _pixels(decode(r.json()["images"][0]["b64"])) == reference[0]
@@ -156,9 +156,12 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             # ran again on the other replica
             assert all("of replica" in i and ("died" in i or "stopped answering" in i) for s, i in answers
                        if s == 500), answers
-            rebuilt = _wait("the lost replica rebuilt", lambda: next((
-                r for r in _health(client)["replicas"] if r["index"] == replicas[0]["index"] and r["restarts"] >= 1
-                and r["state"] == "ready"), None), 300)
+            try:
+                rebuilt = _wait("the lost replica rebuilt", lambda: next((
+                    r for r in _health(client)["replicas"] if r["index"] == replicas[0]["index"] and r["restarts"] >= 1
+                    and r["state"] == "ready"), None), 300)
+            except AssertionError as exc:  # say where the rebuild stands
+                raise AssertionError(f"{exc}: {_health(client)}; the server's log: {''.join(proc.lines[-20:])}") from None
             assert rebuilt["node"] != victim and _metric(client, "ditmesh_restarts_total") >= 1
             print(f"\nray: node removed under load: {statuses.count(200)} answered 200, {statuses.count(500)} 500, "
                   f"{_metric(client, 'ditmesh_retried_requests_total'):.0f} retried; replica {rebuilt['index']} "
