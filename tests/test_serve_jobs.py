@@ -746,3 +746,18 @@ def test_a_call_that_ends_after_the_encoders_stopped_is_answered_503_once(servic
     replica.script.put(("done",))
     assert job.future.result(10)["error"] == (503, "the server is stopping") and job.state == "failed"
     assert _outcomes(service) == {"unavailable": 1}
+
+
+def test_a_token_guards_every_route_but_the_page_and_health_and_a_refusal_reaches_no_replica(service):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(service, token="s3cret")) as client:
+        for method, route in (("post", "/generate"), ("post", "/jobs"), ("get", "/metrics"), ("get", "/jobs/x")):
+            refused = getattr(client, method)(route, **({"json": {"prompt": "p"}} if method == "post" else {}),
+                                              headers={"Authorization": "Bearer wrong"})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == 401, (route, refused.text)
+        assert client.get("/health").status_code == 200 and client.get("/").status_code == 200
+        job = client.post("/jobs", json={"prompt": "p"}, headers={"Authorization": "Bearer s3cret"})
+        assert job.status_code == 202
+        assert service.replica.next_call()["prompt"] == "p" and len(service.replica.calls) == 1
+    assert 'ditmesh_requests_total{outcome="unauthorized"} 4' in service.metrics()
