@@ -422,7 +422,10 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
 def _stand_in_rank(rank, world, local_rank, port, options, requests, events, cancel):
     """Stands in for ``serve.worker.rank_main`` (a spawned process that loads nothing): fails loading if told to,
     else reports ready (its local rank as its load seconds, so the test sees each rank's), then rank 0 answers each
-    request with its steps and a picture of its prompt."""
+    request with its steps and a picture of its prompt. Started before its options (``prestart``), it reads them
+    first, one message a rank, as ``worker._await_options`` does."""
+    if options is None:
+        options = requests.get()[1]
     if options.get("fail_rank") == rank:
         events.put(("load_error", rank, "no such folder", ""))
         time.sleep(0.5)
@@ -434,6 +437,9 @@ def _stand_in_rank(rank, world, local_rank, port, options, requests, events, can
             time.sleep(0.2)
             continue
         request = requests.get()
+        if isinstance(request, tuple):  # another rank's options (real ranks meet before rank 0 reads requests)
+            requests.put(request)
+            continue
         steps = request["options"].get("steps", options["steps"])
         for step in range(1, steps + 1):
             events.put(("step", 0, request["id"], step, steps))
@@ -469,6 +475,15 @@ def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(
     finally:
         replica.stop()
     assert not any(process_alive(p) for p in replica.pids())
+    early = Replica(0, 3, {}, step_timeout=30, load_timeout=10)  # started before the front end's checks end
+    try:
+        early.prestart()
+        early.options = {"steps": 1}
+        early.start()  # every rank gets the options, once
+        assert early.state == "ready" and early.load_s == [0.0, 1.0, 2.0]
+        assert early.run("e", {"prompt": "early"})[0] == [("image/png", b"early")]
+    finally:
+        early.stop()
     broken = Replica(0, 2, {"steps": 2, "fail_rank": 1}, step_timeout=30, load_timeout=60)
     try:
         with pytest.raises(RankFault, match="^rank 1 of replica 0 failed loading the pipeline: no such folder$"):

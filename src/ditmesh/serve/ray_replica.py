@@ -27,7 +27,7 @@ import threading
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .replica import POLL_S, RankFault, RankState, Replica
@@ -35,7 +35,7 @@ from .replica import POLL_S, RankFault, RankState, Replica
 #: how long one poll of a rank's events waits for the first one (the heartbeat comes every second)
 EVENTS_WAIT_S = 0.5
 #: how often a replica waiting for a node with room looks again (and whether it was closed meanwhile), in seconds
-PLACE_POLL_S = 1.0
+PLACE_POLL_S = 0.25
 #: methods of a rank actor that may run at once: start, take_events, submit and cancel (the rank's own work runs
 #: in a thread of its own)
 ACTOR_CONCURRENCY = 4
@@ -149,6 +149,14 @@ class _Cancel:
         pass
 
 
+def _placed(group) -> bool:
+    """Whether the cluster's control store says ``group`` is placed (False while it cannot be asked)."""
+    try:
+        return placement_group_table(group).get("state") == "CREATED"
+    except Exception:  # noqa: BLE001  (the GCS unreachable for a moment: ask again)
+        return False
+
+
 def death_cause(exc: BaseException) -> str:
     """One line of why Ray says an actor died (its node, its process), from ActorDiedError's message."""
     text = " ".join(str(exc).split())
@@ -226,10 +234,13 @@ class RayReplica(Replica):
 
     def _await_room(self, group) -> None:
         """Wait until ``group`` is placed: up to ``load_timeout`` on a first start, for ever on a restart
-        (``waiting`` says why meanwhile); RankFault when it times out or the replica is closed."""
-        ready, start = group.ready(), time.time()
+        (``waiting`` says why meanwhile); RankFault when it times out or the replica is closed. The group's state is
+        read from the cluster's control store (GCS) rather than through ``group.ready()``, a task, which this
+        process's own Ray node would have to run."""
+        start = time.time()
         try:
-            while not ray.wait([ready], timeout=PLACE_POLL_S)[0]:
+            while not _placed(group):
+                time.sleep(PLACE_POLL_S)
                 if self.closing:
                     raise RankFault(f"replica {self.index} was stopped while it waited for a node with room")
                 if not self._wait_for_room and time.time() - start > self.load_timeout:
@@ -245,15 +256,21 @@ class RayReplica(Replica):
             self.waiting = None
 
     def _room_wanted(self) -> str:
-        """What a replica waiting to be placed waits for, and the nodes the cluster has."""
+        """What a replica waiting to be placed waits for, the nodes the cluster has, and whether this process's
+        own Ray node (the front door's) is among them."""
         try:
-            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            everything = ray.nodes()
+            here = ray.get_runtime_context().get_node_id()
         except Exception as exc:  # noqa: BLE001  (the cluster's GCS unreachable)
             return f"waiting for a node of the Ray cluster with room for {self.world} x {self.bundle} ({exc})"
+        nodes = [n for n in everything if n.get("Alive")]
         sizes = ", ".join(f"{n['NodeManagerAddress']} {n['Resources'].get('GPU', 0):g} GPU / "
                           f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
+        lost = "" if any(n["NodeID"] == here for n in nodes) else (
+            f"; the front door's own Ray node {here[:12]} is dead too: replicas cannot hand it their pictures (Ray "
+            f"keeps large ones in a node's object store), restart the front door on a live node")
         return (f"waiting for a node of the Ray cluster with room for {self.world} x {self.bundle} (alive nodes: "
-                f"{sizes or 'none'})")
+                f"{sizes or 'none'}){lost}")
 
     @staticmethod
     def _poll(rank: _ActorRank, events: queue.Queue, stopped: threading.Event) -> None:
