@@ -623,6 +623,10 @@ def test_a_job_waits_for_a_replica_up_to_the_unavailable_timeout_and_no_longer(m
         if answered:
             assert j.future.result()["error"][0] == 503 and j.state == "failed"
     assert _outcomes(service) == ({"unavailable": 2} if answered else {})
+    clock[0] += 0.26
+    health = service.health()  # how long, to a tenth of a second, and why
+    assert health["status"] == "unavailable" and health["unavailable_s"] == 1.3
+    assert health["reason"] == "replica 0 failed"
     replica.state = "ready"  # serving again: the clock starts over
     clock[0] += 10
     assert not service.submit({"prompt": "x"}).future.done()  # before the watchdog looks, too
