@@ -475,7 +475,7 @@ def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(
     finally:
         replica.stop()
     assert not any(process_alive(p) for p in replica.pids())
-    early = Replica(0, 3, {}, step_timeout=30, load_timeout=10)  # started before the front end's checks end
+    early = Replica(0, 3, {}, step_timeout=30, load_timeout=60)  # started before the front end's checks end
     try:
         early.prestart()
         early.options = {"steps": 1}
