@@ -95,8 +95,10 @@ def main() -> None:
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     if rank == 0:
         print("cache_peers row: " + json.dumps(row), flush=True)
-    if world > 1:
-        dist.destroy_process_group()
+    if world > 1:  # leave without destructors: a gloo group torn down can abort the interpreter (SIGABRT)
+        from ditmesh.runtime.generate import end_rank_process
+
+        end_rank_process(0)
 
 
 if __name__ == "__main__":

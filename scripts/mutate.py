@@ -126,10 +126,10 @@ TESTS: dict[str, tuple[str, ...]] = {
     "attention/usp.py": (_RING,),
     "comm.py": ("tests/test_comm.py", _ULY, _RING, _DP, _TP),
     "mesh.py": (_RING, _DP, _TP),
-    "cache.py": ("tests/test_cache.py", _PART_WAY,
+    "cache.py": ("tests/test_cache_edges.py", "tests/test_cache.py", _PART_WAY,
                  "tests/test_pipefusion.py::test_cached_pp_stale_schedule_matches_its_single_process_emulation",
                  "tests/test_chroma.py::test_chroma_cache_decides_as_one_process_under_ulysses"),  # a middle that joins
-    "redundancy.py": ("tests/test_analyze.py", "tests/test_cache.py"),
+    "redundancy.py": ("tests/test_cache_edges.py", "tests/test_analyze.py", "tests/test_cache.py"),
     "hooks.py": ("tests/test_family_home.py", _PART_WAY,
                  "tests/test_cogvideox.py::test_cogvideox_steps_are_counted_without_a_scheduler_step_index",
                  "tests/test_batch_parallel.py::test_flux_dp2_one_image_leaves_a_rank_an_empty_chunk_without_a_cache",

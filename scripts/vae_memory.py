@@ -124,7 +124,9 @@ def main(argv=None):
             (old, old_t, old_err, old_s), (new, new_t, new_err, new_s) = rows
             print(f"| {size}² | {world} | {args.dtype} | {old / gib:.3f} / {old_t / gib:.3f} | {new / gib:.3f} / "
                   f"{new_t / gib:.3f} | {old / new:.2f} | {old_err:.1e}, {new_err:.1e} | {old_s:.1f}, {new_s:.1f} |")
-    dist.destroy_process_group()
+    from ditmesh.runtime.generate import end_rank_process  # no gloo teardown (it can abort: SIGABRT)
+
+    end_rank_process(0)
 
 
 if __name__ == "__main__":

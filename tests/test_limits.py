@@ -163,3 +163,20 @@ def test_the_copy_engine_transport_needs_each_ulysses_group_on_one_host(ulysses,
             options.validate(device="cuda:0", local_world=local_world)
     with pytest.raises(ConfigError, match="transport=symm needs CUDA GPUs"):
         options.validate(device="cpu", local_world=local_world)
+
+
+@pytest.mark.parametrize("frames, refusal", [(9, None), (10, "frames 10")])
+def test_the_servers_own_frames_are_checked_against_its_limits(frames, refusal):
+    # serve --frames N: the server's default frame count at --max-frames and one past it (no model: a hub id's
+    # family is not inspected before loading)
+    from ditmesh.serve.cli import _check_limits
+
+    args = SimpleNamespace(**{**vars(DEFAULTS), "frames": frames, "warmup_sizes": None})
+    if refusal is None:
+        _check_limits(LIMITS, args, None)
+        assert args.warmup_sizes == []
+        return
+    with pytest.raises(ConfigError) as error:
+        _check_limits(LIMITS, args, None)
+    assert str(error.value).startswith(f"the server's own defaults break its limits: {refusal}"), str(error.value)
+    assert "--max-frames" in str(error.value)

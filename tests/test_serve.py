@@ -483,8 +483,10 @@ def _sigterm_with_requests_in_flight(client, proc, tmp):
     (["--plan", "auto"], "--plan auto needs --nproc (the ranks of one replica)"),
     (["--port", "65536"], "--port 65536 must be between 0 and 65535"),
     (["--step-timeout", "0"], "--step-timeout 0.0 must be > 0 seconds (e.g. 60)"),
+    (["--unavailable-timeout", "0"], "--unavailable-timeout 0.0 must be > 0 seconds (e.g. 60)"),
     # timeouts under a second pass their check: the refusal is the next one's
-    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--port", "65536"], "--port 65536 must be between 0 and 65535"),
+    (["--step-timeout", "0.5", "--load-timeout", "0.5", "--unavailable-timeout", "0.5", "--port", "65536"],
+     "--port 65536 must be between 0 and 65535"),
 ])
 def test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank(capsys, argv, line):
     """The values' checks come before any rank starts; those that read the model's family run while the ranks
@@ -509,8 +511,17 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
     asks = [("a red circle at the top left", 3), ("a blue square at the bottom", 4), ("a green triangle", 5)]
     ink = make_lora(default_model_path(), str(tmp_path / "ink"), seed=1)
     with running_server("--steps", "2", "--height", "64", "--width", "64", "--max-steps", "400",
-                        "--max-batch", "3", "--lora", f"ink={ink}:0.8") as (base, _):
+                        "--max-batch", "3", "--batching", "always", "--lora", f"ink={ink}:0.8") as (base, proc):
         with httpx.Client(base_url=base, timeout=120) as client:
+            # every batch shape was warmed up and timed before the service said it was ready, and it says what it
+            # uses (here, as asked) and what it measured
+            measured = client.get("/health").json()["replicas"][0]["batching"]
+            assert sorted(measured["seconds"]) == ["1", "2", "3"] and measured["use"] in (1, 2, 3), measured
+            assert _metric(client, "ditmesh_max_batch") == 3
+            assert _metric(client, 'ditmesh_batch_step_seconds{size="3"}') == measured["seconds"]["3"]
+            ready = next(line for line in proc.lines if "serving" in line)
+            assert "; batching up to 3 pictures a call: as asked (--batching always) (one step, seconds a picture " \
+                   "by batch size: 1: " in ready, ready
             _named_adapter_requests(client)
             # the one replica is busy with a long request while three compatible ones arrive; cancelling it lets
             # them run, as one call

@@ -393,7 +393,9 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
     replica = _replica_in_a_request([_Process(), _Process()], [0, 0], [0, 0], step_timeout=30)
     replica.state = "ready"
     steps = []
-    for event in [("beat", 1), ("step", 1, "other", 5, 2), ("step", 1, "k", 1, 2), ("step", 0, "k", 1, 2),
+    # a late answer of an earlier request (its client gone) is not this request's
+    for event in [("beat", 1), ("step", 1, "other", 5, 2), ("done", 0, "other", True, [("image/png", b"o")], 0.1, {}),
+                  ("step", 1, "k", 1, 2), ("step", 0, "k", 1, 2),
                   ("done", 0, "k", True, [("image/png", b"x")], 0.25, {"call": 0.25})]:
         replica._events.put(event)
     assert replica.run("k", {"prompt": "p"}, lambda step, of: steps.append((step, of))) == ([("image/png", b"x")],
@@ -422,7 +424,10 @@ def test_a_replica_request_reports_steps_then_ends_done_cancelled_or_refused():
 def _stand_in_rank(rank, world, local_rank, port, options, requests, events, cancel):
     """Stands in for ``serve.worker.rank_main`` (a spawned process that loads nothing): fails loading if told to,
     else reports ready (its local rank as its load seconds, so the test sees each rank's), then rank 0 answers each
-    request with its steps and a picture of its prompt."""
+    request with its steps and a picture of its prompt. Started before its options (``prestart``), it reads them
+    first, one message a rank, as ``worker._await_options`` does."""
+    if options is None:
+        options = requests.get()[1]
     if options.get("fail_rank") == rank:
         events.put(("load_error", rank, "no such folder", ""))
         time.sleep(0.5)
@@ -434,6 +439,9 @@ def _stand_in_rank(rank, world, local_rank, port, options, requests, events, can
             time.sleep(0.2)
             continue
         request = requests.get()
+        if isinstance(request, tuple):  # another rank's options (real ranks meet before rank 0 reads requests)
+            requests.put(request)
+            continue
         steps = request["options"].get("steps", options["steps"])
         for step in range(1, steps + 1):
             events.put(("step", 0, request["id"], step, steps))
@@ -469,6 +477,15 @@ def test_a_replica_starts_its_ranks_serves_finds_a_dead_rank_restarts_and_stops(
     finally:
         replica.stop()
     assert not any(process_alive(p) for p in replica.pids())
+    early = Replica(0, 3, {}, step_timeout=30, load_timeout=60)  # started before the front end's checks end
+    try:
+        early.prestart()
+        early.options = {"steps": 1}
+        early.start()  # every rank gets the options, once
+        assert early.state == "ready" and early.load_s == [0.0, 1.0, 2.0]
+        assert early.run("e", {"prompt": "early"})[0] == [("image/png", b"early")]
+    finally:
+        early.stop()
     broken = Replica(0, 2, {"steps": 2, "fail_rank": 1}, step_timeout=30, load_timeout=60)
     try:
         with pytest.raises(RankFault, match="^rank 1 of replica 0 failed loading the pipeline: no such folder$"):
@@ -523,3 +540,245 @@ def test_replicas_that_keep_failing_to_restart_are_given_up_and_requests_get_503
         assert log[-1].endswith("0 of 2 replica(s) left; requests are answered 503 until the server is restarted")
     finally:
         service.stop()
+
+
+# -- no replica able to serve: a bounded answer ---------------------------------------------------------------------
+class _ReplicaWaitingForRoom(_ScriptedReplica):
+    """Stands in for a Ray replica whose node went: its restart waits for a node with room (``room``), saying so in
+    ``waiting``, as ``RayReplica`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.room = threading.Event()
+        self.waiting = None
+
+    def restart(self):
+        self.state, self.waiting = "restarting", "waiting for a node of the Ray cluster with room (alive nodes: none)"
+        assert self.room.wait(20)
+        self.state, self.waiting = "ready", None
+        self.restarts += 1
+
+
+def test_no_replica_able_to_serve_answers_waiting_and_new_requests_503_within_the_unavailable_timeout(capsys):
+    from fastapi.testclient import TestClient
+
+    replica = _ReplicaWaitingForRoom()
+    service = Service([replica], LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01, unavailable_timeout_s=1.0)
+    service.start()
+    try:
+        with TestClient(create_app(service)) as client:
+            lost = service.submit({"prompt": "lost before its first step"})
+            replica.next_call(then=("fault", "rank 0 of replica 0 died: its node died or left the cluster"))
+            fault_at = time.time()
+            # retried (no step had finished), then it waits for a replica that waits for a node: answered 503 once
+            # the service has had no replica for more than 1 s, naming why
+            answer = lost.future.result(10)
+            assert 1.0 < time.time() - fault_at < 1.0 + 4 * 0.25 + 0.5, time.time() - fault_at
+            assert lost.retried and lost.state == "failed" and answer["error"][0] == 503, answer
+            message = answer["error"][1]
+            assert message.startswith("no replica has been able to serve for 1 s (more than --unavailable-timeout "
+                                      "1 s): replica 0 restarting, waiting for a node of the Ray cluster"), message
+            assert "after: rank 0 of replica 0 died: its node died" in message and "/health says ok" in message
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            assert health.json()["unavailable_s"] >= 1.0 and health.json()["reason"].startswith("replica 0 restarting")
+            late = client.post("/generate", json={"prompt": "late"})  # at once, not after another second
+            assert late.status_code == 503 and late.json()["error"]["message"].startswith("no replica has been able")
+            assert late.elapsed.total_seconds() < 0.5
+            replica.room.set()  # a node joins: the replica is rebuilt and serves
+            _wait(lambda: client.get("/health").status_code == 200, "the rebuilt replica serves")
+            after = service.submit({"prompt": "after"})
+            assert replica.next_call(then=None)["prompt"] == "after"
+            replica.script.put(("done",))
+            assert after.future.result(10)["error"] is None
+            _wait(lambda: service.unavailable_since is None, "the watchdog sees the replica serve")
+        assert _outcomes(service) == {"ok": 1, "unavailable": 2}
+        log = capsys.readouterr().err.splitlines()
+        assert any(line.startswith("ditmesh: no replica has been able to serve for 1 s") and
+                   line.endswith("waiting and new requests are answered 503 until one serves again") for line in log)
+        assert any(line.startswith("ditmesh: a replica serves again after ") for line in log), log
+    finally:
+        replica.room.set()
+        service.stop()
+
+
+@pytest.mark.parametrize("waited, answered", [(1.0, False), (1.001, True)])
+def test_a_job_waits_for_a_replica_up_to_the_unavailable_timeout_and_no_longer(monkeypatch, waited, answered):
+    """The bound's edge, on a clock of the test's: no replica for exactly ``unavailable_timeout_s`` is still in
+    time (the job waits, a new one is queued); a millisecond past it both are answered 503, exactly once."""
+    from ditmesh.serve import app
+
+    clock = [1000.0]
+    monkeypatch.setattr(app, "time", SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter))
+    replica = _ScriptedReplica()
+    service = Service([replica], LIMITS, DEFAULTS, queue_size=4, unavailable_timeout_s=1.0)  # no dispatcher runs
+    replica.state = "failed"
+    service._check_unavailable(clock[0])
+    job = service.submit({"prompt": "waits"})
+    clock[0] += waited
+    service._check_unavailable(clock[0])
+    assert job.future.done() is answered and service.queue.qsize() == (0 if answered else 1)
+    new = service.submit({"prompt": "new"})
+    assert new.future.done() is answered
+    service._check_unavailable(clock[0])  # looked at again: nothing is answered twice
+    for j in (job, new):
+        if answered:
+            assert j.future.result()["error"][0] == 503 and j.state == "failed"
+    assert _outcomes(service) == ({"unavailable": 2} if answered else {})
+    clock[0] += 0.26
+    health = service.health()  # how long, to a tenth of a second, and why
+    assert health["status"] == "unavailable" and health["unavailable_s"] == 1.3
+    assert health["reason"] == "replica 0 failed"
+    replica.state = "ready"  # serving again: the clock starts over
+    clock[0] += 10
+    assert not service.submit({"prompt": "x"}).future.done()  # before the watchdog looks, too
+    service._check_unavailable(clock[0])
+    assert service.unavailable_since is None and not service.submit({"prompt": "y"}).future.done()
+
+
+# -- each state at its edge: answered once, in no call it should not join -------------------------------------------
+def test_a_job_cancelled_while_queued_joins_no_batch_and_a_batch_fills_to_max_batch_and_no_further(service):
+    replica = service.replica
+    busy = service.submit({"prompt": "busy"})
+    replica.next_call()
+    a, b, c, d = [service.submit({"prompt": p}) for p in "abcd"]  # the queue's limit: 4 wait
+    assert service.submit({"prompt": "e"}).future.result(1)["error"][0] == 429  # one past it
+    assert service.cancel(b) and b.future.result(1)["error"][0] == 499
+    call = replica.next_call(then=("done",))
+    assert call["prompt"] == ["a", "c", "d"]  # exactly max_batch 3, the cancelled one left out
+    replica.script.put(("done",))
+    assert [j.future.result(10)["batch"] for j in (busy, a, c, d)] == [1, 3, 3, 3]
+    assert b.state == "cancelled" and b.future.result()["error"][0] == 499  # answered once, its answer kept
+    assert not any("b" in (call["prompt"] if isinstance(call["prompt"], list) else [call["prompt"]])
+                   for call in replica.calls)
+    assert _outcomes(service) == {"ok": 4, "cancelled": 1, "queue_full": 1}
+
+
+def test_max_batch_one_runs_every_job_alone():
+    replica = _ScriptedReplica()
+    svc = Service([replica], LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01)  # --max-batch 1 (the default)
+    svc.start()
+    try:
+        busy = svc.submit({"prompt": "busy"})
+        replica.next_call()
+        jobs = [svc.submit({"prompt": p}) for p in "ab"]
+        assert [replica.next_call(then=("done",))["prompt"] for _ in jobs] == ["a", "b"]
+        replica.script.put(("done",))
+        assert [j.future.result(10)["batch"] for j in (busy, *jobs)] == [1, 1, 1]
+    finally:
+        svc.stop()
+
+
+def test_each_job_runs_on_one_replica_once_whatever_its_end():
+    """Two replicas: every job reaches exactly one of them, once; a refused (422) one is not run again, a done one
+    cannot be cancelled, one answered 503 at shutdown while it runs keeps that answer when its pictures come."""
+    replicas = [_ScriptedReplica(0), _ScriptedReplica(1)]
+    svc = Service(replicas, LIMITS, DEFAULTS, queue_size=4, restart_delay_s=0.01)
+    svc.start()
+    try:
+        first, second = svc.submit({"prompt": "first"}), svc.submit({"prompt": "second"})
+        _wait(lambda: sum(len(r.calls) for r in replicas) == 2, "both replicas took a job")
+        assert sorted(c["prompt"] for r in replicas for c in r.calls) == ["first", "second"]
+        on = {c["prompt"]: r for r in replicas for c in r.calls}
+        on["first"].script.put(("refused", "no"))
+        on["second"].script.put(("done",))
+        assert first.future.result(10)["error"][0] == 422 and second.future.result(10)["error"] is None
+        assert not svc.cancel(first) and not svc.cancel(second)  # finished: nothing to cancel
+        last = svc.submit({"prompt": "last"})
+        _wait(lambda: sum(len(r.calls) for r in replicas) == 3, "a replica took the last job")
+        assert svc.shutdown("SIGTERM") == 1 and last.future.result(1)["error"][0] == 503
+        next(r for r in replicas if r.in_flight).script.put(("done",))  # its pictures come after the answer
+        time.sleep(0.3)
+        assert last.state == "failed" and last.future.result()["error"][0] == 503
+        assert sorted(c["prompt"] for r in replicas for c in r.calls) == ["first", "last", "second"]
+        assert _outcomes(svc) == {"ok": 1, "refused": 1, "unavailable": 1}
+    finally:
+        svc.stop()
+
+
+# -- batching decided by a measurement at start-up ----------------------------------------------------------------
+class _Pipe:
+    """A pipeline stand-in: the arguments ``_call_kwargs`` keeps."""
+
+    def __call__(self, prompt=None, height=None, width=None, num_inference_steps=None, generator=None,
+                 output_type=None):
+        raise AssertionError("the timed calls go through warm_up_call")
+
+
+@pytest.mark.parametrize("seconds, use", [
+    ({1: 1.0, 2: 1.2, 3: 1.5}, 3),  # the batch amortises a fixed cost: the largest makes the cheapest picture
+    ({1: 1.0, 2: 1.2, 3: 3.3}, 2),  # the cheapest picture at 2
+    ({1: 1.0, 2: 2.0, 3: 3.0}, 1),  # a picture costs the same in any batch (a saturated GPU): no batching
+    ({1: 1.0, 2: 1.9, 3: 3.0}, 2),  # 5% cheaper at 2: the least gain that batches
+    ({1: 1.0, 2: 1.902, 3: 3.0}, 1),  # 4.9% cheaper: not worth it
+])
+def test_the_start_up_measurement_warms_every_batch_shape_and_batches_only_where_a_picture_gets_cheaper(
+        monkeypatch, seconds, use):
+    import argparse
+
+    import torch
+
+    from ditmesh.runtime import generate
+    from ditmesh.serve.worker import BATCH_REPEATS, _measure_batching
+
+    calls = []
+
+    def timed(pipe, call, device):
+        size = len(call["prompt"]) if isinstance(call["prompt"], list) else 1
+        assert size == 1 or len(call["generator"]) == size  # a seed per picture, as a shared call has
+        calls.append(size)
+        return seconds[size] + 0.01 * (calls.count(size) == 1)  # the first call of a shape is the slowest
+
+    monkeypatch.setattr(generate, "warm_up_call", timed)
+    args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
+                              seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
+    measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3)
+    # each shape warmed once (size 1 was warmed with the sizes), then timed: the fastest counts
+    assert calls == [1] * BATCH_REPEATS + [2] * (1 + BATCH_REPEATS) + [3] * (1 + BATCH_REPEATS)
+    assert measured == {"seconds": {str(k): v for k, v in seconds.items()}, "use": use}
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 1) is None  # --max-batch 1: nothing to time
+
+
+def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
+    from ditmesh.serve.server import batch_policy, describe_batching
+
+    fast, slow = {"seconds": {"1": 0.1, "2": 0.12}, "use": 2}, {"seconds": {"1": 0.1, "2": 0.2}, "use": 1}
+    assert batch_policy(2, "auto", [fast, fast]) == (2, dict(fast, policy="auto"))
+    assert batch_policy(2, "auto", [fast, slow])[0] == 1  # a replica that would not batch: none does
+    assert batch_policy(2, "always", [slow])[0] == 2
+    assert batch_policy(1, "auto", [None]) == (1, None) and batch_policy(2, "auto", [None]) == (1, None)
+    assert describe_batching(2, dict(fast, policy="auto")) == (
+        "batching up to 2 pictures a call: a batch makes the cheapest picture (one step, seconds a picture by batch "
+        "size: 1: 0.1 s, 2: 0.06 s)")
+    assert describe_batching(1, dict(slow, policy="auto")).startswith("batching off: no batch made a picture cheaper")
+    service = Service([_ScriptedReplica()], LIMITS, DEFAULTS, max_batch=1)
+    service.batching = dict(slow, policy="auto")
+    metrics = service.metrics()
+    assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_step_seconds{size="2"} 0.2' in metrics
+
+
+def test_a_call_that_ends_after_the_encoders_stopped_is_answered_503_once(service):
+    # the server stops (its encoders shut down) while a call runs: its pictures cannot be encoded, the job is
+    # answered 503 naming the stop, not left waiting
+    replica = service.replica
+    job = service.submit({"prompt": "late"})
+    replica.next_call()
+    service.encoders.shutdown(wait=True)
+    replica.script.put(("done",))
+    assert job.future.result(10)["error"] == (503, "the server is stopping") and job.state == "failed"
+    assert _outcomes(service) == {"unavailable": 1}
+
+
+def test_a_token_guards_every_route_but_the_page_and_health_and_a_refusal_reaches_no_replica(service):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(service, token="s3cret")) as client:
+        for method, route in (("post", "/generate"), ("post", "/jobs"), ("get", "/metrics"), ("get", "/jobs/x")):
+            refused = getattr(client, method)(route, **({"json": {"prompt": "p"}} if method == "post" else {}),
+                                              headers={"Authorization": "Bearer wrong"})
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == 401, (route, refused.text)
+        assert client.get("/health").status_code == 200 and client.get("/").status_code == 200
+        job = client.post("/jobs", json={"prompt": "p"}, headers={"Authorization": "Bearer s3cret"})
+        assert job.status_code == 202
+        assert service.replica.next_call()["prompt"] == "p" and len(service.replica.calls) == 1
+    assert 'ditmesh_requests_total{outcome="unauthorized"} 4' in service.metrics()

@@ -1,7 +1,8 @@
 """`ditmesh serve --ray` on a real Ray cluster of this machine (ray.cluster_utils.Cluster: a head that runs no
 rank and worker nodes of one logical CPU, each pinned to one core), the tiny pipeline over gloo (64x64, 2 steps):
 replicas of 2 and 1 ranks give the single-host service's pictures; a rank actor killed mid-request; a bounded load
-that scales the service up, a node removed under load, and the scale back down when idle. One cluster serves the
+that scales the service up, a node removed under load, and the scale back down when idle; no node left (a raylet
+killed, the other nodes removed): a bounded 503, and a node added back brings the service back. One cluster serves the
 module (Ray's start-up is the heavy part)."""
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
     argv = SMALL
     reference = _reference_pictures(argv, BODIES[:1])
     with running_server(*argv, "--ray", c.address, "--min-replicas", "1", "--max-replicas", "2",
-                        "--scale-down-idle", "10", ready_s=300) as (base, _):
+                        "--scale-down-idle", "10", ready_s=300) as (base, proc):
         with httpx.Client(base_url=base, timeout=300) as client:
             r = client.post("/generate", json=BODIES[0])
             assert _pixels(decode(r.json()["images"][0]["b64"])) == reference[0]
@@ -155,9 +156,12 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             # ran again on the other replica
             assert all("of replica" in i and ("died" in i or "stopped answering" in i) for s, i in answers
                        if s == 500), answers
-            rebuilt = _wait("the lost replica rebuilt", lambda: next((
-                r for r in _health(client)["replicas"] if r["index"] == replicas[0]["index"] and r["restarts"] >= 1
-                and r["state"] == "ready"), None), 300)
+            try:
+                rebuilt = _wait("the lost replica rebuilt", lambda: next((
+                    r for r in _health(client)["replicas"] if r["index"] == replicas[0]["index"] and r["restarts"] >= 1
+                    and r["state"] == "ready"), None), 300)
+            except AssertionError as exc:  # say where the rebuild stands
+                raise AssertionError(f"{exc}: {_health(client)}; the server's log: {''.join(line for line in proc.lines if line.startswith('ditmesh:'))[-3000:]}") from None
             assert rebuilt["node"] != victim and _metric(client, "ditmesh_restarts_total") >= 1
             print(f"\nray: node removed under load: {statuses.count(200)} answered 200, {statuses.count(500)} 500, "
                   f"{_metric(client, 'ditmesh_retried_requests_total'):.0f} retried; replica {rebuilt['index']} "
@@ -168,6 +172,48 @@ def test_one_rank_replicas_serve_a_load_scale_up_survive_a_removed_node_and_scal
             assert _metric(client, "ditmesh_scale_downs_total") == 1
             assert client.post("/generate", json=BODIES[0]).status_code == 200
 
+
+
+def test_no_node_left_answers_503_within_the_unavailable_timeout_and_a_node_joining_brings_the_service_back(cluster):
+    c = cluster
+    timeout = 4
+    with running_server(*SMALL, "--ray", c.address, "--unavailable-timeout", str(timeout), ready_s=300) as (base, _):
+        with httpx.Client(base_url=base, timeout=120) as client:
+            before = client.post("/generate", json=BODIES[0])
+            assert before.status_code == 200, before.text
+            node = _health(client)["replicas"][0]["node"]
+            # the replica's node loses its raylet (SIGKILL), every other worker node leaves: no node can host it
+            t0 = time.time()
+            c.kill_raylet(node)
+            for other in [n.node_id for n in c.cluster.worker_nodes if n.node_id != node]:
+                c.remove_node(other)
+            job = client.post("/jobs", json={"prompt": "sent into the void"}).json()["id"]
+            event, data = _progress_then(client, job, 99, lambda: None)
+            waited = time.time() - t0
+            # found dead by Ray's health checks (about 5 s here), then at most --unavailable-timeout and a look
+            assert event == "error" and data["status"] == 503, data
+            assert waited < 5 + 20 + timeout + 5, waited
+            assert data["message"].startswith("no replica has been able to serve for "), data
+            assert "replica 0 restarting, waiting for a node of the Ray cluster with room for 1 x" in data["message"]
+            assert "its node died or left the cluster" in data["message"] or "died" in data["message"], data
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unavailable", health.text
+            assert "waiting for a node" in health.json()["reason"], health.json()
+            sent = time.time()
+            late = client.post("/generate", json=BODIES[0])  # answered at once now
+            assert late.status_code == 503 and time.time() - sent < 2, late.text
+            assert late.json()["error"]["message"].startswith("no replica has been able to serve for ")
+            print(f"\nray: no node left: a request answered 503 {waited:.1f} s after the raylet was killed: "
+                  f"{data['message']}")
+            # a node joins: the replica is rebuilt there and serves the same pixels
+            joined = c.add_node().node_id
+            _wait("the rebuilt replica", lambda: client.get("/health").status_code == 200, 300)
+            rebuilt = _health(client)["replicas"][0]
+            assert rebuilt["node"] == joined and rebuilt["restarts"] == 1, rebuilt
+            after = client.post("/generate", json=BODIES[0])
+            assert after.status_code == 200, after.text
+            assert _pixels(decode(after.json()["images"][0]["b64"])) == _pixels(decode(before.json()["images"][0]["b64"]))
+            assert _metric(client, 'ditmesh_requests_total{outcome="unavailable"}') == 2
 
 
 class _HeldReplica:

@@ -295,5 +295,10 @@ class PinnedRayCluster:
         node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
         self.cluster.remove_node(node, allow_graceful=False)
 
+    def kill_raylet(self, node_id: str) -> None:
+        """Kill the raylet of the worker node ``node_id`` (SIGKILL): its workers follow it, the cluster's health
+        checks find the node dead; the node's other processes are removed with it (``remove_node``) at the end."""
+        next(n for n in self.cluster.worker_nodes if n.node_id == node_id).kill_raylet()
+
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -7,6 +7,11 @@ by the pipeline, or the fault of its replica), or by a cancellation while it sti
 A replica that fails (a rank died, hung or stopped; on a Ray cluster also its node) while it holds a job: the job is
 run again once, at the head of the queue, if no step of it had finished (its client has seen no progress); else it
 is answered 500 naming the fault. A job is retried at most once, so a request that keeps killing replicas fails.
+
+No replica able to serve (each failed, restarting, or on a Ray cluster waiting for a node with room) for longer than
+``unavailable_timeout_s``: every waiting job is answered 503 naming each replica's state and last fault, and so is
+every new one at once, until a replica serves again (``/health`` says why meanwhile). A request never waits longer
+than that bound for a replica that may never come back.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from .requests import BadRequest, Limits, native_options, openai_options, parse_
 
 #: upper bounds of the latency histogram (seconds, from arrival to answer)
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: how often the watchdog looks whether some replica can serve (seconds)
+WATCH_S = 0.25
 #: how long a finished job's result stays available to ``GET /jobs/<id>`` (the web page reads it once)
 KEEP_FINISHED = 64
 #: the outcomes of ``ditmesh_requests_total`` that ``ditmesh_failures_total`` adds up: the service's, not the client's
@@ -71,7 +78,8 @@ class Service:
     """The queue, the replicas and their dispatchers, and the numbers ``/metrics`` shows."""
 
     def __init__(self, replicas: list[Replica], limits: Limits, defaults, adapter=None, queue_size: int = 64,
-                 restart_delay_s: float = 1.0, restart_attempts: int = 3, max_batch: int = 1):
+                 restart_delay_s: float = 1.0, restart_attempts: int = 3, max_batch: int = 1,
+                 unavailable_timeout_s: float = 60.0):
         self.replicas = replicas
         self.limits = limits
         self.defaults = defaults
@@ -88,7 +96,14 @@ class Service:
         #: many pictures
         self.max_batch = max_batch
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
+        #: the start-up measurement behind ``max_batch`` (``server.batch_policy``), for /metrics; None without one
+        self.batching: dict | None = None
         self.last_restart_error = ""
+        #: no replica able to serve for longer than this: waiting and new jobs are answered 503 (module docstring)
+        self.unavailable_timeout_s = unavailable_timeout_s
+        self.unavailable_since: float | None = None  # since when no replica is ready or busy (the watchdog's)
+        self.refusing = False  # past unavailable_timeout_s without a replica (said once in the log)
+        self.faults: dict[int, str] = {}  # replica index -> its last fault or failed restart, for the 503 and /health
         self.stopping = threading.Event()
         self.retired: set[int] = set()  # replicas taken out of service (scaled down): their dispatchers leave
         self.counts = collections.Counter()  # images, failures by kind, restarts, requests
@@ -99,10 +114,12 @@ class Service:
         self.encoders = ThreadPoolExecutor(max(2, len(replicas)), thread_name_prefix="encode")
         self.threads = [threading.Thread(target=self._dispatch, args=(r,), daemon=True, name=f"dispatch-{r.index}")
                         for r in replicas]
+        self.watchdog = threading.Thread(target=self._watch, daemon=True, name="watchdog")
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
+        self.watchdog.start()
 
     def shutdown(self, reason: str) -> int:
         """Take no more jobs and answer every waiting and running one 503, naming it (the server stops because of
@@ -125,8 +142,9 @@ class Service:
         Returns (replica, rank, pid, exit code) of each rank that was running."""
         self.stopping.set()
         stopped = [(r.index, *rank) for r in self.replicas for rank in r.close()]
-        for t in self.threads:
-            t.join(timeout=5)
+        for t in [*self.threads, self.watchdog]:
+            if t.is_alive():
+                t.join(timeout=5)
         self.encoders.shutdown(wait=True, cancel_futures=True)
         return stopped
 
@@ -139,6 +157,9 @@ class Service:
             return job
         if self._all_down():
             self._finish(job, "failed", error=(503, self._down_message()))
+            return job
+        if self._unavailable_for(time.time()) > self.unavailable_timeout_s and not self._serving():
+            self._finish(job, "failed", error=(503, self._unavailable_message(time.time())))
             return job
         with self.lock:
             self.jobs[job.id] = job
@@ -213,6 +234,7 @@ class Service:
                     replica.check()
                 except RankFault as exc:
                     self.counts["faults"] += 1
+                    self.faults[replica.index] = str(exc)
                     if not self.stopping.is_set():
                         log(f"replica {replica.index}: rank fault while idle: {exc}; restarting the replica")
                 continue
@@ -271,6 +293,7 @@ class Service:
             return fail("failed", (422, f"the pipeline refused the request: {exc}"))
         except RankFault as exc:
             self.counts["faults"] += 1
+            self.faults[replica.index] = str(exc)
             retried, failed = [], []
             for member in batch:
                 if member.step == 0 and not member.retried and not member.future.done():
@@ -339,7 +362,7 @@ class Service:
             self.failed_restarts[replica.index] = 0
             log(f"replica {replica.index}: restarted in {time.perf_counter() - start:.1f} s")
         except RankFault as exc:
-            self.last_restart_error = str(exc)
+            self.last_restart_error = self.faults[replica.index] = str(exc)
             self.failed_restarts[replica.index] += 1
             failed = self.failed_restarts[replica.index]
             if failed >= self.restart_attempts:
@@ -363,22 +386,74 @@ class Service:
         return (f"no replica is running: each failed {self.restart_attempts} restarts in a row (last: "
                 f"{self.last_restart_error}); restart the server once the cause is fixed")
 
-    def _fail_waiting(self) -> None:
-        """Answer every queued job 503 (every replica is down)."""
+    def _fail_waiting(self, message: str | None = None) -> None:
+        """Answer every queued job 503 with ``message`` (default: every replica is down)."""
         while True:
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
                 return
-            self._finish(job, "failed", error=(503, self._down_message()))
+            self._finish(job, "failed", error=(503, message or self._down_message()))
+
+    def _serving(self) -> bool:
+        """Whether some replica in service can take or is running a job."""
+        return any(r.state in ("ready", "busy") for r in list(self.replicas) if r.index not in self.retired)
+
+    def _unavailable_for(self, now: float) -> float:
+        """Seconds since no replica could serve (0 while one can)."""
+        since = self.unavailable_since
+        return 0.0 if since is None else now - since
+
+    def _replicas_why(self) -> str:
+        """Each replica in service: its state, what it waits for, its last fault."""
+        why = []
+        for r in list(self.replicas):
+            if r.index in self.retired:
+                continue
+            waiting = getattr(r, "waiting", None)  # a Ray replica waiting for a node with room
+            fault = self.faults.get(r.index)
+            why.append(f"replica {r.index} {r.state}" + (f", {waiting}" if waiting else "")
+                       + (f", after: {fault}" if fault else ""))
+        return "; ".join(why)
+
+    def _unavailable_why(self, now: float) -> str:
+        return (f"no replica has been able to serve for {self._unavailable_for(now):.0f} s (more than "
+                f"--unavailable-timeout {self.unavailable_timeout_s:g} s): {self._replicas_why()}")
+
+    def _unavailable_message(self, now: float) -> str:
+        return f"{self._unavailable_why(now)}; the request was not run: send it again once /health says ok"
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(WATCH_S):
+            self._check_unavailable(time.time())
+
+    def _check_unavailable(self, now: float) -> None:
+        """The watchdog's look (every :data:`WATCH_S`): note since when no replica can serve, and past
+        ``unavailable_timeout_s`` answer every waiting job 503."""
+        if self._serving():
+            if self.refusing:
+                log(f"a replica serves again after {now - self.unavailable_since:.1f} s without one")
+            self.unavailable_since, self.refusing = None, False
+            return
+        if self.unavailable_since is None:
+            self.unavailable_since = now
+        if self._unavailable_for(now) > self.unavailable_timeout_s:
+            if not self.refusing:
+                self.refusing = True
+                log(f"{self._unavailable_why(now)}; waiting and new requests are answered 503 until one serves again")
+            if self.queue.qsize():
+                self._fail_waiting(self._unavailable_message(now))
 
     # -- what the routes show ----------------------------------------------------------------------------------
     def health(self) -> dict:
         states = [r.state for r in self.replicas]
         status = "ok" if any(s in ("ready", "busy") for s in states) else "unavailable"
-        return {"status": status, "queue": self.queue.qsize(),
+        why = {} if status == "ok" else {"unavailable_s": round(self._unavailable_for(time.time()), 1),
+                                         "reason": self._replicas_why()}
+        return {"status": status, **why, "queue": self.queue.qsize(),
                 "replicas": [{"index": r.index, "state": r.state, "ranks": r.world, "pids": r.pids(),
-                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s}
+                              "restarts": r.restarts, "served": r.served, "load_s": r.load_s, "warm_s": r.warm_s,
+                              "batching": getattr(r, "batching", None)}
                              for r in self.replicas]}
 
     def metrics(self) -> str:
@@ -393,6 +468,12 @@ class Service:
             "# TYPE ditmesh_down_replicas gauge", f"ditmesh_down_replicas {sum(r.state == 'down' for r in self.replicas)}",
             "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
             f"ditmesh_images_total {c['images']}",
+            "# HELP ditmesh_max_batch Most pictures one call runs (--max-batch as the start-up measurement decided).",
+            "# TYPE ditmesh_max_batch gauge", f"ditmesh_max_batch {self.max_batch}",
+            *(["# HELP ditmesh_batch_step_seconds One step's seconds at start-up by batch size (the first replica's "
+               "rank 0).", "# TYPE ditmesh_batch_step_seconds gauge"]
+              + [f'ditmesh_batch_step_seconds{{size="{size}"}} {seconds}'
+                 for size, seconds in self.batching["seconds"].items()] if self.batching else []),
             "# HELP ditmesh_batched_requests_total Requests that shared a pipeline call with others.",
             "# TYPE ditmesh_batched_requests_total counter", f"ditmesh_batched_requests_total {c['batched']}",
             "# HELP ditmesh_requests_total Requests answered, by outcome.", "# TYPE ditmesh_requests_total counter",

@@ -54,9 +54,18 @@ def add_serve_parser(sub) -> None:
                             "--load-timeout)")
     group.add_argument("--load-timeout", type=_finite_float, default=1800.0, metavar="S",
                        help="seconds a replica may take to load, compile and warm up (default 1800)")
+    group.add_argument("--unavailable-timeout", type=_finite_float, default=60.0, metavar="S",
+                       help="no replica able to serve for S seconds (each failed, restarting, or on a Ray cluster "
+                            "waiting for a node with room): waiting and new requests are answered 503 naming why, "
+                            "until one serves again (default 60)")
     group.add_argument("--max-batch", type=_positive_int, default=1, metavar="N",
                        help="waiting requests that differ only in prompt and seed (one picture each) run as one "
                             "pipeline call of up to N pictures (default 1: one request per call)")
+    group.add_argument("--batching", choices=("auto", "always"), default="auto",
+                       help="with --max-batch N > 1: every batch shape (1 to N pictures) is warmed up before the "
+                            "service is ready and timed; auto (default) batches only up to the size whose picture "
+                            "came out cheapest, and not at all where no batch beat one picture a call; always: up "
+                            "to N whatever the measurement (said in the start-up line and /metrics)")
     group.add_argument("--prompt-cache", type=_non_negative_int, default=16, metavar="N",
                        help="text encodings of the last N distinct prompts kept on the ranks: a prompt sent again is "
                             "not encoded again (default 16; 0: none)")
@@ -75,7 +84,8 @@ def run_serve(args) -> int:
     from ..runtime.models import read_adapter, read_defaults, read_family_facts
     from .requests import Limits
 
-    for flag, value, example in (("--step-timeout", args.step_timeout, 60), ("--load-timeout", args.load_timeout, 1800)):
+    for flag, value, example in (("--step-timeout", args.step_timeout, 60), ("--load-timeout", args.load_timeout, 1800),
+                                 ("--unavailable-timeout", args.unavailable_timeout, 60)):
         if not value > 0:
             raise ConfigError(f"{flag} {value} must be > 0 seconds (e.g. {example})")
     if not 0 <= args.port < 65536:

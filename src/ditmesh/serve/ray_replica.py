@@ -14,6 +14,9 @@ timeouts and the fault messages are its own:
 
 Every (re)start makes a fresh placement group and fresh actors (the old ones are killed, their group removed), so
 a rebuilt replica lands on whichever node has room, and nothing of a dead group's traffic reaches the new one.
+A first start waits up to ``load_timeout`` for a node with room; a restart waits for one however long it takes (no
+node left: until one joins), saying what it waits for in ``waiting`` (the service's 503 and ``/health`` show it,
+and answer the requests meanwhile within ``--unavailable-timeout``), until the replica is closed.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import threading
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .replica import POLL_S, RankFault, RankState, Replica
 
 #: how long one poll of a rank's events waits for the first one (the heartbeat comes every second)
 EVENTS_WAIT_S = 0.5
+#: how often a replica waiting for a node with room looks again (and whether it was closed meanwhile), in seconds
+PLACE_POLL_S = 0.25
 #: methods of a rank actor that may run at once: start, take_events, submit and cancel (the rank's own work runs
 #: in a thread of its own)
 ACTOR_CONCURRENCY = 4
@@ -144,6 +149,14 @@ class _Cancel:
         pass
 
 
+def _placed(group) -> bool:
+    """Whether the cluster's control store says ``group`` is placed (False while it cannot be asked)."""
+    try:
+        return placement_group_table(group).get("state") == "CREATED"
+    except Exception:  # noqa: BLE001  (the GCS unreachable for a moment: ask again)
+        return False
+
+
 def death_cause(exc: BaseException) -> str:
     """One line of why Ray says an actor died (its node, its process), from ActorDiedError's message."""
     text = " ".join(str(exc).split())
@@ -170,6 +183,17 @@ class RayReplica(Replica):
         self._group = None
         self._pollers: list[threading.Thread] = []
         self._polling = threading.Event()
+        #: what the replica waits for while no node has room for it (None when it does not wait)
+        self.waiting: str | None = None
+        self._wait_for_room = False  # a restart waits for room however long it takes
+
+    def restart(self) -> None:
+        """Rebuild the group: a fresh placement group wherever a node has room, waiting until one has."""
+        self._wait_for_room = True
+        try:
+            super().restart()
+        finally:
+            self._wait_for_room = False
 
     def _launch(self) -> None:
         """Place the group, start one actor per rank in it, join them into one process group and start the
@@ -177,13 +201,7 @@ class RayReplica(Replica):
         group = placement_group([dict(self.bundle) for _ in range(self.world)], strategy="STRICT_PACK",
                                 name=f"ditmesh-replica-{self.index}-{time.time_ns()}")
         self._group = group
-        try:
-            ray.get(group.ready(), timeout=self.load_timeout)
-        except ray.exceptions.GetTimeoutError:
-            self.stop()
-            self.state = "failed"
-            raise RankFault(f"replica {self.index} could not be placed within {self.load_timeout:g} s: no node has "
-                            f"{self.world} x {self.bundle} free (free now: {ray.available_resources()})") from None
+        self._await_room(group)
         cls = rank_actor_class()
         actors = [cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r),
                               num_cpus=self.bundle.get("CPU", 0), num_gpus=self.bundle.get("GPU", 0),
@@ -213,6 +231,46 @@ class RayReplica(Replica):
                          for rank, r in enumerate(self.ranks)]
         for t in self._pollers:
             t.start()
+
+    def _await_room(self, group) -> None:
+        """Wait until ``group`` is placed: up to ``load_timeout`` on a first start, for ever on a restart
+        (``waiting`` says why meanwhile); RankFault when it times out or the replica is closed. The group's state is
+        read from the cluster's control store (GCS) rather than through ``group.ready()``, a task, which this
+        process's own Ray node would have to run."""
+        start = time.time()
+        try:
+            while not _placed(group):
+                time.sleep(PLACE_POLL_S)
+                if self.closing:
+                    raise RankFault(f"replica {self.index} was stopped while it waited for a node with room")
+                if not self._wait_for_room and time.time() - start > self.load_timeout:
+                    raise RankFault(f"replica {self.index} could not be placed within {self.load_timeout:g} s: "
+                                    f"{self._room_wanted()}")
+                if self.waiting is None or int(time.time() - start) % 10 == 0:
+                    self.waiting = self._room_wanted()
+        except RankFault:
+            self.stop()
+            self.state = "failed"
+            raise
+        finally:
+            self.waiting = None
+
+    def _room_wanted(self) -> str:
+        """What a replica waiting to be placed waits for, the nodes the cluster has, and whether this process's
+        own Ray node (the front door's) is among them."""
+        try:
+            everything = ray.nodes()
+            here = ray.get_runtime_context().get_node_id()
+        except Exception as exc:  # noqa: BLE001  (the cluster's GCS unreachable)
+            return f"waiting for a node of the Ray cluster with room for {self.world} x {self.bundle} ({exc})"
+        nodes = [n for n in everything if n.get("Alive")]
+        sizes = ", ".join(f"{n['NodeManagerAddress']} {n['Resources'].get('GPU', 0):g} GPU / "
+                          f"{n['Resources'].get('CPU', 0):g} CPU" for n in nodes)
+        lost = "" if any(n["NodeID"] == here for n in nodes) else (
+            f"; the front door's own Ray node {here[:12]} is dead too: replicas cannot hand it their pictures (Ray "
+            f"keeps large ones in a node's object store), restart the front door on a live node")
+        return (f"waiting for a node of the Ray cluster with room for {self.world} x {self.bundle} (alive nodes: "
+                f"{sizes or 'none'}){lost}")
 
     @staticmethod
     def _poll(rank: _ActorRank, events: queue.Queue, stopped: threading.Event) -> None:

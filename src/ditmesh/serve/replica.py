@@ -72,6 +72,7 @@ class Replica:
         self.state = "stopped"  # starting, ready, busy, restarting, failed, down (given up by the service)
         self.load_s: list[float] = []
         self.warm_s: dict[str, float] = {}
+        self.batching: dict | None = None
         self._in_request = False  # between sending a request and its answer
         self._requests = self._events = self._cancel = None  # the channels of the running group
         self.closing = False  # the server stops: no (re)start
@@ -142,6 +143,8 @@ class Replica:
                 ready[event[1]] = event[2:]
         self.load_s = [ready[r][0] for r in range(self.world)]
         self.warm_s = ready[0][1]  # rank 0's seconds per warmed-up size
+        #: rank 0's start-up measurement of the batch shapes (worker._measure_batching), None without --max-batch
+        self.batching = ready[0][2] if len(ready[0]) > 2 else None
         self.state = "ready"
 
     def stop(self) -> list[tuple[int, int, int | None]]:

@@ -64,13 +64,17 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
         for r in replicas:
             r.close()
         raise LaunchError(errors[0])
+    max_batch, batching = batch_policy(args.max_batch, args.batching, [r.batching for r in replicas])
     service = service_class(replicas, limits, args, adapter, queue_size=args.queue_size,
-                            restart_attempts=args.restart_attempts, max_batch=args.max_batch)
+                            restart_attempts=args.restart_attempts, max_batch=max_batch,
+                            unavailable_timeout_s=args.unavailable_timeout)
+    service.batching = batching
     service.start()
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
           f"on {world} process(es); ready {timeline().now():.1f} s after launch, {time.perf_counter() - t0:.1f} s of "
-          f"it after the checks)", file=sys.stderr, flush=True)
+          f"it after the checks)" + (f"; {describe_batching(max_batch, batching)}" if batching else ""),
+          file=sys.stderr, flush=True)
     server = _Server(service, uvicorn.Config(create_app(service, args.token), log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=5))
     try:
@@ -81,6 +85,27 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
         _ignore_signals()
         _say_stopped(service.stop(), f"on {server.reason}" if server.reason else "")
     return 0
+
+
+def batch_policy(max_batch: int, policy: str, measured: list) -> tuple[int, dict | None]:
+    """The batch size the service uses from ``--max-batch``, ``--batching`` and each replica's start-up
+    measurement (``worker._measure_batching``: seconds of one step by batch size, and the size it would use):
+    ``always``: ``max_batch``; ``auto``: the smallest size any replica would use (1: no batching). Returns it and
+    the measurement the start-up line and /metrics show (the first replica's, with ``policy``), None without one."""
+    measured = [m for m in measured if m]
+    if max_batch <= 1 or not measured:
+        return 1, None
+    use = max_batch if policy == "always" else min(m["use"] for m in measured)
+    return use, dict(measured[0], policy=policy)
+
+
+def describe_batching(used: int, batching: dict) -> str:
+    """The start-up line's word on batching: what is used and the measurement it comes from."""
+    per = ", ".join(f"{int(size)}: {seconds / int(size):.3g} s" for size, seconds in batching["seconds"].items())
+    what = f"batching up to {used} pictures a call" if used > 1 else "batching off"
+    why = "as asked (--batching always)" if batching["policy"] == "always" else (
+        "a batch makes the cheapest picture" if used > 1 else "no batch made a picture cheaper")
+    return f"{what}: {why} (one step, seconds a picture by batch size: {per})"
 
 
 def stop_on_signals() -> None:

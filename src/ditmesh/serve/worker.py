@@ -21,6 +21,10 @@ import traceback
 
 #: how often an idle group meets (seconds); also the heartbeat period
 IDLE_TICK_S = 1.0
+#: timed calls of each batch shape at start-up (the fastest counts)
+BATCH_REPEATS = 2
+#: batching is used only where it makes a picture at least this much cheaper than one picture a call
+BATCH_GAIN = 0.05
 
 
 def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict | None, requests, events,
@@ -133,9 +137,36 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
         warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device), 3)
-    events.put(("ready", rank, round(loaded.load_s, 3), warmed))
+    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
+    events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
             "switch": switch, "prompt_cache": cache}
+
+
+def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
+    """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
+    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
+    nothing new is built inside a request), then one step of each is timed (the fastest of
+    :data:`BATCH_REPEATS`). Returns the seconds per call by batch size and ``use``: the batch size with the
+    cheapest picture, where it is at least :data:`BATCH_GAIN` cheaper than one picture a call, else 1 (batching
+    would not raise throughput here). Every rank runs the same calls (their collectives); rank 0's numbers count."""
+    if max_batch <= 1:
+        return None
+    import torch
+
+    from ..runtime.generate import _call_kwargs, warm_up_call
+
+    seconds = {}
+    for size in range(1, max_batch + 1):
+        batch = argparse.Namespace(**{**vars(args), "prompt": [args.prompt[0]] * size})
+        call = _call_kwargs(pipe, batch, defaults)
+        if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
+            call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
+            warm_up_call(pipe, call, device)
+        seconds[size] = min(warm_up_call(pipe, call, device) for _ in range(BATCH_REPEATS))
+    best = min(seconds, key=lambda size: seconds[size] / size)
+    use = best if seconds[best] / best <= (1 - BATCH_GAIN) * seconds[1] else 1
+    return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
 
 
 def _lora_switch(pipe, loras):
