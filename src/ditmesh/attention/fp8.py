@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from .int8 import smooth_keys  # the int8 attention's smoothing, the same for both
+
 #: e4m3's largest finite value
 FP8_MAX = 448.0
 #: P (in [0, 1]) is multiplied by this before its rounding to fp8, and the product divided by it after
@@ -53,11 +55,6 @@ def _check(q: torch.Tensor, mask) -> None:
     if d % 16 or d > MAX_HEAD_DIM:
         raise NotImplementedError(f"attention=fp8 takes head dims that are multiples of 16 up to {MAX_HEAD_DIM}, "
                                   f"and this model's are {d}; use the default attention for it")
-
-
-def smooth_keys(k: torch.Tensor) -> torch.Tensor:
-    """``k`` ``[B, S, H, D]`` minus its mean over the keys (per sample, head and channel), in float32."""
-    return k.float() - k.double().mean(dim=1, keepdim=True).float()
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:

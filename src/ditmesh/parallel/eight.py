@@ -47,6 +47,8 @@ class EightBitAttention:
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
                  chunks: QueryChunks | None = None, group=None):
         self.attention, self.group = attention, group
+        #: the fp8 modes reduce their scales over ``group``: every rank must call them once per attention
+        self.reduces = attention.startswith("fp8")
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
         self.calls = {"8-bit": 0, "exact": 0}
@@ -71,7 +73,7 @@ class EightBitAttention:
             return dispatched_attention(q, k, v, mask, self.backend, self.chunks)
         self._count("8-bit")
         kernel = self.KERNELS[self.attention]
-        if self.attention.startswith("fp8"):
+        if self.reduces:
             return kernel(q, k, v, mask=mask, group=self.group, pieces=self.chunks)
         return in_query_chunks(lambda q, k, v, m: kernel(q, k, v, mask=m), q, k, v, mask, self.chunks)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..attention.fp8 import MIN_KEYS as FP8_MIN_KEYS
 from ..comm import split_sizes
 from ..config import AXIS_ORDER, PP_CHUNK_BYTES, ParallelConfig
 from ..options import quant_layer_mode
@@ -275,7 +276,6 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
 
     # ---- compute -----------------------------------------------------------------------------------
     fp8_attention = workload.attention == "fp8"
-    fp8_min_keys = 8192  # attention.fp8.MIN_KEYS (the planner imports no torch-side attention module)
 
     def stage_compute(stage, patches: int = patches) -> float:
         """GPU seconds of the GEMMs, attention and memory-bound traffic of one call over the whole sequence on one
@@ -303,7 +303,7 @@ def predict(config: ParallelConfig, stats: ModelStats, hw: Hardware, workload: W
             ringed = att.self_attention and ringed_rounds
             per_kernel = chunk / (config.ring if ringed else 1) / patches
             eff = cal.ring_attention_efficiency if ringed else cal.attention_efficiency
-            if fp8_attention and att.self_attention and att.kv_len >= fp8_min_keys:
+            if fp8_attention and att.self_attention and att.kv_len >= FP8_MIN_KEYS:
                 eff *= cal.fp8_attention_speedup
             attn_s += chunk / (rate * eff * gemm_eff(per_kernel))
         traffic = ((stats.mem_bytes_sharded / tp + stats.mem_bytes_replicated) * token_frac * samples
