@@ -10,6 +10,11 @@
 #            without diffusers' rows (--no-diffusers: the flux part measured them)
 #   wan      `ditmesh bench` Wan2.1-14B architecture 480x832x81, one GPU, compile + CUDA graphs, ditmesh's rows with the
 #            default and the fp8 attention (--no-diffusers)
+#   lin      `ditmesh bench` as flux with --quant off,fp8 through ditmesh's own fp8 layer (QUANT_BACKEND, default
+#            scaled-mm) beside diffusers' rows and the torchao recipe (peer row torchao-fp8), every row profiled, each
+#            row's first call (compile + capture) in its own column
+#   fused    the fp8 row again with fused Q/K/V (--fuse-qkv), profiled
+#   qtests   tests/gpu/test_quant_gpu.py (the 8-bit linears against their float32 emulation)
 #   tests    tests/gpu/test_attention_fp8_gpu.py and tests/gpu/test_attention8_gpu.py (kernels against emulations,
 #            compile and CUDA graphs)
 # Before the call, once: bash scripts/gpu_issue32.sh --prepare COMMIT (the baseline tree in .old; carry .old, .whl).
@@ -41,6 +46,18 @@ fi
 if want quant 200; then
   timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 --attention default,fp8 \
     --methods ulysses --no-diffusers --row-timeout 280 --out "$OUT/flux-quant.json"
+fi
+if want lin 250; then  # fp8 linears by ditmesh's own layer beside bf16, diffusers and the torchao recipe, profiled
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --methods torchao-fp8 --quant off,fp8 \
+    --quant-backend ${QUANT_BACKEND:-scaled-mm} --profile --row-timeout 200 --out "$OUT/flux-fp8-linears.json"
+fi
+if want fused 90; then  # the same fp8 row with fused Q/K/V (one activation rounding, one wider product)
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 --fuse-qkv --no-diffusers \
+    --methods ulysses --quant-backend ${QUANT_BACKEND:-scaled-mm} --profile --row-timeout 150 \
+    --out "$OUT/flux-fp8-fused.json"
+fi
+if want qtests 40; then
+  timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py 2>&1 | tail -8
 fi
 if want tests 60; then
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider -x \

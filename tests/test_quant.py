@@ -211,3 +211,31 @@ def test_quant_refuses_unfused_lora(tmp_path):
     with pytest.raises(ConfigError, match="quant=fp8 with unfused LoRA adapters: add fuse_lora"):
         RunOptions.create(quant="fp8", loras=[str(lora)])
     assert RunOptions.create(quant="fp8", loras=[str(lora)], fuse_lora=True).quant == "fp8"
+
+
+def test_fused_qkv_is_quantized_once_and_matches_the_separate_projections(flux_tiny):
+    """``fuse_qkv`` with ``quant``: the fused linear is the quantized one (one activation rounding, one product), the
+    separate projections it replaced hold no weight (their model-dtype rows would otherwise stay alive), and the
+    result is the separate projections' quantized result: per-row weight scales and per-token activation scales do
+    not change when rows are stacked."""
+    from diffusers import FluxPipeline
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.parallel.quant import QuantLinear
+
+    outs = {}
+    for fused in (False, True):
+        pipe = FluxPipeline.from_pretrained(flux_tiny, dtype=torch.float32)
+        parallelize(pipe, ParallelConfig(), quant="fp8", quant_backend="emulated", fuse_qkv=fused)
+        attn = pipe.transformer.transformer_blocks[0].attn
+        if fused:
+            assert isinstance(attn.to_qkv, QuantLinear) and isinstance(attn.to_added_qkv, QuantLinear)
+            assert all(getattr(attn, p).weight.numel() == 0 for p in ("to_q", "to_k", "add_q_proj", "add_v_proj"))
+            single = pipe.transformer.single_transformer_blocks[0].attn
+            assert isinstance(single.to_qkv, QuantLinear) and single.to_q.weight.numel() == 0
+        else:
+            assert isinstance(attn.to_q, QuantLinear) and not hasattr(attn, "to_qkv")
+        outs[fused] = pipe(**FLUX_CALL, num_inference_steps=2, output_type="latent",
+                           generator=torch.Generator().manual_seed(0)).images
+    err = rel_err(outs[True], outs[False])
+    assert err <= 1e-5, err

@@ -76,6 +76,15 @@ def fuse_qkv(model: torch.nn.Module, adapter: ModelAdapter) -> list:
     return [undo] if fused else []
 
 
+def fused_parts(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The separate linears of ``module``'s fused projections (views of a fused linear's rows: the fused path does not
+    call them), none when it is not fused."""
+    if not getattr(module, "fused_projections", False):
+        return []
+    return [getattr(module, p) for parts, fused_name in _GROUPS
+            if isinstance(getattr(module, fused_name, None), torch.nn.Module) for p in parts]
+
+
 @torch.no_grad()
 def _own_parameters(linear: torch.nn.Linear) -> None:
     for name in ("weight", "bias"):

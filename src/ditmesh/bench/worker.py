@@ -60,7 +60,24 @@ def _timed(model, inputs, spec: dict, steps, device, row: dict) -> tuple[list[fl
                 torch.cuda.synchronize(device)
             if i >= spec["warmup"]:
                 times.append(time.perf_counter() - t0)
+            elif i == 0:  # the first call pays the compile and the CUDA graph capture (cold or warm caches)
+                row["first_call_s"] = round(time.perf_counter() - t0, 3)
     return times, out
+
+
+def _compile_stats(runtime) -> dict:
+    """What the row's compile cost this process: the graphs dynamo made (one per block class when nothing
+    recompiled), the AOT autograd / inductor cache misses (0 when the caches were warm), dynamo's and the backend's
+    seconds and, for ditmesh's rows, the CUDA graph capture (``runtime.generate.compile_breakdown``)."""
+    from torch._dynamo.utils import counters
+
+    stats = {"graphs": counters["stats"]["unique_graphs"],
+             "fx_cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
+    if runtime is not None:
+        from ..runtime.generate import compile_breakdown
+
+        stats.update(compile_breakdown(runtime))
+    return stats
 
 
 def _lora_layers(model) -> list:
@@ -209,6 +226,8 @@ def run_worker(spec: dict) -> None:
 
             compile_blocks(model, adapter)
         times, out = _timed(model, inputs, spec, _Steps, device, row)
+        if spec["compile"]:
+            row["compile"] = _compile_stats(runtime if ours else None)
     if "error" not in row and spec.get("profile") and device.type == "cuda":
         from ..profiling import profile_step
 

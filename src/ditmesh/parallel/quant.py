@@ -167,12 +167,18 @@ def targets(model: torch.nn.Module, adapter, mode: str, quantize_modulation: boo
                           "no block lists; use quant=off")
     from .tensor import lora_layer
 
+    from ..fusion import fused_parts
+
     blocks = {id(b) for b in adapter.block_modules(model)}
     out = {}
     for block_name, block in model.named_modules():
         if id(block) not in blocks:
             continue
+        # fused Q/K/V (``fuse_qkv``): the fused linear is quantized, its separate views are not called
+        views = {id(lin) for module in block.modules() for lin in fused_parts(module)}
         for name, module in block.named_modules():
+            if id(module) in views:
+                continue
             full = f"{block_name}.{name}"
             if lora_layer(module):
                 raise ConfigError(f"quant={mode}: {full} carries an unfused LoRA adapter; fuse it (fuse_lora) so the "
@@ -184,6 +190,23 @@ def targets(model: torch.nn.Module, adapter, mode: str, quantize_modulation: boo
                 if chosen is not None:
                     out[full] = (module, chosen)
     return out
+
+
+def _drop_fused_views(model: torch.nn.Module, adapter) -> int:
+    """Under fused Q/K/V the separate projections are views of the fused weight's rows: once that weight is
+    quantized they would keep its model-dtype storage alive, so their weights become empty (the fused path never
+    calls them). Returns how many were dropped."""
+    from ..fusion import fused_parts
+
+    count = 0
+    for block in adapter.block_modules(model):
+        for module in block.modules():
+            for linear in fused_parts(module):
+                linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+                linear.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.new_empty(0),
+                                                                                  requires_grad=False)
+                count += 1
+    return count
 
 
 def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -235,11 +258,13 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
 
         for layer, ids in by_mode.items():
             quantize_(model, _torchao_config(layer), filter_fn=lambda m, fqn, ids=ids: id(m) in ids)
+    dropped = _drop_fused_views(model, adapter)
     counts = {}
     for _, layer in chosen.values():
         counts[layer] = counts.get(layer, 0) + 1
-    log.info("ditmesh: quant=%s on %s: %s", mode, type(model).__name__,
-             ", ".join(f"{n} linears {m}" for m, n in sorted(counts.items())) or "no linear")
+    log.info("ditmesh: quant=%s on %s: %s%s", mode, type(model).__name__,
+             ", ".join(f"{n} linears {m}" for m, n in sorted(counts.items())) or "no linear",
+             f" ({dropped} fused Q/K/V views emptied)" if dropped else "")
     torchao_names = [name for name, (linear, layer) in chosen.items() if name not in replaced]
 
     def undo():
