@@ -15,6 +15,10 @@
 #            row's first call (compile + capture) in its own column
 #   fused    the fp8 row again with fused Q/K/V (--fuse-qkv), profiled
 #   qtests   tests/gpu/test_quant_gpu.py (the 8-bit linears against their float32 emulation)
+#   final    the issue's FLUX rows in one bench: diffusers eager and compiled, ditmesh bf16 and --quant fp8 (defaults)
+#   ablate   the fp8 row with DITMESH_FP8_FAST_ACCUM=0, then with DITMESH_FP8_TUNE=0
+#   wanq     Wan2.1-14B 480x832x81 exact, then --quant fp8 --attention fp8
+#   peer     (last) the torchao fp8 recipe on diffusers, with the time left for its cold compile
 #   tests    tests/gpu/test_attention_fp8_gpu.py and tests/gpu/test_attention8_gpu.py (kernels against emulations,
 #            compile and CUDA graphs)
 # Before the call, once: bash scripts/gpu_issue32.sh --prepare COMMIT (the baseline tree in .old; carry .old, .whl).
@@ -59,8 +63,29 @@ fi
 if want qtests 40; then
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_gpu.py 2>&1 | tail -8
 fi
+if want final 150; then  # the issue's FLUX table: diffusers eager (the error reference) and compiled, ditmesh bf16 and fp8
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant off,fp8 --profile \
+    --row-timeout 150 --out "$OUT/flux-final.json"
+fi
+if want ablate 70; then  # what the fp8 layer's fast accumulation and the rounding kernels' tuning each give
+  for knob in DITMESH_FP8_FAST_ACCUM DITMESH_FP8_TUNE; do
+    [ "$(left)" -gt 40 ] && env $knob=0 timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX \
+      --quant fp8 --no-diffusers --methods ulysses --row-timeout 90 --out "$OUT/flux-fp8-$knob-off.json" | tail -4
+  done
+fi
+WAN="--model wan2.1-14b --height 480 --width 832 --frames 81 --methods ulysses --gpus 1 --compile on --steps 2 --warmup 1"
+if want wanq 220; then  # Wan2.1-14B: exact, then the fp8 attention with fp8 linears
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $WAN --no-diffusers --row-timeout 150 \
+    --out "$OUT/wan-bf16.json" | tail -4
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $WAN --no-diffusers --quant fp8 \
+    --attention fp8 --row-timeout 200 --out "$OUT/wan-fp8.json" | tail -4
+fi
 if want tests 60; then
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider -x \
     tests/gpu/test_attention_fp8_gpu.py tests/gpu/test_attention8_gpu.py 2>&1 | tail -25
+fi
+if want peer 60; then  # the torchao recipe on diffusers (its cold compile: whatever time is left)
+  timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --methods torchao-fp8 --no-diffusers \
+    --no-cuda-graph --row-timeout $(( $(left) - 25 )) --out "$OUT/flux-torchao.json" | tail -4
 fi
 echo "issue44: done at ${SECONDS}s"

@@ -113,7 +113,8 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None, 
 
     The blocks are the adapter's ordered block lists; compiling blocks rather than the whole model keeps
     compile time to one graph per block type and leaves ditmesh's entry/exit hooks outside the graphs. With
-    the copy-engine transport, inductor's buffer reuse is off (``symm.COMPILE_OPTIONS``). ``artifacts``: the folder
+    the copy-engine transport, inductor's buffer reuse is off (``symm.COMPILE_OPTIONS``); with fp8 linears the
+    rounding kernels are tuned (``parallel.quant.COMPILE_OPTIONS``). ``artifacts``: the folder
     of this run's compiled blocks kept between processes, read (``artifact_mode`` ``load``) and written
     (``save``) by :mod:`ditmesh.aot`. Returns undo callables.
     """
@@ -123,7 +124,10 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None, 
     blocks = adapter.block_modules(model)
     hook = find_hook(model, "sequence")
     # the copy-engine transport returns views of persistent receive buffers: inductor must not reuse them
-    options = symm.COMPILE_OPTIONS if hook is not None and hook.sp.transport == "symm" else None
+    options = dict(symm.COMPILE_OPTIONS) if hook is not None and hook.sp.transport == "symm" else {}
+    # fp8 linears: the activations' rounding kernels tuned (parallel.quant.COMPILE_OPTIONS)
+    options.update(next((o for o in map(quantized.compile_options, blocks) if o), {}))
+    options = options or None
     per_class = aot.compilers(blocks, artifacts, artifact_mode, options) if artifacts and artifact_mode != "off" else {}
     inner, routed = [], []
     for block in blocks:

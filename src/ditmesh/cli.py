@@ -137,7 +137,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="debug: verify every rank sees identical timesteps, latents and text embeddings each step")
     add_quant_flags(parser)
     parser.add_argument("--quant-backend", default=None, metavar="NAME",
-                        help="with --quant, who does the 8-bit work: auto (default: torchao on CUDA), torchao, "
+                        help="with --quant, who does the 8-bit work: auto (default: on CUDA scaled-mm for fp8, torchao for the "
+                             "weight-only modes), torchao, "
                              "scaled-mm (ditmesh's own layer, torch._scaled_mm on plain tensors), emulated")
 
 

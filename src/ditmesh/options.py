@@ -55,8 +55,8 @@ def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, 
     return mode
 
 
-#: ``quant_backend``: who does the 8-bit work (``parallel.quant.apply``): ``auto`` (torchao on CUDA, else ditmesh's
-#: ``QuantLinear``), ``torchao``, ``scaled-mm`` (``QuantLinear`` everywhere, its fp8 products by ``torch._scaled_mm``
+#: ``quant_backend``: who does the 8-bit work (``parallel.quant.apply``): ``auto`` (on CUDA ``scaled-mm`` for fp8 and
+#: torchao for the weight-only modes, else ditmesh's ``QuantLinear``), ``torchao``, ``scaled-mm`` (``QuantLinear`` everywhere, its fp8 products by ``torch._scaled_mm``
 #: on plain tensors) or ``emulated`` (products in the activations' dtype)
 QUANT_BACKENDS = ("auto", "torchao", "scaled-mm", "emulated")
 

@@ -101,7 +101,8 @@ def add_bench_parser(sub) -> None:
                         "in 8 bits; default: kept by fp8-weight, quantized by the others), or a comma list of them "
                         "(off,fp8: each row twice, side by side). docs/quantization.md")
     b.add_argument("--quant-backend", default="auto", metavar="NAME",
-                   help="with --quant, who does the 8-bit work in ditmesh's rows: auto (torchao on CUDA), torchao, "
+                   help="with --quant, who does the 8-bit work in ditmesh's rows: auto (on CUDA scaled-mm for fp8, torchao for "
+                        "the weight-only modes), torchao, "
                         "scaled-mm (ditmesh's own layer, torch._scaled_mm on plain tensors), emulated")
     b.add_argument("--no-single", action="store_true",
                    help="skip the 1-GPU rows (diffusers eager and compiled, ditmesh's 1-GPU CUDA-graph row): for "

@@ -15,10 +15,12 @@ both). In ``fp8``, a text-stream linear of at least 8192 input features (FLUX's 
 rows a rank under ulysses 4) keeps fp8 weights with products in the activations' dtype: row-wise fp8 products of
 that shape have failed on H100 (pytorch/ao#4582), and the text stream's few rows make its time negligible.
 
-Where: on CUDA, torchao does the work (``torchao.quantization.quantize_`` with
-``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``, ``Float8WeightOnlyConfig``,
-``Int8WeightOnlyConfig``), except for the row-parallel linears of tensor parallelism. Those, and every layer on
-other devices, become a :class:`QuantLinear`: 8-bit weights and scales held, the rounding of the activations done
+Where (``backend``, ``auto`` by default): on CUDA, ``fp8`` linears become :class:`QuantLinear` s whose products run
+through ``torch._scaled_mm`` (compiled, the activation's rounding fuses into the kernel that produces it; torchao's
+fp8 tensor subclass gives the same step but compiled cold for minutes), and torchao does the weight-only modes
+(``torchao.quantization.quantize_`` with ``Float8WeightOnlyConfig``, ``Int8WeightOnlyConfig``; ``backend="torchao"``
+also for fp8, with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``), except for the row-parallel
+linears of tensor parallelism. Those, and every layer on other devices, become a :class:`QuantLinear`: 8-bit weights and scales held, the rounding of the activations done
 in float32 math (on CUDA the fp8 product by ``torch._scaled_mm``). The rounding is torchao's: scale = amax / 448
 (fp8) or amax / 127.5 (int8), divided in the tensor's dtype (bf16 on GPUs), values divided by the scale in float32,
 clamped and cast (int8: multiplied by the reciprocal, rounded to nearest even). tests/gpu/test_quant_gpu.py checks that torchao's 8-bit weights
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 
 import torch
@@ -52,6 +55,20 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 #: the smallest amax a scale is taken from (an all-zero row would give 0 / 0)
 TINY = 1e-12
+#: fp8 products by ``torch._scaled_mm`` accumulate in the tensor cores' fast mode (as torchao's inference default);
+#: ``DITMESH_FP8_FAST_ACCUM=0`` turns it off (what it buys: docs/quantization.md)
+FAST_ACCUM = os.environ.get("DITMESH_FP8_FAST_ACCUM", "1") != "0"
+#: inductor options for blocks holding fp8 linears: the kernels that round each activation row (its amax, a
+#: reduction over the row, fused with the norm or GELU before it) tuned by coordinate descent at compile time;
+#: ``DITMESH_FP8_TUNE=0`` turns it off
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True} if os.environ.get("DITMESH_FP8_TUNE", "1") != "0" else {}
+
+
+def compile_options(block: torch.nn.Module) -> dict:
+    """:data:`COMPILE_OPTIONS` when ``block`` holds an fp8 :class:`QuantLinear` running ``torch._scaled_mm``."""
+    if any(isinstance(m, QuantLinear) and m.mode == "fp8" and m.scaled_mm for m in block.modules()):
+        return dict(COMPILE_OPTIONS)
+    return {}
 
 
 # ---- the rounding (torchao's formulas, on any device) ---------------------------------------------------------
@@ -143,7 +160,8 @@ class QuantLinear(torch.nn.Module):
             if self.scaled_mm:
                 out = torch._scaled_mm(xq.reshape(-1, self.in_features), self.qweight.t(),
                                        scale_a=xs.reshape(-1, 1), scale_b=self.scale.reshape(1, -1),
-                                       out_dtype=x.dtype).reshape(*x.shape[:-1], self.out_features)
+                                       out_dtype=x.dtype, use_fast_accum=FAST_ACCUM,
+                                       ).reshape(*x.shape[:-1], self.out_features)
             else:
                 out = F.linear((xq.float() * xs).to(x.dtype), self.dequantized(x.dtype))
         else:
@@ -239,7 +257,9 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
         raise ConfigError(f"quant backend {backend!r} is not one of {', '.join(QUANT_BACKENDS)}")
     if model in _PREQUANTIZED:
         return _adopt(model, mode, device)
-    torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda")
+    # auto: torchao's tensors for the weight-only modes on CUDA; fp8 by ditmesh's own layer (torch._scaled_mm on
+    # plain tensors): the same step and a cold compile of 17 s instead of more than 200 s (docs/quantization.md)
+    torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda" and mode != "fp8")
     scaled_mm = torchao or (backend == "scaled-mm" and device.type == "cuda")
     chosen = targets(model, adapter, mode, quantize_modulation)
     replaced: dict[str, torch.nn.Module] = {}

@@ -145,14 +145,16 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
 
 def ran_options(options: RunOptions, device, world: int) -> dict:
     """The report's ``options``: as given, but the transport and the 8-bit backend as they ran here (``nccl`` names
-    the collective path, which is gloo on CPU; ``auto`` is torchao on CUDA and ditmesh's own layer elsewhere)."""
+    the collective path, which is gloo on CPU; ``auto`` is, on CUDA, ditmesh's own layer with ``torch._scaled_mm`` for
+    fp8 and torchao for the weight-only modes, and ditmesh's own layer elsewhere)."""
     out = options.as_dict()
     if device.type != "cuda" and out["transport"] == "nccl":
         out["transport"] = "gloo" if world > 1 else None
     if out["quant"] == "off":
         out["quant_backend"] = None
     elif out["quant_backend"] == "auto":
-        out["quant_backend"] = "torchao" if device.type == "cuda" else "ditmesh"
+        out["quant_backend"] = ("ditmesh" if device.type != "cuda" else "scaled-mm" if out["quant"].startswith("fp8:")
+                                or out["quant"] == "fp8" else "torchao")
     return out
 
 
