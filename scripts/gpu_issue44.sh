@@ -73,6 +73,10 @@ if want ablate 70; then  # what the fp8 layer's fast accumulation and the roundi
       --quant fp8 --no-diffusers --methods ulysses --row-timeout 90 --out "$OUT/flux-fp8-$knob-off.json" | tail -4
   done
 fi
+if want fix 100; then  # ditmesh's bf16 and fp8 rows again (after a fix), no diffusers rows
+  timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant off,fp8 --no-diffusers \
+    --methods ulysses --row-timeout 100 --out "$OUT/flux-fp8-fixed.json" | tail -5
+fi
 WAN="--model wan2.1-14b --height 480 --width 832 --frames 81 --methods ulysses --gpus 1 --compile on --steps 2 --warmup 1"
 if want wanq 220; then  # Wan2.1-14B: exact, then the fp8 attention with fp8 linears
   timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $WAN --no-diffusers --row-timeout 150 \

@@ -260,7 +260,7 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
     # auto: torchao's tensors for the weight-only modes on CUDA; fp8 by ditmesh's own layer (torch._scaled_mm on
     # plain tensors): the same step and a cold compile of 17 s instead of more than 200 s (docs/quantization.md)
     torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda" and mode != "fp8")
-    scaled_mm = torchao or (backend == "scaled-mm" and device.type == "cuda")
+    scaled_mm = backend != "emulated" and device.type == "cuda"  # fp8 products on the tensor cores
     chosen = targets(model, adapter, mode, quantize_modulation)
     replaced: dict[str, torch.nn.Module] = {}
     by_mode: dict[str, set] = {}
