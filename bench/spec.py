@@ -89,6 +89,23 @@ def split(r: dict, keys: tuple[str, ...]) -> str | None:
     return " / ".join(f"{dotted(b, k):.1f}" for k in keys)
 
 
+def fp8_linear_variant(r: dict) -> str:
+    """An fp8-linear row's name: diffusers' rows, the torchao recipe, ditmesh bf16, or ditmesh fp8 with its backend
+    and switches as the row's call ran them."""
+    if r["method"] == "torchao-fp8":
+        return "diffusers + torchao fp8 (the recipe without FA3)"
+    if not r.get("graph"):
+        return "diffusers compiled" if r.get("compiled") else "diffusers eager"
+    if not r.get("quant"):
+        return "ditmesh bf16"
+    name = r["_file"].rsplit("/", 1)[1]
+    extra = {"flux-fp8-linears.json": "scaled-mm, no fast accumulation", "flux-fp8-fused.json":
+             "scaled-mm, no fast accumulation, fused Q/K/V", "flux-final.json": "auto (bug: bf16 products)",
+             "flux-fp8-default.json": "auto = scaled-mm, fast accumulation (today's default)",
+             "flux-fp8-tuned.json": "scaled-mm, coordinate-descent tuning (DITMESH_FP8_TUNE=1), no fast accumulation"}
+    return f"ditmesh --quant fp8: {extra.get(name, r.get('quant_backend', 'auto'))}"
+
+
 def model_size(r: dict) -> str:
     d = r["_doc"]
     size = f"{d['height']}×{d['width']}" + (f"×{d['frames']}" if d.get("frames") else "")
@@ -579,6 +596,22 @@ TABLES = [
               "the fix of its recompiles (the 8-bit attention's call counter was traced as a static int, so every "
               "block recompiled until dynamo's limit and ran eager): it is not a measurement of the fp8 kernel. "
               "The Wan rows ran in a later call without diffusers' rows (`--no-diffusers`)"),
+    dict(name="fp8-linears-h200x1", doc="docs/quantization.md",
+         files=["2026-12-02_h200x1/fp8-linears/flux-fp8-linears.json", "2026-12-02_h200x1/fp8-linears/flux-fp8-fused.json",
+                "2026-12-02_h200x1/fp8-linears/flux-final.json", "2026-12-02_h200x1/fp8-linears/flux-fp8-default.json",
+                "2026-12-02_h200x1/fp8-linears/flux-fp8-tuned.json"],
+         columns=[("call", lambda r: {"flux-fp8-linears.json": 1, "flux-fp8-fused.json": 1, "flux-final.json": 2}.get(
+                      r["_file"].rsplit("/", 1)[1], 3)),
+                  ("row", fp8_linear_variant), ("step ms", "step_ms", ".1f"), ("peak GiB", "peak_gib_per_gpu", ".2f"),
+                  ("first call s", "first_call_s", ".1f"), ("GEMM ms", "breakdown.kernels_ms.gemm", ".1f"),
+                  ("attention ms", "breakdown.kernels_ms.attention", ".1f"),
+                  ("other ms", "breakdown.kernels_ms.other", ".1f"), ("note", note)],
+         note="FLUX.1-dev architecture (random weights) at 1024², one GPU, compiled (regional), ditmesh rows with CUDA "
+              "graphs, 3 timed steps after 1 warm-up; three consecutive calls on one machine (caches cold in call 1 "
+              "and 2, warm from call 2 in call 3). `first call s` is the first call's wall time (dynamo, inductor, "
+              "capture); the kernel columns are the profiler's (one step). Call 2's fp8 row ran the products in bf16 "
+              "after dequantizing (a bug of that commit's `auto` backend, fixed before call 3): not a measurement of "
+              "the fp8 path"),
     dict(name="ray-cpu-throughput", doc="docs/ray.md",
          files=["2026-11-28_cpu3/ray/throughput.json", "2026-11-28_cpu3/ray/throughput-8steps-128.json"],
          order=lambda r: (len(r["_doc"]["command"]), r["round"], r["nodes"]),

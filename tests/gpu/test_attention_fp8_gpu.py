@@ -37,10 +37,11 @@ def test_fp8_kernel_matches_its_emulation(dtype, batch, seq_q, seq_k, heads, dim
     out, lse = fp8_attention_lse(q, k, v)
     ref, ref_lse = emulated_attention_lse(q, k, v)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (batch, heads, seq_q)
-    # the kernel rounds P against its running maximum, the emulation against the final one, so a few outputs round
-    # to the neighbouring fp8 value (a wrong scale would be off by O(1))
+    # the kernel rounds P against its running maximum, the emulation against the final one, so P's values and the
+    # fp8 output round to neighbouring e4m3 values: apart by less than e4m3's relative step 2^-4 (measured on the H200:
+    # 0.030-0.038, the most at FLUX's shape under ulysses 4); a wrong scale would be off by O(1)
     err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    assert err <= 3e-2, err
+    assert err <= 2**-4, err
     assert float((lse - ref_lse).abs().max()) <= 1e-2
 
 
