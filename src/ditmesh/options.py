@@ -587,7 +587,9 @@ class RunOptions:
                                   f"Ada, Hopper, Blackwell), and this {name} lacks it; use int8-weight")
             import importlib.util
 
-            if importlib.util.find_spec("torchao") is None:
+            # torchao does the weight-only modes (and fp8 when asked); fp8 is ditmesh's own layer by default
+            torchao = self.quant_backend == "torchao" or (self.quant_backend == "auto" and self.quant != "fp8")
+            if torchao and importlib.util.find_spec("torchao") is None:
                 raise ConfigError(f"{flag('quant')}{self.quant} on CUDA runs torchao, which is not installed here; "
                                   "pip install 'ditmesh[quant]' (or torchao), or use quant=off")
         if self.attention == "fp8":
