@@ -20,8 +20,8 @@ through ``torch._scaled_mm`` (compiled, the activation's rounding fuses into the
 fp8 tensor subclass gives the same step but compiled cold for minutes), and torchao does the weight-only modes
 (``torchao.quantization.quantize_`` with ``Float8WeightOnlyConfig``, ``Int8WeightOnlyConfig``; ``backend="torchao"``
 also for fp8, with ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``), except for the row-parallel
-linears of tensor parallelism. Those, and every layer on other devices, become a :class:`QuantLinear`: 8-bit weights and scales held, the rounding of the activations done
-in float32 math (on CUDA the fp8 product by ``torch._scaled_mm``). The rounding is torchao's: scale = amax / 448
+linears of tensor parallelism. Those, and every layer on other devices, become a :class:`QuantLinear`: 8-bit weights
+and scales held, the rounding of the activations done in float32 math (on CUDA the fp8 product by ``torch._scaled_mm``). The rounding is torchao's: scale = amax / 448
 (fp8) or amax / 127.5 (int8), divided in the tensor's dtype (bf16 on GPUs), values divided by the scale in float32,
 clamped and cast (int8: multiplied by the reciprocal, rounded to nearest even). tests/gpu/test_quant_gpu.py checks that torchao's 8-bit weights
 and scales are these, bit for bit.
