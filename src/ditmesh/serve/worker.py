@@ -21,8 +21,8 @@ import traceback
 
 #: how often an idle group meets (seconds); also the heartbeat period
 IDLE_TICK_S = 1.0
-#: timed calls of each batch shape at start-up (the fastest counts)
-BATCH_REPEATS = 2
+#: rounds of timed calls over the batch shapes at start-up (each shape's fastest counts)
+BATCH_REPEATS = 3
 #: batching is used only where it makes a picture at least this much cheaper than one picture a call
 BATCH_GAIN = 0.05
 
@@ -146,26 +146,32 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
 def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
     """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
     size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
-    nothing new is built inside a request), then one step of each is timed (the fastest of
-    :data:`BATCH_REPEATS`). Returns the seconds per call by batch size and ``use``: the batch size with the
-    cheapest picture, where it is at least :data:`BATCH_GAIN` cheaper than one picture a call, else 1 (batching
-    would not raise throughput here). Every rank runs the same calls (their collectives); rank 0's numbers count."""
+    nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over the sizes (the
+    fastest counts). Returns the seconds per call by batch size (each size's fastest) and ``use``: the batch size
+    whose picture is at least :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its
+    worst round, else 1 (batching would not raise throughput here). Every rank runs the same calls (their
+    collectives); rank 0's numbers count."""
     if max_batch <= 1:
         return None
     import torch
 
     from ..runtime.generate import _call_kwargs, warm_up_call
 
-    seconds = {}
+    calls = {}
     for size in range(1, max_batch + 1):
         batch = argparse.Namespace(**{**vars(args), "prompt": [args.prompt[0]] * size})
-        call = _call_kwargs(pipe, batch, defaults)
+        calls[size] = _call_kwargs(pipe, batch, defaults)
         if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
-            call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
-            warm_up_call(pipe, call, device)
-        seconds[size] = min(warm_up_call(pipe, call, device) for _ in range(BATCH_REPEATS))
-    best = min(seconds, key=lambda size: seconds[size] / size)
-    use = best if seconds[best] / best <= (1 - BATCH_GAIN) * seconds[1] else 1
+            calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
+            warm_up_call(pipe, calls[size], device)
+    # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
+    rounds = [{size: warm_up_call(pipe, call, device) for size, call in calls.items()} for _ in range(BATCH_REPEATS)]
+    seconds = {size: min(r[size] for r in rounds) for size in calls}
+    # a size batches only where its picture is cheaper than a lone call's in every round (a noisy round cannot turn
+    # batching on), and the one whose worst round is the cheapest wins
+    worst = {size: max(r[size] / size / r[1] for r in rounds) for size in calls if size > 1}
+    good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
+    use = min(good, key=lambda size: worst[size]) if good else 1
     return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
 
 
