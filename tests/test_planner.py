@@ -452,3 +452,17 @@ def test_plan_of_a_video_architecture_plans_its_default_clip(tmp_path):
     assert _default_frames("flux-dev") == 1 and _default_frames(str(tmp_path)) == 1
     (tmp_path / "ditmesh_synth.json").write_text('{"default_frames": 9}')
     assert _default_frames(str(tmp_path)) == 9
+
+
+def test_the_trace_cache_is_keyed_by_ditmesh_source(monkeypatch, tmp_path):
+    """A changed adapter or processor must trace again: the disk cache's key holds a hash of ditmesh's source (it
+    held only the model, the size and the versions, so an edited adapter read its old statistics)."""
+    from ditmesh import aot
+    from ditmesh.planner import stats
+
+    monkeypatch.setenv("DITMESH_PLAN_CACHE", str(tmp_path))
+    spec = resolve_model("flux-dev")
+    before = stats._cache_path(spec, 1024, 1024, 1, 1)
+    assert before == stats._cache_path(spec, 1024, 1024, 1, 1) and before.parent == tmp_path
+    monkeypatch.setattr(aot, "source_hash", lambda: "an-edited-adapter")
+    assert stats._cache_path(spec, 1024, 1024, 1, 1) != before

@@ -304,8 +304,11 @@ def _cache_path(spec: ModelSpec, height: int, width: int, frames: int, batch: in
     root = os.environ.get("DITMESH_PLAN_CACHE", str(Path.home() / ".cache" / "ditmesh" / "plan"))
     if root == "off":
         return None
+    from ..aot import source_hash  # ditmesh's source: a changed adapter or processor traces again
+
     key = json.dumps([spec.transformer_class, spec.config_json, spec.text_tokens, spec.dtype, height, width, frames,
-                      batch, torch.__version__, diffusers.__version__, _STATS_VERSION] + ([chunk] if chunk else []))
+                      batch, torch.__version__, diffusers.__version__, _STATS_VERSION, source_hash()]
+                     + ([chunk] if chunk else []))
     return Path(root) / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
 
 
