@@ -116,7 +116,7 @@ def renamed_attention_case(model: str, selector: dict):
 
     pipe = _load(model)
     name = type(pipe.transformer).__name__
-    original = base._REGISTRY[name]
+    original = base.adapter_for_class(name)  # imports the family's module where this process has not yet
     base._REGISTRY[name] = dataclasses.replace(original, attention=AttentionSelector(**selector))
     try:
         parallelize(pipe, ParallelConfig(ulysses=2))
