@@ -1,0 +1,35 @@
+"""The whole synthetic pipelines of the families issue 46 added (``ditmesh synth --arch NAME`` builds their text
+encoders, tokenizers and VAEs offline, with seeded random weights): each folder through ``ditmesh generate`` on two
+ranks of the shared pool, under the one parallel axis its pipeline calls for, against the same command on one process
+(the final latents, float32, rel. err <= 1e-5). One generate pair per family: 2 steps, the smallest sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cases_models import run_ranks
+from ditmesh.testing import rel_err
+
+#: architecture -> (the axis of the two-rank run, the size and guidance options of both runs)
+CASES = {
+    # batched CFG: [uncond, cond] in one call; 4 x 4 image patches and the 32-token text split over the ranks
+    "auraflow-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+}
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):
+    from safetensors.torch import load_file
+
+    axis, options = CASES[arch]
+    command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
+    latents = {}
+    for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):
+        out = tmp_path / f"{name}.png"
+        run_ranks([*command, "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"), *parallel])
+        report = json.loads(out.with_name(out.name + ".json").read_text())
+        assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2
+        latents[name] = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
+    assert rel_err(latents["two"], latents["one"]) <= 1e-5
