@@ -16,6 +16,8 @@ from ditmesh.testing import rel_err
 CASES = {
     # batched CFG: [uncond, cond] in one call; 4 x 4 image patches and the 32-token text split over the ranks
     "auraflow-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG split over the ranks (one branch each); the v-prediction DDIM scheduler
+    "cogview3plus-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
 }
 
 
