@@ -18,6 +18,8 @@ CASES = {
     "auraflow-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG split over the ranks (one branch each); the v-prediction DDIM scheduler
     "cogview3plus-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG ([cond, uncond]); grouped-query heads (4 query, 2 key-value) split over the ranks
+    "lumina-next-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
 }
 
 
