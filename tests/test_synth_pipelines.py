@@ -20,6 +20,8 @@ CASES = {
     "cogview3plus-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG ([cond, uncond]); grouped-query heads (4 query, 2 key-value) split over the ranks
     "lumina-next-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG; the text's key padding whole on every rank, odd 3 x 5 patches of image split 8 + 7
+    "prx-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
 }
 
 
