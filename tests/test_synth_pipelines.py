@@ -22,6 +22,9 @@ CASES = {
     "lumina-next-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG; the text's key padding whole on every rank, odd 3 x 5 patches of image split 8 + 7
     "prx-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
+    "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
+                                          "--negative-prompt", "blurry"]),
 }
 
 
@@ -33,7 +36,7 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
     command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
     latents = {}
     for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):
-        out = tmp_path / f"{name}.png"
+        out = tmp_path / (f"{name}.gif" if "--frames" in options else f"{name}.png")
         run_ranks([*command, "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"), *parallel])
         report = json.loads(out.with_name(out.name + ".json").read_text())
         assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2

@@ -213,21 +213,33 @@ def qwenimage_components(arch: SynthArch, kit) -> dict:
     return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), **qwen25vl_text_encoder(arch, kit))
 
 
-def qwen25vl_text_encoder(arch: SynthArch, kit) -> dict:
-    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes) and ``tokenizer`` (a byte-level BPE Qwen2
-    tokenizer built locally, knowing the chat template's special tokens), as QwenImage's and LongCat-Image's pipelines
-    take them."""
+#: Qwen's chat template: each message between ``<|im_start|>role`` and ``<|im_end|>``, its content a string or a list
+#: of parts whose text parts are joined (EasyAnimate's messages)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:
+    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes; ``generation="Qwen2VL"``: a Qwen2-VL,
+    whose vision config has other fields) and ``tokenizer`` (a byte-level BPE Qwen2 tokenizer built locally, knowing
+    the chat template's special tokens, with :data:`QWEN_CHAT_TEMPLATE`), as QwenImage's, LongCat-Image's and
+    EasyAnimate's pipelines take them."""
     import transformers
 
     specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     vocab, merges = kit.byte_bpe(specials, _TEMPLATE_WORDS)
     tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": list(specials[1:])})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                pad_token_id=tokenizer.pad_token_id)
-    config = transformers.Qwen2_5_VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
-                                           hidden_size=arch.t5["text"]["hidden_size"], **ids)
-    return dict(text_encoder=kit.make(transformers.Qwen2_5_VLForConditionalGeneration, config, 3), tokenizer=tokenizer)
+    config = getattr(transformers, f"{generation}Config")(
+        text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
+        hidden_size=arch.t5["text"]["hidden_size"], **ids)
+    model = getattr(transformers, f"{generation}ForConditionalGeneration")
+    return dict(text_encoder=kit.make(model, config, 3), tokenizer=tokenizer)
 
 
 QWENIMAGE_ADAPTER = register(
