@@ -22,6 +22,9 @@ CASES = {
     "lumina-next-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG; the text's key padding whole on every rank, odd 3 x 5 patches of image split 8 + 7
     "prx-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # batched CFG; the empty negative prompt (one token) padded to the prompt's length: the text's key mask and the
+    # encoder's layers split with the text; 4 x 6 image tokens
+    "bria-fibo-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "96", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
