@@ -25,6 +25,9 @@ CASES = {
     # batched CFG; the empty negative prompt (one token) padded to the prompt's length: the text's key mask and the
     # encoder's layers split with the text; 4 x 6 image tokens
     "bria-fibo-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "96", "--guidance", "4"]),
+    # batched CFG; one head: ring attention over the [image, text] sequence (the prompt and the empty negative prompt of
+    # different lengths, padded to the longer)
+    "ernie-image-tiny": (["--ring", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
