@@ -28,6 +28,8 @@ CASES = {
     # batched CFG; one head: ring attention over the [image, text] sequence (the prompt and the empty negative prompt of
     # different lengths, padded to the longer)
     "ernie-image-tiny": (["--ring", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # CFG by the pipeline's guider (two calls a step); the 1,000-token padded Qwen prompt and the 4 x 4 image split
+    "hunyuan-image-tiny": (["--ulysses", "2"], ["--height", "128", "--width", "128"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),

@@ -167,13 +167,20 @@ def hunyuan_video15_components(arch: SynthArch, kit) -> dict:
     qwen = transformers.Qwen2_5_VLTextConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=tokenizer.eos_token_id, max_position_embeddings=2048,
                                              **arch.t5)
-    byt5_tokenizer = transformers.ByT5Tokenizer()
-    byt5 = transformers.T5Config(vocab_size=len(byt5_tokenizer), pad_token_id=0, eos_token_id=1,
-                                 **arch.extra["byt5"])
     return dict(vae=kit.make(diffusers.AutoencoderKLHunyuanVideo15, arch.vae, 1),
                 text_encoder=kit.make(transformers.Qwen2_5_VLTextModel, qwen, 3), tokenizer=tokenizer,
-                text_encoder_2=kit.make(transformers.T5EncoderModel, byt5, 2), tokenizer_2=byt5_tokenizer,
+                **byt5_encoder(arch, kit),
                 guider=diffusers.ClassifierFreeGuidance(guidance_scale=arch.extra["guidance_scale"]))
+
+
+def byt5_encoder(arch: SynthArch, kit) -> dict:
+    """``text_encoder_2`` (a ByT5 encoder of ``arch.extra["byt5"]``'s sizes) and ``tokenizer_2`` (ByT5's byte tokenizer,
+    which needs no vocabulary): the glyph encoder of HunyuanVideo 1.5's and HunyuanImage 2.1's pipelines."""
+    import transformers
+
+    tokenizer = transformers.ByT5Tokenizer()
+    config = transformers.T5Config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, **arch.extra["byt5"])
+    return dict(text_encoder_2=kit.make(transformers.T5EncoderModel, config, 2), tokenizer_2=tokenizer)
 
 HUNYUAN_VIDEO15_ADAPTER = register(dataclasses.replace(
     HUNYUAN_VIDEO_ADAPTER,
