@@ -30,6 +30,9 @@ CASES = {
     "ernie-image-tiny": (["--ring", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # CFG by the pipeline's guider (two calls a step); the 1,000-token padded Qwen prompt and the 4 x 4 image split
     "hunyuan-image-tiny": (["--ulysses", "2"], ["--height", "128", "--width", "128"]),
+    # sequential CFG (the prompt's call, then the negative prompt's); the joined [text, image] sequence split over
+    # grouped-query heads (4 query, 2 key-value), the text padded in the middle of its template
+    "krea2-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),

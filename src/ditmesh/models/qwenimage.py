@@ -221,11 +221,9 @@ QWEN_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:
-    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes; ``generation="Qwen2VL"``: a Qwen2-VL,
-    whose vision config has other fields) and ``tokenizer`` (a byte-level BPE Qwen2 tokenizer built locally, knowing
-    the chat template's special tokens, with :data:`QWEN_CHAT_TEMPLATE`), as QwenImage's, LongCat-Image's and
-    EasyAnimate's pipelines take them."""
+def qwen_tokenizer(kit):
+    """A byte-level BPE Qwen2 tokenizer built locally: ``<|endoftext|>`` (its pad and end token), the chat template's
+    special tokens, the words of Qwen-Image's prompt template whole, and :data:`QWEN_CHAT_TEMPLATE`."""
     import transformers
 
     specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -233,6 +231,17 @@ def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") 
     tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": list(specials[1:])})
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:
+    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes; ``generation="Qwen2VL"``: a Qwen2-VL,
+    whose vision config has other fields) and ``tokenizer`` (a byte-level BPE Qwen2 tokenizer built locally, knowing
+    the chat template's special tokens, with :data:`QWEN_CHAT_TEMPLATE`), as QwenImage's, LongCat-Image's and
+    EasyAnimate's pipelines take them."""
+    import transformers
+
+    tokenizer = qwen_tokenizer(kit)
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                pad_token_id=tokenizer.pad_token_id)
     config = getattr(transformers, f"{generation}Config")(
