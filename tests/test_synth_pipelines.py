@@ -33,6 +33,8 @@ CASES = {
     # sequential CFG (the prompt's call, then the negative prompt's); the joined [text, image] sequence split over
     # grouped-query heads (4 query, 2 key-value), the text padded in the middle of its template
     "krea2-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # sequential CFG; 2 latent frames of 3 x 3 patches split over the ranks (the text blocks run whole on each)
+    "kandinsky5-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
