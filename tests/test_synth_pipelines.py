@@ -6,6 +6,7 @@ ranks of the shared pool, under the one parallel axis its pipeline calls for, ag
 from __future__ import annotations
 
 import json
+import wave
 
 import pytest
 
@@ -35,6 +36,9 @@ CASES = {
     "krea2-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # sequential CFG; 2 latent frames of 3 x 3 patches split over the ranks (the text blocks run whole on each)
     "kandinsky5-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
+    # batched CFG; the global token and 4 latent samples split 3 + 2 over 24 heads (2 key-value heads in the
+    # cross-attention); the stereo clip written as a WAV
+    "stable-audio-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
@@ -49,9 +53,13 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
     command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
     latents = {}
     for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):
-        out = tmp_path / (f"{name}.gif" if "--frames" in options else f"{name}.png")
+        out = tmp_path / f"{name}{'.gif' if '--frames' in options else '.wav' if 'audio' in arch else '.png'}"
         run_ranks([*command, "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"), *parallel])
         report = json.loads(out.with_name(out.name + ".json").read_text())
         assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2
+        assert out.exists() or out.with_name(f"{name}_frames").is_dir()
+        if out.suffix == ".wav":  # the stereo clip at the VAE's sampling rate (the tiny Oobleck VAE's 4 Hz)
+            with wave.open(str(out)) as clip:
+                assert (clip.getnchannels(), clip.getframerate()) == (2, 4) and clip.getnframes() > 0
         latents[name] = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
     assert rel_err(latents["two"], latents["one"]) <= 1e-5

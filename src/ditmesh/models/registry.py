@@ -297,10 +297,11 @@ SYNTH: dict[str, tuple[str, str]] = {
     'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
                             'alone'),
     'stable-audio-tiny': ('stable_audio', "Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 "
-                                          'key-value heads; the transformer alone'),
+                                          'key-value heads; its tiny Oobleck VAE (4 Hz stereo), T5 and projection'),
     'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "
                                           'heads x 64, 12 key-value heads in the cross-attention, 1024 latent '
-                                          'samples), the transformer alone'),
+                                          "samples), the Oobleck VAE, a one-layer T5 of T5-base's width, the "
+                                          'duration projection'),
     'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; a tiny VAE and T5Gemma'),
     'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), FLUX.1's "
                    "VAE, a one-layer T5Gemma encoder of T5Gemma-2B's width"),

@@ -197,6 +197,7 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
+AUDIO_SUFFIXES = (".wav",)  # the audio pipelines' (Stable Audio); runtime/audio.py
 
 
 def check_output_paths(args) -> None:
@@ -204,9 +205,10 @@ def check_output_paths(args) -> None:
     out = getattr(args, "out", None)
     if out is not None:
         video = getattr(args, "frames", None) is not None
-        allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+        allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES + AUDIO_SUFFIXES
         if Path(out).suffix.lower() not in allowed:
-            raise ConfigError(f"--out {out}: unknown {'video' if video else 'image'} format; use one of {', '.join(allowed)}")
+            kind = "video" if video else "image or audio"
+            raise ConfigError(f"--out {out}: unknown {kind} format; use one of {', '.join(allowed)}")
     for flag, value in (("--out", out), ("--report", getattr(args, "report", None)),
                         ("--save-latents", getattr(args, "save_latents", None)), ("--trace", getattr(args, "trace", None))):
         if value is None:
@@ -612,9 +614,15 @@ def run(args) -> int:
 
     if rank == 0:
         is_video = hasattr(result, "frames") and not hasattr(result, "images")
-        out = Path(args.out or ("out/video.mp4" if is_video else "out/image.png"))
-        images = [] if is_video else result.images
+        is_audio = hasattr(result, "audios") and not hasattr(result, "images")  # Stable Audio's AudioPipelineOutput
+        out = Path(args.out or ("out/video.mp4" if is_video else "out/audio.wav" if is_audio else "out/image.png"))
+        images = [] if is_video or is_audio else result.images
         paths = []
+        if is_audio:
+            from .audio import sampling_rate, write_audios
+
+            with phase("write audio"):
+                paths += write_audios(out, result.audios, sampling_rate(pipe))
         if is_video:
             from .video import write_video
 
