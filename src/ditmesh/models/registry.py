@@ -205,10 +205,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                                    'blocks, 1 refiner block, 2 heads x 8, patch 1) reading 9 '
                                                    'channels, a tiny 16x VAE, Qwen2.5-VL text model and ByT5'),
     'ltx-2': ('ltx2', 'LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B '
-                      "params); the transformer alone (the pipeline's Gemma-3 encoder, connectors, audio VAE and "
-                      'vocoder are not synthesized)'),
+                      'params), the LTX-2 video and audio VAEs, connectors and vocoder, a 48-layer Gemma 3 of '
+                      "Gemma-3-12B's width"),
     'ltx-2-tiny': ('ltx2', "LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 "
-                           'heads x 4); the transformer alone'),
+                           "heads x 4), its pipeline test's VAEs, connectors and vocoder, a two-layer Gemma 3"),
     'kandinsky5-lite': ('kandinsky5', 'Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x '
                                       '64, 2B params), the HunyuanVideo VAE, a two-layer Qwen2.5-VL of '
                                       "Qwen2.5-VL-7B's width, a one-layer CLIP-L"),
