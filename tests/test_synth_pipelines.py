@@ -42,6 +42,9 @@ CASES = {
     # no CFG (LTX-2 refuses cfg: its transformer returns the audio beside the video); the video split, the audio whole
     # on every rank; its pipeline test's VAE halves each side: 5 latent frames of 16 x 16 tokens
     "ltx-2-tiny": (["--ulysses", "2"], ["--height", "32", "--width", "32", "--frames", "9", "--guidance", "1"]),
+    # sequential CFG (Kandinsky 6 refuses cfg: its blocks return the audio beside the video); the video split, the
+    # audio whole on every rank, decoded by the MMAudio VAE and vocoder
+    "kandinsky6-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),

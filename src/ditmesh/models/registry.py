@@ -216,9 +216,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                       'text + 2 visual blocks, 4 heads x 4), its tiny HunyuanVideo VAE, Qwen2.5-VL '
                                       'and CLIP'),
     'kandinsky6': ('kandinsky6', 'Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 '
-                                 'heads x 128); the transformer alone'),
+                                 "heads x 128), Kandinsky 5's VAE, Qwen2.5-VL and CLIP-L, the MMAudio VAE (20 latent "
+                                 'channels) and vocoder'),
     'kandinsky6-tiny': ('kandinsky6', 'Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 '
-                                      'heads x 4, audio 2 heads x 4, the released flags; the transformer alone'),
+                                      "heads x 4, audio 2 heads x 4, the released flags; Kandinsky 5's tiny VAE, "
+                                      'Qwen2.5-VL and CLIP, a tiny MMAudio VAE and vocoder'),
     'sana-video-2b': ('sana_variants', 'Sana-Video 2B transformer (20 blocks, linear attention 20 heads x 112, '
                                        'cross-attention 20 x 112, Mix-FFN with a temporal convolution), Wan 2.1 VAE, '
                                        'one-layer Gemma-2'),
