@@ -45,6 +45,9 @@ CASES = {
     # sequential CFG (Kandinsky 6 refuses cfg: its blocks return the audio beside the video); the video split, the
     # audio whole on every rank, decoded by the MMAudio VAE and vocoder
     "kandinsky6-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
+    # the unconditional branch on a second transformer (both parallelized; Ideogram 4 refuses cfg), --guidance as a
+    # constant scale in place of the pipeline's 48-step schedule; [text, image] split with the segment mask
+    "ideogram4-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),

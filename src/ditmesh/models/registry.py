@@ -277,10 +277,12 @@ SYNTH: dict[str, tuple[str, str]] = {
     'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, "
                        'FFN 16384, 12 tapped text layers of 2560), the QwenImage VAE, a 12-layer Qwen3-VL of '
                        "Qwen3-VL-4B's width whose 12 layers are the tapped ones"),
-    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration: 2 blocks, 4 heads x 8, text "
-                                    'features 24 wide; the transformer alone'),
+    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration (2 blocks, 4 heads x 8) with text "
+                                    'features 26 wide (13 tapped layers of 2); a tiny FLUX.2 VAE and 36-layer '
+                                    'Qwen3-VL'),
     'ideogram4': ('ideogram4', "Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, "
-                               'text features 53248 wide), the transformer alone'),
+                               "text features 53248 wide) and its unconditional twin, FLUX.2's VAE, a 36-layer "
+                               "Qwen3-VL of Qwen3-VL-8B's width"),
     'ernie-image-tiny': ('ernie_image', "ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text "
                                         'width 16; a tiny FLUX.2 VAE and Mistral 3'),
     'ernie-image': ('ernie_image', "ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN "
