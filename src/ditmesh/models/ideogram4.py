@@ -25,6 +25,7 @@ from diffusers.models.transformers.transformer_ideogram4 import (IMAGE_POSITION_
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, register, replace_forward, spatial_latent)
+from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class Ideogram4SequenceParallelProcessor:
@@ -101,12 +102,7 @@ IDEOGRAM4 = SynthArch(
     vae={},  # AutoencoderKLFlux2's defaults are FLUX.2's VAE
     clip={},
     # the pipeline taps 13 of 36 layers (13 x 4096 = the text features' width); narrow inside
-    t5=dict(text=dict(hidden_size=4096, intermediate_size=64, num_hidden_layers=36, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=128,
-                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                       "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
-            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=4096,
-                        deepstack_visual_indexes=[])),
+    t5=qwen3vl_sizes(4096, 36, 128, [24, 20, 20]),
     scheduler=dict(num_train_timesteps=1000, shift=3.0),
     default_dtype="bfloat16",
     max_sequence_length=512,
@@ -121,12 +117,7 @@ IDEOGRAM4_TINY = dataclasses.replace(
     transformer=dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, intermediate_size=32,
                      adaln_dim=16, llm_features_dim=26, rope_theta=10_000, mrope_section=[2, 1, 1]),
     vae=dict(block_out_channels=[4, 4, 4, 4], layers_per_block=1, latent_channels=4, norm_num_groups=2),
-    t5=dict(text=dict(hidden_size=2, intermediate_size=8, num_hidden_layers=36, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8,
-                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 1, 1],
-                                       "mrope_interleaved": True}),
-            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=2,
-                        deepstack_visual_indexes=[])),
+    t5=qwen3vl_sizes(2, 36, 8, [2, 1, 1], intermediate_size=8),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
@@ -135,15 +126,8 @@ def ideogram4_components(arch: SynthArch, kit) -> dict:
     the pipeline taps) with a local Qwen2 tokenizer and chat template, and the unconditional transformer (``arch``'s
     transformer, seeded apart). No prompt enhancer head (optional)."""
     import diffusers
-    import transformers
 
-    from .qwenimage import qwen_tokenizer
-
-    tokenizer = qwen_tokenizer(kit)
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
-    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), tokenizer=tokenizer,
-                text_encoder=kit.make(transformers.Qwen3VLModel, config, 3),
+    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), **qwen3vl_text_encoder(arch, kit),
                 unconditional_transformer=kit.make(diffusers.Ideogram4Transformer2DModel, arch.transformer, 5),
                 prompt_enhancer_head=None)
 

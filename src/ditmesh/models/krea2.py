@@ -25,7 +25,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
                    TensorPlan, register, spatial_latent)
-from .qwenimage import QWENIMAGE, QWENIMAGE_SCHEDULER
+from .qwenimage import QWENIMAGE, QWENIMAGE_SCHEDULER, qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class Krea2SequenceParallelProcessor:
@@ -101,12 +101,7 @@ KREA2 = SynthArch(
                      axes_dims_rope=[32, 48, 48]),
     vae=QWENIMAGE.vae, clip={},
     # narrow inside (4 heads, a 64-wide MLP), Qwen3-VL-4B's width outside
-    t5=dict(text=dict(hidden_size=2560, intermediate_size=64, num_hidden_layers=12, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=128,
-                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                       "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
-            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=2560,
-                        deepstack_visual_indexes=[])),
+    t5=qwen3vl_sizes(2560, 12, 128, [24, 20, 20], heads=4, kv_heads=2),
     # the released pipeline taps 12 of Qwen3-VL-4B's 36 layers; the synthetic encoder has only those 12
     pipeline_config=dict(text_encoder_select_layers=tuple(range(1, 13))),
     scheduler=QWENIMAGE_SCHEDULER,
@@ -126,12 +121,7 @@ KREA2_TINY = dataclasses.replace(
                      num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=[4, 2, 2]),
     vae=dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
              latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
-    t5=dict(text=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8,
-                      rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 1, 1],
-                                       "mrope_interleaved": True}),
-            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                        deepstack_visual_indexes=[])),
+    t5=qwen3vl_sizes(16, 3, 8, [2, 1, 1], intermediate_size=16),
     pipeline_config=dict(text_encoder_select_layers=(1, 2, 3)),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
@@ -140,15 +130,8 @@ def krea2_components(arch: SynthArch, kit) -> dict:
     """Krea2Pipeline's other components: the QwenImage VAE (``arch.vae``) and a Qwen3-VL model (``arch.t5``) with a
     local Qwen2 tokenizer that knows the chat template's special tokens (the pipeline writes the template itself)."""
     import diffusers
-    import transformers
 
-    from .qwenimage import qwen_tokenizer
-
-    tokenizer = qwen_tokenizer(kit)
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
-    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), tokenizer=tokenizer,
-                text_encoder=kit.make(transformers.Qwen3VLModel, config, 3))
+    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), **qwen3vl_text_encoder(arch, kit))
 
 
 KREA2_ADAPTER = register(

@@ -234,6 +234,30 @@ def qwen_tokenizer(kit):
     return tokenizer
 
 
+def qwen3vl_sizes(hidden_size: int, layers: int, head_dim: int, mrope_section: list[int], heads: int = 2,
+                  kv_heads: int = 1, intermediate_size: int = 64) -> dict:
+    """``arch.t5`` of a synthetic Qwen3-VL: a text model ``hidden_size`` wide outside and narrow inside (``heads`` of
+    ``head_dim``, interleaved multimodal RoPE in ``mrope_section``), and a one-block vision tower the text-to-image
+    pipelines (Krea 2, Ideogram 4) never call."""
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": mrope_section, "mrope_interleaved": True}
+    return dict(text=dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                          rope_parameters=rope),
+                vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden_size,
+                            deepstack_visual_indexes=[]))
+
+
+def qwen3vl_text_encoder(arch: SynthArch, kit) -> dict:
+    """``text_encoder`` (a ``Qwen3VLModel`` of ``arch.t5``'s sizes, :func:`qwen3vl_sizes`) and ``tokenizer``
+    (:func:`qwen_tokenizer`), as Krea 2's and Ideogram 4's pipelines take them."""
+    import transformers
+
+    tokenizer = qwen_tokenizer(kit)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
+    return dict(text_encoder=kit.make(transformers.Qwen3VLModel, config, 3), tokenizer=tokenizer)
+
+
 def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:
     """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes; ``generation="Qwen2VL"``: a Qwen2-VL,
     whose vision config has other fields) and ``tokenizer`` (a byte-level BPE Qwen2 tokenizer built locally, knowing
