@@ -6,6 +6,7 @@ ranks of the shared pool, under the one parallel axis its pipeline calls for, ag
 from __future__ import annotations
 
 import json
+import re
 import wave
 
 import pytest
@@ -48,6 +49,9 @@ CASES = {
     # the unconditional branch on a second transformer (both parallelized; Ideogram 4 refuses cfg), --guidance as a
     # constant scale in place of the pipeline's 48-step schedule; [text, image] split with the segment mask
     "ideogram4-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # a class by its name in the checkpoint's id2label; no CFG (the tiny's 8 classes lack the null class 1000); 4 x 4
+    # patches split over 2 heads
+    "dit-tiny": (["--ulysses", "2"], ["--prompt", "cat", "--guidance", "1"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
@@ -72,3 +76,18 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
                 assert (clip.getnchannels(), clip.getframerate()) == (2, 4) and clip.getnframes() > 0
         latents[name] = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
     assert rel_err(latents["two"], latents["one"]) <= 1e-5
+
+
+def test_dit_takes_its_classes_by_name_or_id_and_refuses_the_rest_in_one_line():
+    from ditmesh.models.dit import dit_call_arguments
+    from ditmesh.synth import build_pipeline
+
+    pipe = build_pipeline("dit-tiny")
+    call = dict(guidance_scale=1.0, num_inference_steps=2)
+    assert dit_call_arguments(pipe, dict(call, prompt=["dog", "7"]))["class_labels"] == [1, 7]
+    for prompt, guidance, why in (("a cat", 1.0, "give a class name it knows (car, cat, dog, flower, ...) or a class id "
+                                                 "from 0 to 7"),
+                                  ("8", 1.0, "from 0 to 7"), ("cat", 4.0, "has 8 classes; use --guidance 1")):
+        with pytest.raises(ValueError, match=re.escape(why)) as refused:
+            dit_call_arguments(pipe, dict(call, prompt=prompt, guidance_scale=guidance))
+        assert "\n" not in str(refused.value)

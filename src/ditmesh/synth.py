@@ -300,7 +300,10 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
         cls = getattr(diffusers, arch.transformer_class)
         components["transformer_2"] = kit.make(cls, arch.transformer_2, 5)
     scheduler = getattr(diffusers, arch.scheduler_class)(**arch.scheduler)
-    return getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
+    pipe = getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
+    # pipeline config the class keeps unsaved (DiT's id2label) goes to model_index.json, as released checkpoints have it
+    pipe.register_to_config(**{k: v for k, v in arch.pipeline_config.items() if k not in pipe.config})
+    return pipe
 
 
 def write_lora(model_dir: str | os.PathLike, rank: int, out_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, int]:

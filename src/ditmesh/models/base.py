@@ -516,9 +516,10 @@ class ModelAdapter:
     #: () -> None, called once its pipeline is loaded for ``generate``: makes up for what the diffusers pipeline expects
     #: of the environment (WanVACEPipeline cleans prompts with ``ftfy`` whether or not it is installed); None: nothing
     pipeline_setup: Callable | None = None
-    #: (pipeline, its call's kwargs from generate's options) -> the kwargs it is called with, where the family's
-    #: pipeline takes what the options do not name (Ideogram 4: a constant ``guidance_scale`` in place of its
-    #: per-step guidance schedule); None: the options' kwargs as they are
+    #: (pipeline, its call's kwargs from generate's options, not yet cut to those the pipeline takes) -> the kwargs it
+    #: is called with, where the family's pipeline takes what the options do not name (DiT: classes named by the
+    #: prompts; Ideogram 4: a constant ``guidance_scale`` in place of its per-step schedule); ValueError (one line)
+    #: for options it cannot take. None: the options' kwargs as they are
     call_arguments: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()

@@ -296,10 +296,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                           'text width 8; a tiny VAE and T5'),
     'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
                                      'text width 4096), a 16-channel AutoencoderKL, a one-layer T5-XXL-wide encoder'),
-    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes; the transformer "
-                        'alone'),
-    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
-                            'alone'),
+    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes (named cat, dog, "
+                        "tree, house, car, flower, mountain, sea); a tiny VAE; no CFG (the pipeline's null class is "
+                        '1000)'),
+    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the SD VAE; classes '
+                            'by id'),
     'stable-audio-tiny': ('stable_audio', "Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 "
                                           'key-value heads; its tiny Oobleck VAE (4 Hz stereo), T5 and projection'),
     'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "

@@ -417,15 +417,15 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     accepted = inspect.signature(pipe.__call__).parameters
     if "num_frames" not in accepted and "frames" in accepted:  # SanaVideoPipeline names its frame count `frames`
         kwargs["frames"] = kwargs.pop("num_frames")
-    kwargs = {k: v for k, v in kwargs.items() if v is not None and k in accepted}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     from ..api import transformers_of
     from ..models import adapter_for
 
     models = list(transformers_of(pipe).values())
     adapter = adapter_for(models[0]) if models else None
-    if adapter is not None and adapter.call_arguments is not None:  # arguments the options do not name (Ideogram 4's)
+    if adapter is not None and adapter.call_arguments is not None:  # what the options do not name (DiT's classes)
         kwargs = adapter.call_arguments(pipe, kwargs)
-    return kwargs
+    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 @contextlib.contextmanager
