@@ -52,10 +52,15 @@ CASES = {
     # a class by its name in the checkpoint's id2label; no CFG (the tiny's 8 classes lack the null class 1000); 4 x 4
     # patches split over 2 heads
     "dit-tiny": (["--ulysses", "2"], ["--prompt", "cat", "--guidance", "1"]),
+    # batched CFG; the 60 s clip's latent frames split over grouped-query heads (4 query, 2 key-value) in sliding
+    # windows; written as a WAV
+    "ace-step-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
 }
+#: the audio pipelines (their clips written as WAV)
+AUDIO = ("stable-audio-tiny", "ace-step-tiny")
 
 
 @pytest.mark.parametrize("arch", CASES)
@@ -66,7 +71,7 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
     command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
     latents = {}
     for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):
-        out = tmp_path / f"{name}{'.gif' if '--frames' in options else '.wav' if 'audio' in arch else '.png'}"
+        out = tmp_path / f"{name}{'.gif' if '--frames' in options else '.wav' if arch in AUDIO else '.png'}"
         run_ranks([*command, "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"), *parallel])
         report = json.loads(out.with_name(out.name + ".json").read_text())
         assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2

@@ -314,10 +314,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                         '8, text width 8; a tiny VAE and Gemma'),
     'lumina-next-sft': ('lumina_next', 'Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x '
                                        "72, Gemma-2B text), the SDXL VAE, a one-layer Gemma of Gemma-2B's width"),
-    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads"
-                                  ' x 8, windows of 16; the transformer alone'),
-    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value"
-                                 ' heads x 128, sliding windows of 128), the transformer alone'),
+    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads "
+                                  "x 8, windows of 16; its pipeline test's condition encoder, Qwen3 and Oobleck VAE"),
+    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value "
+                                 'heads x 128, sliding windows of 128), its condition encoder, a one-layer Qwen3 of '
+                                 "Qwen3-Embedding-0.6B's width, an Oobleck VAE of 64 channels"),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
