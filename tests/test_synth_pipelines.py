@@ -10,6 +10,7 @@ import re
 import wave
 
 import pytest
+import torch
 
 from cases_models import run_ranks
 from ditmesh.testing import rel_err
@@ -55,6 +56,10 @@ CASES = {
     # batched CFG; the 60 s clip's latent frames split over grouped-query heads (4 query, 2 key-value) in sliding
     # windows; written as a WAV
     "ace-step-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # image to video (the condition image's SigLIP tokens and first latent frame): the pipeline's first window of 9
+    # latent frames with its 4x, 2x and 1x history, 2 x 2 tokens a frame, split over 2 heads; distilled guidance
+    "hunyuan-video-framepack-tiny": (["--ulysses", "2"], ["--image", "{image}", "--height", "32", "--width", "32",
+                                                          "--guidance", "1"]),
     # batched CFG split over the ranks; EasyAnimatePipeline needs a negative prompt under CFG (None is not iterable)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4",
                                           "--negative-prompt", "blurry"]),
@@ -67,7 +72,12 @@ AUDIO = ("stable-audio-tiny", "ace-step-tiny")
 def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):
     from safetensors.torch import load_file
 
+    from PIL import Image
+
     axis, options = CASES[arch]
+    image = tmp_path / "condition.png"  # the image-to-video pipelines' condition image
+    Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()).save(image)
+    options = [str(image) if option == "{image}" else option for option in options]
     command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
     latents = {}
     for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):

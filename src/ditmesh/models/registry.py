@@ -228,11 +228,13 @@ SYNTH: dict[str, tuple[str, str]] = {
                                          'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
     'hunyuan-video-framepack': ('hunyuan_variants', 'HunyuanVideo Framepack (FramePackI2V_HY) transformer '
                                                     "(HunyuanVideo's 20 dual + 40 single blocks, 24 heads x 128, "
-                                                    'history patch embedders, SigLIP image projection); the '
-                                                    'transformer alone'),
+                                                    'history patch embedders, SigLIP image projection), '
+                                                    "HunyuanVideo's VAE, Llama and CLIP-L, a one-layer SigLIP "
+                                                    'so400m-wide image encoder'),
     'hunyuan-video-framepack-tiny': ('hunyuan_variants', "HunyuanVideo Framepack shrunk for CPU tests: diffusers' "
-                                                         'test config (1 dual + 1 single block, 2 heads x 10); the '
-                                                         'transformer alone'),
+                                                         'test config (1 dual + 1 single block, 2 heads x 10), a '
+                                                         'tiny HunyuanVideo VAE, Llama, CLIP and SigLIP image '
+                                                         'encoder'),
     'cosmos-1.0-7b': ('cosmos', 'Cosmos-1.0-Diffusion-7B-Text2World transformer (28 blocks, 32 heads x 128); the '
                                 'transformer alone'),
     'cosmos-tiny': ('cosmos', "Cosmos shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads x 12, "
