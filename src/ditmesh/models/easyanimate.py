@@ -130,6 +130,12 @@ def easyanimate_components(arch: SynthArch, kit) -> dict:
     return dict(vae=kit.make(diffusers.AutoencoderKLMagvit, arch.vae, 1), **qwen25vl_text_encoder(arch, kit, "Qwen2VL"))
 
 
+def easyanimate_call_arguments(pipe, kwargs: dict) -> dict:
+    """An empty negative prompt unless one is given: EasyAnimatePipeline iterates over its negative prompt under CFG,
+    a missing one too (the other pipelines take a missing one as empty)."""
+    return {"negative_prompt": "", **kwargs}
+
+
 EASYANIMATE = register(
     ModelAdapter(
         name="easyanimate",
@@ -160,6 +166,7 @@ EASYANIMATE = register(
         pipelines=("EasyAnimatePipeline", "EasyAnimateControlPipeline", "EasyAnimateInpaintPipeline"),
         synth_archs=(EASYANIMATE_V5, EASYANIMATE_TINY),
         synth_components=easyanimate_components,
+        call_arguments=easyanimate_call_arguments,
         unsupported=easyanimate_unsupported,
         pp_refusal="PipeFusion is not tested on it",
     )
