@@ -106,3 +106,12 @@ def test_dit_takes_its_classes_by_name_or_id_and_refuses_the_rest_in_one_line():
         with pytest.raises(ValueError, match=re.escape(why)) as refused:
             dit_call_arguments(pipe, dict(call, prompt=prompt, guidance_scale=guidance))
         assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("arch, line", [
+    ("hunyuan-video-framepack-tiny", "HunyuanVideoFramepackPipeline generates from an image; give --image PATH"),
+    ("flux-fill-tiny", "FluxFillPipeline generates from an image; give --image PATH and --mask PATH")])
+def test_a_checkpoint_whose_pipeline_needs_an_image_is_refused_without_one_before_loading(arch, line):
+    from cases_models import generate_refusal
+
+    assert generate_refusal(arch, "--steps", "2").endswith(f"--model {arch}: {line}")

@@ -126,6 +126,12 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
         check_guidance_on(adapter, args)
     if adapter is not None and image_args_given(args):
         image_pipeline_class(args, model, adapter, tcfg, config)
+    elif adapter is not None:  # a checkpoint whose own pipeline is image-conditioned (ChronoEdit, Framepack, FLUX Fill)
+        checkpoint = read_pipeline_class(model)
+        needs = [p for p in adapter.image_pipelines if p.pipeline == checkpoint]
+        if needs:
+            raise ConfigError(f"--model {model}: {checkpoint} generates from an image; give --image PATH"
+                              + (" and --mask PATH" if needs[0].mask else ""))
     from ..mesh import default_device
 
     heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
