@@ -126,12 +126,12 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
         check_guidance_on(adapter, args)
     if adapter is not None and image_args_given(args):
         image_pipeline_class(args, model, adapter, tcfg, config)
-    elif adapter is not None:  # a checkpoint whose own pipeline is image-conditioned (ChronoEdit, Framepack, FLUX Fill)
+    elif adapter is not None:  # a checkpoint whose own pipeline needs an image (ChronoEdit, Framepack, FLUX Fill)
         checkpoint = read_pipeline_class(model)
-        needs = [p for p in adapter.image_pipelines if p.pipeline == checkpoint]
-        if needs:
+        own = next((p for p in adapter.image_pipelines if p.pipeline == checkpoint), None)
+        if own is not None and (own.mask or needs_argument(checkpoint, "image")):  # not Kontext's: an image optional
             raise ConfigError(f"--model {model}: {checkpoint} generates from an image; give --image PATH"
-                              + (" and --mask PATH" if needs[0].mask else ""))
+                              + (" and --mask PATH" if own.mask else ""))
     from ..mesh import default_device
 
     heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
@@ -177,6 +177,14 @@ def check_size(args) -> None:
         value = getattr(args, name)
         if value is not None and (value <= 0 or value % 16):
             raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
+
+
+def needs_argument(pipeline: str, name: str) -> bool:
+    """Whether the diffusers pipeline class ``pipeline`` takes ``name`` without a default (ChronoEdit's ``image``)."""
+    import diffusers
+
+    parameter = inspect.signature(getattr(diffusers, pipeline).__call__).parameters.get(name)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
