@@ -80,7 +80,7 @@ class _nothing:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["generate", "--out", "x.txt"], "--out x.txt: unknown image format"),
+    (["generate", "--out", "x.txt"], "--out x.txt: unknown image or audio format"),
     (["generate", "--max-sequence-length", "-5"], "--max-sequence-length -5 must be >= 1"),
     (["generate", "--model", "flux-tiny", "--nproc", "8", "--tp", "2", "--ulysses", "4"],
      "ulysses=4 exceeds the 3 heads each tp=2 rank holds"),

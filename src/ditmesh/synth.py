@@ -111,9 +111,10 @@ def build_t5_tokenizer(words=WORDS, max_length: int = 512):
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
-def build_gemma_tokenizer(words=WORDS, max_length: int = 300):
+def build_gemma_tokenizer(words=WORDS, max_length: int = 300, add_bos: bool = False):
     """A Gemma (BPE) tokenizer over single characters, with merges that make each of ``words`` (after the ``▁`` that
-    marks a word start) one token."""
+    marks a word start) one token; ``add_bos``: every text starts with ``<bos>``, as Gemma's own tokenizers do (an
+    empty prompt is then one token, not none)."""
     from transformers import GemmaTokenizer
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
@@ -128,7 +129,7 @@ def build_gemma_tokenizer(words=WORDS, max_length: int = 300):
             joined = pieces[0] + pieces[1]
             vocab.setdefault(joined, len(vocab))
             pieces = [joined] + pieces[2:]
-    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length, add_bos_token=add_bos)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,18 +247,20 @@ class Kit:
         """(vocab, merges) of a byte-level BPE knowing ``specials`` and :data:`WORDS` plus ``words`` (:func:`byte_bpe`)."""
         return byte_bpe(specials, tuple(WORDS) + tuple(words))
 
-    def gemma_tokenizer(self, max_length: int):
-        return build_gemma_tokenizer(max_length=max_length)
+    def gemma_tokenizer(self, max_length: int, add_bos: bool = False):
+        return build_gemma_tokenizer(max_length=max_length, add_bos=add_bos)
 
-    def gemma2_text_encoder(self, arch) -> dict:
-        """``text_encoder`` (a Gemma-2 of ``arch.t5``'s sizes) and its ``tokenizer``, as Sana's and Lumina 2's
-        pipelines take them."""
+    def gemma2_text_encoder(self, arch, generation: str = "Gemma2", add_bos: bool = False) -> dict:
+        """``text_encoder`` (a Gemma-2 of ``arch.t5``'s sizes; ``generation="Gemma"``: a Gemma) and its
+        ``tokenizer`` (``add_bos``: :func:`build_gemma_tokenizer`), as Sana's, Lumina 2's and Lumina-Next's pipelines
+        take them."""
         import transformers
 
-        tokenizer = self.gemma_tokenizer(arch.max_sequence_length)
-        config = transformers.Gemma2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                           max_position_embeddings=8192, attn_implementation="eager", **arch.t5)
-        return dict(text_encoder=self.make(transformers.Gemma2Model, config, 3), tokenizer=tokenizer)
+        tokenizer = self.gemma_tokenizer(arch.max_sequence_length, add_bos)
+        config = getattr(transformers, f"{generation}Config")(
+            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, max_position_embeddings=8192,
+            attn_implementation="eager", **arch.t5)
+        return dict(text_encoder=self.make(getattr(transformers, f"{generation}Model"), config, 3), tokenizer=tokenizer)
 
     def clip_config(self, tokenizer, cfg: dict):
         import transformers
@@ -297,7 +300,10 @@ def build_pipeline(arch: Arch | str, seed: int = 0, device: str | torch.device =
         cls = getattr(diffusers, arch.transformer_class)
         components["transformer_2"] = kit.make(cls, arch.transformer_2, 5)
     scheduler = getattr(diffusers, arch.scheduler_class)(**arch.scheduler)
-    return getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
+    pipe = getattr(diffusers, arch.pipeline)(scheduler=scheduler, **components, **arch.pipeline_config)
+    # pipeline config the class keeps unsaved (DiT's id2label) goes to model_index.json, as released checkpoints have it
+    pipe.register_to_config(**{k: v for k, v in arch.pipeline_config.items() if k not in pipe.config})
+    return pipe
 
 
 def write_lora(model_dir: str | os.PathLike, rank: int, out_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, int]:

@@ -23,7 +23,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   register, transformer_only)
+                   register)
 
 
 class AceStepSequenceParallelProcessor:
@@ -77,13 +77,18 @@ def ace_step_layout(config: dict, height: int, width: int, frames: int, text_tok
 ACE_STEP = SynthArch(
     name="ace-step-1.5",
     description="ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value heads x 128, "
-                "sliding windows of 128), the transformer alone",
+                "sliding windows of 128), its condition encoder, a one-layer Qwen3 of Qwen3-Embedding-0.6B's width, an "
+                "Oobleck VAE of 64 channels",
     pipeline="AceStepPipeline",
     transformer_class="AceStepTransformer1DModel",
     transformer=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
                      num_key_value_heads=8, head_dim=128, in_channels=192, audio_acoustic_hidden_dim=64, patch_size=2,
                      sliding_window=128),
-    vae={}, clip={}, t5={},
+    vae=dict(decoder_input_channels=64),  # AutoencoderOobleck's defaults otherwise
+    clip={},
+    t5=dict(hidden_size=1024, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=128),
+    extra=dict(condition_encoder=dict(text_hidden_dim=1024)),  # AceStepConditionEncoder's defaults otherwise
     scheduler=dict(num_train_timesteps=1000),
     default_dtype="bfloat16",
     default_size=(1, 1500),
@@ -95,11 +100,38 @@ ACE_STEP = SynthArch(
 ACE_STEP_TINY = dataclasses.replace(
     ACE_STEP, name="ace-step-tiny",
     description="ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads x 8, windows of 16; "
-                "the transformer alone",
+                "its pipeline test's condition encoder, Qwen3 and Oobleck VAE",
     transformer=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8, patch_size=2,
                      rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=16),
+    vae=dict(encoder_hidden_size=6, downsampling_ratios=[1, 2], decoder_channels=3, decoder_input_channels=8,
+             audio_channels=2, channel_multiples=[2, 4], sampling_rate=4),
+    t5=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8),
+    extra=dict(condition_encoder=dict(hidden_size=32, intermediate_size=64, text_hidden_dim=32, timbre_hidden_dim=8,
+                                      num_lyric_encoder_hidden_layers=2, num_timbre_encoder_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                                      sliding_window=16)),
     default_dtype="float32", default_size=(1, 16), max_sequence_length=16)
+
+def ace_step_components(arch: SynthArch, kit) -> dict:
+    """AceStepPipeline's other components: the Oobleck VAE (``arch.vae``), a Qwen3 text model (``arch.t5``; the lyrics
+    go through its embedding only) with a local Qwen2 tokenizer, and the condition encoder (``arch.extra``). No audio
+    tokenizer or detokenizer (optional: cover and repaint tasks)."""
+    import diffusers
+    import transformers
+    from diffusers.pipelines.ace_step.modeling_ace_step import AceStepConditionEncoder
+
+    from .qwenimage import qwen_tokenizer
+
+    tokenizer = qwen_tokenizer(kit)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                      max_position_embeddings=4096, **arch.t5)
+    return dict(vae=kit.make(diffusers.AutoencoderOobleck, arch.vae, 1), tokenizer=tokenizer,
+                text_encoder=kit.make(transformers.Qwen3Model, config, 3),
+                condition_encoder=kit.make(AceStepConditionEncoder, arch.extra["condition_encoder"], 2),
+                audio_tokenizer=None, audio_token_detokenizer=None)
+
 
 ACE_STEP_ADAPTER = register(
     ModelAdapter(
@@ -126,7 +158,7 @@ ACE_STEP_ADAPTER = register(
         out_channels=lambda model: model.config.audio_acoustic_hidden_dim,
         pipelines=("AceStepPipeline",),
         synth_archs=(ACE_STEP_TINY, ACE_STEP),
-        synth_components=transformer_only("ACE-Step", "its condition encoder, Qwen3 text model and audio VAE"),
+        synth_components=ace_step_components,
         pp_refusal="ACE-Step's layers carry one sequence split where they start and gathered where they end, under a "
                    "band mask PipeFusion does not take",
     )

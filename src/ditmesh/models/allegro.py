@@ -33,8 +33,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb_allegro
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent)
-from .ltx import vae_and_t5
+                   TensorPlan, register, spatial_latent, vae_and_t5)
 from .pixart import PixArtSequenceParallelProcessor
 
 

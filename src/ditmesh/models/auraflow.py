@@ -22,7 +22,8 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
+                   TensorPlan, register, spatial_latent, vae_and_t5)
+from .pixart import _SDXL_VAE
 
 
 class AuraFlowSequenceParallelProcessor:
@@ -94,13 +95,14 @@ AURAFLOW_TENSOR_PLAN = TensorPlan(
 AURAFLOW = SynthArch(
     name="auraflow",
     description="AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads x 256, text "
-                "width 2048), the transformer alone",
+                "width 2048), the SDXL VAE, a one-layer UMT5 of Pile-T5-XL's width",
     pipeline="AuraFlowPipeline",
     transformer_class="AuraFlowTransformer2DModel",
     transformer=dict(sample_size=64, patch_size=2, in_channels=4, num_mmdit_layers=4, num_single_dit_layers=32,
                      attention_head_dim=256, num_attention_heads=12, joint_attention_dim=2048,
                      caption_projection_dim=3072, out_channels=4, pos_embed_max_size=1024),
-    vae={}, clip={}, t5={},
+    vae=_SDXL_VAE, clip={},
+    t5=dict(d_model=2048, d_kv=64, d_ff=1024, num_layers=1, num_heads=32),
     scheduler=dict(num_train_timesteps=1000, shift=1.73),
     default_dtype="bfloat16",
     max_sequence_length=256,
@@ -110,11 +112,13 @@ AURAFLOW = SynthArch(
 #: block, 4 heads of 8, text width 32
 AURAFLOW_TINY = dataclasses.replace(
     AURAFLOW, name="auraflow-tiny",
-    description="AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x 8, text width 32; the "
-                "transformer alone",
+    description="AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x 8, text width 32; a "
+                "tiny VAE and UMT5",
     transformer=dict(sample_size=32, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
                      attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
                      out_channels=4, pos_embed_max_size=256),
+    vae=dict(_SDXL_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    t5=dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
@@ -149,6 +153,6 @@ AURAFLOW_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("AuraFlowPipeline",),
         synth_archs=(AURAFLOW_TINY, AURAFLOW),
-        synth_components=transformer_only("AuraFlow", "UMT5 and the SDXL VAE"),
+        synth_components=vae_and_t5("AutoencoderKL", "UMT5EncoderModel", "UMT5Config"),
     )
 )

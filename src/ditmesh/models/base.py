@@ -377,6 +377,23 @@ def transformer_only(family: str, missing: str) -> Callable:
     return components
 
 
+def vae_and_t5(vae_class: str, encoder: str = "T5EncoderModel", config_class: str = "T5Config") -> Callable:
+    """``synth_components`` of a pipeline whose other components are a VAE of the diffusers class ``vae_class``
+    (``arch.vae``) and a T5-shaped text encoder (the transformers class ``encoder`` of config ``config_class``, sized by
+    ``arch.t5``) with a locally built T5 tokenizer: the LTX pipelines, AllegroPipeline (T5), AuraFlowPipeline (UMT5)."""
+
+    def components(arch: SynthArch, kit) -> dict:
+        import diffusers
+        import transformers
+
+        t5_tok = kit.t5_tokenizer(arch.max_sequence_length)
+        config = kit.t5_config(t5_tok, arch.t5, getattr(transformers, config_class))
+        return dict(vae=kit.make(getattr(diffusers, vae_class), arch.vae, 1),
+                    text_encoder=kit.make(getattr(transformers, encoder), config, 3), tokenizer=t5_tok)
+
+    return components
+
+
 # -- image-conditioned pipelines ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ImagePipeline:
@@ -499,6 +516,11 @@ class ModelAdapter:
     #: () -> None, called once its pipeline is loaded for ``generate``: makes up for what the diffusers pipeline expects
     #: of the environment (WanVACEPipeline cleans prompts with ``ftfy`` whether or not it is installed); None: nothing
     pipeline_setup: Callable | None = None
+    #: (pipeline, its call's kwargs from generate's options, not yet cut to those the pipeline takes) -> the kwargs it
+    #: is called with, where the family's pipeline takes what the options do not name (DiT: classes named by the
+    #: prompts; Ideogram 4: a constant ``guidance_scale`` in place of its per-step schedule); ValueError (one line)
+    #: for options it cannot take. None: the options' kwargs as they are
+    call_arguments: Callable | None = None
     #: its image-conditioned pipelines (``generate --image``), the default without a mask first, then with one
     image_pipelines: tuple[ImagePipeline, ...] = ()
     #: (transformer, ParallelConfig) -> why this checkpoint cannot run exactly under that configuration (one line naming

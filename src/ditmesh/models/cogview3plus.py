@@ -17,8 +17,9 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch, register,
-                   spatial_latent, transformer_only)
+                   spatial_latent, vae_and_t5)
 from .cogvideox import COGVIDEOX_TENSOR_PLAN, CogVideoXSequenceParallelProcessor
+from .flux import FLUX_VAE
 
 
 def cogview3plus_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
@@ -40,17 +41,26 @@ def cogview3plus_layout(config: dict, height: int, width: int, frames: int, text
     return Layout(image, text_tokens, image + text_tokens, (config.get("in_channels", 16), lh, lw))
 
 
+#: the 16-channel AutoencoderKL CogView3-Plus decodes with (no latent shift, no quant convs)
+_VAE = dict(FLUX_VAE, scaling_factor=1.0, shift_factor=None)
+#: the v-prediction DDIM scheduler CogView3-Plus-3B ships (zero terminal SNR, trailing timesteps)
+_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                  prediction_type="v_prediction", rescale_betas_zero_snr=True, snr_shift_scale=4.0,
+                  timestep_spacing="trailing", clip_sample=False, set_alpha_to_one=True)
+
 COGVIEW3PLUS = SynthArch(
     name="cogview3plus",
-    description="CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40, text width 4096), the "
-                "transformer alone",
+    description="CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40, text width 4096), a "
+                "16-channel AutoencoderKL, a one-layer T5-XXL-wide encoder",
     pipeline="CogView3PlusPipeline",
     transformer_class="CogView3PlusTransformer2DModel",
     transformer=dict(patch_size=2, in_channels=16, num_layers=30, attention_head_dim=40, num_attention_heads=64,
                      out_channels=16, text_embed_dim=4096, time_embed_dim=512, condition_dim=256,
                      pos_embed_max_size=128, sample_size=128),
-    vae={}, clip={}, t5={},
-    scheduler=dict(num_train_timesteps=1000),
+    vae=_VAE, clip={},
+    t5=dict(d_model=4096, d_kv=64, d_ff=1024, num_layers=1, num_heads=8),
+    scheduler=_SCHEDULER,
+    scheduler_class="CogVideoXDDIMScheduler",
     default_dtype="bfloat16",
     max_sequence_length=224,
 )
@@ -59,11 +69,14 @@ COGVIEW3PLUS = SynthArch(
 #: heads of 4, text width 8, positions for up to 8 x 8 patches
 COGVIEW3PLUS_TINY = dataclasses.replace(
     COGVIEW3PLUS, name="cogview3plus-tiny",
-    description="CogView3-Plus at diffusers' test configuration: 2 blocks, 2 heads x 4, text width 8; the transformer "
-                "alone",
+    description="CogView3-Plus at diffusers' test configuration: 2 blocks, 2 heads x 4, text width 8; a tiny VAE and "
+                "T5",
     transformer=dict(patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=2,
                      out_channels=4, text_embed_dim=8, time_embed_dim=8, condition_dim=2, pos_embed_max_size=8,
                      sample_size=8),
+    vae=dict(_VAE, latent_channels=4, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8,
+             sample_size=64),
+    t5=dict(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
@@ -96,6 +109,6 @@ COGVIEW3PLUS_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("CogView3PlusPipeline",),
         synth_archs=(COGVIEW3PLUS_TINY, COGVIEW3PLUS),
-        synth_components=transformer_only("CogView3-Plus", "T5-XXL and its VAE"),
+        synth_components=vae_and_t5("AutoencoderKL"),
     )
 )

@@ -24,7 +24,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, spatial_latent, temporal_latent)
+                   SynthArch, TensorPlan, register, spatial_latent, temporal_latent, transformer_only)
 
 
 class CosmosSequenceParallelProcessor(SequenceProcessor):
@@ -151,6 +151,8 @@ COSMOS = register(
         pipelines=("CosmosTextToWorldPipeline", "CosmosVideoToWorldPipeline", "Cosmos2TextToImagePipeline",
                    "Cosmos2VideoToWorldPipeline", "Cosmos2_5_PredictBasePipeline", "Cosmos2_5_TransferPipeline"),
         synth_archs=(COSMOS_7B, COSMOS_TINY),
+        synth_components=transformer_only("Cosmos", "NVIDIA's cosmos_guardrail safety checker, which its pipelines "
+                                                    "build whenever none is given: a package and downloaded weights"),
         pp_refusal="its blocks take the per-token modulation whole from forward, cut per block; PipeFusion is not "
                    "tested on it",
     )

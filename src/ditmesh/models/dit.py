@@ -15,8 +15,8 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
-from .pixart import PixArtSequenceParallelProcessor
+                   TensorPlan, register, spatial_latent)
+from .pixart import _SDXL_VAE, PixArtSequenceParallelProcessor
 
 
 def dit_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
@@ -43,13 +43,13 @@ def dit_layout(config: dict, height: int, width: int, frames: int, text_tokens: 
 
 DIT_XL = SynthArch(
     name="dit-xl-2-256",
-    description="DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer alone",
+    description="DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the SD VAE; classes by id",
     pipeline="DiTPipeline",
     transformer_class="DiTTransformer2DModel",
     transformer=dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28,
                      activation_fn="gelu-approximate", attention_bias=True, norm_type="ada_norm_zero",
                      num_embeds_ada_norm=1000, patch_size=2, sample_size=32),
-    vae={}, clip={}, t5={},
+    vae=dict(_SDXL_VAE, scaling_factor=0.18215), clip={}, t5={},
     scheduler=dict(num_train_timesteps=1000),
     scheduler_class="DDIMScheduler",
     default_dtype="float16",
@@ -61,10 +61,40 @@ DIT_XL = SynthArch(
 #: 8 classes, an 8 x 8 latent
 DIT_TINY = dataclasses.replace(
     DIT_XL, name="dit-tiny",
-    description="DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes; the transformer alone",
+    description="DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes (named cat, dog, tree, house, "
+                "car, flower, mountain, sea); a tiny VAE; no CFG (the pipeline's null class is 1000)",
     transformer=dict(DIT_XL.transformer, num_attention_heads=2, attention_head_dim=4, num_layers=1,
                      num_embeds_ada_norm=8, sample_size=8),
+    vae=dict(DIT_XL.vae, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    # the class names the pipeline maps prompts to (written to model_index.json as DiT checkpoints have them)
+    pipeline_config=dict(id2label=dict(enumerate("cat dog tree house car flower mountain sea".split()))),
     default_dtype="float32", default_size=(64, 64))
+
+def dit_components(arch: SynthArch, kit) -> dict:
+    """DiTPipeline's other component: the SD VAE (``arch.vae``); no text encoder (it generates classes)."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1))
+
+
+def dit_call_arguments(pipe, kwargs: dict) -> dict:
+    """DiTPipeline's call: each prompt is a class, by a name the checkpoint's ``id2label`` knows or by its id; CFG
+    (``--guidance`` > 1) adds the null class 1000, which a checkpoint of fewer classes does not have."""
+    classes = pipe.transformer.config.num_embeds_ada_norm
+    prompts = kwargs.pop("prompt")
+    labels = []
+    for prompt in [prompts] if isinstance(prompts, str) else prompts:
+        label = pipe.labels.get(prompt.strip(), int(prompt) if prompt.strip().isdigit() else None)
+        if label is None or not 0 <= label < classes:
+            known = f"a class name it knows ({', '.join(list(pipe.labels)[:4])}, ...) or " if pipe.labels else ""
+            raise ValueError(f"--prompt {prompt!r}: DiT generates one of its {classes} classes; give {known}a class "
+                             f"id from 0 to {classes - 1}")
+        labels.append(label)
+    if kwargs.get("guidance_scale", 1) > 1 and classes < 1001:
+        raise ValueError(f"--guidance {kwargs['guidance_scale']}: DiTPipeline's CFG uses the null class 1000, and this "
+                         f"checkpoint has {classes} classes; use --guidance 1")
+    return dict(kwargs, class_labels=labels)
+
 
 DIT_ADAPTER = register(
     ModelAdapter(
@@ -97,6 +127,7 @@ DIT_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("DiTPipeline",),
         synth_archs=(DIT_TINY, DIT_XL),
-        synth_components=transformer_only("DiT", "ImageNet's class labels instead of a prompt"),
+        synth_components=dit_components,
+        call_arguments=dit_call_arguments,
     )
 )

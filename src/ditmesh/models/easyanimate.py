@@ -76,8 +76,8 @@ EASYANIMATE_TENSOR_PLAN = TensorPlan(
 # -- synthetic architectures ---------------------------------------------------------------------------------
 EASYANIMATE_V5 = SynthArch(
     name="easyanimate-v5.1-12b",
-    description="EasyAnimateV5.1-12B transformer (48 blocks, 48 heads x 64, MMDiT text projections throughout); the "
-                "transformer alone",
+    description="EasyAnimateV5.1-12B transformer (48 blocks, 48 heads x 64, MMDiT text projections throughout), the "
+                "Magvit VAE, a two-layer Qwen2-VL of Qwen2-VL-7B's width",
     pipeline="EasyAnimatePipeline",
     transformer_class="EasyAnimateTransformer3DModel",
     transformer=dict(num_attention_heads=48, attention_head_dim=64, in_channels=16, out_channels=16, patch_size=2,
@@ -85,9 +85,13 @@ EASYANIMATE_V5 = SynthArch(
                      mmdit_layers=48, time_position_encoding_type="3d_rope", timestep_activation_fn="silu",
                      after_norm=False, resize_inpaint_mask_directly=True, enable_text_attention_mask=True,
                      add_noise_in_inpaint_model=True),
-    vae={},
+    vae={},  # AutoencoderKLMagvit's defaults: EasyAnimate's VAE
     clip={},
-    t5={},
+    # two layers: the pipeline reads the last hidden state but one
+    t5=dict(text=dict(hidden_size=3584, intermediate_size=64, num_hidden_layers=2, num_attention_heads=28,
+                      num_key_value_heads=4, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                           "type": "default"}),
+            vision=dict(depth=1, embed_dim=32, hidden_size=3584, num_heads=2)),
     scheduler={},
     default_dtype="bfloat16",
     default_size=(512, 512),
@@ -99,16 +103,38 @@ EASYANIMATE_V5 = SynthArch(
 EASYANIMATE_TINY = dataclasses.replace(
     EASYANIMATE_V5,
     name="easyanimate-tiny",
-    description="EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 heads x 16); the "
-                "transformer alone",
+    description="EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 heads x 16), a tiny "
+                "Magvit VAE (diffusers' pipeline test's) and Qwen2-VL",
     transformer=dict(attention_head_dim=16, num_attention_heads=2, in_channels=4, mmdit_layers=2, num_layers=2,
                      out_channels=4, patch_size=2, sample_height=60, sample_width=90, text_embed_dim=16,
                      time_embed_dim=8, time_position_encoding_type="3d_rope", timestep_activation_fn="silu"),
+    vae=dict(block_out_channels=[8, 8, 8, 8], latent_channels=4, layers_per_block=1, norm_num_groups=2,
+             spatial_group_norm=False),
+    t5=dict(text=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default",
+                                                         "type": "default"}),
+            vision=dict(depth=1, embed_dim=16, hidden_size=16, num_heads=2)),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=16,
     default_frames=5,
 )
+
+def easyanimate_components(arch: SynthArch, kit) -> dict:
+    """EasyAnimatePipeline's other components: AutoencoderKLMagvit (``arch.vae``) and a Qwen2-VL text encoder with a
+    local Qwen2 tokenizer and chat template (EasyAnimate V5.1's; V5's BERT and T5 pair is not built)."""
+    import diffusers
+
+    from .qwenimage import qwen25vl_text_encoder
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLMagvit, arch.vae, 1), **qwen25vl_text_encoder(arch, kit, "Qwen2VL"))
+
+
+def easyanimate_call_arguments(pipe, kwargs: dict) -> dict:
+    """An empty negative prompt unless one is given: EasyAnimatePipeline iterates over its negative prompt under CFG,
+    a missing one too (the other pipelines take a missing one as empty)."""
+    return {"negative_prompt": "", **kwargs}
+
 
 EASYANIMATE = register(
     ModelAdapter(
@@ -139,6 +165,8 @@ EASYANIMATE = register(
         fps=8,
         pipelines=("EasyAnimatePipeline", "EasyAnimateControlPipeline", "EasyAnimateInpaintPipeline"),
         synth_archs=(EASYANIMATE_V5, EASYANIMATE_TINY),
+        synth_components=easyanimate_components,
+        call_arguments=easyanimate_call_arguments,
         unsupported=easyanimate_unsupported,
         pp_refusal="PipeFusion is not tested on it",
     )

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, replace_forward, spatial_latent, transformer_only)
+                   TensorPlan, register, replace_forward, spatial_latent)
 
 
 class ErnieImageSequenceParallelProcessor:
@@ -87,12 +87,17 @@ def ernie_image_meta_trace(model: torch.nn.Module):
 ERNIE_IMAGE = SynthArch(
     name="ernie-image",
     description="ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN 8192, text width 2560), "
-                "the transformer alone",
+                "FLUX.2's VAE, a two-layer Mistral 3 of Ministral-3-3B's width (no prompt enhancer)",
     pipeline="ErnieImagePipeline",
     transformer_class="ErnieImageTransformer2DModel",
     transformer=dict(hidden_size=3072, num_attention_heads=24, num_layers=24, ffn_hidden_size=8192, in_channels=128,
                      out_channels=128, patch_size=1, text_in_dim=2560),
-    vae={}, clip={}, t5={},
+    vae={},  # AutoencoderKLFlux2's defaults are FLUX.2's VAE
+    clip={},
+    # two layers: the pipeline reads the last hidden state but one
+    t5=dict(text=dict(hidden_size=2560, intermediate_size=64, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128),
+            vision=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8)),
     scheduler=dict(num_train_timesteps=1000, shift=3.0),
     default_dtype="bfloat16",
     max_sequence_length=512,
@@ -102,11 +107,35 @@ ERNIE_IMAGE = SynthArch(
 #: 16-wide head, RoPE axes 8 + 4 + 4
 ERNIE_IMAGE_TINY = dataclasses.replace(
     ERNIE_IMAGE, name="ernie-image-tiny",
-    description="ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text width 16; the transformer "
-                "alone",
+    description="ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text width 16; a tiny FLUX.2 VAE "
+                "and Mistral 3",
     transformer=dict(hidden_size=16, num_attention_heads=1, num_layers=1, ffn_hidden_size=16, in_channels=16,
                      out_channels=16, patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=[8, 4, 4]),
+    vae=dict(block_out_channels=[4, 4, 4, 4], layers_per_block=1, latent_channels=4, norm_num_groups=2),
+    t5=dict(text=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8),
+            vision=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8)),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+
+def ernie_image_components(arch: SynthArch, kit) -> dict:
+    """ErnieImagePipeline's other components: AutoencoderKLFlux2 (``arch.vae``) and a Mistral 3 (``arch.t5``: a
+    Mistral text model and a Pixtral vision tower the pipeline does not call) with a local byte-level BPE tokenizer. No
+    prompt enhancer (``pe``, optional): the pipeline then encodes the prompt as given."""
+    import diffusers
+    import transformers
+
+    specials = ("<unk>", "<s>", "</s>", "<pad>")
+    vocab, merges = kit.byte_bpe(specials)
+    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>",
+                                            eos_token="</s>", pad_token="<pad>")
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    config = transformers.Mistral3Config(text_config=dict(model_type="mistral", **arch.t5["text"], **ids),
+                                         vision_config=dict(model_type="pixtral", image_size=28, patch_size=14,
+                                                            **arch.t5["vision"]), spatial_merge_size=1)
+    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), tokenizer=tokenizer,
+                text_encoder=kit.make(transformers.Mistral3Model, config, 3), pe=None, pe_tokenizer=None)
 
 
 ERNIE_IMAGE_ADAPTER = register(
@@ -143,7 +172,7 @@ ERNIE_IMAGE_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("ErnieImagePipeline",),
         synth_archs=(ERNIE_IMAGE_TINY, ERNIE_IMAGE),
-        synth_components=transformer_only("ERNIE-Image", "a Mistral 3 text encoder and FLUX.2's VAE"),
+        synth_components=ernie_image_components,
         meta_trace=ernie_image_meta_trace,
         pp_refusal="ERNIE-Image's blocks carry one sequence-first [image, text] sequence whose key mask PipeFusion "
                    "does not take",

@@ -22,8 +22,7 @@ import inspect
 
 import torch
 
-from .base import (AttentionSelector, BlockList, ModelAdapter, SequencePlan, Split, SynthArch, TensorPlan, register,
-                   transformer_only)
+from .base import AttentionSelector, BlockList, ModelAdapter, SequencePlan, Split, SynthArch, TensorPlan, register
 from .flux import FLUX, FLUX_DEV, FLUX_SCHEDULER, FLUX_TENSOR_PLAN, _FLUX_TINY, flux_components, flux_image_ids
 
 #: the split points of every FLUX-shaped family: text and image tokens and their ids, each on its own stream (the ids
@@ -128,6 +127,22 @@ def _t5_components(arch: SynthArch, kit) -> dict:
     parts = flux_components(arch, kit)
     return dict(vae=parts["vae"], text_encoder=parts["text_encoder_2"], tokenizer=parts["tokenizer_2"],
                 image_encoder=None, feature_extractor=None)
+
+
+def _smollm3_components(arch: SynthArch, kit) -> dict:
+    """BriaFiboPipeline's other components: the Wan 2.2 VAE (``arch.vae``) and a SmolLM3 (``arch.t5``) with a local
+    byte-level BPE tokenizer. The model keeps SmolLM3's 128,256-row vocabulary: the pipeline encodes an empty prompt as
+    token 128000 (SmolLM3's ``<|begin_of_text|>``) whatever the tokenizer."""
+    import diffusers
+    import transformers
+
+    vocab, merges = kit.byte_bpe(("<|end_of_text|>",))
+    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges, pad_token="<|end_of_text|>",
+                                            eos_token="<|end_of_text|>", unk_token=None)
+    config = transformers.SmolLM3Config(vocab_size=128256, pad_token_id=tokenizer.pad_token_id, bos_token_id=128000,
+                                        eos_token_id=tokenizer.eos_token_id, attn_implementation="eager", **arch.t5)
+    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), tokenizer=tokenizer,
+                text_encoder=kit.make(transformers.SmolLM3ForCausalLM, config, 3))
 
 
 _QWEN25VL_TINY = dict(text=dict(hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -244,16 +259,24 @@ FIBO_PLAN = dataclasses.replace(
     inputs={"": dict(FLUX_LIKE_PLAN.inputs[""], text_encoder_layers=Split(dim=1, stream="text", ndim=3))},
 )
 
+#: the Wan 2.2 VAE (48 latent channels, 2x2 patches: 16x), with normalization statistics 0 and 1 (random weights have
+#: none of their own)
+_WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                  patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48,
+                  latents_std=[1.0] * 48)
+
 BRIA_FIBO = SynthArch(
     name="bria-fibo",
     description="Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads x 128, text "
-                "width 4096, text-encoder layers 2048 wide), the transformer alone",
+                "width 4096, text-encoder layers 2048 wide), the Wan 2.2 VAE, a two-layer SmolLM3 of SmolLM3-3B's width",
     pipeline="BriaFiboPipeline",
     transformer_class="BriaFiboTransformer2DModel",
     transformer=dict(patch_size=1, in_channels=48, num_layers=19, num_single_layers=38, attention_head_dim=128,
                      num_attention_heads=24, joint_attention_dim=4096, text_encoder_dim=2048,
                      axes_dims_rope=[16, 56, 56]),
-    vae={}, clip={}, t5={},
+    vae=_WAN22_VAE, clip={},
+    t5=dict(hidden_size=2048, intermediate_size=64, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4),
     scheduler=BRIA.scheduler,
     default_dtype="bfloat16",
     max_sequence_length=512,
@@ -262,9 +285,11 @@ BRIA_FIBO = SynthArch(
 BRIA_FIBO_TINY = dataclasses.replace(
     BRIA_FIBO, name="bria-fibo-tiny",
     description="Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 single block, 2 heads x 8, "
-                "text width 64, text-encoder layers 32 wide), the transformer alone",
+                "text width 64, text-encoder layers 32 wide), a tiny Wan 2.2 VAE and SmolLM3",
     transformer=dict(patch_size=1, in_channels=48, num_layers=1, num_single_layers=1, attention_head_dim=8,
                      num_attention_heads=2, joint_attention_dim=64, text_encoder_dim=32, axes_dims_rope=[0, 4, 4]),
+    vae=dict(_WAN22_VAE, base_dim=8, decoder_base_dim=8, num_res_blocks=1),
+    t5=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
@@ -272,7 +297,7 @@ BRIA_FIBO_ADAPTER = register(flux_like(
     "bria-fibo", "BriaFiboTransformer2DModel",
     AttentionSelector(class_names=("BriaFiboAttention",), paths=("single_transformer_blocks.*.attn",)),
     "BriaFiboPipeline", (BRIA_FIBO_TINY, BRIA_FIBO),
-    transformer_only("Bria FIBO", "a SmolLM3 encoder of a 128001-token vocabulary and the Wan 2.2 VAE"),
+    _smollm3_components,
     batched_cfg=True,
     batch_inputs=("hidden_states", "encoder_hidden_states", "text_encoder_layers", "timestep", "guidance",
                   "joint_attention_kwargs"),

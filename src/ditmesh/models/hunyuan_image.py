@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from .base import (Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent, transformer_only)
+from .base import Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent
+from .hunyuan_variants import byt5_encoder
 from .hunyuan_video import HUNYUAN_VIDEO_ADAPTER
 
 
@@ -68,13 +69,22 @@ def hunyuan_image_meta_trace(model: torch.nn.Module):
 HUNYUAN_IMAGE = SynthArch(
     name="hunyuan-image-2.1",
     description="HunyuanImage 2.1 transformer (20 dual + 40 single blocks, 28 heads x 128, 2 refiner blocks, text width "
-                "3584, ByT5 glyph stream 1472), the transformer alone",
+                "3584, ByT5 glyph stream 1472), its 32x VAE, a three-layer Qwen2.5-VL of Qwen2.5-VL-7B's width, a one-layer "
+                "ByT5-small, the adaptive projected guider",
     pipeline="HunyuanImagePipeline",
     transformer_class="HunyuanImageTransformer2DModel",
     transformer=dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128, num_layers=20,
                      num_single_layers=40, num_refiner_layers=2, patch_size=[1, 1], text_embed_dim=3584,
                      text_embed_2_dim=1472, rope_axes_dim=[64, 64], guidance_embeds=False),
-    vae={}, clip={}, t5={},
+    vae=dict(in_channels=3, out_channels=3, latent_channels=64, block_out_channels=[128, 256, 512, 512, 1024, 1024],
+             layers_per_block=2, spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289),
+    clip={},
+    # three layers: the pipeline reads the hidden state two layers before the last
+    t5=dict(text=dict(hidden_size=3584, intermediate_size=64, num_hidden_layers=3, num_attention_heads=28,
+                      num_key_value_heads=4, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                           "type": "default"}),
+            vision=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=3584)),
+    extra=dict(byt5=dict(d_model=1472, d_kv=64, d_ff=64, num_layers=1, num_heads=6)),
     scheduler=dict(num_train_timesteps=1000, shift=4.0),
     default_dtype="bfloat16",
     default_size=(2048, 2048),
@@ -85,11 +95,30 @@ HUNYUAN_IMAGE = SynthArch(
 HUNYUAN_IMAGE_TINY = dataclasses.replace(
     HUNYUAN_IMAGE, name="hunyuan-image-tiny",
     description="HunyuanImage 2.1 shrunk for CPU tests: 2 dual + 2 single blocks, 1 refiner block, 4 heads x 16, a "
-                "24-wide glyph stream; the transformer alone",
+                "24-wide glyph stream; a tiny 32x VAE, Qwen2.5-VL and ByT5",
     transformer=dict(HUNYUAN_IMAGE.transformer, in_channels=4, out_channels=4, num_attention_heads=4,
                      attention_head_dim=16, num_layers=2, num_single_layers=2, num_refiner_layers=1, text_embed_dim=32,
                      text_embed_2_dim=24, rope_axes_dim=[8, 8]),
+    vae=dict(HUNYUAN_IMAGE.vae, latent_channels=4, block_out_channels=[32] * 6, layers_per_block=1, sample_size=128),
+    t5=dict(text=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=2, rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default",
+                                                         "type": "default"}),
+            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
+    extra=dict(byt5=dict(d_model=24, d_kv=8, d_ff=32, num_layers=1, num_heads=3)),
     default_dtype="float32", default_size=(128, 128), max_sequence_length=32)
+
+
+def hunyuan_image_components(arch: SynthArch, kit) -> dict:
+    """HunyuanImagePipeline's other components: AutoencoderKLHunyuanImage (``arch.vae``), a Qwen2.5-VL (``arch.t5``)
+    with a local Qwen2 tokenizer, a ByT5 glyph encoder (``arch.extra["byt5"]``) and the adaptive projected guider at
+    its defaults (CFG 3.5: two transformer calls a step). No OCR guider (optional): prompts with quoted text take the
+    same guider."""
+    import diffusers
+
+    from .qwenimage import qwen25vl_text_encoder
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLHunyuanImage, arch.vae, 1), **qwen25vl_text_encoder(arch, kit),
+                **byt5_encoder(arch, kit), guider=diffusers.AdaptiveProjectedMixGuidance(), ocr_guider=None)
 
 
 HUNYUAN_IMAGE_ADAPTER = register(dataclasses.replace(
@@ -116,7 +145,7 @@ HUNYUAN_IMAGE_ADAPTER = register(dataclasses.replace(
     fps=16,
     pipelines=("HunyuanImagePipeline", "HunyuanImageRefinerPipeline"),
     synth_archs=(HUNYUAN_IMAGE_TINY, HUNYUAN_IMAGE),
-    synth_components=transformer_only("HunyuanImage", "Qwen2.5-VL, ByT5, its 32x VAE and guiders"),
+    synth_components=hunyuan_image_components,
     unsupported=None,
     meta_trace=hunyuan_image_meta_trace,
     pp_refusal="HunyuanImage's attention always takes the padded-text key mask, which PipeFusion does not take",

@@ -25,9 +25,10 @@ import dataclasses
 
 import torch
 
-from .base import (AttentionSelector, Gather, Layout, SequencePlan, Split, SynthArch, TensorPlan, register,
+from .base import (AttentionSelector, Gather, ImagePipeline, Layout, SequencePlan, Split, SynthArch, TensorPlan, register,
                    spatial_latent, temporal_latent, token_range)
-from .hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO_ADAPTER, HunyuanVideoSequenceParallelProcessor
+from .hunyuan_video import (HUNYUAN_VIDEO, HUNYUAN_VIDEO_ADAPTER, HUNYUAN_VIDEO_TINY, HunyuanVideoSequenceParallelProcessor,
+                            hunyuan_video_components)
 from .flux import FLUX_TENSOR_PLAN
 
 #: the pipeline's text stream beyond the Qwen prompt: ByT5 glyph tokens and SigLIP image tokens
@@ -167,13 +168,20 @@ def hunyuan_video15_components(arch: SynthArch, kit) -> dict:
     qwen = transformers.Qwen2_5_VLTextConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=tokenizer.eos_token_id, max_position_embeddings=2048,
                                              **arch.t5)
-    byt5_tokenizer = transformers.ByT5Tokenizer()
-    byt5 = transformers.T5Config(vocab_size=len(byt5_tokenizer), pad_token_id=0, eos_token_id=1,
-                                 **arch.extra["byt5"])
     return dict(vae=kit.make(diffusers.AutoencoderKLHunyuanVideo15, arch.vae, 1),
                 text_encoder=kit.make(transformers.Qwen2_5_VLTextModel, qwen, 3), tokenizer=tokenizer,
-                text_encoder_2=kit.make(transformers.T5EncoderModel, byt5, 2), tokenizer_2=byt5_tokenizer,
+                **byt5_encoder(arch, kit),
                 guider=diffusers.ClassifierFreeGuidance(guidance_scale=arch.extra["guidance_scale"]))
+
+
+def byt5_encoder(arch: SynthArch, kit) -> dict:
+    """``text_encoder_2`` (a ByT5 encoder of ``arch.extra["byt5"]``'s sizes) and ``tokenizer_2`` (ByT5's byte tokenizer,
+    which needs no vocabulary): the glyph encoder of HunyuanVideo 1.5's and HunyuanImage 2.1's pipelines."""
+    import transformers
+
+    tokenizer = transformers.ByT5Tokenizer()
+    config = transformers.T5Config(vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, **arch.extra["byt5"])
+    return dict(text_encoder_2=kit.make(transformers.T5EncoderModel, config, 2), tokenizer_2=tokenizer)
 
 HUNYUAN_VIDEO15_ADAPTER = register(dataclasses.replace(
     HUNYUAN_VIDEO_ADAPTER,
@@ -260,7 +268,8 @@ HUNYUAN_VIDEO_FRAMEPACK = dataclasses.replace(
     HUNYUAN_VIDEO,
     name="hunyuan-video-framepack",
     description="HunyuanVideo Framepack (FramePackI2V_HY) transformer (HunyuanVideo's 20 dual + 40 single blocks, "
-                "24 heads x 128, history patch embedders, SigLIP image projection); the transformer alone",
+                "24 heads x 128, history patch embedders, SigLIP image projection), HunyuanVideo's VAE, Llama and "
+                "CLIP-L, a one-layer SigLIP so400m-wide image encoder",
     pipeline="HunyuanVideoFramepackPipeline",
     transformer_class="HunyuanVideoFramepackTransformer3DModel",
     transformer=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
@@ -268,6 +277,8 @@ HUNYUAN_VIDEO_FRAMEPACK = dataclasses.replace(
                      qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
                      rope_theta=256.0, rope_axes_dim=[16, 56, 56], image_condition_type=None, has_image_proj=True,
                      image_proj_dim=1152, has_clean_x_embedder=True),
+    extra=dict(siglip=dict(hidden_size=1152, intermediate_size=64, num_hidden_layers=1, num_attention_heads=16,
+                           image_size=384, patch_size=14)),
     default_dtype="bfloat16",
     default_size=(640, 640),
     default_frames=FRAMEPACK_WINDOW,
@@ -278,15 +289,32 @@ HUNYUAN_VIDEO_FRAMEPACK_TINY = dataclasses.replace(
     HUNYUAN_VIDEO_FRAMEPACK,
     name="hunyuan-video-framepack-tiny",
     description="HunyuanVideo Framepack shrunk for CPU tests: diffusers' test config (1 dual + 1 single block, 2 "
-                "heads x 10); the transformer alone",
+                "heads x 10), a tiny HunyuanVideo VAE, Llama, CLIP and SigLIP image encoder",
     transformer=dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
                      num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
                      text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=[2, 4, 4], image_condition_type=None,
                      has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True),
+    vae=HUNYUAN_VIDEO_TINY.vae,
+    clip=dict(HUNYUAN_VIDEO_TINY.clip, hidden_size=8, intermediate_size=16, projection_dim=8),
+    t5=dict(HUNYUAN_VIDEO_TINY.t5, hidden_size=16, num_attention_heads=2, num_key_value_heads=1),
+    extra=dict(siglip=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=16)),
     default_dtype="float32",
     default_size=(64, 64),
     default_frames=3,
 )
+
+def framepack_components(arch: SynthArch, kit) -> dict:
+    """HunyuanVideoFramepackPipeline's other components: HunyuanVideo's (:func:`~.hunyuan_video.hunyuan_video_components`:
+    its VAE, a Llama text model with a local tokenizer, CLIP) and a SigLIP vision encoder (``arch.extra["siglip"]``)
+    with its image processor at the encoder's size (the torchvision-free one where torchvision is missing)."""
+    import transformers
+
+    siglip = arch.extra["siglip"]
+    size = {"height": siglip["image_size"], "width": siglip["image_size"]}
+    return dict(hunyuan_video_components(arch, kit), feature_extractor=transformers.SiglipImageProcessor(size=size),
+                image_encoder=kit.make(transformers.SiglipVisionModel, transformers.SiglipVisionConfig(**siglip), 4))
+
 
 HUNYUAN_VIDEO_FRAMEPACK_ADAPTER = register(dataclasses.replace(
     HUNYUAN_VIDEO_ADAPTER,
@@ -302,7 +330,9 @@ HUNYUAN_VIDEO_FRAMEPACK_ADAPTER = register(dataclasses.replace(
     frame_step=None,
     pipelines=("HunyuanVideoFramepackPipeline",),
     synth_archs=(HUNYUAN_VIDEO_FRAMEPACK, HUNYUAN_VIDEO_FRAMEPACK_TINY),
-    synth_components=None,
+    synth_components=framepack_components,
+    # image to video: the image is the clean frame the windows are sampled from (no strength: every run is from noise)
+    image_pipelines=(ImagePipeline("i2v", "HunyuanVideoFramepackPipeline", strength=False),),
     unsupported=None,
     pp_refusal="its attention always takes the text's key mask, which PipeFusion's attention does not take",
 ))

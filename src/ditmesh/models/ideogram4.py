@@ -24,7 +24,8 @@ from diffusers.models.transformers.transformer_ideogram4 import (IMAGE_POSITION_
                                                                   OUTPUT_IMAGE_INDICATOR, _rotate_half)
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, replace_forward, spatial_latent, transformer_only)
+                   TensorPlan, register, replace_forward, spatial_latent)
+from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class Ideogram4SequenceParallelProcessor:
@@ -93,26 +94,48 @@ def ideogram4_meta_trace(model: torch.nn.Module):
 IDEOGRAM4 = SynthArch(
     name="ideogram4",
     description="Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, text features "
-                "53248 wide), the transformer alone",
+                "53248 wide) and its unconditional twin, FLUX.2's VAE, a 36-layer Qwen3-VL of Qwen3-VL-8B's width",
     pipeline="Ideogram4Pipeline",
     transformer_class="Ideogram4Transformer2DModel",
     transformer=dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18,
                      intermediate_size=12288, adaln_dim=512, llm_features_dim=53248, mrope_section=[24, 20, 20]),
-    vae={}, clip={}, t5={},
+    vae={},  # AutoencoderKLFlux2's defaults are FLUX.2's VAE
+    clip={},
+    # the pipeline taps 13 of 36 layers (13 x 4096 = the text features' width); narrow inside
+    t5=qwen3vl_sizes(4096, 36, 128, [24, 20, 20]),
     scheduler=dict(num_train_timesteps=1000, shift=3.0),
     default_dtype="bfloat16",
     max_sequence_length=512,
 )
 
-#: diffusers' test configuration (tests/models/transformers/test_models_transformer_ideogram4.py): 2 blocks, 4 heads of
-#: 8, text features 24 wide
+#: diffusers' test configuration (tests/models/transformers/test_models_transformer_ideogram4.py: 2 blocks, 4 heads of
+#: 8) with text features 26 wide instead of 24: the pipeline concatenates 13 tapped layers of its text encoder (of 2)
 IDEOGRAM4_TINY = dataclasses.replace(
     IDEOGRAM4, name="ideogram4-tiny",
-    description="Ideogram 4 at diffusers' test configuration: 2 blocks, 4 heads x 8, text features 24 wide; the "
-                "transformer alone",
+    description="Ideogram 4 at diffusers' test configuration (2 blocks, 4 heads x 8) with text features 26 wide (13 "
+                "tapped layers of 2); a tiny FLUX.2 VAE and 36-layer Qwen3-VL",
     transformer=dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, intermediate_size=32,
-                     adaln_dim=16, llm_features_dim=24, rope_theta=10_000, mrope_section=[2, 1, 1]),
+                     adaln_dim=16, llm_features_dim=26, rope_theta=10_000, mrope_section=[2, 1, 1]),
+    vae=dict(block_out_channels=[4, 4, 4, 4], layers_per_block=1, latent_channels=4, norm_num_groups=2),
+    t5=qwen3vl_sizes(2, 36, 8, [2, 1, 1], intermediate_size=8),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+
+def ideogram4_components(arch: SynthArch, kit) -> dict:
+    """Ideogram4Pipeline's other components: AutoencoderKLFlux2 (``arch.vae``), a Qwen3-VL (``arch.t5``, whose layers
+    the pipeline taps) with a local Qwen2 tokenizer and chat template, and the unconditional transformer (``arch``'s
+    transformer, seeded apart). No prompt enhancer head (optional)."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), **qwen3vl_text_encoder(arch, kit),
+                unconditional_transformer=kit.make(diffusers.Ideogram4Transformer2DModel, arch.transformer, 5),
+                prompt_enhancer_head=None)
+
+
+def ideogram4_call_arguments(pipe, kwargs: dict) -> dict:
+    """``generate``'s ``--guidance`` as a constant guidance scale: the pipeline takes it or a per-step schedule (its
+    default, 48 steps long), not both."""
+    return dict(kwargs, guidance_schedule=None) if "guidance_scale" in kwargs else kwargs
 
 
 IDEOGRAM4_ADAPTER = register(
@@ -151,8 +174,8 @@ IDEOGRAM4_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("Ideogram4Pipeline",),
         synth_archs=(IDEOGRAM4_TINY, IDEOGRAM4),
-        synth_components=transformer_only("Ideogram 4",
-                                          "its LLM text encoder, prompt enhancer and a second transformer"),
+        synth_components=ideogram4_components,
+        call_arguments=ideogram4_call_arguments,
         meta_trace=ideogram4_meta_trace,
         pp_refusal="Ideogram 4's attention always takes its segment mask, which PipeFusion does not take",
     )

@@ -27,6 +27,7 @@ import torch
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
                    SynthArch, TensorPlan, register, spatial_latent, temporal_latent)
+from .hunyuan_video import HUNYUAN_VIDEO
 
 
 def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -115,16 +116,19 @@ def _tensor_plan() -> TensorPlan:
 # -- synthetic architectures ---------------------------------------------------------------------------------
 KANDINSKY5_LITE = SynthArch(
     name="kandinsky5-lite",
-    description="Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x 64, 2B params); the "
-                "transformer alone",
+    description="Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x 64, 2B params), the "
+                "HunyuanVideo VAE, a two-layer Qwen2.5-VL of Qwen2.5-VL-7B's width, a one-layer CLIP-L",
     pipeline="Kandinsky5T2VPipeline",
     transformer_class="Kandinsky5Transformer3DModel",
     transformer=dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=512,
                      patch_size=[1, 2, 2], model_dim=1792, ff_dim=7168, num_text_blocks=2, num_visual_blocks=32,
                      axes_dims=[16, 24, 24], visual_cond=True, attention_type="regular"),
-    vae={},
-    clip={},
-    t5={},
+    vae=HUNYUAN_VIDEO.vae,
+    clip=HUNYUAN_VIDEO.clip,
+    t5=dict(text=dict(hidden_size=3584, intermediate_size=64, num_hidden_layers=2, num_attention_heads=28,
+                      num_key_value_heads=4, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                           "type": "default"}),
+            vision=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=3584)),
     scheduler=dict(shift=10.0),
     default_dtype="bfloat16",
     default_size=(512, 768),
@@ -138,15 +142,40 @@ KANDINSKY5_TINY = dataclasses.replace(
     KANDINSKY5_LITE,
     name="kandinsky5-tiny",
     description="Kandinsky 5 shrunk for CPU tests: diffusers' pipeline test's transformer (1 text + 2 visual blocks, "
-                "4 heads x 4); the transformer alone",
+                "4 heads x 4), its tiny HunyuanVideo VAE, Qwen2.5-VL and CLIP",
     transformer=dict(in_visual_dim=16, in_text_dim=32, in_text_dim2=16, time_dim=16, out_visual_dim=16,
                      patch_size=[1, 2, 2], model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2,
                      axes_dims=[1, 1, 2], visual_cond=False, attention_type="regular"),
+    vae=dict(act_fn="silu", block_out_channels=[32, 64], down_block_types=["HunyuanVideoDownBlock3D"] * 2,
+             up_block_types=["HunyuanVideoUpBlock3D"] * 2, latent_channels=16, layers_per_block=1,
+             mid_block_add_attention=False, norm_num_groups=32, scaling_factor=0.476986, spatial_compression_ratio=8,
+             temporal_compression_ratio=4),
+    clip=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2, projection_dim=16),
+    t5=dict(text=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default",
+                                                         "type": "default"}),
+            vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)),
     default_dtype="float32",
     default_size=(32, 32),
     max_sequence_length=8,
     default_frames=5,
 )
+
+
+def kandinsky5_components(arch: SynthArch, kit) -> dict:
+    """Kandinsky5T2VPipeline's other components: AutoencoderKLHunyuanVideo (``arch.vae``), a Qwen2.5-VL (``arch.t5``),
+    CLIP (``arch.clip``, pooled) with a local CLIP tokenizer. In the processor's place (``tokenizer``: a Qwen2-VL
+    processor, whose video processor needs torchvision) the local Qwen2 tokenizer it wraps: the pipeline calls it on
+    text alone, with ``images=None, videos=None``."""
+    import diffusers
+    import transformers
+
+    from .qwenimage import qwen25vl_text_encoder
+
+    clip_tok = kit.clip_tokenizer()
+    return dict(vae=kit.make(diffusers.AutoencoderKLHunyuanVideo, arch.vae, 1), **qwen25vl_text_encoder(arch, kit),
+                text_encoder_2=kit.make(transformers.CLIPTextModel, kit.clip_config(clip_tok, arch.clip), 2),
+                tokenizer_2=clip_tok)
 
 KANDINSKY5 = register(
     ModelAdapter(
@@ -177,6 +206,7 @@ KANDINSKY5 = register(
         fps=24,
         pipelines=("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline", "Kandinsky5T2IPipeline", "Kandinsky5I2IPipeline"),
         synth_archs=(KANDINSKY5_LITE, KANDINSKY5_TINY),
+        synth_components=kandinsky5_components,
         unsupported=kandinsky5_unsupported,
         pp_refusal="its visual blocks take the RoPE table whole from forward, cut per block; PipeFusion is not tested "
                    "on it",

@@ -28,7 +28,8 @@ from diffusers.models.transformers import transformer_kandinsky6
 
 from .base import (AttentionSelector, BlockList, Gather, ModelAdapter, SequencePlan, SequenceProcessor, Split, SynthArch,
                    register)
-from .kandinsky5 import kandinsky5_example_inputs, kandinsky5_layout
+from .kandinsky5 import (KANDINSKY5_LITE, KANDINSKY5_TINY, kandinsky5_components, kandinsky5_example_inputs,
+                         kandinsky5_layout)
 from .ltx2 import WHOLE_AUDIO_REFUSALS
 
 
@@ -75,14 +76,16 @@ def kandinsky6_example_inputs(model, height, width, batch, text_len, generator, 
 # -- synthetic architectures ---------------------------------------------------------------------------------
 KANDINSKY6 = SynthArch(
     name="kandinsky6",
-    description="Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 heads x 128); the "
-                "transformer alone",
+    description="Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 heads x 128), "
+                "Kandinsky 5's VAE, Qwen2.5-VL and CLIP-L, the MMAudio VAE (20 latent channels) and vocoder",
     pipeline="Kandinsky6TI2VAPipeline",
     transformer_class="Kandinsky6Transformer3DModel",
     transformer=dict(text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True),
-    vae={},
-    clip={},
-    t5={},
+    vae=KANDINSKY5_LITE.vae,
+    clip=KANDINSKY5_LITE.clip,
+    t5=KANDINSKY5_LITE.t5,
+    # MMAudioVAE's and MMAudioVocoder's defaults, the VAE's latent channels the transformer's audio channels
+    extra=dict(audio_vae=dict(latent_channels=20), vocoder={}),
     scheduler={},
     default_dtype="bfloat16",
     default_size=(512, 768),
@@ -96,12 +99,19 @@ KANDINSKY6_TINY = dataclasses.replace(
     KANDINSKY6,
     name="kandinsky6-tiny",
     description="Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 heads x 4, audio 2 heads x "
-                "4, the released flags; the transformer alone",
+                "4, the released flags; Kandinsky 5's tiny VAE, Qwen2.5-VL and CLIP, a tiny MMAudio VAE and vocoder",
     transformer=dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=32, in_text_dim2=16, time_dim=16,
                      patch_size=[1, 2, 2], model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2,
                      axes_dims=[1, 1, 2], visual_cond=False, in_audio_dim=4, out_audio_dim=4, model_dim_a=8,
                      time_dim_a=8, ff_dim_a=16, axes_dims_a=[1, 1, 2], text_token_padding=True, ca_rope=True,
                      cross_gates=True, fix_modulation=True),
+    vae=KANDINSKY5_TINY.vae,
+    clip=KANDINSKY5_TINY.clip,
+    t5=KANDINSKY5_TINY.t5,
+    extra=dict(audio_vae=dict(mel_bins=8, latent_channels=4, hidden_channels=8, channel_multipliers=[1, 2],
+                              layers_per_block=1, n_fft=64, hop_length=16, sample_rate=16000),
+               vocoder=dict(num_mels=8, upsample_initial_channel=16, upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4],
+                            resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3, 5]])),
     default_dtype="float32",
     default_size=(32, 32),
     max_sequence_length=8,
@@ -109,6 +119,17 @@ KANDINSKY6_TINY = dataclasses.replace(
 )
 
 _FUSED = "visual_transformer_blocks.*"
+
+def kandinsky6_components(arch: SynthArch, kit) -> dict:
+    """Kandinsky6TI2VAPipeline's other components: Kandinsky 5's (:func:`~.kandinsky5.kandinsky5_components`: the
+    HunyuanVideo VAE, Qwen2.5-VL with the local Qwen2 tokenizer in the processor's place, CLIP), and the MMAudio VAE
+    and vocoder (``arch.extra``) that turn the audio latents into a waveform."""
+    import diffusers
+
+    return dict(kandinsky5_components(arch, kit),
+                audio_vae=kit.make(diffusers.MMAudioVAE, arch.extra["audio_vae"], 4),
+                vocoder=kit.make(diffusers.MMAudioVocoder, arch.extra["vocoder"], 7))
+
 
 KANDINSKY6_ADAPTER = register(
     ModelAdapter(
@@ -140,6 +161,7 @@ KANDINSKY6_ADAPTER = register(
         fps=24,
         pipelines=("Kandinsky6TI2VAPipeline",),
         synth_archs=(KANDINSKY6, KANDINSKY6_TINY),
+        synth_components=kandinsky6_components,
         **WHOLE_AUDIO_REFUSALS,
     )
 )

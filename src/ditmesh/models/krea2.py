@@ -24,8 +24,8 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
-from .qwenimage import QWENIMAGE_SCHEDULER
+                   TensorPlan, register, spatial_latent)
+from .qwenimage import QWENIMAGE, QWENIMAGE_SCHEDULER, qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class Krea2SequenceParallelProcessor:
@@ -92,13 +92,18 @@ KREA2_TENSOR_PLAN = TensorPlan(
 KREA2 = SynthArch(
     name="krea2",
     description="Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, FFN 16384, "
-                "12 tapped text layers of 2560), the transformer alone",
+                "12 tapped text layers of 2560), the QwenImage VAE, a 12-layer Qwen3-VL of Qwen3-VL-4B's width whose 12 "
+                "layers are the tapped ones",
     pipeline="Krea2Pipeline",
     transformer_class="Krea2Transformer2DModel",
     transformer=dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
                      num_key_value_heads=12, intermediate_size=16384, text_hidden_dim=2560, num_text_layers=12,
                      axes_dims_rope=[32, 48, 48]),
-    vae={}, clip={}, t5={},
+    vae=QWENIMAGE.vae, clip={},
+    # narrow inside (4 heads, a 64-wide MLP), Qwen3-VL-4B's width outside
+    t5=qwen3vl_sizes(2560, 12, 128, [24, 20, 20], heads=4, kv_heads=2),
+    # the released pipeline taps 12 of Qwen3-VL-4B's 36 layers; the synthetic encoder has only those 12
+    pipeline_config=dict(text_encoder_select_layers=tuple(range(1, 13))),
     scheduler=QWENIMAGE_SCHEDULER,
     default_dtype="bfloat16",
     max_sequence_length=512,
@@ -109,12 +114,24 @@ KREA2 = SynthArch(
 KREA2_TINY = dataclasses.replace(
     KREA2, name="krea2-tiny",
     description="Krea 2 at diffusers' test configuration: 2 blocks, 4 query / 2 key-value heads x 8, 3 tapped text "
-                "layers of 16; the transformer alone",
+                "layers of 16; a tiny QwenImage VAE and a 3-layer Qwen3-VL",
     transformer=dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16, num_text_layers=3,
                      text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=16,
                      num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=[4, 2, 2]),
+    vae=dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
+             latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+    t5=qwen3vl_sizes(16, 3, 8, [2, 1, 1], intermediate_size=16),
+    pipeline_config=dict(text_encoder_select_layers=(1, 2, 3)),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+
+def krea2_components(arch: SynthArch, kit) -> dict:
+    """Krea2Pipeline's other components: the QwenImage VAE (``arch.vae``) and a Qwen3-VL model (``arch.t5``) with a
+    local Qwen2 tokenizer that knows the chat template's special tokens (the pipeline writes the template itself)."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), **qwen3vl_text_encoder(arch, kit))
 
 
 KREA2_ADAPTER = register(
@@ -145,7 +162,7 @@ KREA2_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("Krea2Pipeline",),
         synth_archs=(KREA2_TINY, KREA2),
-        synth_components=transformer_only("Krea 2", "a Qwen3-VL model whose layers it taps and the QwenImage VAE"),
+        synth_components=krea2_components,
         pp_refusal="Krea 2's blocks carry one joined [text, image] sequence whose key mask PipeFusion does not take",
     )
 )

@@ -35,7 +35,7 @@ import torch
 from diffusers.models.transformers import transformer_ltx
 
 from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
-                   SynthArch, TensorPlan, VaePlan, register)
+                   SynthArch, TensorPlan, VaePlan, register, vae_and_t5)
 
 
 class LTXSequenceParallelProcessor:
@@ -191,22 +191,6 @@ LTX_ARCHS = (
         transformer=dict(_LTX_TINY.transformer, num_attention_heads=4, attention_head_dim=24),
     ),
 )
-
-
-def vae_and_t5(vae_class: str):
-    """``synth_components`` of a pipeline whose other components are a VAE of the diffusers class ``vae_class``
-    (``arch.vae``) and a T5 text encoder (``arch.t5``) with its tokenizer: the LTX pipelines, AllegroPipeline."""
-
-    def components(arch: SynthArch, kit) -> dict:
-        import diffusers
-        import transformers
-
-        t5_tok = kit.t5_tokenizer(arch.max_sequence_length)
-        return dict(vae=kit.make(getattr(diffusers, vae_class), arch.vae, 1),
-                    text_encoder=kit.make(transformers.T5EncoderModel, kit.t5_config(t5_tok, arch.t5), 3),
-                    tokenizer=t5_tok)
-
-    return components
 
 
 #: The LTX video VAE split along height. Frames stay whole. Its convolutions pad height with zeros through

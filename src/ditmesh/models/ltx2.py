@@ -146,18 +146,21 @@ WHOLE_AUDIO_REFUSALS = dict(
 # -- synthetic architectures ---------------------------------------------------------------------------------
 LTX2 = SynthArch(
     name="ltx-2",
-    description="LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B params); "
-                "the transformer alone (the pipeline's Gemma-3 encoder, connectors, audio VAE and vocoder are not "
-                "synthesized)",
+    description="LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B params), "
+                "the LTX-2 video and audio VAEs, connectors and vocoder, a 48-layer Gemma 3 of Gemma-3-12B's width",
     pipeline="LTX2Pipeline",
     transformer_class="LTX2VideoTransformer3DModel",
     transformer=dict(in_channels=128, out_channels=128, num_attention_heads=32, attention_head_dim=128,
                      cross_attention_dim=4096, audio_in_channels=128, audio_out_channels=128,
                      audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
                      num_layers=48, caption_channels=3840),
-    vae={},
+    vae={},  # AutoencoderKLLTX2Video's defaults are LTX-2's VAE, as are the audio VAE's, the connectors' and vocoder's
     clip={},
-    t5={},
+    # every hidden state is read (the connectors project 49 of them): Gemma-3-12B's 48 layers, narrow inside
+    t5=dict(text=dict(hidden_size=3840, intermediate_size=64, num_hidden_layers=48, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=128),
+            vision=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
+    extra=dict(audio_vae={}, connectors={}, vocoder={}),
     scheduler={},
     default_dtype="bfloat16",
     default_size=(512, 768),
@@ -169,17 +172,63 @@ LTX2 = SynthArch(
 LTX2_TINY = dataclasses.replace(
     LTX2,
     name="ltx-2-tiny",
-    description="LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 heads x 4); "
-                "the transformer alone",
+    description="LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 heads x 4), "
+                "its pipeline test's VAEs, connectors and vocoder, a two-layer Gemma 3",
     transformer=dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
                      attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
                      audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
                      num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False),
+    vae=dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[8], decoder_block_out_channels=[8],
+             layers_per_block=[1], decoder_layers_per_block=[1, 1], spatio_temporal_scaling=[True],
+             decoder_spatio_temporal_scaling=[True], decoder_inject_noise=[False, False], downsample_type=["spatial"],
+             upsample_residual=[False], upsample_factor=[1], timestep_conditioning=False, patch_size=1,
+             patch_size_t=1, encoder_causal=True, decoder_causal=False),
+    t5=dict(text=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8),
+            vision=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
+    extra=dict(audio_vae=dict(base_channels=4, output_channels=2, ch_mult=[1], num_res_blocks=1, attn_resolutions=None,
+                              in_channels=2, resolution=32, latent_channels=2, norm_type="pixel",
+                              causality_axis="height", dropout=0.0, mid_block_add_attention=False, sample_rate=16000,
+                              mel_hop_length=160, is_causal=True, mel_bins=8),
+               connectors=dict(video_connector_num_attention_heads=2, video_connector_attention_head_dim=8,
+                               video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+                               audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8,
+                               audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+                               connector_rope_base_seq_len=32, rope_double_precision=False),
+               vocoder=dict(in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                            upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                            output_sampling_rate=16000)),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=16,
     default_frames=9,
 )
+
+
+def ltx2_components(arch: SynthArch, kit) -> dict:
+    """LTX2Pipeline's other components: AutoencoderKLLTX2Video (``arch.vae``), the audio VAE, the text connectors and
+    the vocoder (``arch.extra``), and a Gemma 3 (``arch.t5``: its text model and a small SigLIP tower the pipeline does
+    not call) with a local Gemma tokenizer that starts texts with ``<bos>``. No prompt enhancer, processor or duration
+    head (optional)."""
+    import diffusers
+    import transformers
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+
+    text = arch.t5["text"]
+    tokenizer = kit.gemma_tokenizer(arch.max_sequence_length, add_bos=True)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    config = transformers.Gemma3Config(text_config=dict(text, **ids), mm_tokens_per_image=4,
+                                       vision_config=dict(arch.t5["vision"], image_size=28, patch_size=14))
+    # the connectors project every hidden state of the text model (its layers and the embedding) and its width
+    connectors = dict(arch.extra["connectors"], caption_channels=text["hidden_size"],
+                      text_proj_in_factor=text["num_hidden_layers"] + 1)
+    return dict(vae=kit.make(diffusers.AutoencoderKLLTX2Video, arch.vae, 1), tokenizer=tokenizer,
+                audio_vae=kit.make(diffusers.AutoencoderKLLTX2Audio, arch.extra["audio_vae"], 4),
+                text_encoder=kit.make(transformers.Gemma3ForConditionalGeneration, config, 3),
+                connectors=kit.make(LTX2TextConnectors, connectors, 6),
+                vocoder=kit.make(LTX2Vocoder, arch.extra["vocoder"], 7),
+                processor=None, prompt_enhancer=None, duration_head=None)
 
 
 LTX2_ADAPTER = register(
@@ -220,6 +269,7 @@ LTX2_ADAPTER = register(
         fps=24,
         pipelines=("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline"),
         synth_archs=(LTX2, LTX2_TINY),
+        synth_components=ltx2_components,
         **WHOLE_AUDIO_REFUSALS,
     )
 )

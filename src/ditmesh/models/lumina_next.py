@@ -23,7 +23,8 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb, get_2d_rotary_pos_embed_lumina
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   register, spatial_latent, transformer_only)
+                   register, spatial_latent)
+from .pixart import _SDXL_VAE
 
 
 class LuminaNextSequenceParallelProcessor:
@@ -87,13 +88,15 @@ def lumina_next_layout(config: dict, height: int, width: int, frames: int, text_
 LUMINA_NEXT = SynthArch(
     name="lumina-next-sft",
     description="Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x 72, Gemma-2B text), the "
-                "transformer alone",
+                "SDXL VAE, a one-layer Gemma of Gemma-2B's width",
     pipeline="LuminaPipeline",
     transformer_class="LuminaNextDiT2DModel",
     transformer=dict(sample_size=128, patch_size=2, in_channels=4, hidden_size=2304, num_layers=24,
                      num_attention_heads=32, num_kv_heads=8, multiple_of=256, norm_eps=1e-5, learn_sigma=True,
                      qk_norm=True, cross_attention_dim=2048, scaling_factor=1.0),
-    vae={}, clip={}, t5={},
+    vae=_SDXL_VAE, clip={},
+    t5=dict(hidden_size=2048, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=1,
+            head_dim=256),
     scheduler=dict(num_train_timesteps=1000),
     default_dtype="bfloat16",
     max_sequence_length=256,
@@ -103,12 +106,24 @@ LUMINA_NEXT = SynthArch(
 #: query / 2 key-value heads of 8, so that Ulysses and grouped-query heads are exercised
 LUMINA_NEXT_TINY = dataclasses.replace(
     LUMINA_NEXT, name="lumina-next-tiny",
-    description="Lumina-Next shrunk for CPU tests: 2 blocks, 4 query / 2 key-value heads x 8, text width 8; the "
-                "transformer alone",
+    description="Lumina-Next shrunk for CPU tests: 2 blocks, 4 query / 2 key-value heads x 8, text width 8; a tiny "
+                "VAE and Gemma",
     transformer=dict(sample_size=4, patch_size=2, in_channels=4, hidden_size=32, num_layers=2, num_attention_heads=4,
                      num_kv_heads=2, multiple_of=16, norm_eps=1e-5, learn_sigma=True, qk_norm=True,
                      cross_attention_dim=8, scaling_factor=1.0),
+    vae=dict(_SDXL_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    t5=dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=4),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+def lumina_next_components(arch: SynthArch, kit) -> dict:
+    """LuminaPipeline's other components: SDXL's AutoencoderKL layout and a Gemma text encoder with its tokenizer,
+    which starts every text with ``<bos>`` (the transformer pools the text over its mask: an empty negative prompt of
+    no tokens would give NaN)."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1), **kit.gemma2_text_encoder(arch, "Gemma", True))
+
 
 LUMINA_NEXT_ADAPTER = register(
     ModelAdapter(
@@ -136,6 +151,6 @@ LUMINA_NEXT_ADAPTER = register(
         out_channels=lambda model: model.out_channels,
         pipelines=("LuminaPipeline",),
         synth_archs=(LUMINA_NEXT_TINY, LUMINA_NEXT),
-        synth_components=transformer_only("Lumina-Next", "a Gemma text encoder and the SDXL VAE"),
+        synth_components=lumina_next_components,
     )
 )

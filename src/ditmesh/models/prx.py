@@ -25,7 +25,9 @@ import torch
 from diffusers.models.transformers.transformer_prx import apply_rope
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
+                   TensorPlan, register, spatial_latent)
+from .flux import FLUX_VAE
+from .wan import ftfy_setup
 
 
 class PRXSequenceParallelProcessor:
@@ -79,13 +81,15 @@ def prx_layout(config: dict, height: int, width: int, frames: int, text_tokens: 
 
 PRX = SynthArch(
     name="prx",
-    description="PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), the transformer "
-                "alone",
+    description="PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), FLUX.1's VAE, a "
+                "one-layer T5Gemma encoder of T5Gemma-2B's width",
     pipeline="PRXPipeline",
     transformer_class="PRXTransformer2DModel",
     transformer=dict(in_channels=16, patch_size=2, context_in_dim=2304, hidden_size=1792, mlp_ratio=3.5, num_heads=28,
                      depth=16, axes_dim=[32, 32]),
-    vae={}, clip={}, t5={},
+    vae=FLUX_VAE, clip={},
+    t5=dict(hidden_size=2304, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=256),
     scheduler=dict(num_train_timesteps=1000),
     default_dtype="bfloat16",
     max_sequence_length=256,
@@ -95,10 +99,32 @@ PRX = SynthArch(
 #: layout at 2 blocks of 4 heads x 16
 PRX_TINY = dataclasses.replace(
     PRX, name="prx-tiny",
-    description="PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; the transformer alone",
+    description="PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; a tiny VAE and T5Gemma",
     transformer=dict(in_channels=16, patch_size=2, context_in_dim=32, hidden_size=64, mlp_ratio=3.5, num_heads=4,
                      depth=2, axes_dim=[8, 8]),
+    vae=dict(FLUX_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
+    t5=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
+
+def prx_components(arch: SynthArch, kit) -> dict:
+    """PRXPipeline's other components: FLUX.1's AutoencoderKL layout and a T5Gemma encoder (``arch.t5``: its one
+    stack, Gemma-2 layers attending both ways) with a local Gemma tokenizer that starts texts with ``<bos>``."""
+    import diffusers
+    import transformers
+    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaEncoder  # not exported at the top level
+
+    tokenizer = kit.gemma_tokenizer(arch.max_sequence_length, add_bos=True)
+    sizes = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, max_position_embeddings=8192,
+                 layer_types=["full_attention"] * arch.t5["num_hidden_layers"], **arch.t5)
+    # the encoder is built from its stack's config as the whole model's config completes it (dropout, attention), and
+    # keeps the whole config, as released checkpoints store it: diffusers' loader reads it and takes its ``encoder``
+    config = transformers.T5GemmaConfig(encoder=transformers.T5GemmaModuleConfig(**sizes), is_encoder_decoder=False,
+                                        attn_implementation="eager", **sizes)
+    encoder = kit.make(T5GemmaEncoder, config.encoder, 3)
+    encoder.config = config
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1), tokenizer=tokenizer, text_encoder=encoder)
+
 
 PRX_ADAPTER = register(
     ModelAdapter(
@@ -134,7 +160,8 @@ PRX_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("PRXPipeline", "PRXPixelPipeline"),
         synth_archs=(PRX_TINY, PRX),
-        synth_components=transformer_only("PRX", "its T5Gemma text encoder and VAE"),
+        synth_components=prx_components,
+        pipeline_setup=ftfy_setup("prx.pipeline_prx"),  # PRXPipeline cleans prompts with ftfy unless told not to
         pp_refusal="PRX's attention takes image queries over [text, image] keys under the text's key padding, which "
                    "PipeFusion's patches do not carry",
     )

@@ -213,21 +213,66 @@ def qwenimage_components(arch: SynthArch, kit) -> dict:
     return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), **qwen25vl_text_encoder(arch, kit))
 
 
-def qwen25vl_text_encoder(arch: SynthArch, kit) -> dict:
-    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes) and ``tokenizer`` (a byte-level BPE Qwen2
-    tokenizer built locally, knowing the chat template's special tokens), as QwenImage's and LongCat-Image's pipelines
-    take them."""
+#: Qwen's chat template: each message between ``<|im_start|>role`` and ``<|im_end|>``, its content a string or a list
+#: of parts whose text parts are joined (EasyAnimate's messages)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen_tokenizer(kit):
+    """A byte-level BPE Qwen2 tokenizer built locally: ``<|endoftext|>`` (its pad and end token), the chat template's
+    special tokens, the words of Qwen-Image's prompt template whole, and :data:`QWEN_CHAT_TEMPLATE`."""
     import transformers
 
     specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
     vocab, merges = kit.byte_bpe(specials, _TEMPLATE_WORDS)
     tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges)
     tokenizer.add_special_tokens({"additional_special_tokens": list(specials[1:])})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen3vl_sizes(hidden_size: int, layers: int, head_dim: int, mrope_section: list[int], heads: int = 2,
+                  kv_heads: int = 1, intermediate_size: int = 64) -> dict:
+    """``arch.t5`` of a synthetic Qwen3-VL: a text model ``hidden_size`` wide outside and narrow inside (``heads`` of
+    ``head_dim``, interleaved multimodal RoPE in ``mrope_section``), and a one-block vision tower the text-to-image
+    pipelines (Krea 2, Ideogram 4) never call."""
+    rope = {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": mrope_section, "mrope_interleaved": True}
+    return dict(text=dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                          rope_parameters=rope),
+                vision=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden_size,
+                            deepstack_visual_indexes=[]))
+
+
+def qwen3vl_text_encoder(arch: SynthArch, kit) -> dict:
+    """``text_encoder`` (a ``Qwen3VLModel`` of ``arch.t5``'s sizes, :func:`qwen3vl_sizes`) and ``tokenizer``
+    (:func:`qwen_tokenizer`), as Krea 2's and Ideogram 4's pipelines take them."""
+    import transformers
+
+    tokenizer = qwen_tokenizer(kit)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
+    return dict(text_encoder=kit.make(transformers.Qwen3VLModel, config, 3), tokenizer=tokenizer)
+
+
+def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:
+    """``text_encoder`` (a Qwen2.5-VL of ``arch.t5``'s text and vision sizes; ``generation="Qwen2VL"``: a Qwen2-VL,
+    whose vision config has other fields) and ``tokenizer`` (a byte-level BPE Qwen2 tokenizer built locally, knowing
+    the chat template's special tokens, with :data:`QWEN_CHAT_TEMPLATE`), as QwenImage's, LongCat-Image's and
+    EasyAnimate's pipelines take them."""
+    import transformers
+
+    tokenizer = qwen_tokenizer(kit)
     ids = dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
                pad_token_id=tokenizer.pad_token_id)
-    config = transformers.Qwen2_5_VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
-                                           hidden_size=arch.t5["text"]["hidden_size"], **ids)
-    return dict(text_encoder=kit.make(transformers.Qwen2_5_VLForConditionalGeneration, config, 3), tokenizer=tokenizer)
+    config = getattr(transformers, f"{generation}Config")(
+        text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
+        hidden_size=arch.t5["text"]["hidden_size"], **ids)
+    model = getattr(transformers, f"{generation}ForConditionalGeneration")
+    return dict(text_encoder=kit.make(model, config, 3), tokenizer=tokenizer)
 
 
 QWENIMAGE_ADAPTER = register(

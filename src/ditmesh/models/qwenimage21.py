@@ -240,7 +240,9 @@ QWENIMAGE21_ADAPTER = register(
         pipelines=("QwenImage21Pipeline",),
         synth_archs=(QWENIMAGE21_TINY, QWENIMAGE21),
         synth_components=transformer_only("Qwen-Image 2.1",
-                                          "a Qwen3-VL processor, whose video processor needs torchvision"),
+                                          "a Qwen3-VL processor (it calls the processor on text and images and reads "
+                                          "its tokenizer: a tokenizer cannot stand in), whose video processor needs "
+                                          "torchvision"),
         meta_trace=qwenimage21_meta_trace,
         pp_refusal="Qwen-Image 2.1's prefix K/V cache and block-causal mask are not carried across PipeFusion's patches",
         graph_refusal="Qwen-Image 2.1's forward reads its image layout on the host (tolist) to build the segments",

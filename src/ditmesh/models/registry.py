@@ -205,18 +205,22 @@ SYNTH: dict[str, tuple[str, str]] = {
                                                    'blocks, 1 refiner block, 2 heads x 8, patch 1) reading 9 '
                                                    'channels, a tiny 16x VAE, Qwen2.5-VL text model and ByT5'),
     'ltx-2': ('ltx2', 'LTX-2 transformer (48 blocks, video 32 heads x 128 and audio 32 heads x 64 streams, 19B '
-                      "params); the transformer alone (the pipeline's Gemma-3 encoder, connectors, audio VAE and "
-                      'vocoder are not synthesized)'),
+                      'params), the LTX-2 video and audio VAEs, connectors and vocoder, a 48-layer Gemma 3 of '
+                      "Gemma-3-12B's width"),
     'ltx-2-tiny': ('ltx2', "LTX-2 shrunk for CPU tests: diffusers' test config (2 blocks, video 2 heads x 8, audio 2 "
-                           'heads x 4); the transformer alone'),
+                           "heads x 4), its pipeline test's VAEs, connectors and vocoder, a two-layer Gemma 3"),
     'kandinsky5-lite': ('kandinsky5', 'Kandinsky 5.0 Video Lite transformer (2 text + 32 visual blocks, 28 heads x '
-                                      '64, 2B params); the transformer alone'),
+                                      '64, 2B params), the HunyuanVideo VAE, a two-layer Qwen2.5-VL of '
+                                      "Qwen2.5-VL-7B's width, a one-layer CLIP-L"),
     'kandinsky5-tiny': ('kandinsky5', "Kandinsky 5 shrunk for CPU tests: diffusers' pipeline test's transformer (1 "
-                                      'text + 2 visual blocks, 4 heads x 4); the transformer alone'),
+                                      'text + 2 visual blocks, 4 heads x 4), its tiny HunyuanVideo VAE, Qwen2.5-VL '
+                                      'and CLIP'),
     'kandinsky6': ('kandinsky6', 'Kandinsky 6 transformer (4 + 4 text and 60 fused video-audio blocks, video 32 '
-                                 'heads x 128); the transformer alone'),
+                                 "heads x 128), Kandinsky 5's VAE, Qwen2.5-VL and CLIP-L, the MMAudio VAE (20 latent "
+                                 'channels) and vocoder'),
     'kandinsky6-tiny': ('kandinsky6', 'Kandinsky 6 shrunk for CPU tests: 1 + 1 text and 2 fused blocks, video 4 '
-                                      'heads x 4, audio 2 heads x 4, the released flags; the transformer alone'),
+                                      "heads x 4, audio 2 heads x 4, the released flags; Kandinsky 5's tiny VAE, "
+                                      'Qwen2.5-VL and CLIP, a tiny MMAudio VAE and vocoder'),
     'sana-video-2b': ('sana_variants', 'Sana-Video 2B transformer (20 blocks, linear attention 20 heads x 112, '
                                        'cross-attention 20 x 112, Mix-FFN with a temporal convolution), Wan 2.1 VAE, '
                                        'one-layer Gemma-2'),
@@ -224,19 +228,22 @@ SYNTH: dict[str, tuple[str, str]] = {
                                          'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
     'hunyuan-video-framepack': ('hunyuan_variants', 'HunyuanVideo Framepack (FramePackI2V_HY) transformer '
                                                     "(HunyuanVideo's 20 dual + 40 single blocks, 24 heads x 128, "
-                                                    'history patch embedders, SigLIP image projection); the '
-                                                    'transformer alone'),
+                                                    'history patch embedders, SigLIP image projection), '
+                                                    "HunyuanVideo's VAE, Llama and CLIP-L, a one-layer SigLIP "
+                                                    'so400m-wide image encoder'),
     'hunyuan-video-framepack-tiny': ('hunyuan_variants', "HunyuanVideo Framepack shrunk for CPU tests: diffusers' "
-                                                         'test config (1 dual + 1 single block, 2 heads x 10); the '
-                                                         'transformer alone'),
+                                                         'test config (1 dual + 1 single block, 2 heads x 10), a '
+                                                         'tiny HunyuanVideo VAE, Llama, CLIP and SigLIP image '
+                                                         'encoder'),
     'cosmos-1.0-7b': ('cosmos', 'Cosmos-1.0-Diffusion-7B-Text2World transformer (28 blocks, 32 heads x 128); the '
                                 'transformer alone'),
     'cosmos-tiny': ('cosmos', "Cosmos shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads x 12, "
                               'learnable position embedding) without the padding-mask channel; the transformer alone'),
     'easyanimate-v5.1-12b': ('easyanimate', 'EasyAnimateV5.1-12B transformer (48 blocks, 48 heads x 64, MMDiT text '
-                                            'projections throughout); the transformer alone'),
+                                            'projections throughout), the Magvit VAE, a two-layer Qwen2-VL of '
+                                            "Qwen2-VL-7B's width"),
     'easyanimate-tiny': ('easyanimate', "EasyAnimate shrunk for CPU tests: diffusers' test config (2 MMDiT blocks, 2 "
-                                        'heads x 16); the transformer alone'),
+                                        "heads x 16), a tiny Magvit VAE (diffusers' pipeline test's) and Qwen2-VL"),
     'longcat-image-tiny': ('flux_like', "LongCat-Image shrunk for CPU tests: diffusers' test configuration (1 "
                                         'double + 1 single block, 2 heads x 16), a tiny VAE and Qwen2.5-VL'),
     'longcat-image': ('flux_like', 'LongCat-Image transformer (19 double + 38 single blocks, 24 heads x 128, text'
@@ -255,56 +262,65 @@ SYNTH: dict[str, tuple[str, str]] = {
     'qwenimage21': ('qwenimage21', "Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32"
                                    ' heads x 128, text width 4096, block-causal attention); the transformer alone'),
     'bria-fibo-tiny': ('flux_like', "Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 "
-                                    'single block, 2 heads x 8, text width 64, text-encoder layers 32 wide), the '
-                                    'transformer alone'),
-    'bria-fibo': ('flux_like', "Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
-                               ' x 128, text width 4096, text-encoder layers 2048 wide), the transformer alone'),
+                                    'single block, 2 heads x 8, text width 64, text-encoder layers 32 wide), a tiny '
+                                    'Wan 2.2 VAE and SmolLM3'),
+    'bria-fibo': ('flux_like', "Bria FIBO transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads "
+                               'x 128, text width 4096, text-encoder layers 2048 wide), the Wan 2.2 VAE, a two-layer '
+                               "SmolLM3 of SmolLM3-3B's width"),
     'hunyuan-image-tiny': ('hunyuan_image', 'HunyuanImage 2.1 shrunk for CPU tests: 2 dual + 2 single blocks, 1 '
-                                            'refiner block, 4 heads x 16, a 24-wide glyph stream; the transformer '
-                                            'alone'),
+                                            'refiner block, 4 heads x 16, a 24-wide glyph stream; a tiny 32x VAE, '
+                                            'Qwen2.5-VL and ByT5'),
     'hunyuan-image-2.1': ('hunyuan_image', 'HunyuanImage 2.1 transformer (20 dual + 40 single blocks, 28 heads x '
-                                           '128, 2 refiner blocks, text width 3584, ByT5 glyph stream 1472), the '
-                                           'transformer alone'),
+                                           '128, 2 refiner blocks, text width 3584, ByT5 glyph stream 1472), its 32x '
+                                           "VAE, a three-layer Qwen2.5-VL of Qwen2.5-VL-7B's width, a one-layer "
+                                           'ByT5-small, the adaptive projected guider'),
     'krea2-tiny': ('krea2', "Krea 2 at diffusers' test configuration: 2 blocks, 4 query / 2 key-value heads x 8, 3 "
-                            'tapped text layers of 16; the transformer alone'),
-    'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, FFN"
-                       ' 16384, 12 tapped text layers of 2560), the transformer alone'),
-    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration: 2 blocks, 4 heads x 8, text "
-                                    'features 24 wide; the transformer alone'),
+                            'tapped text layers of 16; a tiny QwenImage VAE and a 3-layer Qwen3-VL'),
+    'krea2': ('krea2', "Krea 2 transformer as diffusers' defaults (28 blocks, 48 query / 12 key-value heads x 128, "
+                       'FFN 16384, 12 tapped text layers of 2560), the QwenImage VAE, a 12-layer Qwen3-VL of '
+                       "Qwen3-VL-4B's width whose 12 layers are the tapped ones"),
+    'ideogram4-tiny': ('ideogram4', "Ideogram 4 at diffusers' test configuration (2 blocks, 4 heads x 8) with text "
+                                    'features 26 wide (13 tapped layers of 2); a tiny FLUX.2 VAE and 36-layer '
+                                    'Qwen3-VL'),
     'ideogram4': ('ideogram4', "Ideogram 4 transformer as diffusers' defaults (34 blocks, 18 heads x 256, FFN 12288, "
-                               'text features 53248 wide), the transformer alone'),
+                               "text features 53248 wide) and its unconditional twin, FLUX.2's VAE, a 36-layer "
+                               "Qwen3-VL of Qwen3-VL-8B's width"),
     'ernie-image-tiny': ('ernie_image', "ERNIE-Image at diffusers' test configuration: 1 block, 1 head x 16, text "
-                                        'width 16; the transformer alone'),
+                                        'width 16; a tiny FLUX.2 VAE and Mistral 3'),
     'ernie-image': ('ernie_image', "ERNIE-Image transformer as diffusers' defaults (24 blocks, 24 heads x 128, FFN "
-                                   '8192, text width 2560), the transformer alone'),
-    'auraflow-tiny': ('auraflow', "AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x "
-                                  '8, text width 32; the transformer alone'),
-    'auraflow': ('auraflow', "AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads x"
-                             ' 256, text width 2048), the transformer alone'),
+                                   "8192, text width 2560), FLUX.2's VAE, a two-layer Mistral 3 of Ministral-3-3B's "
+                                   'width (no prompt enhancer)'),
+    'auraflow-tiny': ('auraflow', "AuraFlow at diffusers' test configuration: 1 joint + 1 single block, 4 heads x 8, "
+                                  'text width 32; a tiny VAE and UMT5'),
+    'auraflow': ('auraflow', "AuraFlow v0.3 transformer as diffusers' defaults (4 joint + 32 single blocks, 12 heads "
+                             "x 256, text width 2048), the SDXL VAE, a one-layer UMT5 of Pile-T5-XL's width"),
     'cogview3plus-tiny': ('cogview3plus', "CogView3-Plus at diffusers' test configuration: 2 blocks, 2 heads x 4, "
-                                          'text width 8; the transformer alone'),
-    'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40,"
-                                     ' text width 4096), the transformer alone'),
-    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes; the transformer "
-                        'alone'),
-    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the transformer '
-                            'alone'),
+                                          'text width 8; a tiny VAE and T5'),
+    'cogview3plus': ('cogview3plus', "CogView3-Plus-3B transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
+                                     'text width 4096), a 16-channel AutoencoderKL, a one-layer T5-XXL-wide encoder'),
+    'dit-tiny': ('dit', "DiT at diffusers' test configuration: 1 block, 2 heads x 4, 8 classes (named cat, dog, "
+                        "tree, house, car, flower, mountain, sea); a tiny VAE; no CFG (the pipeline's null class is "
+                        '1000)'),
+    'dit-xl-2-256': ('dit', 'DiT-XL/2-256 transformer (28 blocks, 16 heads x 72, 1000 classes), the SD VAE; classes '
+                            'by id'),
     'stable-audio-tiny': ('stable_audio', "Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 "
-                                          'key-value heads; the transformer alone'),
+                                          'key-value heads; its tiny Oobleck VAE (4 Hz stereo), T5 and projection'),
     'stable-audio-open': ('stable_audio', "Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 "
                                           'heads x 64, 12 key-value heads in the cross-attention, 1024 latent '
-                                          'samples), the transformer alone'),
-    'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; the transformer alone'),
-    'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), the "
-                   'transformer alone'),
+                                          "samples), the Oobleck VAE, a one-layer T5 of T5-base's width, the "
+                                          'duration projection'),
+    'prx-tiny': ('prx', 'PRX shrunk for CPU tests: 2 blocks, 4 heads x 16, text width 32; a tiny VAE and T5Gemma'),
+    'prx': ('prx', "PRX transformer as diffusers' defaults (16 blocks, 28 heads x 64, text width 2304), FLUX.1's "
+                   "VAE, a one-layer T5Gemma encoder of T5Gemma-2B's width"),
     'lumina-next-tiny': ('lumina_next', 'Lumina-Next shrunk for CPU tests: 2 blocks, 4 query / 2 key-value heads x '
-                                        '8, text width 8; the transformer alone'),
+                                        '8, text width 8; a tiny VAE and Gemma'),
     'lumina-next-sft': ('lumina_next', 'Lumina-Next-SFT 2B transformer (24 blocks, 32 query / 8 key-value heads x '
-                                       '72, Gemma-2B text), the transformer alone'),
-    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads"
-                                  ' x 8, windows of 16; the transformer alone'),
-    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value"
-                                 ' heads x 128, sliding windows of 128), the transformer alone'),
+                                       "72, Gemma-2B text), the SDXL VAE, a one-layer Gemma of Gemma-2B's width"),
+    'ace-step-tiny': ('ace_step', "ACE-Step at diffusers' test configuration: 2 layers, 4 query / 2 key-value heads "
+                                  "x 8, windows of 16; its pipeline test's condition encoder, Qwen3 and Oobleck VAE"),
+    'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value "
+                                 'heads x 128, sliding windows of 128), its condition encoder, a one-layer Qwen3 of '
+                                 "Qwen3-Embedding-0.6B's width, an Oobleck VAE of 64 channels"),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),

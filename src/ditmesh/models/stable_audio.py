@@ -25,7 +25,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb, get_1d_rotary_pos_embed
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, transformer_only)
+                   TensorPlan, register)
 
 
 class StableAudioSequenceParallelProcessor:
@@ -106,15 +106,24 @@ STABLE_AUDIO_TENSOR_PLAN = TensorPlan(
 STABLE_AUDIO = SynthArch(
     name="stable-audio-open",
     description="Stable Audio Open 1.0 transformer as diffusers' defaults (24 blocks, 24 heads x 64, 12 key-value "
-                "heads in the cross-attention, 1024 latent samples), the transformer alone",
+                "heads in the cross-attention, 1024 latent samples), the Oobleck VAE, a one-layer T5 of T5-base's width, "
+                "the duration projection",
     pipeline="StableAudioPipeline",
     transformer_class="StableAudioDiTModel",
     transformer=dict(sample_size=1024, in_channels=64, num_layers=24, attention_head_dim=64, num_attention_heads=24,
                      num_key_value_attention_heads=12, out_channels=64, cross_attention_dim=768, time_proj_dim=256,
                      global_states_input_dim=1536, cross_attention_input_dim=768),
-    vae={}, clip={}, t5={},
-    scheduler=dict(num_train_timesteps=1000),
-    scheduler_class="CosineDPMSolverMultistepScheduler",
+    vae={},  # AutoencoderOobleck's defaults are Stable Audio Open's VAE (44.1 kHz stereo, 2048x)
+    clip={},
+    t5=dict(d_model=768, d_kv=64, d_ff=256, num_layers=1, num_heads=12),
+    # the projection of the text and of the start and end seconds (conditioning width, largest number of seconds)
+    extra=dict(projection=dict(conditioning_dim=768, min_value=0, max_value=512)),
+    scheduler=dict(num_train_timesteps=1000, sigma_min=0.3, sigma_max=500, sigma_data=1.0,
+                   sigma_schedule="exponential", solver_order=2, prediction_type="v_prediction", rho=7.0,
+                   final_sigmas_type="zero"),
+    # Stable Audio Open ships CosineDPMSolverMultistepScheduler, which needs torchsde; the pipeline's declared scheduler
+    # class, EDM DPM-Solver++ on the same sigmas, needs nothing more
+    scheduler_class="EDMDPMSolverMultistepScheduler",
     default_dtype="float16",
     default_size=(1, 1024),
     max_sequence_length=128,
@@ -124,13 +133,31 @@ STABLE_AUDIO = SynthArch(
 #: cross-attention, 3 channels
 STABLE_AUDIO_TINY = dataclasses.replace(
     STABLE_AUDIO, name="stable-audio-tiny",
-    description="Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 key-value heads; the "
-                "transformer alone",
+    description="Stable Audio at diffusers' test configuration: 2 blocks, 24 heads x 4, 2 key-value heads; its tiny "
+                "Oobleck VAE (4 Hz stereo), T5 and projection",
     transformer=dict(sample_size=4, in_channels=3, num_layers=2, attention_head_dim=4, num_attention_heads=24,
                      num_key_value_attention_heads=2,
                      out_channels=3, cross_attention_dim=4, time_proj_dim=8, global_states_input_dim=8,
                      cross_attention_input_dim=4),
+    vae=dict(encoder_hidden_size=6, downsampling_ratios=[1, 2], decoder_channels=3, decoder_input_channels=3,
+             audio_channels=2, channel_multiples=[2, 4], sampling_rate=4),
+    t5=dict(d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2),
+    extra=dict(projection=dict(conditioning_dim=4, min_value=0, max_value=32)),
     default_dtype="float32", default_size=(1, 16), max_sequence_length=8)
+
+def stable_audio_components(arch: SynthArch, kit) -> dict:
+    """StableAudioPipeline's other components: AutoencoderOobleck (``arch.vae``), a T5 encoder (``arch.t5``) with a
+    local tokenizer, and the projection of the text and of the start and end seconds (``arch.extra["projection"]``)."""
+    import diffusers
+    import transformers
+    from diffusers.pipelines.stable_audio import StableAudioProjectionModel
+
+    t5_tok = kit.t5_tokenizer(arch.max_sequence_length)
+    return dict(vae=kit.make(diffusers.AutoencoderOobleck, arch.vae, 1), tokenizer=t5_tok,
+                text_encoder=kit.make(transformers.T5EncoderModel, kit.t5_config(t5_tok, arch.t5), 3),
+                projection_model=kit.make(StableAudioProjectionModel,
+                                          dict(text_encoder_dim=arch.t5["d_model"], **arch.extra["projection"]), 2))
+
 
 STABLE_AUDIO_ADAPTER = register(
     ModelAdapter(
@@ -159,8 +186,7 @@ STABLE_AUDIO_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels,
         pipelines=("StableAudioPipeline",),
         synth_archs=(STABLE_AUDIO_TINY, STABLE_AUDIO),
-        synth_components=transformer_only("Stable Audio", "a T5 encoder, its duration projection model and the "
-                                                          "Oobleck VAE"),
+        synth_components=stable_audio_components,
         pp_refusal="Stable Audio's blocks carry one [global, audio] sequence split where they start and gathered "
                    "where they end, not streams PipeFusion patches",
     )

@@ -126,6 +126,12 @@ def validate_family(args, options: "RunOptions", model: str) -> None:
         check_guidance_on(adapter, args)
     if adapter is not None and image_args_given(args):
         image_pipeline_class(args, model, adapter, tcfg, config)
+    elif adapter is not None:  # a checkpoint whose own pipeline needs an image (ChronoEdit, Framepack, FLUX Fill)
+        checkpoint = read_pipeline_class(model)
+        own = next((p for p in adapter.image_pipelines if p.pipeline == checkpoint), None)
+        if own is not None and (own.mask or needs_argument(checkpoint, "image")):  # not Kontext's: an image optional
+            raise ConfigError(f"--model {model}: {checkpoint} generates from an image; give --image PATH"
+                              + (" and --mask PATH" if own.mask else ""))
     from ..mesh import default_device
 
     heads = int(tcfg["num_attention_heads"]) if tcfg and "num_attention_heads" in tcfg else None
@@ -175,6 +181,14 @@ def check_size(args) -> None:
             raise ConfigError(f"--{name} {value} must be a positive multiple of 16 (e.g. {max(16, (value // 16) * 16 or 16)})")
 
 
+def needs_argument(pipeline: str, name: str) -> bool:
+    """Whether the diffusers pipeline class ``pipeline`` takes ``name`` without a default (ChronoEdit's ``image``)."""
+    import diffusers
+
+    parameter = inspect.signature(getattr(diffusers, pipeline).__call__).parameters.get(name)
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
 def image_pipeline_class(args, model: str, adapter=None, transformer_config: dict | None = None,
                          config: ParallelConfig | None = None):
     """The diffusers pipeline class an ``--image`` run loads (``runtime.image``); reads a hub id's configs when the
@@ -199,6 +213,7 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".gif", ".png")
+AUDIO_SUFFIXES = (".wav",)  # the audio pipelines' (Stable Audio); runtime/audio.py
 
 
 def check_output_paths(args) -> None:
@@ -206,9 +221,10 @@ def check_output_paths(args) -> None:
     out = getattr(args, "out", None)
     if out is not None:
         video = getattr(args, "frames", None) is not None
-        allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+        allowed = VIDEO_SUFFIXES if video else IMAGE_SUFFIXES + AUDIO_SUFFIXES
         if Path(out).suffix.lower() not in allowed:
-            raise ConfigError(f"--out {out}: unknown {'video' if video else 'image'} format; use one of {', '.join(allowed)}")
+            kind = "video" if video else "image or audio"
+            raise ConfigError(f"--out {out}: unknown {kind} format; use one of {', '.join(allowed)}")
     for flag, value in (("--out", out), ("--report", getattr(args, "report", None)),
                         ("--save-latents", getattr(args, "save_latents", None)), ("--trace", getattr(args, "trace", None))):
         if value is None:
@@ -417,7 +433,15 @@ def _call_kwargs(pipe, args, defaults: dict) -> dict:
     accepted = inspect.signature(pipe.__call__).parameters
     if "num_frames" not in accepted and "frames" in accepted:  # SanaVideoPipeline names its frame count `frames`
         kwargs["frames"] = kwargs.pop("num_frames")
-    return {k: v for k, v in kwargs.items() if v is not None and k in accepted}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    from ..api import transformers_of
+    from ..models import adapter_for
+
+    models = list(transformers_of(pipe).values())
+    adapter = adapter_for(models[0]) if models else None
+    if adapter is not None and adapter.call_arguments is not None:  # what the options do not name (DiT's classes)
+        kwargs = adapter.call_arguments(pipe, kwargs)
+    return {k: v for k, v in kwargs.items() if k in accepted}
 
 
 @contextlib.contextmanager
@@ -614,9 +638,15 @@ def run(args) -> int:
 
     if rank == 0:
         is_video = hasattr(result, "frames") and not hasattr(result, "images")
-        out = Path(args.out or ("out/video.mp4" if is_video else "out/image.png"))
-        images = [] if is_video else result.images
+        is_audio = hasattr(result, "audios") and not hasattr(result, "images")  # Stable Audio's AudioPipelineOutput
+        out = Path(args.out or ("out/video.mp4" if is_video else "out/audio.wav" if is_audio else "out/image.png"))
+        images = [] if is_video or is_audio else result.images
         paths = []
+        if is_audio:
+            from .audio import sampling_rate, write_audios
+
+            with phase("write audio"):
+                paths += write_audios(out, result.audios, sampling_rate(pipe))
         if is_video:
             from .video import write_video
 

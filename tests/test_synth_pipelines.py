@@ -1,0 +1,117 @@
+"""The whole synthetic pipelines of the families issue 46 added (``ditmesh synth --arch NAME`` builds their text
+encoders, tokenizers and VAEs offline, with seeded random weights): each folder through ``ditmesh generate`` on two
+ranks of the shared pool, under the one parallel axis its pipeline calls for, against the same command on one process
+(the final latents, float32, rel. err <= 1e-5). One generate pair per family: 2 steps, the smallest sizes. Cosmos and
+Qwen-Image 2.1 are not here: their pipelines cannot be built offline (synth says why in one line)."""
+
+from __future__ import annotations
+
+import json
+import re
+import wave
+
+import pytest
+import torch
+
+from cases_models import run_ranks
+from ditmesh.testing import rel_err
+
+#: architecture -> (the axis of the two-rank run, the size and guidance options of both runs)
+CASES = {
+    # batched CFG: [uncond, cond] in one call; 4 x 4 image patches and the 32-token text split over the ranks
+    "auraflow-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG split over the ranks (one branch each); the v-prediction DDIM scheduler
+    "cogview3plus-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG ([cond, uncond]); grouped-query heads (4 query, 2 key-value) split over the ranks
+    "lumina-next-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # batched CFG; the text's key padding whole on every rank, odd 3 x 5 patches of image split 8 + 7
+    "prx-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # batched CFG; the empty negative prompt (one token) padded to the prompt's length: the text's key mask and the
+    # encoder's layers split with the text; 4 x 6 image tokens
+    "bria-fibo-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "96", "--guidance", "4"]),
+    # batched CFG; one head: ring attention over the [image, text] sequence (the prompt and the empty negative prompt of
+    # different lengths, padded to the longer)
+    "ernie-image-tiny": (["--ring", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # CFG by the pipeline's guider (two calls a step); the 1,000-token padded Qwen prompt and the 4 x 4 image split
+    "hunyuan-image-tiny": (["--ulysses", "2"], ["--height", "128", "--width", "128"]),
+    # sequential CFG (the prompt's call, then the negative prompt's); the joined [text, image] sequence split over
+    # grouped-query heads (4 query, 2 key-value), the text padded in the middle of its template
+    "krea2-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # sequential CFG; 2 latent frames of 3 x 3 patches split over the ranks (the text blocks run whole on each)
+    "kandinsky5-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
+    # batched CFG; the global token and 4 latent samples split 3 + 2 over 24 heads (2 key-value heads in the
+    # cross-attention); the stereo clip written as a WAV
+    "stable-audio-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # no CFG (LTX-2 refuses cfg: its transformer returns the audio beside the video); the video split, the audio whole
+    # on every rank; its pipeline test's VAE halves each side: 5 latent frames of 16 x 16 tokens
+    "ltx-2-tiny": (["--ulysses", "2"], ["--height", "32", "--width", "32", "--frames", "9", "--guidance", "1"]),
+    # sequential CFG (Kandinsky 6 refuses cfg: its blocks return the audio beside the video); the video split, the
+    # audio whole on every rank, decoded by the MMAudio VAE and vocoder
+    "kandinsky6-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "48", "--frames", "5", "--guidance", "4"]),
+    # the unconditional branch on a second transformer (both parallelized; Ideogram 4 refuses cfg), --guidance as a
+    # constant scale in place of the pipeline's 48-step schedule; [text, image] split with the segment mask
+    "ideogram4-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # a class by its name in the checkpoint's id2label; no CFG (the tiny's 8 classes lack the null class 1000); 4 x 4
+    # patches split over 2 heads
+    "dit-tiny": (["--ulysses", "2"], ["--prompt", "cat", "--guidance", "1"]),
+    # batched CFG; the 60 s clip's latent frames split over grouped-query heads (4 query, 2 key-value) in sliding
+    # windows; written as a WAV
+    "ace-step-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # image to video (the condition image's SigLIP tokens and first latent frame): the pipeline's first window of 9
+    # latent frames with its 4x, 2x and 1x history, 2 x 2 tokens a frame, split over 2 heads; distilled guidance
+    "hunyuan-video-framepack-tiny": (["--ulysses", "2"], ["--image", "{image}", "--height", "32", "--width", "32",
+                                                          "--guidance", "1"]),
+    # batched CFG split over the ranks, without a negative prompt (EasyAnimate's call_arguments give the pipeline an
+    # empty one: it iterates over a missing one)
+    "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4"]),
+}
+#: the audio pipelines (their clips written as WAV)
+AUDIO = ("stable-audio-tiny", "ace-step-tiny")
+
+
+@pytest.mark.parametrize("arch", CASES)
+def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    axis, options = CASES[arch]
+    image = tmp_path / "condition.png"  # the image-to-video pipelines' condition image
+    Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()).save(image)
+    options = [str(image) if option == "{image}" else option for option in options]
+    command = ["generate", "--model", tiny_checkpoints(arch), "--steps", "2", *options]
+    latents = {}
+    for name, parallel in (("one", []), ("two", ["--nproc", "2", *axis])):
+        out = tmp_path / f"{name}{'.gif' if '--frames' in options else '.wav' if arch in AUDIO else '.png'}"
+        run_ranks([*command, "--out", str(out), "--save-latents", str(tmp_path / f"{name}.safetensors"), *parallel])
+        report = json.loads(out.with_name(out.name + ".json").read_text())
+        assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2
+        assert out.exists() or out.with_name(f"{name}_frames").is_dir()
+        if out.suffix == ".wav":  # the stereo clip at the VAE's sampling rate (the tiny Oobleck VAE's 4 Hz)
+            with wave.open(str(out)) as clip:
+                assert (clip.getnchannels(), clip.getframerate()) == (2, 4) and clip.getnframes() > 0
+        latents[name] = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
+    assert rel_err(latents["two"], latents["one"]) <= 1e-5
+
+
+def test_dit_takes_its_classes_by_name_or_id_and_refuses_the_rest_in_one_line():
+    from ditmesh.models.dit import dit_call_arguments
+    from ditmesh.synth import build_pipeline
+
+    pipe = build_pipeline("dit-tiny")
+    call = dict(guidance_scale=1.0, num_inference_steps=2)
+    assert dit_call_arguments(pipe, dict(call, prompt=["dog", "7"]))["class_labels"] == [1, 7]
+    for prompt, guidance, why in (("a cat", 1.0, "give a class name it knows (car, cat, dog, flower, ...) or a class id "
+                                                 "from 0 to 7"),
+                                  ("8", 1.0, "from 0 to 7"), ("cat", 4.0, "has 8 classes; use --guidance 1")):
+        with pytest.raises(ValueError, match=re.escape(why)) as refused:
+            dit_call_arguments(pipe, dict(call, prompt=prompt, guidance_scale=guidance))
+        assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("arch, line", [
+    ("hunyuan-video-framepack-tiny", "HunyuanVideoFramepackPipeline generates from an image; give --image PATH"),
+    ("flux-fill-tiny", "FluxFillPipeline generates from an image; give --image PATH and --mask PATH")])
+def test_a_checkpoint_whose_pipeline_needs_an_image_is_refused_without_one_before_loading(arch, line):
+    from cases_models import generate_refusal
+
+    assert generate_refusal(arch, "--steps", "2").endswith(f"--model {arch}: {line}")
