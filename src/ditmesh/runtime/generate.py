@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ParallelConfig
 from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal
-from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
+from ..shared import DTYPE_NAMES, atomic_write_bytes, freeze_heap, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_family_facts,
@@ -574,6 +574,7 @@ def run(args) -> int:
         # the ranks meet here: a rank that loaded first waits for the slowest inside its load
         load_peaks = all_gather_object(peak_memory_bytes(device))
         placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
+    freeze_heap()  # the loaded pipeline lives to the end: the first step's full collections (dynamo) skip it
     defaults = read_defaults(path)
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 

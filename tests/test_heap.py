@@ -1,0 +1,37 @@
+"""The collector paused while the heavy modules import, and the heap frozen after them (``shared.imports_without_gc``):
+start-up's imports and the first step's full collections skip what lives to the end (docs/timeline.md)."""
+
+import gc
+
+from ditmesh.shared import imports_without_gc
+
+
+class _Node:
+    def __init__(self):
+        self.me = self  # a cycle: only the collector could free it
+
+
+def test_imports_without_gc_pauses_the_collector_then_freezes_what_was_made():
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with imports_without_gc():
+            assert not gc.isenabled()
+            made = [_Node() for _ in range(100)]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + 100
+        tracked = {id(o) for o in gc.get_objects()}  # the collector's generations: frozen objects are not in them
+        assert not any(id(n) in tracked for n in made)
+    finally:
+        gc.unfreeze()
+
+
+def test_imports_without_gc_leaves_a_paused_collector_paused():
+    gc.disable()
+    try:
+        with imports_without_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
