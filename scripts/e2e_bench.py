@@ -262,13 +262,12 @@ def _self_times(log: str) -> dict[str, float]:
 
 def import_accounts(env: dict) -> dict:
     """Where a rank's imports go beyond "one import", measured here: the forked ranks' zygote's imports and one import,
-    each under ``python -X importtime`` (after a plain run of each, which leaves the files and bytecode warm), with the
+    each once under ``python -X importtime`` (the rows ran before: the files and bytecode are warm), with the
     collector's seconds and full collections; the packages of the modules only the zygote imports (their own
     seconds, largest first) and of those only one import imports (the pipeline's classes, which a rank imports later,
     while it loads)."""
     runs = {}
     for name, code in (("zygote", ZYGOTE_IMPORTS), ("one_import", ONE_IMPORT)):
-        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-X", "importtime", "-c", _GC_TIMED.format(code=code)], env=env,
                               capture_output=True, text=True)
@@ -405,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         if spec not in cold:
             bench.row(spec)
     bench.rows += serve_rows(bench)
-    accounts = import_accounts(bench.env("new", bench.shared_cache)) if not args.no_import_accounts else None
+    accounts = None
+    if args.no_import_accounts or bench.left_s() < 2.5 * one_import:  # two imports' time, and some to spare
+        print("e2e: imports' accounts skipped" + ("" if args.no_import_accounts else
+                                                  f" ({bench.left_s():.0f} s left before the deadline)"), flush=True)
+    else:
+        accounts = import_accounts(bench.env("new", bench.shared_cache))
     text = table(bench.rows, one_import) + "\n\n" + first_step_table(bench.rows)
     if accounts:
         text += "\n\n" + imports_table(accounts)

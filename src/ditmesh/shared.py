@@ -41,13 +41,18 @@ def imports_without_gc():
     Those imports build a few hundred thousand objects that live as long as the process and hold almost no garbage
     cycles; the collector's full passes over them while they load (seven in ``import torch, diffusers; from diffusers
     import FluxPipeline``) took about 1 s of CPU in a 6 s import on the 2-core machine (``gc.callbacks``; docs/
-    timeline.md), and each later full pass (while weights load, while dynamo traces) walked them all again."""
-    enabled = gc.isenabled()
+    timeline.md), and each later full pass (while weights load, while dynamo traces) walked them all again. Where
+    nothing new was imported (a process that runs several commands, as the test suite's workers do), nothing is
+    frozen: what earlier commands left is not kept from the collector."""
+    import sys
+
+    enabled, modules = gc.isenabled(), len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        freeze_heap()
+        if len(sys.modules) > modules:
+            freeze_heap()
         if enabled:
             gc.enable()
 

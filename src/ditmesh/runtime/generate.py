@@ -574,7 +574,8 @@ def run(args) -> int:
         # the ranks meet here: a rank that loaded first waits for the slowest inside its load
         load_peaks = all_gather_object(peak_memory_bytes(device))
         placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
-    freeze_heap()  # the loaded pipeline lives to the end: the first step's full collections (dynamo) skip it
+    if not STAY_AFTER_RUN:  # the loaded pipeline lives to the end: the first step's full collections skip it
+        freeze_heap()
     defaults = read_defaults(path)
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 
