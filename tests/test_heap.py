@@ -1,5 +1,6 @@
-"""The collector paused while the heavy modules import, and the heap frozen after them (``shared.imports_without_gc``):
-start-up's imports and the first step's full collections skip what lives to the end (docs/timeline.md)."""
+"""Start-up: the collector paused while the heavy modules import and the heap frozen after them
+(``shared.imports_without_gc``: later full collections skip what lives to the end), and the compile machinery imported
+in a thread while the weights are copied (``runtime.generate.imported_meanwhile``); docs/timeline.md."""
 
 import gc
 import sys
@@ -47,3 +48,21 @@ def test_imports_without_gc_freezes_nothing_where_nothing_was_imported():
     with imports_without_gc():
         made = [_Node() for _ in range(100)]  # noqa: F841
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_modules_imported_meanwhile_are_there_after_the_block_and_a_failing_one_is_left(tmp_path, monkeypatch):
+    from ditmesh import timeline
+    from ditmesh.runtime.generate import imported_meanwhile
+
+    (tmp_path / "meanwhile_probe.py").write_text("import time\ntime.sleep(0.2)\nVALUE = 2\n")
+    (tmp_path / "meanwhile_broken.py").write_text("raise RuntimeError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(timeline, "_TIMELINE", None)
+    try:
+        with imported_meanwhile(("meanwhile_broken", "meanwhile_probe")):
+            assert "meanwhile_probe" not in sys.modules or not hasattr(sys.modules["meanwhile_probe"], "VALUE")
+        assert sys.modules["meanwhile_probe"].VALUE == 2 and "meanwhile_broken" not in sys.modules
+        (row,) = [p for p in timeline.timeline().phases if p["name"] == "imports meanwhile"]
+        assert row["tid"] == 2 and row["end_s"] - row["start_s"] >= 0.2
+    finally:
+        sys.modules.pop("meanwhile_probe", None)
