@@ -548,15 +548,16 @@ def _load_to(device, load, meanwhile: tuple[str, ...] = ()):
 
     with phase("load components"), timed_component_loading():
         pipe = load()
-    with phase("to device"), imported_meanwhile(meanwhile):
+    with phase("to device"), imported_meanwhile(meanwhile, device):
         return pipe.to(device)
 
 
 @contextlib.contextmanager
-def imported_meanwhile(modules: tuple[str, ...]):
+def imported_meanwhile(modules: tuple[str, ...], device=None):
     """Import ``modules`` in a thread while the block runs (a phase ``imports meanwhile`` on a row of its own); wait
     for it at the block's end. A module that fails to import is left to whoever needs it (who then meets the
-    error)."""
+    error). The thread's CUDA device is ``device`` (a thread starts on device 0: what an import touched there would
+    open a context on another rank's GPU)."""
     if not modules:
         yield
         return
@@ -564,6 +565,10 @@ def imported_meanwhile(modules: tuple[str, ...]):
     import threading
 
     def run(start: float) -> None:
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
         for name in modules:
             try:
                 importlib.import_module(name)
