@@ -198,7 +198,7 @@ def _phase_s(timeline: dict, *names: str) -> float | None:
 def summarize(report: dict, wall_s: float, steps: int) -> dict:
     """A row from a ``generate`` report and the wall time measured outside it."""
     latencies = report["step_latency_s"]
-    steady = statistics.median(latencies)
+    steady = statistics.median(latencies[1:] or latencies)  # the later steps' (the first pays compile and capture)
     row = {"wall_s": round(wall_s, 3), "load_s": report["load_s"], "steady_step_s": round(steady, 5),
            "first_step_extra_s": report.get("first_step_extra_s"), "steps": len(latencies),
            "steps_s": round(steady * len(latencies), 3),

@@ -27,3 +27,12 @@ def test_importtime_logs_give_each_modules_own_seconds():
            "import time:      2500 |       2620 | ditmesh\n"
            "some other line\n")
     assert bench._self_times(log) == {"ditmesh.config": 0.00012, "ditmesh": 0.0025}
+
+
+def test_the_steady_step_is_the_later_steps_median_also_of_two_steps():
+    bench = load_script("e2e_bench")
+    report = {"step_latency_s": [5.0, 0.1], "load_s": 1.0, "first_step_extra_s": 4.9, "total_latency_s": 5.2}
+    row = bench.summarize(report, 10.0, 2)
+    assert row["steady_step_s"] == 0.1 and row["steps_s"] == 0.2 and row["overhead_s"] == pytest.approx(10 - 1 - 0.2)
+    row = bench.summarize(dict(report, step_latency_s=[5.0, 0.1, 0.3, 0.2]), 10.0, 4)
+    assert row["steady_step_s"] == 0.2
