@@ -239,10 +239,10 @@ def one_import_s(env: dict, runs: int) -> float:
     return round(time.perf_counter() - start, 3)
 
 
-#: what a forked rank's zygote runs (runtime/forked.py), as it runs it: the modules of PRELOAD, the collector paused
-ZYGOTE_IMPORTS = ("import importlib\nfrom ditmesh.runtime.forked import PRELOAD\nfrom ditmesh.shared import "
-                  "imports_without_gc\nwith imports_without_gc():\n    for name in PRELOAD:\n"
-                  "        importlib.import_module(name)")
+#: what a forked rank's zygote runs (runtime/forked.py), as it runs it: its imports of PRELOAD (with torch's NVML
+#: device check), the collector paused
+ZYGOTE_IMPORTS = ("from ditmesh.runtime.forked import _preload\nfrom ditmesh.shared import imports_without_gc\n"
+                  "with imports_without_gc():\n    _preload()")
 #: the collector's seconds while ``code`` runs, printed last as ``gc <seconds> <full collections>``
 _GC_TIMED = ("import gc, time\n_gc = [0.0, 0, 0.0]\ndef _cb(phase, info):\n    if phase == 'start':\n"
              "        _gc[2] = time.perf_counter()\n    else:\n        _gc[0] += time.perf_counter() - _gc[2]\n"
