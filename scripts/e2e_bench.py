@@ -198,7 +198,7 @@ def _phase_s(timeline: dict, *names: str) -> float | None:
 def summarize(report: dict, wall_s: float, steps: int) -> dict:
     """A row from a ``generate`` report and the wall time measured outside it."""
     latencies = report["step_latency_s"]
-    steady = statistics.median(latencies)
+    steady = statistics.median(latencies[1:] or latencies)  # the later steps' (the first pays compile and capture)
     row = {"wall_s": round(wall_s, 3), "load_s": report["load_s"], "steady_step_s": round(steady, 5),
            "first_step_extra_s": report.get("first_step_extra_s"), "steps": len(latencies),
            "steps_s": round(steady * len(latencies), 3),
@@ -239,6 +239,72 @@ def one_import_s(env: dict, runs: int) -> float:
     return round(time.perf_counter() - start, 3)
 
 
+#: what a forked rank's zygote runs (runtime/forked.py), as it runs it: its imports of PRELOAD (with torch's NVML
+#: device check), the collector paused
+ZYGOTE_IMPORTS = ("from ditmesh.runtime.forked import _preload\nfrom ditmesh.shared import imports_without_gc\n"
+                  "with imports_without_gc():\n    _preload()")
+#: the collector's seconds while ``code`` runs, printed last as ``gc <seconds> <full collections>``
+_GC_TIMED = ("import gc, time\n_gc = [0.0, 0, 0.0]\ndef _cb(phase, info):\n    if phase == 'start':\n"
+             "        _gc[2] = time.perf_counter()\n    else:\n        _gc[0] += time.perf_counter() - _gc[2]\n"
+             "        _gc[1] += info['generation'] == 2\ngc.callbacks.append(_cb)\n{code}\n"
+             "print('gc', round(_gc[0], 3), _gc[1])")
+
+
+def _self_times(log: str) -> dict[str, float]:
+    """Module -> its own seconds, from a ``python -X importtime`` log."""
+    out = {}
+    for line in log.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[0].split(":")[1].strip().isdigit():
+            out[parts[2].strip()] = int(parts[0].split(":")[1]) / 1e6
+    return out
+
+
+def import_accounts(env: dict) -> dict:
+    """Where a rank's imports go beyond "one import", measured here: the forked ranks' zygote's imports and one import,
+    each once under ``python -X importtime`` (the rows ran before: the files and bytecode are warm), with the
+    collector's seconds and full collections; the packages of the modules only the zygote imports (their own
+    seconds, largest first) and of those only one import imports (the pipeline's classes, which a rank imports later,
+    while it loads)."""
+    runs = {}
+    for name, code in (("zygote", ZYGOTE_IMPORTS), ("one_import", ONE_IMPORT)):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-c", _GC_TIMED.format(code=code)], env=env,
+                              capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        gc_line = next((line.split() for line in proc.stdout.splitlines() if line.startswith("gc ")), None)
+        runs[name] = {"wall_s": round(wall, 3), "exit": proc.returncode, "modules": _self_times(proc.stderr),
+                      "gc_s": float(gc_line[1]) if gc_line else None, "gc_full": int(gc_line[2]) if gc_line else None}
+
+    def by_package(only: dict[str, float]) -> list[list]:
+        sums: dict[str, float] = {}
+        for module, seconds in only.items():
+            sums[module.split(".")[0]] = sums.get(module.split(".")[0], 0.0) + seconds
+        return [[k, round(v, 3)] for k, v in sorted(sums.items(), key=lambda kv: -kv[1])]
+
+    zygote, one = runs["zygote"]["modules"], runs["one_import"]["modules"]
+    extra = {m: s for m, s in zygote.items() if m not in one}
+    missing = {m: s for m, s in one.items() if m not in zygote}
+    return {**{name: {k: v for k, v in r.items() if k != "modules"} for name, r in runs.items()},
+            "zygote_only_s": round(sum(extra.values()), 3), "zygote_only": by_package(extra)[:12],
+            "one_import_only_s": round(sum(missing.values()), 3), "one_import_only": by_package(missing)[:12]}
+
+
+def imports_table(accounts: dict) -> str:
+    """The import accounts as lines of text (printed after the rows' table)."""
+    z, o = accounts["zygote"], accounts["one_import"]
+    lines = ["| imports (-X importtime, one run each) | wall s | collector s | full collections |", "|---|---|---|---|"]
+    for label, r in (("the forked ranks' zygote (runtime/forked.py PRELOAD, collector paused)", z),
+                     ("one import", o)):
+        lines.append(f"| {label} | {r['wall_s']:.2f} | {r['gc_s']} | {r['gc_full']} |")
+    lines.append("")
+    lines.append(f"only the zygote imports: {accounts['zygote_only_s']:.3f} s of their own: "
+                 + ", ".join(f"{pkg} {s:.3f}" for pkg, s in accounts["zygote_only"]))
+    lines.append(f"only one import imports (a rank imports them while it loads): {accounts['one_import_only_s']:.3f} s: "
+                 + ", ".join(f"{pkg} {s:.3f}" for pkg, s in accounts["one_import_only"]))
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], one_import: float) -> str:
     head = ("| row | wall s | load s | first step's extra s | steps x steady s | overhead s | overhead - one import s "
             "| launcher s | imports s | text enc s | VAE s | writing s | after report s |")
@@ -254,6 +320,27 @@ def table(rows: list[dict], one_import: float) -> str:
                      f"{'' if extra is None else f'{extra:.1f}'} | {r['steps_s']:.2f} | {r['overhead_s']:.1f} | "
                      f"{r['overhead_s'] - one_import:.1f} | {cell('launch')} | {cell('imports')} | "
                      f"{cell('text_encoding')} | {cell('vae_decode')} | {cell('writing')} | {cell('after_report')} |")
+    return "\n".join(lines)
+
+
+#: the first step's one-time costs from the run's report (runtime/generate.py compile_breakdown), in this order
+FIRST_STEP = ("dynamo", "bytecode_tracing", "backend", "cuda_graph_capture")
+
+
+def first_step_table(rows: list[dict]) -> str:
+    """Per row, where the first step's extra went: dynamo (of it bytecode tracing and the backend, i.e. AOT autograd
+    and inductor with its cache hits), CUDA graph capture, compiled blocks loaded (``--compile-artifacts``), and the
+    rest (the first step's extra minus dynamo and capture: kernels' first launches, cuDNN/cuBLAS heuristics, the
+    allocator's growth)."""
+    lines = ["| row | first step's extra s | dynamo s | bytecode tracing s | backend s | graph capture s | "
+             "artifacts loaded s | rest s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        extra, parts = r.get("first_step_extra_s"), r.get("compile_breakdown_s") or {}
+        loaded = sum(v for _, v in (r.get("compile_artifacts") or {}).get("loaded", []) if isinstance(v, (int, float)))
+        rest = None if extra is None else extra - parts.get("dynamo", 0.0) - parts.get("cuda_graph_capture", 0.0) - loaded
+        cells = ["" if parts.get(k) is None else f"{parts[k]:.2f}" for k in FIRST_STEP]
+        lines.append(f"| {r['row']} | {'' if extra is None else f'{extra:.2f}'} | " + " | ".join(cells)
+                     + f" | {loaded:.2f} | {'' if rest is None else f'{rest:.2f}'} |")
     return "\n".join(lines)
 
 
@@ -280,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=540.0, help="skip rows that would end after this (default 540)")
     p.add_argument("--cpu-dry-run", action="store_true", help="flux-tiny on CPU processes (gloo), 2 of them, 64x64, "
                                                              "2 steps: the whole flow in a few minutes")
+    p.add_argument("--no-import-accounts", action="store_true",
+                   help="skip the imports' accounts (the zygote's imports and one import under -X importtime)")
     p.add_argument("--out", required=True, help="folder for e2e.json, e2e.md and the traces")
     p.add_argument("extra", nargs="*", help="after --: more generate options for every row")
     args = p.parse_args(argv)
@@ -315,11 +404,20 @@ def main(argv: list[str] | None = None) -> int:
         if spec not in cold:
             bench.row(spec)
     bench.rows += serve_rows(bench)
-    text = table(bench.rows, one_import)
+    accounts = None
+    if args.no_import_accounts or bench.left_s() < 2.5 * one_import:  # two imports' time, and some to spare
+        print("e2e: imports' accounts skipped" + ("" if args.no_import_accounts else
+                                                  f" ({bench.left_s():.0f} s left before the deadline)"), flush=True)
+    else:
+        accounts = import_accounts(bench.env("new", bench.shared_cache))
+    text = table(bench.rows, one_import) + "\n\n" + first_step_table(bench.rows)
+    if accounts:
+        text += "\n\n" + imports_table(accounts)
     print(text)
     result = {"schema": "ditmesh-e2e/1", "command": [Path(sys.argv[0]).name, *(argv or sys.argv[1:])],
               "settings": {k: v for k, v in vars(args).items()}, "one_import_s": one_import, "synth_s": synth_s,
               "wall_s": round(time.perf_counter() - bench.start, 1), "rows": bench.rows, "warmups": bench.warmups,
+              "import_accounts": accounts,
               "skipped": bench.skipped}
     (bench.out / "e2e.json").write_text(json.dumps(result, indent=1))
     (bench.out / "e2e.md").write_text(text + "\n")

@@ -298,21 +298,30 @@ def gpu_memory_by_pid() -> dict[int, float]:
 def generate(server: Server, prompt: str, seed: int, timeout: float, lora: str | None = None) -> dict:
     """One POST /generate (with ``lora``: that named adapter): its outcome, latency (client side), the id the server
     gave it and the server's timeline of it (seconds per phase)."""
-    t0 = time.perf_counter()
+    t0, sent_at = time.perf_counter(), time.time()
     body = {"prompt": prompt, "seed": seed, **({"lora": lora} if lora else {})}
     try:
         status, body = server.request("POST", "/generate", body, timeout=timeout)
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"ok": False, "seconds": time.perf_counter() - t0, "id": None, "error": f"{type(exc).__name__}: {exc}"}
-    seconds = time.perf_counter() - t0
+    seconds, read_at = time.perf_counter() - t0, time.time()
     if status != 200:
         message = body.get("error", {}).get("message") if isinstance(body, dict) else str(body)[:200]
         return {"ok": False, "seconds": seconds, "id": None, "error": f"HTTP {status}: {message}"}
     if not body.get("images"):
         return {"ok": False, "seconds": seconds, "id": body.get("id"), "error": "answered 200 without a picture"}
     return {"ok": True, "seconds": seconds, "id": body["id"], "images": len(body["images"]),
-            "server_seconds": body.get("seconds"), "batch": body.get("batch", 1), "timeline": body.get("timeline", {}),
-            "error": None}
+            "server_seconds": body.get("seconds"), "batch": body.get("batch", 1),
+            "timeline": dict(body.get("timeline", {}), **http_phases(body, sent_at, read_at)), "error": None}
+
+
+def http_phases(body: dict, sent_at: float, read_at: float) -> dict:
+    """The way in (from the client's send to the server's reading the request) and the way out (from the server's
+    starting the answer to the client's having read and parsed it), from the answer's ``received_at`` and
+    ``answered_at`` and this host's clock (the client runs beside the server); none for a server without them."""
+    if "received_at" not in body or "answered_at" not in body:
+        return {}
+    return {"http_in": round(body["received_at"] - sent_at, 4), "http_out": round(read_at - body["answered_at"], 4)}
 
 
 def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, loras: tuple = ()) -> dict:
@@ -482,27 +491,56 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-#: the phases of the second table, as the server's timelines name them
-TABLE_PHASES = ("queue", "lora_switch", "text_encode", "steps", "step", "vae_decode", "postprocess", "handoff", "encode")
+#: the phases of a request in the order they run, as the timelines name them: the way in, the queue, rank 0's call
+#: (its phases, then ``call_other``: the call's seconds outside them), the hand-off to the front end, PNG encoding,
+#: the way out (the answer built, sent, read and parsed by the client)
+SEQUENCE = ("http_in", "queue", "lora_switch", "text_encode", "prepare", "steps", "vae_decode", "postprocess",
+            "call_other", "handoff", "encode", "http_out")
+#: the phases of the second table: the sequence and ``step`` (the median later step)
+TABLE_PHASES = (*SEQUENCE[:6], "step", *SEQUENCE[6:])
+#: a lone request's bound: the steps at the steady step plus this much (issue 45)
+LONE_BOUND_S = 0.15
 
 
-def phase_table(results: list[dict]) -> str:
-    """Mean seconds of each phase of a request (the server's timelines), per layout and clients."""
-    lines = ["| layout | clients | " + " | ".join(TABLE_PHASES) + " |", "|---|---|" + "---|" * len(TABLE_PHASES)]
+def account(phases: dict, latency: float) -> dict:
+    """``phases`` (mean seconds) with ``call_other`` (the call minus its phases), ``sum`` (the sequence's phases) and
+    ``unaccounted`` (the client's mean latency minus that sum: what no phase measured)."""
+    out = dict(phases)
+    if "call" in phases:
+        inside = sum(phases.get(name, 0.0) for name in SEQUENCE[2:8])
+        out["call_other"] = round(phases["call"] - inside, 4)
+    out["sum"] = round(sum(out.get(name, 0.0) for name in SEQUENCE), 4)
+    out["unaccounted"] = round(latency - out["sum"], 4)
+    return out
+
+
+def phase_table(results: list[dict], steps: int | None = None) -> str:
+    """Mean seconds of each phase of a request, per layout and clients: the way in, the server's timelines, the way
+    out; their sum against the client's mean latency; for one client, the bound ``steps`` x step + 0.15 s."""
+    names = (*TABLE_PHASES, "sum", "client", "unaccounted", "bound")
+    lines = ["| layout | clients | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in results:
         for row in r["rows"]:
-            phases = row.get("phases_s") or {}
+            latency = (row.get("latency_s") or {}).get("mean")
+            phases = account(row.get("phases_s") or {}, latency or 0.0)
+            phases["client"] = latency
+            if row["clients"] == 1 and steps and "step" in phases:
+                phases["bound"] = round(steps * phases["step"] + LONE_BOUND_S, 4)
             lines.append(f"| `{r['layout']}` | {row['clients']} | " + " | ".join(
-                f"{phases[name]:.3f}" if name in phases else "" for name in TABLE_PHASES) + " |")
+                f"{phases[name]:.3f}" if phases.get(name) is not None else "" for name in names) + " |")
     return "\n".join(lines)
+
+
+def serve_steps(serve_args: list[str]) -> int:
+    """The steps of every request: the servers' ``--steps`` (28, ``generate``'s default, without it)."""
+    return int(serve_args[serve_args.index("--steps") + 1]) if "--steps" in serve_args else 28
 
 
 def e2e_rows(report: dict) -> list[dict]:
     """Rows of ``scripts/e2e_bench.py``'s table from a report of this script: per layout and clients, ``wall_s`` the
     mean latency a client saw, and ``overhead_s`` that minus the steps at the steady step (the timelines' median
     later step, times ``--steps``): the service's own cost, which issue 32 bounds at 0.15 s for a lone client."""
-    args = report.get("serve_args") or []
-    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 28
+    steps = serve_steps(report.get("serve_args") or [])
     rows = []
     for layout in report["layouts"]:
         for row in layout["rows"]:
@@ -546,7 +584,7 @@ def main(argv=None) -> int:
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     print(table(report["layouts"]))
     print()
-    print(phase_table(report["layouts"]))
+    print(phase_table(report["layouts"], serve_steps(args.serve_args)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -54,6 +54,22 @@ def test_a_large_noise_picture_is_cut_into_parts_and_a_smooth_one_compresses():
     assert len(png.encode(smooth)) < 2 * len(pillow.getvalue())
 
 
+def test_a_picture_that_does_not_shrink_is_stored_and_one_that_does_is_deflated():
+    rng = np.random.default_rng(1)
+    noise = Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    y, x = np.mgrid[0:300, 0:400]
+    smooth = Image.fromarray((np.stack([x // 4, y // 4, (x + y) // 8], -1) % 256).astype(np.uint8))
+    for picture, stored in ((noise, True), (smooth, False)):
+        raw = png.filtered_rows(np.asarray(picture))
+        assert png.worth_deflating(raw) is not stored
+        data = png.encode(picture)
+        assert _decoded(data).tobytes() == picture.tobytes()  # the same pixels either way
+        if stored:  # level 0: the filtered rows themselves, in stored blocks (a few bytes each), and no smaller
+            assert raw.nbytes < len(data) < raw.nbytes * 1.01 and data == png.encode(picture, level=0)
+        else:
+            assert len(data) < raw.nbytes / 4
+
+
 def test_the_service_and_generate_write_this_png():
     from ditmesh.serve.app import encode_picture
 

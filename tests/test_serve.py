@@ -159,6 +159,19 @@ def test_openai_and_native_requests_return_the_pictures(server):
     assert all(list(r["warm_s"]) == ["64x64", "48x32"] for r in replicas)
 
 
+def test_a_served_picture_is_generates_picture_pixel_for_pixel(server, tmp_path):
+    """The service's path to the answer (pictures rounded on the ranks' device, PNG stored or deflated, the answer's
+    JSON built around the base64 text) gives the pixels ``generate`` writes for the same request."""
+    r = server.post("/generate", json={"prompt": "a green triangle", "seed": 11})
+    assert r.status_code == 200, r.text
+    out = tmp_path / "g.png"
+    subprocess.run([sys.executable, "-m", "ditmesh", "generate", "--prompt", "a green triangle", "--seed", "11",
+                    "--steps", "2", "--height", "64", "--width", "64", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    with Image.open(out) as written:
+        assert decode(r.json()["images"][0]["b64"]).tobytes() == written.convert("RGB").tobytes()
+
+
 @pytest.mark.parametrize("body, status, needle", [
     ({"prompt": "x", "height": 70}, 400, "height 70 must be a positive multiple of 16"),
     ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384 (--max-pixels)"),

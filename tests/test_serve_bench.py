@@ -21,6 +21,7 @@ SCRIPT = ROOT / "scripts" / "serve_bench.py"
 
 
 def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(flux_tiny, tmp_path):
+    bench = load_script("serve_bench")
     out = tmp_path / "serve.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", flux_tiny, "--layout", "--nproc 1 --replicas 2",
@@ -51,10 +52,20 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
         phases = row["phases_s"]
         assert phases["steps"] + phases["vae_decode"] <= phases["call"] <= lat["mean"]
         assert phases["text_encode"] >= 0 and phases["encode"] > 0 and phases["queue"] >= 0
+        assert phases["prepare"] >= 0 and phases["http_in"] > 0 and phases["http_out"] > 0
+        # the phases, each measured on its own, add up to what the client waited: at most 5% + 20 ms unaccounted
+        accounted = bench.account(phases, lat["mean"])
+        assert abs(accounted["unaccounted"]) <= 0.05 * lat["mean"] + 0.02, accounted
     # one line per layout x clients in each table (a rank that outlived its server would have set the layout's error)
     latency, phases = proc.stdout.split("\n\n")
     assert [line.split("|")[3].strip() for line in latency.splitlines()[2:]] == ["1", "3"]
-    assert [line.split("|")[2].strip() for line in phases.strip().splitlines()[2:]] == ["1", "3"]
+    head, _, *lines = phases.strip().splitlines()
+    assert [line.split("|")[2].strip() for line in lines] == ["1", "3"]
+    # the lone client's row has its bound: --steps 2 x the steady step + 0.15 s
+    columns = [c.strip() for c in head.split("|")]
+    lone = dict(zip(columns, (c.strip() for c in lines[0].split("|"))))
+    assert float(lone["bound"]) == pytest.approx(2 * float(lone["step"]) + 0.15, abs=2e-3)
+    assert dict(zip(columns, (c.strip() for c in lines[1].split("|"))))["bound"] == ""
 
 
 class _StandInServer:

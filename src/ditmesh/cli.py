@@ -264,7 +264,9 @@ def _cmd_generate(args, argv: list[str]) -> int:
     if not args.nproc or "RANK" in os.environ:  # this process runs a rank: its imports are a phase of their own
         # the threads of every CPU path: this host's cores shared by its ranks (one process: all of them)
         share_cpu_threads(os.environ, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        with phase("imports"):
+        from .shared import imports_without_gc
+
+        with phase("imports"), imports_without_gc():
             import diffusers  # noqa: F401
             import torch  # noqa: F401
             from diffusers import DiffusionPipeline  # noqa: F401

@@ -65,9 +65,10 @@ from dataclasses import dataclass, field
 #: a VAE's decode/encode and its layers (``ditmesh.parallel.vae``); ``vae_chunk`` runs a VAE's residual blocks and
 #: up-samplers on pieces of rows (``ditmesh.parallel.vae_chunk``); ``lora`` wraps the LoRA loading of a pipeline
 #: (``lora_state_dict``) and of a transformer (``load_lora_adapter``), ``ditmesh.parallel.lora``; ``chunk`` runs a
-#: feed-forward on pieces of the sequence (``ditmesh.parallel.chunk``).
+#: feed-forward on pieces of the sequence (``ditmesh.parallel.chunk``); ``pictures`` makes an image processor's PIL
+#: pictures from 8-bit pixels rounded on the device (``ditmesh.serve.phases``).
 ORDER = ("timeline", "context", "graph", "consistency", "batch", "pipefusion", "sequence", "prompt_cache", "encode_once",
-         "cache", "vae", "vae_chunk", "lora", "chunk")
+         "cache", "vae", "vae_chunk", "lora", "chunk", "pictures")
 
 
 class Hook:

@@ -27,6 +27,10 @@ WINDOW = 1 << 15
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: zlib's level: 1 takes markedly less time than Pillow's default 6 for some more bytes (the pixels are the same)
 LEVEL = 1
+#: the bytes of the sample that decides whether a picture is worth deflating (:func:`worth_deflating`)
+SAMPLE_BYTES = 1 << 15
+#: a sample deflated to more than this share of its size: the picture is stored (zlib level 0)
+STORE_ABOVE = 0.95
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -71,12 +75,25 @@ def deflate_parallel(raw: np.ndarray, level: int = LEVEL, parts: int | None = No
     return b"\x78\x01" + body + struct.pack(">I", zlib.adler32(raw))
 
 
+def worth_deflating(raw: np.ndarray, level: int = LEVEL) -> bool:
+    """Whether the filtered bytes ``raw`` shrink when deflated: a sample of :data:`SAMPLE_BYTES` from their middle,
+    deflated at ``level``, comes to at most :data:`STORE_ABOVE` of its size. A noise picture (what a random-weight
+    checkpoint draws) does not shrink at all: deflating it costs ~0.12 s at 1024² on the 2-core machine for 0.02% fewer
+    bytes, storing it ~0.01 s."""
+    middle = raw.nbytes // 2
+    sample = raw[max(0, middle - SAMPLE_BYTES // 2):middle + SAMPLE_BYTES // 2]
+    return len(zlib.compress(sample, level)) <= STORE_ABOVE * sample.nbytes
+
+
 def encode(image, level: int = LEVEL) -> bytes:
-    """The PNG file of the PIL image ``image`` (modes other than L, LA, RGB and RGBA are converted first)."""
+    """The PNG file of the PIL image ``image`` (modes other than L, LA, RGB and RGBA are converted first): its rows
+    deflated at ``level``, or stored (level 0) where a sample of them does not shrink (:func:`worth_deflating`); the
+    pixels are the same either way."""
     if image.mode not in COLOUR_TYPES:
         image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
     channels, colour_type = COLOUR_TYPES[image.mode]
     pixels = np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, channels)
     header = struct.pack(">IIBBBBB", image.width, image.height, 8, colour_type, 0, 0, 0)
-    return (SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", deflate_parallel(filtered_rows(pixels), level))
-            + _chunk(b"IEND", b""))
+    raw = filtered_rows(pixels)
+    level = level if level == 0 or worth_deflating(raw, level) else 0
+    return SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", deflate_parallel(raw, level)) + _chunk(b"IEND", b"")

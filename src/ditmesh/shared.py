@@ -6,6 +6,8 @@ It imports nothing else of ditmesh, so any tool can use it without an import cyc
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import tempfile
@@ -29,6 +31,37 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def imports_without_gc():
+    """Import torch, diffusers and the like with Python's cyclic garbage collector paused, then freeze the heap
+    (:func:`freeze_heap`).
+
+    Those imports build a few hundred thousand objects that live as long as the process and hold almost no garbage
+    cycles; the collector's full passes over them while they load (seven in ``import torch, diffusers; from diffusers
+    import FluxPipeline``) took about 1 s of CPU in a 6 s import on the 2-core machine (``gc.callbacks``; docs/
+    timeline.md), and each later full pass (while weights load, while dynamo traces) walked them all again. Where
+    nothing new was imported (a process that runs several commands, as the test suite's workers do), nothing is
+    frozen: what earlier commands left is not kept from the collector."""
+    import sys
+
+    enabled, modules = gc.isenabled(), len(sys.modules)
+    gc.disable()
+    try:
+        yield
+    finally:
+        if len(sys.modules) > modules:
+            freeze_heap()
+        if enabled:
+            gc.enable()
+
+
+def freeze_heap() -> None:
+    """Move every object alive now to the collector's permanent generation (``gc.freeze``): later full collections
+    skip them. Reference counting still frees each of them as before; only a garbage cycle among them would stay
+    (the modules, a loaded pipeline and its compiled blocks live as long as the process anyway)."""
+    gc.freeze()
 
 
 def one_line(exc: BaseException) -> str:

@@ -206,7 +206,7 @@ def _main(spec: dict) -> None:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's time limit: where the imports were
-    from ..shared import quiet_libraries
+    from ..shared import imports_without_gc, quiet_libraries
     from .launch import run_rank
 
     write_fd, argv, run_dir = spec["fd"], spec["argv"], spec["run_dir"]
@@ -214,7 +214,8 @@ def _main(spec: dict) -> None:
     quiet_libraries()
     started = time.time()
     try:
-        _preload()
+        with imports_without_gc():  # frozen before the fork, too: the ranks' collections skip what they share
+            _preload()
     except BaseException as exc:  # noqa: BLE001  (every rank would have had it: rank 0's error, reported once)
         failure = exc
         os.environ["RANK"] = "0"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import ConfigError, ParallelConfig
 from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal
-from ..shared import DTYPE_NAMES, atomic_write_bytes, write_json
+from ..shared import DTYPE_NAMES, atomic_write_bytes, freeze_heap, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
 from .models import (checkpoint_options, local_model_path, read_adapter, read_defaults, read_family_facts,
@@ -505,6 +505,7 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
     from ..models import adapter_for
     config = options.config
     dtype = run_dtype(args, device)
+    meanwhile = COMPILE_IMPORTS if options.compile else ()  # imported while the weights are copied to the device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_load = time.perf_counter()
@@ -519,7 +520,8 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         from ..parallel.quant import load_quantized_transformer
 
         names = transformer_components(path)
-        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)),
+                       meanwhile)
         with phase("load quantized transformer"):
             pipe.register_modules(**{name: load_quantized_transformer(path, name, device, dtype, rank % config.tp,
                                                                       config.tp) for name in names})
@@ -528,7 +530,8 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         from ..parallel.tensor import load_sharded_transformer
 
         names = transformer_components(path)
-        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)),
+                       meanwhile)
         with phase("load sharded transformer"):
             pipe.register_modules(**{name: load_sharded_transformer(path, rank % config.tp, config.tp, device, dtype,
                                                                     name) for name in names})
@@ -537,13 +540,14 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
         from ..parallel.pipefusion import load_stage_transformer
 
         names = transformer_components(path)
-        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)))
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype, **dict.fromkeys(names)),
+                       meanwhile)
         stage = config.coordinate(rank, "pp")
         with phase("load stage transformer"):
             pipe.register_modules(**{name: load_stage_transformer(path, stage, config.pp, device, dtype, name)
                                      for name in names})
     else:
-        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype))
+        pipe = _load_to(device, lambda: pipeline_class.from_pretrained(path, dtype=dtype), meanwhile)
     adapter = adapter_for(pipe.transformer)
     if adapter.vae_tiled_only:  # its VAE has no other decode (Allegro's)
         pipe.vae.enable_tiling()
@@ -556,14 +560,54 @@ def load_pipeline(args, options: RunOptions, model: str, device, rank: int, worl
     return LoadedPipeline(pipe, runtime, path, dtype, loras, time.perf_counter() - t_load)
 
 
-def _load_to(device, load):
-    """``load()`` (a ``from_pretrained``), each component it loads a phase of the timeline, then moved to ``device``."""
+#: what torch.compile imports on its first call (its backend, inductor, and dynamo's debugging hooks): about 1 s of the
+#: first compiled step on the 2-core machine, imported instead while the weights are copied to the device
+COMPILE_IMPORTS = ("torch._inductor.compile_fx", "torch._dynamo.repro.after_dynamo", "torch._inductor.fx_passes.post_grad",
+                   "torch._inductor.fx_passes.joint_graph", "torch._inductor.async_compile")
+
+
+def _load_to(device, load, meanwhile: tuple[str, ...] = ()):
+    """``load()`` (a ``from_pretrained``), each component it loads a phase of the timeline, then moved to ``device``
+    while a thread imports the modules ``meanwhile`` (a copy to the device lets go of the interpreter's lock; the
+    copy imports nothing, so the two never wait for one module)."""
     from .trace import timed_component_loading
 
     with phase("load components"), timed_component_loading():
         pipe = load()
-    with phase("to device"):
+    with phase("to device"), imported_meanwhile(meanwhile, device):
         return pipe.to(device)
+
+
+@contextlib.contextmanager
+def imported_meanwhile(modules: tuple[str, ...], device=None):
+    """Import ``modules`` in a thread while the block runs (a phase ``imports meanwhile`` on a row of its own); wait
+    for it at the block's end. A module that fails to import is left to whoever needs it (who then meets the
+    error). The thread's CUDA device is ``device`` (a thread starts on device 0: what an import touched there would
+    open a context on another rank's GPU)."""
+    if not modules:
+        yield
+        return
+    import importlib
+    import threading
+
+    def run(start: float) -> None:
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (imported again, and its error raised, where it is needed)
+                pass
+        timeline().add("imports meanwhile", start, timeline().now(), depth=0, tid=2)
+
+    thread = threading.Thread(target=run, args=(timeline().now(),), name="ditmesh-imports", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def run(args) -> int:
@@ -600,6 +644,8 @@ def run(args) -> int:
         # the ranks meet here: a rank that loaded first waits for the slowest inside its load
         load_peaks = all_gather_object(peak_memory_bytes(device))
         placement = all_gather_object(rank_placement(rank, runtime.mesh.coords()))
+    if not STAY_AFTER_RUN:  # the loaded pipeline lives to the end: the first step's full collections skip it
+        freeze_heap()
     defaults = read_defaults(path)
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"denoising ({config.describe()}, {world} proc)")
 
@@ -708,7 +754,9 @@ def run(args) -> int:
             "placement": placement,
             "step_latency_s": [round(s, 6) for s in step_s],
             # what the first step paid beyond a steady one: compilation, CUDA graph capture, first collectives
-            "first_step_extra_s": round(step_s[0] - sorted(step_s)[len(step_s) // 2], 4) if len(step_s) > 1 else None,
+            # against the median later step (of 2 steps, the second: a median over both would be the first's own)
+            "first_step_extra_s": round(step_s[0] - sorted(step_s[1:])[(len(step_s) - 1) // 2], 4)
+            if len(step_s) > 1 else None,
             "compile_breakdown_s": warmup_costs,
             "compile_artifacts": artifact_stats() if getattr(args, "compile", False) else None,
             "cache": {name: {"setting": getattr(args, "cache", None), "calls": len(c.history),

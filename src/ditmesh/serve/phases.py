@@ -16,11 +16,13 @@ import collections
 import time
 
 import torch
+from diffusers.image_processor import VaeImageProcessor
 
+from ..api import transformers_of
 from ..hooks import Hook, add_hook
 
 #: the phases a rank reports, in the order they run
-RANK_PHASES = ("lora_switch", "text_encode", "steps", "vae_decode", "postprocess")
+RANK_PHASES = ("lora_switch", "text_encode", "prepare", "steps", "vae_decode", "postprocess")
 
 
 class Timeline:
@@ -34,6 +36,7 @@ class Timeline:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.ended: dict[str, float] = {}  # phase -> when it last ended (perf_counter)
         self.step_ends: list[float] = []
+        self.first_call: float | None = None  # when the transformer was first called (perf_counter)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -48,12 +51,16 @@ class Timeline:
         return end
 
     def report(self, start: float, end: float) -> dict:
-        """The call's phases (seconds): those timed by hooks, ``steps`` (from the end of the text encoding, or the
-        call's start, to the last step's end), ``postprocess`` (the rest after the VAE), the first step's and the
-        median later step's seconds, and ``call`` (all of it)."""
+        """The call's phases (seconds): those timed by hooks, ``prepare`` (from the end of the text encoding, or the
+        call's start, to the transformer's first call: latents, timesteps, the call's set-up), ``steps`` (from then
+        to the last step's end), ``postprocess`` (the rest after the VAE), the first step's and the median later
+        step's seconds, and ``call`` (all of it)."""
         out = {k: round(v, 4) for k, v in self.seconds.items()}
         if self.step_ends:
             begin = self.ended.get("text_encode", start)
+            if self.first_call is not None:
+                out["prepare"] = round(self.first_call - begin, 4)
+                begin = self.first_call
             out["steps"] = round(self.step_ends[-1] - begin, 4)
             out["first_step"] = round(self.step_ends[0] - begin, 4)
             later = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
@@ -78,6 +85,21 @@ class Timed(Hook):
         out = call_next(args, kwargs)
         self.timeline.add(self.phase, start)
         return out
+
+
+class FirstCall(Hook):
+    """The ``timeline`` hook on a transformer: notes when the call's first step began (host time, no sync: what
+    came before it was launched, the device may still run it)."""
+
+    name = "timeline"
+
+    def __init__(self, timeline: Timeline):
+        self.timeline = timeline
+
+    def __call__(self, owner, call_next, args, kwargs):
+        if self.timeline.first_call is None:
+            self.timeline.first_call = time.perf_counter()
+        return call_next(args, kwargs)
 
 
 class PromptCache(Hook):
@@ -106,6 +128,35 @@ class PromptCache(Hook):
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
         return out
+
+
+class DevicePictures(Hook):
+    """The ``pictures`` hook around a ``VaeImageProcessor``'s ``postprocess`` to PIL: the pixels rounded to 8 bits
+    where the decoded image is (the device), so a quarter of the bytes crosses to the host and no float array is
+    made there. Exact: diffusers takes the denormalized image to the host as float32, multiplies by 255 and rounds
+    half to even (numpy); here the same float32 product is rounded half to even by torch on the device, which gives
+    the same bytes (tests/test_serve_phases.py). Other output types and arguments go through unchanged."""
+
+    name = "pictures"
+
+    def __call__(self, owner, call_next, args, kwargs):
+        bound = dict(zip(("image", "output_type", "do_denormalize"), args), **kwargs)
+        image = bound.get("image")
+        if bound.get("output_type", "pil") != "pil" or not isinstance(image, torch.Tensor) or image.ndim != 4 \
+                or image.shape[1] not in (1, 3):
+            return call_next(args, kwargs)
+        return pil_pictures(call_next((image,), {"output_type": "pt", "do_denormalize": bound.get("do_denormalize")}))
+
+
+def pil_pictures(images: torch.Tensor) -> list:
+    """``[batch, channels, height, width]`` values in [0, 1] as PIL pictures, rounded as diffusers' ``numpy_to_pil``
+    rounds them (float32 times 255, half to even), on the images' device."""
+    from PIL import Image
+
+    pixels = (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
+    if pixels.shape[-1] == 1:
+        return [Image.fromarray(p.squeeze(-1), mode="L") for p in pixels]
+    return [Image.fromarray(p) for p in pixels]
 
 
 def _key(value):
@@ -137,7 +188,12 @@ def instrument(pipe, device, prompt_cache: int, context=lambda: None) -> tuple[T
         if prompt_cache > 0:
             cache = PromptCache(prompt_cache, context)
             add_hook(pipe, cache, method="encode_prompt")
+    for transformer in transformers_of(pipe).values():
+        add_hook(transformer, FirstCall(timeline))
     vae = getattr(pipe, "vae", None)
     if vae is not None and hasattr(vae, "decode"):
         add_hook(vae, Timed(timeline, "vae_decode"), method="decode")
+    processor = getattr(pipe, "image_processor", None)
+    if type(processor) is VaeImageProcessor:  # its postprocess, not a subclass's (which may add to it)
+        add_hook(processor, DevicePictures(), method="postprocess")
     return timeline, cache

@@ -70,6 +70,9 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
                             unavailable_timeout_s=args.unavailable_timeout)
     service.batching = batching
     service.start()
+    from ..shared import freeze_heap
+
+    freeze_heap()  # what start-up imported and built serves to the end: a request's full collections skip it
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
           f"on {world} process(es); ready {timeline().now():.1f} s after launch, {time.perf_counter() - t0:.1f} s of "

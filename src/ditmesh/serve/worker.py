@@ -49,19 +49,21 @@ def rank_main(rank: int, world: int, local_rank: int, port: int, options: dict |
     tqdm.tqdm.set_lock(threading.RLock())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world))
+    from ..shared import imports_without_gc
+
+    with imports_without_gc():  # what loading needs, before the options come (a rank started early: meanwhile)
+        import diffusers  # noqa: F401
+        import torch  # noqa: F401
+        from diffusers import DiffusionPipeline  # noqa: F401
     if options is None:
         options = _await_options(requests)
     run_rank(rank, world, options, requests, events, cancel)
 
 
 def _await_options(requests) -> dict:
-    """A rank started early: import what loading needs while the front end checks, then read the options it
+    """A rank started early (it imported what loading needs while the front end checks): read the options it
     sends; leave when the front end is gone (it stops prestarted ranks it does not start)."""
     import queue
-
-    import diffusers  # noqa: F401
-    import torch  # noqa: F401
-    from diffusers import DiffusionPipeline  # noqa: F401
 
     parent = os.getppid()
     while True:
@@ -116,6 +118,7 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     from ..mesh import default_device
     from ..runtime.generate import Rendezvous, _call_kwargs, load_pipeline, warm_up_call
     from ..runtime.models import read_defaults
+    from ..shared import freeze_heap
     from .phases import instrument
 
     diffusers.utils.logging.disable_progress_bar()
@@ -138,6 +141,7 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
         warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device), 3)
     batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
+    freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
             "switch": switch, "prompt_cache": cache}

@@ -1,0 +1,67 @@
+"""The served request's phases (``serve/phases.py``): the pictures rounded on the device are diffusers' pictures
+byte for byte, and only a plain PIL postprocess is taken over."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from ditmesh.hooks import add_hook
+from ditmesh.serve.phases import DevicePictures
+
+
+def _decoded(dtype, channels=3):
+    """A VAE's output in [-1, 1] and past it, with values whose x 255 lands on .5 after denormalizing (ties)."""
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(2, channels, 17, 31, generator=g) * 2.4 - 1.2
+    ties = torch.tensor([2 * (k + 0.5) / 255 - 1 for k in range(255)])
+    image.view(-1)[: ties.numel()] = ties
+    return image.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels", [3, 1])
+def test_device_pictures_are_diffusers_pictures_byte_for_byte(dtype, channels):
+    image = _decoded(dtype, channels)
+    plain, hooked = VaeImageProcessor(), VaeImageProcessor()
+    remove = add_hook(hooked, DevicePictures(), method="postprocess")
+    want = plain.postprocess(image.clone(), output_type="pil")
+    got = hooked.postprocess(image.clone(), output_type="pil")
+    assert [p.mode for p in got] == [p.mode for p in want] and [p.size for p in got] == [p.size for p in want]
+    for a, b in zip(got, want):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # keyword and positional forms, and do_denormalize given
+    got = hooked.postprocess(image.clone(), "pil", [False, True])
+    want = plain.postprocess(image.clone(), "pil", [False, True])
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, want))
+    remove()
+    assert "postprocess" not in vars(hooked)
+
+
+def test_device_pictures_leave_other_outputs_to_diffusers():
+    image = _decoded(torch.float32)
+    hooked = VaeImageProcessor()
+    add_hook(hooked, DevicePictures(), method="postprocess")
+    out = hooked.postprocess(image.clone(), output_type="np")
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    assert np.array_equal(out, VaeImageProcessor().postprocess(image.clone(), output_type="np"))
+    assert torch.equal(hooked.postprocess(image.clone(), output_type="pt"),
+                       VaeImageProcessor().postprocess(image.clone(), output_type="pt"))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_the_answer_with_pictures_is_json_dumps_byte_for_byte(count):
+    import base64
+    import json
+
+    from ditmesh.serve.app import json_with_pictures
+
+    pictures = [bytes(range(256)) * (k + 1) + b"\x00\xff" * k for k in range(count)]
+    body = {"id": "ab12", "seconds": 1.25, "timeline": {"queue": 0.001, "steps": 3.5}, "note": 'quote " and \\ é'}
+    items = [{"media_type": "image/png"} for _ in pictures]
+    got = json_with_pictures(body, "images", items, "b64", pictures)
+    want = json.dumps({**body, "images": [{**item, "b64": base64.b64encode(p).decode()}
+                                          for item, p in zip(items, pictures)]}).encode()
+    assert got == want
+    assert json_with_pictures({"created": 5}, "data", [{} for _ in pictures], "b64_json", pictures) == json.dumps(
+        {"created": 5, "data": [{"b64_json": base64.b64encode(p).decode()} for p in pictures]}).encode()
