@@ -607,13 +607,9 @@ def adapter_for_class(class_name: str) -> ModelAdapter:
     if class_name not in _REGISTRY and class_name in CLASSES:
         import_family(CLASSES[class_name])
     if class_name not in _REGISTRY:
-        from .registry import NOT_DITS
+        from .registry import refusal
 
-        if class_name in NOT_DITS:
-            raise NotImplementedError(f"ditmesh does not parallelize {class_name}: {NOT_DITS[class_name]}")
-        raise NotImplementedError(
-            f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
-        )
+        raise NotImplementedError(refusal(class_name))
     return _REGISTRY[class_name]
 
 

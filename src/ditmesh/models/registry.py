@@ -438,6 +438,61 @@ NOT_DITS: dict[str, str] = {
 }
 
 
+#: diffusion transformers of diffusers' pipelines that ditmesh has no adapter for yet, each with what it is and what
+#: blocks an exact split of it (one line each: the generality table and the refusal name it); an adapter written for
+#: one takes it off this table (tests/test_registry.py holds the tables apart)
+NOT_ADAPTED: dict[str, str] = {
+    'SanaWMTransformer3DModel': 'Sana-WM, a camera-controlled video world model (3,117 lines): its layers mix '
+                                'bidirectional gated-delta-net recurrences, camera-conditioned attention and temporal '
+                                'short convolutions across frames, each of which needs an exact split of its own',
+    'Cosmos3OmniTransformer': 'Cosmos 3 Omni, a mixture of transformers over one packed, unbatched sequence: a causal '
+                              'text pathway and a generation pathway whose vision, sound and action tokens are '
+                              'scattered into the sequence by index; the packing and the causal prefix need a '
+                              'sequence plan of their own',
+    'HeliosTransformer3DModel': 'Helios, a Wan-style video DiT with short, mid and long history latents prepended: '
+                                'its blocks find the history by its position in the joined sequence '
+                                '(original_context_length) to scale its keys and keep it out of the cross-attention, '
+                                'which a rank holding a shard cannot tell without its offset',
+    'MotifVideoTransformer3DModel': "Motif-Video, a dual- and single-stream video DiT whose last single blocks are a "
+                                    "decoder attending to the encoder's output image tokens as their second stream, "
+                                    'beside a text key mask and per-block text cross-attention: three attention '
+                                    'layouts to plan',
+    'AnyFlowTransformer3DModel': "AnyFlow, Wan 2.1's blocks with a flow-map (source and target timestep) embedding "
+                                 'per frame: a plain token DiT, not written yet',
+    'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
+                                    'BlockMask over compressed past frames and full current ones, with a K/V cache '
+                                    'written and read across calls',
+    'JoyImageEditTransformer3DModel': 'JoyImage-Edit, a dual-stream (image, text) DiT with fused Q/K/V per stream and '
+                                      'joint attention without a mask: a plain token DiT, not written yet',
+    'JoyImageEditPlusTransformer3DModel': "JoyImage-Edit Plus packs each sample's target and reference images into "
+                                          'pre-patchified tokens padded to the longest sample, with a key mask over '
+                                          '[image, text] and RoPE per component: not written yet',
+    'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
+                                      'a flex-attention block mask chosen each call from pooled query/key statistics '
+                                      'of the whole sequence, which a split would have to agree on across ranks',
+    'LatteTransformer3DModel': 'Latte alternates spatial (per-frame) and temporal (per-position) attention layouts: '
+                               'every block would re-shard the video between a split by frames and a split by '
+                               'positions',
+    'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
+                                   "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
+                                   'them), so the sequence would be split twice with a gather between',
+    'GlmImageTransformer2DModel': "GLM-Image's transformer caches the condition image's K/V across calls (write, read "
+                                  'and skip modes per layer) and turns its text mask into a 0/1 score matrix over '
+                                  '[text, image]: the cache would be split with the keys and the matrix reordered',
+    'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
+                                         'tokens over the whole image sequence, so a rank cannot route its shard '
+                                         "without every token's scores",
+    'OmniGenTransformer2DModel': 'OmniGen, a Phi-3-style decoder over one joined [condition, time, image] sequence '
+                                 'with a full [N, N] attention mask: not written yet',
+    'StableAudio3DiTModel': 'Stable Audio 3 prepends learned memory tokens to the audio, and its inpainting '
+                            'conditioning is added inside every block to the audio positions only (offset by the '
+                            'memory count), an offset a split must carry',
+    'LongCatAudioDiTTransformer': "LongCat-Audio-DiT's mask serves both as the attention's key mask and as a "
+                                  'multiplier zeroing masked rows after attention and in its norms: it would be '
+                                  'split with the queries and kept whole for the keys',
+}
+
+
 #: transformer class -> what the checks before any rank starts read of its family, without importing it
 #: (:class:`FamilyFacts`): (name, cfg_switch, cfg_hint, frame_step, first_frames) as its adapter has them
 FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
@@ -534,6 +589,18 @@ def video_families() -> list[str]:
 def supported_classes() -> list[str]:
     """Names of the diffusers transformer classes ditmesh can parallelize."""
     return sorted(CLASSES)
+
+
+def refusal(class_name: str) -> str | None:
+    """Why ditmesh refuses the transformer class ``class_name``, one line (None: a family has it): not a diffusion
+    transformer (:data:`NOT_DITS`), a DiT not adapted yet (:data:`NOT_ADAPTED`), or a class it does not know."""
+    if class_name in CLASSES:
+        return None
+    if class_name in NOT_DITS:
+        return f"ditmesh does not parallelize {class_name}: {NOT_DITS[class_name]}"
+    if class_name in NOT_ADAPTED:
+        return f"ditmesh has no adapter for {class_name} yet: {NOT_ADAPTED[class_name]}"
+    return f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
 
 
 def import_family(module: str):
