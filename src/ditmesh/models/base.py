@@ -26,11 +26,11 @@ class Split:
 
     ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
     timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
-    list or tuple of tensors (SD3's ControlNet residuals) is split element by element. ``broadcast``: a tensor of
-    size 1 along ``dim`` holds one value for every token of the stream and stays whole (LTXConditionPipeline's
-    timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the call). ``item``: of a tuple or list, only
-    this element is split (each tensor in it) and the others stay whole (Allegro's ``image_rotary_emb``: the
-    frequency tables whole, the token positions split).
+    list or tuple of tensors (SD3's ControlNet residuals) is split element by element, a dict (AnyFlow's RoPE
+    tables) value by value. ``broadcast``: a tensor of size 1 along ``dim`` holds one value for every token of the
+    stream and stays whole (LTXConditionPipeline's timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the
+    call). ``item``: of a tuple or list, only this element is split (each tensor in it) and the others stay whole
+    (Allegro's ``image_rotary_emb``: the frequency tables whole, the token positions split).
 
     ``leading``: the stream fills only the first ``stream_length`` entries along ``dim`` (the stream must have been
     split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's

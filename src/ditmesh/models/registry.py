@@ -63,6 +63,7 @@ CLASSES: dict[str, str] = {
     'PRXTransformer2DModel': 'prx',
     'LuminaNextDiT2DModel': 'lumina_next',
     'AceStepTransformer1DModel': 'ace_step',
+    'AnyFlowTransformer3DModel': 'anyflow',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -305,6 +306,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                   ' x 8, windows of 16; the transformer alone'),
     'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value"
                                  ' heads x 128, sliding windows of 128), the transformer alone'),
+    'anyflow-14b': ('anyflow', "AnyFlow 14B transformer (Wan2.1-T2V-14B's blocks: 40 blocks, 40 heads x 128, FFN "
+                               '13824; flow-map timesteps), full Wan VAE, small UMT5'),
+    'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
+                                'tiny Wan VAE'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -412,6 +417,8 @@ HEADS: dict[str, int] = {
     'lumina-next-sft': 32,
     'ace-step-tiny': 4,
     'ace-step-1.5': 16,
+    'anyflow-14b': 40,
+    'anyflow-tiny': 2,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -457,8 +464,6 @@ NOT_ADAPTED: dict[str, str] = {
                                     "decoder attending to the encoder's output image tokens as their second stream, "
                                     'beside a text key mask and per-block text cross-attention: three attention '
                                     'layouts to plan',
-    'AnyFlowTransformer3DModel': "AnyFlow, Wan 2.1's blocks with a flow-map (source and target timestep) embedding "
-                                 'per frame: a plain token DiT, not written yet',
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
@@ -542,6 +547,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'PRXTransformer2DModel': ('prx', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'LuminaNextDiT2DModel': ('lumina-next', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
 }
 
 

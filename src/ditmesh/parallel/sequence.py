@@ -265,7 +265,10 @@ class SequenceParallel:
 
 def split_value(splitter, value, spec: Split):
     """``value`` cut by ``spec`` through ``splitter.split(tensor, dim, stream)``: a tensor of the expected ndim, or each
-    tensor of a list or tuple (of its element ``spec.item`` only, when given); anything else as is."""
+    tensor of a list or tuple (of its element ``spec.item`` only, when given), each value of a dict (AnyFlow's RoPE
+    table for the queries and the keys); anything else as is."""
+    if isinstance(value, dict):
+        return {key: split_value(splitter, v, spec) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         if spec.item is not None:
             whole = dataclasses.replace(spec, item=None)
