@@ -28,14 +28,19 @@ def inputs_of(shape: str) -> dict:
                 encoder_hidden_states=rand(2, 7, 16), return_dict=False)
 
 
-@pytest.mark.parametrize("shape", ["diffusers", "odd"])
-@pytest.mark.parametrize("config", [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}], ids=axis_id)
+AXES = [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}]
+
+
+@pytest.mark.parametrize("config, shape", [(c, s) for c in AXES for s in ("diffusers", "odd")] + [({"cfg": 2}, "odd")],
+                         ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_anyflow_transformer_matches_single_process(pools, config, shape):
     inputs = inputs_of(shape)
     ref, _ = transformer_call(ARCH, {}, inputs)
     # tp: per block Q/K/V column-, to_out row-parallel in both attentions and the feed-forward (3 all-reduces) and
-    # the four sharded QK-norms' mean squares (4); sequence: attn1's exchanges and the gather at norm_out
-    want = {"all_reduce": 7 * LAYERS} if "tp" in config else sequence_counts(config, LAYERS, 1)
+    # the four sharded QK-norms' mean squares (4); sequence: attn1's exchanges and the gather at norm_out; cfg (its
+    # pipeline's batched [uncond, cond] call, the odd case's batch of 2): the output's gather
+    want = ({"all_reduce": 7 * LAYERS} if "tp" in config else {"all_gather": 1} if "cfg" in config
+            else sequence_counts(config, LAYERS, 1))
     for out, counts in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
         assert rel_err(out, ref) <= 1e-5
         assert counts == want
@@ -47,3 +52,31 @@ def test_anyflow_per_frame_timesteps_matter():
     ref = transformer_call(ARCH, {}, inputs)[0]
     flat = dict(inputs, r_timestep=inputs["r_timestep"].mean(1, keepdim=True).expand_as(inputs["r_timestep"]))
     assert rel_err(transformer_call(ARCH, {}, flat)[0], ref) > 1e-3
+
+
+def test_generate_runs_anyflow_as_one_process_does(tmp_path, tiny_checkpoints):
+    # AnyFlowPipeline end to end on the synthetic checkpoint (UMT5, the Wan VAE of 4 channels), guidance on: its one
+    # batched [uncond, cond] call a step, under ulysses 2; the latents equal the pipeline's own in one process
+    import json
+
+    import diffusers
+    from safetensors.torch import load_file
+
+    from cases_models import run_ranks
+    from ditmesh.synth import get_arch
+
+    path, out = tiny_checkpoints(ARCH), tmp_path / "video.gif"
+    run_ranks(["generate", "--model", path, "--frames", "5", "--height", "48", "--width", "48", "--steps", "2",
+               "--guidance", "4", "--out", str(out), "--save-latents", str(tmp_path / "latents.safetensors"),
+               "--nproc", "2", "--ulysses", "2"])
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=report["prompt"][0], num_inference_steps=2, guidance_scale=4.0, height=48, width=48,
+                num_frames=5, generator=torch.Generator("cpu").manual_seed(report["seed"]),
+                max_sequence_length=get_arch(ARCH).max_sequence_length,
+                output_type="latent").frames
+    # the step callback's latents are frames-first, as the transformer takes them; the pipeline returns them
+    # channels-first
+    got = load_file(str(tmp_path / "latents.safetensors"))["latents"]
+    assert rel_err(got.permute(0, 2, 1, 3, 4), want) <= 1e-5

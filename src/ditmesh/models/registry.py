@@ -309,7 +309,7 @@ SYNTH: dict[str, tuple[str, str]] = {
     'anyflow-14b': ('anyflow', "AnyFlow 14B transformer (Wan2.1-T2V-14B's blocks: 40 blocks, 40 heads x 128, FFN "
                                '13824; flow-map timesteps), full Wan VAE, small UMT5'),
     'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
-                                'tiny Wan VAE'),
+                                'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
