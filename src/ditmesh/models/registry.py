@@ -64,6 +64,7 @@ CLASSES: dict[str, str] = {
     'LuminaNextDiT2DModel': 'lumina_next',
     'AceStepTransformer1DModel': 'ace_step',
     'AnyFlowTransformer3DModel': 'anyflow',
+    'JoyImageEditTransformer3DModel': 'joyimage',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -310,6 +311,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                '13824; flow-map timesteps), full Wan VAE, small UMT5'),
     'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
                                 'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
+    'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, "
+                                       'text width 16; the transformer alone'),
+    'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x "
+                                  '128, text width 4096), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -419,6 +424,8 @@ HEADS: dict[str, int] = {
     'ace-step-1.5': 16,
     'anyflow-14b': 40,
     'anyflow-tiny': 2,
+    'joyimage-edit-tiny': 2,
+    'joyimage-edit': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -467,8 +474,6 @@ NOT_ADAPTED: dict[str, str] = {
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
-    'JoyImageEditTransformer3DModel': 'JoyImage-Edit, a dual-stream (image, text) DiT with fused Q/K/V per stream and '
-                                      'joint attention without a mask: a plain token DiT, not written yet',
     'JoyImageEditPlusTransformer3DModel': "JoyImage-Edit Plus packs each sample's target and reference images into "
                                           'pre-patchified tokens padded to the longest sample, with a key mask over '
                                           '[image, text] and RoPE per component: not written yet',
@@ -548,6 +553,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'LuminaNextDiT2DModel': ('lumina-next', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 

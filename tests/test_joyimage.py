@@ -1,0 +1,72 @@
+"""JoyImage-Edit (``models/joyimage.py``) under every axis on real gloo process groups, against one process: on
+diffusers' test configuration of the class at its inputs' size (one 4 x 4 latent: 4 image tokens, 12 text tokens) and
+on ours: 3 heads, the text's own RoPE table (``rope_type="mrope"``, whole on every rank, cut by the processor) and an
+edit's two items of 3 x 5 tokens (30 image tokens) with 7 text tokens and a batch of 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from cases_models import axis_id, call_counts, transformer_call
+from ditmesh.testing import rel_err
+
+LAYERS = 2
+
+
+def arch_of(shape: str):
+    from ditmesh.synth import get_arch
+
+    arch = get_arch("joyimage-edit-tiny")
+    if shape == "diffusers":
+        return arch
+    return dataclasses.replace(arch, transformer=dict(arch.transformer, hidden_size=48, num_attention_heads=3,
+                                                      rope_type="mrope"))
+
+
+def inputs_of(shape: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if shape == "diffusers":
+        return dict(hidden_states=rand(1, 16, 1, 4, 4), encoder_hidden_states=rand(1, 12, 16),
+                    timestep=torch.tensor([1.0]), return_dict=False)
+    return dict(hidden_states=rand(2, 2, 16, 1, 6, 10), encoder_hidden_states=rand(2, 7, 16),
+                timestep=torch.tensor([700.0, 300.0]), return_dict=False)
+
+
+CASES = [(c, s) for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}) for s in ("diffusers", "odd")]
+CASES += [({"tp": 2}, "diffusers")]
+
+
+@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+def test_joyimage_transformer_matches_single_process(pools, config, shape):
+    arch, inputs = arch_of(shape), inputs_of(shape)
+    ref, _ = transformer_call(arch, {}, inputs)
+    # tp: per block both streams' output projections and feed-forward down projections (4 all-reduces); sequence:
+    # the joint attention's exchanges and the image's gather at proj_out
+    want = call_counts(config, LAYERS, 4 * LAYERS)
+    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == want
+
+
+def test_joyimage_cfg_runs_the_two_calls_on_two_ranks(pools):
+    # JoyImageEditPipeline's CFG: the prompt's call, then the negative prompt's, one on each rank
+    from cases_two_calls import two_calls
+
+    cond, uncond = inputs_of("odd"), inputs_of("odd")
+    uncond["encoder_hidden_states"] = uncond["encoder_hidden_states"].flip(1)
+    ref, _ = two_calls({}, cond, uncond, arch=arch_of("odd"))
+    for outs, counts in pools(2).run(two_calls, {"cfg": 2}, cond, uncond, arch=arch_of("odd")):
+        assert all(rel_err(o, r) <= 1e-5 for o, r in zip(outs, ref))
+        assert counts == {"all_gather": 1}
+
+
+def test_joyimage_text_rope_matters():
+    # the mrope text table the processor cuts must change the output, or the odd cases could not catch a wrong cut
+    inputs = inputs_of("odd")
+    plain = dataclasses.replace(arch_of("odd"), transformer=dict(arch_of("odd").transformer, rope_type="rope"))
+    assert rel_err(transformer_call(plain, {}, inputs)[0], transformer_call(arch_of("odd"), {}, inputs)[0]) > 1e-3
