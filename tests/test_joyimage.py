@@ -70,3 +70,52 @@ def test_joyimage_text_rope_matters():
     inputs = inputs_of("odd")
     plain = dataclasses.replace(arch_of("odd"), transformer=dict(arch_of("odd").transformer, rope_type="rope"))
     assert rel_err(transformer_call(plain, {}, inputs)[0], transformer_call(arch_of("odd"), {}, inputs)[0]) > 1e-3
+
+
+# -- JoyImage-Edit Plus: its packed images padded to the longest sample, the key mask over [image, text] -------------
+def plus_arch_of(shape: str):
+    from ditmesh.synth import get_arch
+
+    arch = get_arch("joyimage-edit-plus-tiny")
+    if shape == "diffusers":
+        return arch
+    return dataclasses.replace(arch, transformer=dict(arch.transformer, hidden_size=48, num_attention_heads=3))
+
+
+def plus_inputs_of(shape: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if shape == "diffusers":
+        return dict(hidden_states=rand(1, 2, 16, 1, 2, 2), encoder_hidden_states=rand(1, 12, 16),
+                    timestep=torch.tensor([1.0]), shape_list=[[(1, 1, 1), (1, 1, 1)]], return_dict=False)
+    # sample 0: a 3 x 3 target and a 2 x 3 reference (15 patches); sample 1: the target and a 1 x 2 reference (11,
+    # padded to 15); its prompt 4 of 7 tokens
+    mask = torch.ones(2, 7)
+    mask[1, 4:] = 0
+    return dict(hidden_states=rand(2, 15, 16, 1, 2, 2), encoder_hidden_states=rand(2, 7, 16),
+                timestep=torch.tensor([700.0, 300.0]), encoder_hidden_states_mask=mask,
+                shape_list=[[(1, 3, 3), (1, 2, 3)], [(1, 3, 3), (1, 1, 2)]], return_dict=False)
+
+
+PLUS_CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers")]
+PLUS_CASES += [(c, "odd") for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"cfg": 2}, {"dp": 2})]
+
+
+@pytest.mark.parametrize("config, shape", PLUS_CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+def test_joyimage_plus_transformer_matches_single_process(pools, config, shape):
+    arch, inputs = plus_arch_of(shape), plus_inputs_of(shape)
+    ref, _ = transformer_call(arch, {}, inputs)
+    # cfg and dp: the batched [uncond, cond] call's two samples, each with its own grids, one on each rank
+    want = {"all_gather": 1} if {"cfg", "dp"} & set(config) else call_counts(config, LAYERS, 4 * LAYERS)
+    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == want
+
+
+def test_joyimage_plus_mask_and_grids_matter():
+    inputs = plus_inputs_of("odd")
+    ref = transformer_call(plus_arch_of("odd"), {}, inputs)[0]
+    unmasked = dict(inputs, encoder_hidden_states_mask=torch.ones(2, 7))
+    assert rel_err(transformer_call(plus_arch_of("odd"), {}, unmasked)[0], ref) > 1e-3
+    swapped = dict(inputs, shape_list=inputs["shape_list"][::-1])  # sample 1 read with sample 0's grids
+    assert rel_err(transformer_call(plus_arch_of("odd"), {}, swapped)[0][1], ref[1]) > 1e-3

@@ -433,6 +433,9 @@ class ModelAdapter:
     #: batch inputs that are lists with one tensor per sample (Z-Image's latents and captions): split by slicing the
     #: list; a family with any returns one output tensor per sample too (a list, gathered stacked)
     sample_lists: tuple[str, ...] = ()
+    #: batch inputs that are plain lists with one entry per sample, not tensors (JoyImage-Edit Plus's ``shape_list``, each
+    #: sample's image grids): sliced with the batch, the output gathered as usual
+    batch_lists: tuple[str, ...] = ()
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"

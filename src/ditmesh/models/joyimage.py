@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
+from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
                    SynthArch, TensorPlan, register, spatial_latent, token_range, transformer_only)
@@ -32,25 +33,43 @@ from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, S
 
 class JoyImageSequenceParallelProcessor(SequenceProcessor):
     """Processor for ``JoyImageAttention``: diffusers' ``JoyImageAttnProcessor`` on local tokens, the softmax over
-    the joined ``[image, text]`` streams through ``sp.attention``."""
+    the joined ``[image, text]`` streams through ``sp.attention`` (with Edit Plus's key mask, in the model's order)."""
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None, **kwargs):
+    #: diffusers' rotation of Q and K by a table
+    rotate = staticmethod(_apply_rotary_emb)
+
+    @staticmethod
+    def tables(image_rotary_emb):
+        """(the image's table, the text's or None) from the blocks' ``image_rotary_emb``."""
+        return image_rotary_emb if image_rotary_emb is not None else (None, None)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, image_rotary_emb=None, attention_mask=None):
         def heads(qkv: torch.Tensor, q_norm, k_norm):
             q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in qkv.chunk(3, dim=-1))
             return q_norm(q), k_norm(k), v
 
         iq, ik, iv = heads(attn.img_attn_qkv(hidden_states), attn.img_attn_q_norm, attn.img_attn_k_norm)
         tq, tk, tv = heads(attn.txt_attn_qkv(encoder_hidden_states), attn.txt_attn_q_norm, attn.txt_attn_k_norm)
-        image_table, text_table = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        image_table, text_table = self.tables(image_rotary_emb)
         if image_table is not None:
-            iq, ik = _apply_rotary_emb(iq, ik, image_table)
+            iq, ik = self.rotate(iq, ik, image_table)
         if text_table is not None:  # whole on every rank: this rank's text rows
             first, _ = token_range(self.sp, "text", tq.shape[1])
-            tq, tk = _apply_rotary_emb(tq, tk, tuple(t[first:first + tq.shape[1]] for t in text_table))
+            tq, tk = self.rotate(tq, tk, tuple(t[first:first + tq.shape[1]] for t in text_table))
         out = self.sp.attention(torch.cat([iq, tq], 1), torch.cat([ik, tk], 1), torch.cat([iv, tv], 1),
-                                backend=self._attention_backend)
+                                backend=self._attention_backend, mask=attention_mask)
         image_out, text_out = out.flatten(2, 3).to(iq.dtype).split([iq.shape[1], tq.shape[1]], dim=1)
         return attn.img_attn_proj(image_out), attn.txt_attn_proj(text_out)
+
+
+class JoyImagePlusSequenceParallelProcessor(JoyImageSequenceParallelProcessor):
+    """Processor for ``JoyImageEditPlusAttention``: the image's table per sample (``[B, N, D]``), no text table."""
+
+    rotate = staticmethod(_apply_rotary_emb_batched)
+
+    @staticmethod
+    def tables(image_rotary_emb):
+        return image_rotary_emb, None
 
 
 def joyimage_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
@@ -143,3 +162,67 @@ JOYIMAGE = register(
         pp_refusal="PipeFusion is not tested on JoyImage-Edit's dual-stream blocks",
     )
 )
+
+
+# -- JoyImage-Edit Plus: the same blocks over pre-patchified images of their own sizes -------------------------
+def joyimage_plus_example_inputs(model, height, width, batch, text_len, generator, device, dtype, frames=None) -> dict:
+    """Transformer inputs of one JoyImageEditPlusPipeline step: the target's and one reference image's 2 x 2 patches
+    of an 8x VAE latent, packed one after the other (``shape_list``: each sample's grids), the text and its mask."""
+    cfg = model.config
+    rows, cols = height // 16, width // 16
+    rand = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
+    return dict(hidden_states=rand(batch, 2 * rows * cols, cfg.in_channels, *cfg.patch_size),
+                timestep=torch.full((batch,), 700.0).to(device, dtype),
+                encoder_hidden_states=rand(batch, text_len, cfg.text_dim),
+                encoder_hidden_states_mask=torch.ones(batch, text_len, device=device),
+                shape_list=[[(1, rows, cols), (1, rows, cols)] for _ in range(batch)], return_dict=False)
+
+
+def joyimage_plus_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
+    """:func:`joyimage_layout`'s tokens, the latent as Edit Plus takes it: ``[patches, C, 1, 2, 2]``."""
+    layout = joyimage_layout(config, height, width, frames, text_tokens)
+    return dataclasses.replace(layout, latent_shape=(layout.image_tokens, config.get("in_channels", 16),
+                                                     *config.get("patch_size", (1, 2, 2))))
+
+
+JOYIMAGE_EDIT_PLUS = dataclasses.replace(
+    JOYIMAGE_EDIT,
+    name="joyimage-edit-plus",
+    description="JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x 128, text "
+                "width 4096), the transformer alone",
+    pipeline="JoyImageEditPlusPipeline",
+    transformer_class="JoyImageEditPlusTransformer3DModel",
+)
+
+#: diffusers' test configuration (tests/models/transformers/test_models_transformer_joyimage_edit_plus.py)
+JOYIMAGE_PLUS_TINY = dataclasses.replace(
+    JOYIMAGE_TINY,
+    name="joyimage-edit-plus-tiny",
+    description="JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; the "
+                "transformer alone",
+    pipeline=JOYIMAGE_EDIT_PLUS.pipeline,
+    transformer_class=JOYIMAGE_EDIT_PLUS.transformer_class,
+)
+
+JOYIMAGE_PLUS = register(dataclasses.replace(
+    JOYIMAGE,
+    name="joyimage-edit-plus",
+    class_names=("JoyImageEditPlusTransformer3DModel",),
+    sequence_plan=dataclasses.replace(JOYIMAGE.sequence_plan, inputs={
+        "double_blocks.0": JOYIMAGE.sequence_plan.inputs["double_blocks.0"],
+        # the image's table per sample, cos and sin [B, N, D]; the key mask [B, 1, 1, N + L] stays whole
+        "double_blocks.*": {"image_rotary_emb": Split(dim=1, stream="image", ndim=3)}}),
+    attention=AttentionSelector(class_names=("JoyImageEditPlusAttention",)),
+    sequence_processor=JoyImagePlusSequenceParallelProcessor,
+    example_inputs=joyimage_plus_example_inputs,
+    layout=joyimage_plus_layout,
+    batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "shape_list"),
+    batch_lists=("shape_list",),
+    cfg_mode="batched",  # one call on [uncond, cond], the grids listed twice
+    output_channel_dim=2,  # [B, patches, C, pt, ph, pw]
+    pipelines=("JoyImageEditPlusPipeline",),
+    synth_archs=(JOYIMAGE_PLUS_TINY, JOYIMAGE_EDIT_PLUS),
+    synth_components=transformer_only("JoyImage-Edit Plus", "a Qwen3-VL text encoder with its processor and the "
+                                                            "Wan VAE"),
+    pp_refusal="PipeFusion is not tested on JoyImage-Edit Plus's dual-stream blocks",
+))

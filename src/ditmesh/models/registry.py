@@ -65,6 +65,7 @@ CLASSES: dict[str, str] = {
     'AceStepTransformer1DModel': 'ace_step',
     'AnyFlowTransformer3DModel': 'anyflow',
     'JoyImageEditTransformer3DModel': 'joyimage',
+    'JoyImageEditPlusTransformer3DModel': 'joyimage',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -315,6 +316,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        'text width 16; the transformer alone'),
     'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x "
                                   '128, text width 4096), the transformer alone'),
+    'joyimage-edit-plus-tiny': ('joyimage', "JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads "
+                                            'x 16, text width 16; the transformer alone'),
+    'joyimage-edit-plus': ('joyimage', "JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, "
+                                       '24 heads x 128, text width 4096), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -426,6 +431,8 @@ HEADS: dict[str, int] = {
     'anyflow-tiny': 2,
     'joyimage-edit-tiny': 2,
     'joyimage-edit': 24,
+    'joyimage-edit-plus-tiny': 2,
+    'joyimage-edit-plus': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -474,9 +481,6 @@ NOT_ADAPTED: dict[str, str] = {
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
-    'JoyImageEditPlusTransformer3DModel': "JoyImage-Edit Plus packs each sample's target and reference images into "
-                                          'pre-patchified tokens padded to the longest sample, with a key mask over '
-                                          '[image, text] and RoPE per component: not written yet',
     'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
                                       'a flex-attention block mask chosen each call from pooled query/key statistics '
                                       'of the whole sequence, which a split would have to agree on across ranks',
@@ -554,6 +558,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
