@@ -66,6 +66,7 @@ CLASSES: dict[str, str] = {
     'AnyFlowTransformer3DModel': 'anyflow',
     'JoyImageEditTransformer3DModel': 'joyimage',
     'JoyImageEditPlusTransformer3DModel': 'joyimage',
+    'OmniGenTransformer2DModel': 'omnigen',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -320,6 +321,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                             'x 16, text width 16; the transformer alone'),
     'joyimage-edit-plus': ('joyimage', "JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, "
                                        '24 heads x 128, text width 4096), the transformer alone'),
+    'omnigen-tiny': ('omnigen', "OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with "
+                                '2 layers; the transformer alone'),
+    'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
+                              '32064-token vocabulary), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -433,6 +438,8 @@ HEADS: dict[str, int] = {
     'joyimage-edit': 24,
     'joyimage-edit-plus-tiny': 2,
     'joyimage-edit-plus': 24,
+    'omnigen-tiny': 4,
+    'omnigen-v1': 32,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -496,8 +503,6 @@ NOT_ADAPTED: dict[str, str] = {
     'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
                                          'tokens over the whole image sequence, so a rank cannot route its shard '
                                          "without every token's scores",
-    'OmniGenTransformer2DModel': 'OmniGen, a Phi-3-style decoder over one joined [condition, time, image] sequence '
-                                 'with a full [N, N] attention mask: not written yet',
     'StableAudio3DiTModel': 'Stable Audio 3 prepends learned memory tokens to the audio, and its inpainting '
                             'conditioning is added inside every block to the audio positions only (offset by the '
                             'memory count), an offset a split must carry',
@@ -559,6 +564,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
