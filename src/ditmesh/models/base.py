@@ -35,6 +35,10 @@ class Split:
     ``leading``: the stream fills only the first ``stream_length`` entries along ``dim`` (the stream must have been
     split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's
     position ids: the image's, built whole, then the local text's).
+
+    ``tail``: the value is an int counting the stream's last tokens (Helios's ``original_context_length``: the frames
+    being denoised, after the history), replaced by how many of them this rank holds (``dim`` unused; the stream must
+    have been split before in the call).
     """
 
     dim: int
@@ -43,6 +47,7 @@ class Split:
     leading: bool = False
     broadcast: bool = False
     item: int | None = None
+    tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,10 @@ class SequencePlan:
     gathers: dict[str, Gather] = field(default_factory=dict)
     #: where this plan differs from the class's ``_cp_plan`` and why (checked against it by the tests)
     differs_from_cp_plan: str = ""
+    #: path patterns (``*`` = one segment) of the class's ``_cp_plan`` entries this plan does not keep, because it
+    #: splits elsewhere (Helios' plan cuts around every attention and feed-forward, six exchanges a block; its adapter
+    #: splits once before the blocks): ``differs_from_cp_plan`` says why
+    replaces_cp_plan: tuple[str, ...] = ()
     #: forward inputs the class's ``_cp_plan`` splits that this plan keeps whole on every rank: a mask over the
     #: keys, which the processor passes to ``sp.attention`` in the model's own order (it is reordered like the keys)
     whole: tuple[str, ...] = ()

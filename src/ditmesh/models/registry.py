@@ -67,6 +67,7 @@ CLASSES: dict[str, str] = {
     'JoyImageEditTransformer3DModel': 'joyimage',
     'JoyImageEditPlusTransformer3DModel': 'joyimage',
     'OmniGenTransformer2DModel': 'omnigen',
+    'HeliosTransformer3DModel': 'helios',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -325,6 +326,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                 '2 layers; the transformer alone'),
     'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
                               '32064-token vocabulary), the transformer alone'),
+    'helios-tiny': ('helios', "Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; the "
+                              'transformer alone'),
+    'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "
+                             'FFN 13824; long, mid and short history), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -440,6 +445,8 @@ HEADS: dict[str, int] = {
     'joyimage-edit-plus': 24,
     'omnigen-tiny': 4,
     'omnigen-v1': 32,
+    'helios-tiny': 2,
+    'helios-14b': 40,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -477,10 +484,6 @@ NOT_ADAPTED: dict[str, str] = {
                               'text pathway and a generation pathway whose vision, sound and action tokens are '
                               'scattered into the sequence by index; the packing and the causal prefix need a '
                               'sequence plan of their own',
-    'HeliosTransformer3DModel': 'Helios, a Wan-style video DiT with short, mid and long history latents prepended: '
-                                'its blocks find the history by its position in the joined sequence '
-                                '(original_context_length) to scale its keys and keep it out of the cross-attention, '
-                                'which a rank holding a shard cannot tell without its offset',
     'MotifVideoTransformer3DModel': "Motif-Video, a dual- and single-stream video DiT whose last single blocks are a "
                                     "decoder attending to the encoder's output image tokens as their second stream, "
                                     'beside a text key mask and per-block text cross-attention: three attention '
@@ -565,6 +568,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'HeliosTransformer3DModel': ('helios', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
 }
 
 

@@ -216,6 +216,11 @@ class SequenceParallel:
         """The global token count of ``stream`` in this call (it must have been split already)."""
         return sum(self.ctx.stream_sizes[stream])
 
+    def local_range(self, stream: str) -> tuple[int, int]:
+        """(global index of this rank's first token of ``stream``, its token count) in this call (split already)."""
+        sizes = self.ctx.stream_sizes[stream]
+        return sum(sizes[: self.rank]), sizes[self.rank]
+
     def local_lengths(self, streams) -> list[int]:
         """Local attention length of each sp rank over ``streams`` (those split so far in this call)."""
         sizes = self.ctx.stream_sizes
@@ -269,6 +274,12 @@ def split_value(splitter, value, spec: Split):
     table for the queries and the keys); anything else as is."""
     if isinstance(value, dict):
         return {key: split_value(splitter, v, spec) for key, v in value.items()}
+    if spec.tail:  # of the stream's last ``value`` tokens, those in this rank's chunk
+        if not isinstance(value, int):
+            return value
+        first, size = splitter.local_range(spec.stream)
+        total = splitter.stream_length(spec.stream)
+        return max(0, first + size - max(first, total - value))
     if isinstance(value, (list, tuple)):
         if spec.item is not None:
             whole = dataclasses.replace(spec, item=None)
