@@ -84,3 +84,10 @@ def test_helios_refuses_tp_with_per_head_history_scale_in_one_line():
     with pytest.raises(Exception, match="per-head history key scale") as refused:
         parallelize(Pipe, ParallelConfig(tp=2))
     assert "\n" not in str(refused.value)
+
+
+def test_helios_cfg_runs_the_two_calls_on_two_ranks(pools):
+    # HeliosPipeline's CFG: the prompt's call, then the negative prompt's, one on each rank
+    from cases_two_calls import check_cfg_two_calls
+
+    check_cfg_two_calls(pools, arch_of("odd"), inputs_of("odd"))

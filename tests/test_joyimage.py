@@ -55,14 +55,9 @@ def test_joyimage_transformer_matches_single_process(pools, config, shape):
 
 def test_joyimage_cfg_runs_the_two_calls_on_two_ranks(pools):
     # JoyImageEditPipeline's CFG: the prompt's call, then the negative prompt's, one on each rank
-    from cases_two_calls import two_calls
+    from cases_two_calls import check_cfg_two_calls
 
-    cond, uncond = inputs_of("odd"), inputs_of("odd")
-    uncond["encoder_hidden_states"] = uncond["encoder_hidden_states"].flip(1)
-    ref, _ = two_calls({}, cond, uncond, arch=arch_of("odd"))
-    for outs, counts in pools(2).run(two_calls, {"cfg": 2}, cond, uncond, arch=arch_of("odd")):
-        assert all(rel_err(o, r) <= 1e-5 for o, r in zip(outs, ref))
-        assert counts == {"all_gather": 1}
+    check_cfg_two_calls(pools, arch_of("odd"), inputs_of("odd"))
 
 
 def test_joyimage_text_rope_matters():
