@@ -1,5 +1,5 @@
 """Helios (``models/helios.py``) on real gloo process groups, against one process: the window and its long, mid and short
-history split as one sequence at the first block, the window count made local for each block (``Split.tail``), the
+history split as one sequence at the first block, the window count made local for each block (``Split.count``), the
 self-attention's history keys scaled by the local count; on diffusers' test configuration and inputs (2 window frames
 of 16 x 16 after 4 + 1 + 1 history frames: 192 tokens) and on ours: 3 heads, per-head history key scaling, a batch
 of 2, a 3-frame window of 6 x 10 latents after 4 + 2 + 1 history frames (23 history and 45 window tokens: on two

@@ -36,9 +36,11 @@ class Split:
     split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's
     position ids: the image's, built whole, then the local text's).
 
-    ``tail``: the value is an int counting the stream's last tokens (Helios's ``original_context_length``: the frames
-    being denoised, after the history), replaced by how many of them this rank holds (``dim`` unused; the stream must
-    have been split before in the call).
+    ``count``: ``"first"`` or ``"last"``: the value covers only the stream's first or last tokens (the stream must have
+    been split before in the call). An int counting them (Helios's ``original_context_length``, the frames being
+    denoised after the history; Stable Audio 3's ``num_memory_tokens``, before the audio) becomes how many of them
+    this rank holds; a tensor over them along ``dim`` (Stable Audio 3's inpainting conditioning, over the audio after
+    the memory tokens) is cut to this rank's part of them.
     """
 
     dim: int
@@ -47,7 +49,7 @@ class Split:
     leading: bool = False
     broadcast: bool = False
     item: int | None = None
-    tail: bool = False
+    count: str | None = None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ the history out of the text cross-attention (``guidance_cross_attn``), the self-
 (``is_amplify_history``), the output norm keeps the window.
 
 Sequence plan: the sequence (``video``) split at the first block; its RoPE table and per-token modulation at every
-block; ``original_context_length`` at every block replaced by the window tokens this rank holds (``Split.tail``): the
+block; ``original_context_length`` at every block replaced by the window tokens this rank holds (``Split.count``): the
 history comes first, so each rank's history tokens are the first of its chunk and the blocks' own split by that count
 is the rank's part of the model's. The tokens gathered after the last block, before the output norm. Attention:
 ``attn1`` (self) through ``sp.attention``, its history keys scaled as diffusers' processor does by the local count;
@@ -147,7 +147,7 @@ HELIOS = register(
             inputs={"blocks.0": {"hidden_states": Split(dim=1, stream="video", ndim=3)},
                     "blocks.*": {"temb": Split(dim=1, stream="video", ndim=4),
                                  "rotary_emb": Split(dim=1, stream="video", ndim=3),
-                                 "original_context_length": Split(dim=1, stream="video", tail=True)}},
+                                 "original_context_length": Split(dim=1, stream="video", count="last")}},
             gathers={"blocks.-1": Gather(dim=1, stream="video")},
             differs_from_cp_plan="diffusers' plan splits and gathers around each attention and feed-forward (6 "
                                  "exchanges a block); this one splits once at the first block and gathers after the "

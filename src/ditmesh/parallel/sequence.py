@@ -274,12 +274,8 @@ def split_value(splitter, value, spec: Split):
     table for the queries and the keys); anything else as is."""
     if isinstance(value, dict):
         return {key: split_value(splitter, v, spec) for key, v in value.items()}
-    if spec.tail:  # of the stream's last ``value`` tokens, those in this rank's chunk
-        if not isinstance(value, int):
-            return value
-        first, size = splitter.local_range(spec.stream)
-        total = splitter.stream_length(spec.stream)
-        return max(0, first + size - max(first, total - value))
+    if spec.count is not None and isinstance(value, int) and not isinstance(value, bool):
+        return _counted(splitter, value, spec)[1]
     if isinstance(value, (list, tuple)):
         if spec.item is not None:
             whole = dataclasses.replace(spec, item=None)
@@ -289,11 +285,22 @@ def split_value(splitter, value, spec: Split):
         return value
     if spec.broadcast and value.shape[spec.dim] == 1:
         return value
+    if spec.count is not None:  # over the stream's first or last tokens: this rank's part of them
+        return value.narrow(spec.dim, *_counted(splitter, value.shape[spec.dim], spec))
     if spec.leading:  # the stream's tokens first, then tokens already local: only the former are cut
         n = splitter.stream_length(spec.stream)
         rest = value.narrow(spec.dim, n, value.shape[spec.dim] - n)
         return torch.cat([splitter.split(value.narrow(spec.dim, 0, n), spec.dim, spec.stream), rest], dim=spec.dim)
     return splitter.split(value, spec.dim, spec.stream)
+
+
+def _counted(splitter, n: int, spec: Split) -> tuple[int, int]:
+    """(offset, length) of this rank's part among the stream's first or last ``n`` tokens (``spec.count``)."""
+    first, size = splitter.local_range(spec.stream)
+    total = splitter.stream_length(spec.stream)
+    lo = 0 if spec.count == "first" else total - n
+    start, end = max(first, lo), min(first + size, lo + n)
+    return (start - lo, end - start) if end > start else (0, 0)
 
 
 class AtPath:
