@@ -28,9 +28,9 @@ from .wan import _WAN_TINY, WAN21_14B, WAN_TENSOR_PLAN, WAN_VAE_PLAN, wan_compon
 
 
 class AnyFlowSequenceParallelProcessor(SequenceProcessor):
-    """Processor for AnyFlow's attention layers: the self-attention (``attn1``) as diffusers' ``AnyFlowAttnProcessor`` on
-    local tokens with the softmax through ``sp.attention``; the cross-attention (``attn2``: local queries against the
-    whole context) as diffusers'."""
+    """Processor for AnyFlow's attention layers: the self-attention (``attn1``) as diffusers' ``AnyFlowAttnProcessor``
+    on local tokens with the softmax through ``sp.attention``; the cross-attention (``attn2``: local queries against
+    the whole context) as diffusers'."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if encoder_hidden_states is not None:
