@@ -1,5 +1,6 @@
-"""OmniGen (``OmniGenTransformer2DModel``, OmniGenPipeline): a Phi-3-style decoder over one joined sequence, the prompt's
-tokens (with condition images' patches written over their placeholders), a time token, then the image's patches.
+"""OmniGen (``OmniGenTransformer2DModel``, OmniGenPipeline): a Phi-3-style decoder over one joined sequence, the
+prompt's tokens (with condition images' patches written over their placeholders), a time token, then the image's
+patches.
 
 Where the tokens are: ``forward`` embeds the token ids and patches, concatenates ``[condition, time, image]``, turns
 the pipeline's 0/1 mask ``[B, N, N]`` (causal over the prompt, bidirectional within each image, left padding) into an
@@ -157,6 +158,7 @@ OMNIGEN = register(
         batch_refusal="OmniGen's pipeline batches its (up to three) guidance calls with the condition images as one "
                       "list over the batch and a dict of their positions per sample, which a batch split would have "
                       "to re-index",
-        pp_refusal="OmniGen's layers take one joined sequence under a whole [N, N] mask, which PipeFusion does not take",
+        pp_refusal="OmniGen's layers take one joined sequence under a whole [N, N] mask, which PipeFusion does not "
+                   "take",
     )
 )

@@ -68,6 +68,7 @@ CLASSES: dict[str, str] = {
     'JoyImageEditPlusTransformer3DModel': 'joyimage',
     'OmniGenTransformer2DModel': 'omnigen',
     'HeliosTransformer3DModel': 'helios',
+    'StableAudio3DiTModel': 'stable_audio3',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -330,6 +331,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                               'transformer alone'),
     'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "
                              'FFN 13824; long, mid and short history), the transformer alone'),
+    'stable-audio-3-tiny': ('stable_audio3', "Stable Audio 3 at diffusers' test configuration: 2 blocks, 4 heads x 8, "
+                                             '3 memory tokens, plain attention; the transformer alone'),
+    'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
+                                        'differential attention, 64 memory tokens), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -506,9 +511,6 @@ NOT_ADAPTED: dict[str, str] = {
     'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
                                          'tokens over the whole image sequence, so a rank cannot route its shard '
                                          "without every token's scores",
-    'StableAudio3DiTModel': 'Stable Audio 3 prepends learned memory tokens to the audio, and its inpainting '
-                            'conditioning is added inside every block to the audio positions only (offset by the '
-                            'memory count), an offset a split must carry',
     'LongCatAudioDiTTransformer': "LongCat-Audio-DiT's mask serves both as the attention's key mask and as a "
                                   'multiplier zeroing masked rows after attention and in its norms: it would be '
                                   'split with the queries and kept whole for the keys',
@@ -569,6 +571,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'HeliosTransformer3DModel': ('helios', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'StableAudio3DiTModel': ('stable-audio-3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
