@@ -5,12 +5,10 @@ timestep per frame) and at 3 latent frames of 6 x 6 (27 tokens) with a batch of 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cases_models import axis_id, sequence_counts, transformer_call
+from cases_models import case_id, check_transformer, sequence_counts, transformer_call
 from ditmesh.testing import rel_err
 
 ARCH = "anyflow-tiny"
@@ -32,18 +30,15 @@ AXES = [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}]
 
 
 @pytest.mark.parametrize("config, shape", [(c, s) for c in AXES for s in ("diffusers", "odd")] + [({"cfg": 2}, "odd")],
-                         ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+                         ids=case_id)
 def test_anyflow_transformer_matches_single_process(pools, config, shape):
     inputs = inputs_of(shape)
-    ref, _ = transformer_call(ARCH, {}, inputs)
     # tp: per block Q/K/V column-, to_out row-parallel in both attentions and the feed-forward (3 all-reduces) and
     # the four sharded QK-norms' mean squares (4); sequence: attn1's exchanges and the gather at norm_out; cfg (its
     # pipeline's batched [uncond, cond] call, the odd case's batch of 2): the output's gather
     want = ({"all_reduce": 7 * LAYERS} if "tp" in config else {"all_gather": 1} if "cfg" in config
             else sequence_counts(config, LAYERS, 1))
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, ARCH, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, ARCH, config, inputs, want)
 
 
 def test_anyflow_per_frame_timesteps_matter():

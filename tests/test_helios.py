@@ -8,12 +8,11 @@ ranks the first holds 23 + 11, on four the second 6 + 11)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import SP_AXES, call_counts, case_id, check_transformer, transformer_call
 from ditmesh.testing import rel_err
 
 LAYERS = 2
@@ -45,20 +44,17 @@ def inputs_of(shape: str) -> dict:
     return helios_inputs(None, rand(2, 4, 3, 6, 10), torch.tensor([700.0, 300.0]), rand(2, 7, 16), (4, 2, 1))
 
 
-CASES = [(c, s) for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}) for s in ("diffusers", "odd")]
+CASES = [(c, s) for c in SP_AXES for s in ("diffusers", "odd")]
 CASES += [({"tp": 2}, "diffusers")]
 
 
-@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+@pytest.mark.parametrize("config, shape", CASES, ids=case_id)
 def test_helios_transformer_matches_single_process(pools, config, shape):
     arch, inputs = arch_of(shape), inputs_of(shape)
-    ref, _ = transformer_call(arch, {}, inputs)
     # tp: Wan's 3 row-parallel linears and 4 sharded QK-norms per block; sequence: the self-attention's exchanges
     # and the gather after the last block
     want = call_counts(config, LAYERS, 7 * LAYERS)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, arch, config, inputs, want)
 
 
 def test_helios_history_and_its_key_scale_matter():

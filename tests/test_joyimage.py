@@ -6,12 +6,11 @@ edit's two items of 3 x 5 tokens (30 image tokens) with 7 text tokens and a batc
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import SP_AXES, call_counts, case_id, check_transformer, transformer_call
 from ditmesh.testing import rel_err
 
 LAYERS = 2
@@ -37,20 +36,17 @@ def inputs_of(shape: str) -> dict:
                 timestep=torch.tensor([700.0, 300.0]), return_dict=False)
 
 
-CASES = [(c, s) for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}) for s in ("diffusers", "odd")]
+CASES = [(c, s) for c in SP_AXES for s in ("diffusers", "odd")]
 CASES += [({"tp": 2}, "diffusers")]
 
 
-@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+@pytest.mark.parametrize("config, shape", CASES, ids=case_id)
 def test_joyimage_transformer_matches_single_process(pools, config, shape):
     arch, inputs = arch_of(shape), inputs_of(shape)
-    ref, _ = transformer_call(arch, {}, inputs)
     # tp: per block both streams' output projections and feed-forward down projections (4 all-reduces); sequence:
     # the joint attention's exchanges and the image's gather at proj_out
     want = call_counts(config, LAYERS, 4 * LAYERS)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, arch, config, inputs, want)
 
 
 def test_joyimage_cfg_runs_the_two_calls_on_two_ranks(pools):
@@ -93,18 +89,15 @@ def plus_inputs_of(shape: str) -> dict:
 
 
 PLUS_CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers")]
-PLUS_CASES += [(c, "odd") for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"cfg": 2}, {"dp": 2})]
+PLUS_CASES += [(c, "odd") for c in (*SP_AXES, {"cfg": 2}, {"dp": 2})]
 
 
-@pytest.mark.parametrize("config, shape", PLUS_CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+@pytest.mark.parametrize("config, shape", PLUS_CASES, ids=case_id)
 def test_joyimage_plus_transformer_matches_single_process(pools, config, shape):
     arch, inputs = plus_arch_of(shape), plus_inputs_of(shape)
-    ref, _ = transformer_call(arch, {}, inputs)
     # cfg and dp: the batched [uncond, cond] call's two samples, each with its own grids, one on each rank
     want = {"all_gather": 1} if {"cfg", "dp"} & set(config) else call_counts(config, LAYERS, 4 * LAYERS)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, arch, config, inputs, want)
 
 
 def test_joyimage_plus_mask_and_grids_matter():

@@ -8,12 +8,11 @@ them (causal prompt, bidirectional images)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import SP_AXES, call_counts, case_id, check_transformer, transformer_call
 from ditmesh.testing import rel_err
 
 LAYERS = 2
@@ -46,22 +45,19 @@ def inputs_of(shape: str) -> dict:
     return omnigen_inputs(model, rand(2, 4, 6, 10), prompts, torch.tensor([0.7, 0.3]), {1: [rand(1, 4, 4, 6)]})
 
 
-CASES = [(c, s) for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}) for s in ("diffusers", "odd")]
+CASES = [(c, s) for c in SP_AXES for s in ("diffusers", "odd")]
 CASES += [({"tp": 2}, "odd")]
 
 
-@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+@pytest.mark.parametrize("config, shape", CASES, ids=case_id)
 def test_omnigen_transformer_matches_single_process(pools, config, shape):
     arch, inputs = arch_of(shape), inputs_of(shape)
     if "tp" in config:  # tp divides the heads: the odd case's 3 do not divide by 2, diffusers' 4 do
         arch = arch_of("diffusers")
-    ref, _ = transformer_call(arch, {}, inputs)
     # tp: the attention output and the down projection per layer; sequence: the exchanges and the gather after the
     # last layer
     want = call_counts(config, LAYERS, 2 * LAYERS)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, arch, config, inputs, want)
 
 
 def test_omnigen_mask_and_condition_image_matter():

@@ -7,12 +7,11 @@ before 21 samples, inpainting conditioning, a padded prompt; Ulysses, ring, USP 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
-from cases_models import axis_id, call_counts, transformer_call
+from cases_models import SP_AXES, call_counts, case_id, check_transformer, transformer_call
 from ditmesh.testing import rel_err
 
 LAYERS = 2
@@ -41,20 +40,17 @@ def inputs_of(shape: str) -> dict:
                 return_dict=False)
 
 
-CASES = [(c, s) for c in ({"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}) for s in ("diffusers", "odd")]
+CASES = [(c, s) for c in SP_AXES for s in ("diffusers", "odd")]
 CASES += [({"cfg": 2}, "odd")]
 
 
-@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+@pytest.mark.parametrize("config, shape", CASES, ids=case_id)
 def test_stable_audio3_transformer_matches_single_process(pools, config, shape):
     arch, inputs = arch_of(shape), inputs_of(shape)
-    ref, _ = transformer_call(arch, {}, inputs)
     # sequence: one sp attention a layer, two when differential; cfg: the batched call's gather
     attentions = LAYERS * (2 if arch.transformer["use_differential_attention"] else 1)
     want = {"all_gather": 1} if "cfg" in config else call_counts(config, attentions, 0)
-    for out, counts in pools(math.prod(config.values())).run(transformer_call, arch, config, inputs):
-        assert rel_err(out, ref) <= 1e-5
-        assert counts == want
+    check_transformer(pools, arch, config, inputs, want)
 
 
 def test_stable_audio3_inpainting_conditioning_matters():

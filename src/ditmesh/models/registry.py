@@ -69,6 +69,7 @@ CLASSES: dict[str, str] = {
     'OmniGenTransformer2DModel': 'omnigen',
     'HeliosTransformer3DModel': 'helios',
     'StableAudio3DiTModel': 'stable_audio3',
+    'LongCatAudioDiTTransformer': 'longcat_audio',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -335,6 +336,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                              '3 memory tokens, plain attention; the transformer alone'),
     'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
                                         'differential attention, 64 memory tokens), the transformer alone'),
+    'longcat-audio-dit-tiny': ('longcat_audio', "LongCat-Audio-DiT at diffusers' test configuration: 2 blocks, 4 "
+                                                'heads x 16, text width 32, no text ConvNeXt; the transformer alone'),
+    'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
+                                           '64, text width 768, long skip, text ConvNeXt), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -511,9 +516,6 @@ NOT_ADAPTED: dict[str, str] = {
     'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
                                          'tokens over the whole image sequence, so a rank cannot route its shard '
                                          "without every token's scores",
-    'LongCatAudioDiTTransformer': "LongCat-Audio-DiT's mask serves both as the attention's key mask and as a "
-                                  'multiplier zeroing masked rows after attention and in its norms: it would be '
-                                  'split with the queries and kept whole for the keys',
 }
 
 
@@ -572,6 +574,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'HeliosTransformer3DModel': ('helios', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'StableAudio3DiTModel': ('stable-audio-3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
