@@ -28,7 +28,7 @@ import torch
 from diffusers.models.transformers.transformer_helios import _get_qkv_projections, apply_rotary_emb_transposed
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   register, spatial_latent, transformer_only)
+                   register, replace_forward, spatial_latent, transformer_only)
 from .wan import WAN21_14B, WAN_TENSOR_PLAN, WAN_VAE_PLAN
 
 
@@ -100,6 +100,17 @@ def helios_layout(config: dict, height: int, width: int, frames: int, text_token
     return Layout(tokens, text_tokens, tokens, (config.get("in_channels", 16), WINDOW, lh, lw))
 
 
+def helios_meta_trace(model):
+    """The planner's meta-device trace: the RoPE module turns autocast off on its positions' device, which the meta
+    device has not; answered with an empty table of its shape ``[B, 2 * sum(rope_dim), T, H, W]``."""
+    channels = 2 * sum(model.config.rope_dim)
+
+    def table(frame_indices, height, width, device):
+        return torch.empty(frame_indices.shape[0], channels, frame_indices.shape[1], height, width, device=device)
+
+    return replace_forward(model.rope, table)
+
+
 def helios_unsupported(transformer, config) -> str | None:
     """tp on a checkpoint whose history keys are scaled per head: the plan does not cut that scale."""
     if config.tp > 1 and transformer.config.is_amplify_history and transformer.config.history_scale_mode == "per_head":
@@ -163,6 +174,7 @@ HELIOS = register(
         text_tokens=512,  # UMT5, cross-attention only
         tensor_plan=WAN_TENSOR_PLAN,
         unsupported=helios_unsupported,
+        meta_trace=helios_meta_trace,
         batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "indices_hidden_states",
                       "indices_latents_history_short", "indices_latents_history_mid", "indices_latents_history_long",
                       "latents_history_short", "latents_history_mid", "latents_history_long"),

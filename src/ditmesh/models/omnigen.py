@@ -27,7 +27,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, spatial_latent, transformer_only)
+                   SynthArch, TensorPlan, register, replace_forward, spatial_latent, transformer_only)
 
 
 class OmniGenSequenceParallelProcessor(SequenceProcessor):
@@ -80,6 +80,18 @@ def omnigen_example_inputs(model, height, width, batch, text_len, generator, dev
     prompts = torch.randint(3, model.config.vocab_size, (batch, text_len), generator=generator).tolist()
     inputs = omnigen_inputs(model, latents.to(device, dtype), prompts, torch.full((batch,), 0.7).to(device, dtype))
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def omnigen_meta_trace(model):
+    """The planner's meta-device trace: the RoPE module reads the largest position on the host to pick its scaling;
+    answered with empty cos and sin tables ``[N, D]`` of the sequence's length."""
+    dim = model.rope.dim
+
+    def tables(hidden_states, position_ids):
+        empty = hidden_states.new_empty(position_ids.shape[-1], dim, dtype=torch.float32)
+        return empty, empty
+
+    return replace_forward(model.rope, tables)
 
 
 def omnigen_layout(config: dict, height: int, width: int, frames: int, text_tokens: int) -> Layout:
@@ -155,6 +167,7 @@ OMNIGEN = register(
         pipelines=("OmniGenPipeline",),
         synth_archs=(OMNIGEN_TINY, OMNIGEN_V1),
         synth_components=transformer_only("OmniGen", "Phi-3's Llama tokenizer and the SDXL VAE"),
+        meta_trace=omnigen_meta_trace,
         batch_refusal="OmniGen's pipeline batches its (up to three) guidance calls with the condition images as one "
                       "list over the batch and a dict of their positions per sample, which a batch split would have "
                       "to re-index",
