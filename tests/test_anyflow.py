@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases_models import case_id, check_transformer, sequence_counts, transformer_call
+from cases_models import SP_AXES, case_id, check_transformer, sequence_counts, transformer_call
 from ditmesh.testing import rel_err
 
 ARCH = "anyflow-tiny"
@@ -26,11 +26,11 @@ def inputs_of(shape: str) -> dict:
                 encoder_hidden_states=rand(2, 7, 16), return_dict=False)
 
 
-AXES = [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}, {"tp": 2}]
+# diffusers' configuration under Ulysses; ours, the harder one, under every axis
+CASES = [({"ulysses": 2}, "diffusers")] + [(c, "odd") for c in (*SP_AXES, {"tp": 2}, {"cfg": 2})]
 
 
-@pytest.mark.parametrize("config, shape", [(c, s) for c in AXES for s in ("diffusers", "odd")] + [({"cfg": 2}, "odd")],
-                         ids=case_id)
+@pytest.mark.parametrize("config, shape", CASES, ids=case_id)
 def test_anyflow_transformer_matches_single_process(pools, config, shape):
     inputs = inputs_of(shape)
     # tp: per block Q/K/V column-, to_out row-parallel in both attentions and the feed-forward (3 all-reduces) and
