@@ -70,6 +70,7 @@ CLASSES: dict[str, str] = {
     'HeliosTransformer3DModel': 'helios',
     'StableAudio3DiTModel': 'stable_audio3',
     'LongCatAudioDiTTransformer': 'longcat_audio',
+    'GlmImageTransformer2DModel': 'glm_image',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -340,6 +341,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                                 'heads x 16, text width 32, no text ConvNeXt; the transformer alone'),
     'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
                                            '64, text width 768, long skip, text ConvNeXt), the transformer alone'),
+    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token "
+                                    'prior codebook) with 2 blocks; the transformer alone'),
+    'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
+                               'glyph text 1472 wide, a 16384-token prior codebook), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -457,6 +462,8 @@ HEADS: dict[str, int] = {
     'omnigen-v1': 32,
     'helios-tiny': 2,
     'helios-14b': 40,
+    'glm-image-tiny': 2,
+    'glm-image': 64,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -511,9 +518,6 @@ NOT_ADAPTED: dict[str, str] = {
     'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
                                    "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
                                    'them), so the sequence would be split twice with a gather between',
-    'GlmImageTransformer2DModel': "GLM-Image's transformer caches the condition image's K/V across calls (write, read "
-                                  'and skip modes per layer) and turns its text mask into a 0/1 score matrix over '
-                                  '[text, image]: the cache would be split with the keys and the matrix reordered',
     'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
                                          'tokens over the whole image sequence, so a rank cannot route its shard '
                                          "without every token's scores",
@@ -576,6 +580,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'HeliosTransformer3DModel': ('helios', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'StableAudio3DiTModel': ('stable-audio-3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
