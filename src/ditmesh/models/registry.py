@@ -71,6 +71,7 @@ CLASSES: dict[str, str] = {
     'StableAudio3DiTModel': 'stable_audio3',
     'LongCatAudioDiTTransformer': 'longcat_audio',
     'GlmImageTransformer2DModel': 'glm_image',
+    'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -345,6 +346,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                     'prior codebook) with 2 blocks; the transformer alone'),
     'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
                                'glyph text 1472 wide, a 16384-token prior codebook), the transformer alone'),
+    'nucleusmoe-image-tiny': ('nucleusmoe', "Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x 16, "
+                                            'text width 16; the transformer alone'),
+    'nucleusmoe-image': ('nucleusmoe', "Nucleus-MoE image transformer as diffusers' defaults (24 blocks, 16 heads x 128, "
+                                       '128 experts with expert-choice routing, text width 3584), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -464,6 +469,7 @@ HEADS: dict[str, int] = {
     'helios-14b': 40,
     'glm-image-tiny': 2,
     'glm-image': 64,
+    'nucleusmoe-image-tiny': 4,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -518,9 +524,6 @@ NOT_ADAPTED: dict[str, str] = {
     'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
                                    "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
                                    'them), so the sequence would be split twice with a gather between',
-    'NucleusMoEImageTransformer2DModel': 'Nucleus-MoE routes by expert choice: each expert takes its top-capacity '
-                                         'tokens over the whole image sequence, so a rank cannot route its shard '
-                                         "without every token's scores",
 }
 
 
@@ -581,6 +584,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'StableAudio3DiTModel': ('stable-audio-3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
