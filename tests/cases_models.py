@@ -28,6 +28,15 @@ def axis_id(config: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in config.items())
 
 
+#: the sequence-parallel configurations of a family's transformer test: ulysses 2, ring 2, ring 2 x ulysses 2 (USP)
+SP_AXES = [{"ulysses": 2}, {"ring": 2}, {"ring": 2, "ulysses": 2}]
+
+
+def case_id(value) -> str:
+    """A test id of a (configuration, case name) parameter: :func:`axis_id` of a configuration, the name as is."""
+    return axis_id(value) if isinstance(value, dict) else value
+
+
 def sequence_counts(config: dict, layers: int, calls: int) -> dict:
     """Collectives of a sequence-parallel pipeline call whose ``layers`` attentions each run over the split joint
     sequence: per layer 2 all-to-alls under Ulysses and ``ring - 1`` exchange rounds under ring; one all-gather of the

@@ -22,3 +22,16 @@ def two_calls(config: dict, cond: dict, uncond: dict, arch: str = "hunyuan-image
     with torch.no_grad(), count_collectives() as counts:
         outs = [model(**cond)[0], model(**uncond)[0]]
     return outs, dict(counts)
+
+
+def check_cfg_two_calls(pools, arch, cond: dict, text: str = "encoder_hidden_states") -> None:
+    """A sequential-CFG family's two calls of a step (``cond``, then the same with the prompt states ``text`` reversed
+    as the negative prompt's) under cfg 2, one on each rank, against one process: rel. err <= 1e-5 and one
+    all-gather."""
+    from ditmesh.testing import rel_err
+
+    uncond = dict(cond, **{text: cond[text].flip(1)})
+    ref, _ = two_calls({}, cond, uncond, arch=arch)
+    for outs, counts in pools(2).run(two_calls, {"cfg": 2}, cond, uncond, arch=arch):
+        assert all(rel_err(o, r) <= 1e-5 for o, r in zip(outs, ref))
+        assert counts == {"all_gather": 1}

@@ -55,6 +55,10 @@ def test_tables_match_what_the_adapters_register():
             first_vae.setdefault(vae, registry.CLASSES[adapter.class_names[0]])
     assert first_vae == registry.VAES
     assert base.supported_classes() == sorted(base._REGISTRY)
+    # a class is adapted, not a DiT, or a DiT not adapted yet, never two of them; each reason is one line
+    assert not (set(registry.CLASSES) & set(registry.NOT_DITS) or set(registry.CLASSES) & set(registry.NOT_ADAPTED)
+                or set(registry.NOT_DITS) & set(registry.NOT_ADAPTED))
+    assert all("\n" not in why and why for why in {**registry.NOT_DITS, **registry.NOT_ADAPTED}.values())
 
 
 def test_one_model_imports_one_family_and_the_list_no_torch():

@@ -26,15 +26,21 @@ class Split:
 
     ``ndim``: the tensor's expected number of dimensions; a tensor with another one is left whole (Wan's
     timestep is split when it is per token, ``[B, N]``, and replicated when it is one value per sample). A
-    list or tuple of tensors (SD3's ControlNet residuals) is split element by element. ``broadcast``: a tensor of
-    size 1 along ``dim`` holds one value for every token of the stream and stays whole (LTXConditionPipeline's
-    timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the call). ``item``: of a tuple or list, only
-    this element is split (each tensor in it) and the others stay whole (Allegro's ``image_rotary_emb``: the
-    frequency tables whole, the token positions split).
+    list or tuple of tensors (SD3's ControlNet residuals) is split element by element, a dict (AnyFlow's RoPE
+    tables) value by value. ``broadcast``: a tensor of size 1 along ``dim`` holds one value for every token of the
+    stream and stays whole (LTXConditionPipeline's timestep ``[B, 1]``, which is ``[B, N]`` when frames condition the
+    call). ``item``: of a tuple or list, only this element is split (each tensor in it) and the others stay whole
+    (Allegro's ``image_rotary_emb``: the frequency tables whole, the token positions split).
 
     ``leading``: the stream fills only the first ``stream_length`` entries along ``dim`` (the stream must have been
     split before in the call); what follows them belongs to streams already split and is kept as it is (HiDream's
     position ids: the image's, built whole, then the local text's).
+
+    ``count``: ``"first"`` or ``"last"``: the value covers only the stream's first or last tokens (the stream must have
+    been split before in the call). An int counting them (Helios's ``original_context_length``, the frames being
+    denoised after the history; Stable Audio 3's ``num_memory_tokens``, before the audio) becomes how many of them
+    this rank holds; a tensor over them along ``dim`` (Stable Audio 3's inpainting conditioning, over the audio after
+    the memory tokens) is cut to this rank's part of them.
     """
 
     dim: int
@@ -43,6 +49,7 @@ class Split:
     leading: bool = False
     broadcast: bool = False
     item: int | None = None
+    count: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,10 @@ class SequencePlan:
     gathers: dict[str, Gather] = field(default_factory=dict)
     #: where this plan differs from the class's ``_cp_plan`` and why (checked against it by the tests)
     differs_from_cp_plan: str = ""
+    #: path patterns (``*`` = one segment) of the class's ``_cp_plan`` entries this plan does not keep, because it
+    #: splits elsewhere (Helios' plan cuts around every attention and feed-forward, six exchanges a block; its adapter
+    #: splits once before the blocks): ``differs_from_cp_plan`` says why
+    replaces_cp_plan: tuple[str, ...] = ()
     #: forward inputs the class's ``_cp_plan`` splits that this plan keeps whole on every rank: a mask over the
     #: keys, which the processor passes to ``sp.attention`` in the model's own order (it is reordered like the keys)
     whole: tuple[str, ...] = ()
@@ -450,6 +461,9 @@ class ModelAdapter:
     #: batch inputs that are lists with one tensor per sample (Z-Image's latents and captions): split by slicing the
     #: list; a family with any returns one output tensor per sample too (a list, gathered stacked)
     sample_lists: tuple[str, ...] = ()
+    #: batch inputs that are plain lists with one entry per sample, not tensors (JoyImage-Edit Plus's ``shape_list``, each
+    #: sample's image grids): sliced with the batch, the output gathered as usual
+    batch_lists: tuple[str, ...] = ()
     #: how its pipelines run classifier-free guidance: "sequential" (two transformer calls per step,
     #: e.g. FLUX true CFG, Wan) or "batched" (one call on [uncond, cond], e.g. SD3)
     cfg_mode: str = "sequential"
@@ -629,13 +643,9 @@ def adapter_for_class(class_name: str) -> ModelAdapter:
     if class_name not in _REGISTRY and class_name in CLASSES:
         import_family(CLASSES[class_name])
     if class_name not in _REGISTRY:
-        from .registry import NOT_DITS
+        from .registry import refusal
 
-        if class_name in NOT_DITS:
-            raise NotImplementedError(f"ditmesh does not parallelize {class_name}: {NOT_DITS[class_name]}")
-        raise NotImplementedError(
-            f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
-        )
+        raise NotImplementedError(refusal(class_name))
     return _REGISTRY[class_name]
 
 

@@ -63,6 +63,15 @@ CLASSES: dict[str, str] = {
     'PRXTransformer2DModel': 'prx',
     'LuminaNextDiT2DModel': 'lumina_next',
     'AceStepTransformer1DModel': 'ace_step',
+    'AnyFlowTransformer3DModel': 'anyflow',
+    'JoyImageEditTransformer3DModel': 'joyimage',
+    'JoyImageEditPlusTransformer3DModel': 'joyimage',
+    'OmniGenTransformer2DModel': 'omnigen',
+    'HeliosTransformer3DModel': 'helios',
+    'StableAudio3DiTModel': 'stable_audio3',
+    'LongCatAudioDiTTransformer': 'longcat_audio',
+    'GlmImageTransformer2DModel': 'glm_image',
+    'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -321,6 +330,42 @@ SYNTH: dict[str, tuple[str, str]] = {
     'ace-step-1.5': ('ace_step', "ACE-Step 1.5 transformer as diffusers' defaults (24 layers, 16 query / 8 key-value "
                                  'heads x 128, sliding windows of 128), its condition encoder, a one-layer Qwen3 of '
                                  "Qwen3-Embedding-0.6B's width, an Oobleck VAE of 64 channels"),
+    'anyflow-14b': ('anyflow', "AnyFlow 14B transformer (Wan2.1-T2V-14B's blocks: 40 blocks, 40 heads x 128, FFN "
+                               '13824; flow-map timesteps), full Wan VAE, small UMT5'),
+    'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
+                                'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
+    'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, "
+                                       'text width 16; the transformer alone'),
+    'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x "
+                                  '128, text width 4096), the transformer alone'),
+    'joyimage-edit-plus-tiny': ('joyimage', "JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads "
+                                            'x 16, text width 16; the transformer alone'),
+    'joyimage-edit-plus': ('joyimage', "JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, "
+                                       '24 heads x 128, text width 4096), the transformer alone'),
+    'omnigen-tiny': ('omnigen', "OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with "
+                                '2 layers; the transformer alone'),
+    'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
+                              '32064-token vocabulary), the transformer alone'),
+    'helios-tiny': ('helios', "Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; the "
+                              'transformer alone'),
+    'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "
+                             'FFN 13824; long, mid and short history), the transformer alone'),
+    'stable-audio-3-tiny': ('stable_audio3', "Stable Audio 3 at diffusers' test configuration: 2 blocks, 4 heads x 8, "
+                                             '3 memory tokens, plain attention; the transformer alone'),
+    'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
+                                        'differential attention, 64 memory tokens), the transformer alone'),
+    'longcat-audio-dit-tiny': ('longcat_audio', "LongCat-Audio-DiT at diffusers' test configuration: 2 blocks, 4 "
+                                                'heads x 16, text width 32, no text ConvNeXt; the transformer alone'),
+    'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
+                                           '64, text width 768, long skip, text ConvNeXt), the transformer alone'),
+    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token "
+                                    'prior codebook) with 2 blocks; the transformer alone'),
+    'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
+                               'glyph text 1472 wide, a 16384-token prior codebook), the transformer alone'),
+    'nucleusmoe-image-tiny': ('nucleusmoe', "Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x 16, "
+                                            'text width 16; the transformer alone'),
+    'nucleusmoe-image': ('nucleusmoe', "Nucleus-MoE image transformer as diffusers' defaults (24 blocks, 16 heads x 128, "
+                                       '128 experts with expert-choice routing, text width 3584), the transformer alone'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -428,6 +473,19 @@ HEADS: dict[str, int] = {
     'lumina-next-sft': 32,
     'ace-step-tiny': 4,
     'ace-step-1.5': 16,
+    'anyflow-14b': 40,
+    'anyflow-tiny': 2,
+    'joyimage-edit-tiny': 2,
+    'joyimage-edit': 24,
+    'joyimage-edit-plus-tiny': 2,
+    'joyimage-edit-plus': 24,
+    'omnigen-tiny': 4,
+    'omnigen-v1': 32,
+    'helios-tiny': 2,
+    'helios-14b': 40,
+    'glm-image-tiny': 2,
+    'glm-image': 64,
+    'nucleusmoe-image-tiny': 4,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -451,6 +509,37 @@ NOT_DITS: dict[str, str] = {
                    'up blocks around its transformer, not a diffusion transformer over latent tokens',
     'RFD4ProteinaTransformer': 'a protein-structure denoiser: its pair representation [B, N, N, C], updated by triangle '
                                'multiplications and biasing every attention, mixes all token pairs outside attention',
+}
+
+
+#: diffusion transformers of diffusers' pipelines that ditmesh has no adapter for yet, each with what it is and what
+#: blocks an exact split of it (one line each: the generality table and the refusal name it); an adapter written for
+#: one takes it off this table (tests/test_registry.py holds the tables apart)
+NOT_ADAPTED: dict[str, str] = {
+    'SanaWMTransformer3DModel': 'Sana-WM, a camera-controlled video world model (3,117 lines): its layers mix '
+                                'bidirectional gated-delta-net recurrences, camera-conditioned attention and temporal '
+                                'short convolutions across frames, each of which needs an exact split of its own',
+    'Cosmos3OmniTransformer': 'Cosmos 3 Omni, a mixture of transformers over one packed, unbatched sequence: a causal '
+                              'text pathway and a generation pathway whose vision, sound and action tokens are '
+                              'scattered into the sequence by index; the packing and the causal prefix need a '
+                              'sequence plan of their own',
+    'MotifVideoTransformer3DModel': "Motif-Video, a dual- and single-stream video DiT whose last single blocks are a "
+                                    "decoder attending to the encoder's output image tokens as their second stream, "
+                                    'beside a text key mask and per-block text cross-attention: three attention '
+                                    'layouts to plan',
+    'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
+                                    'BlockMask over compressed past frames and full current ones, with a K/V cache '
+                                    'written and read across calls',
+    'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
+                                      'a flex-attention block mask chosen each call from pooled query/key statistics '
+                                      'of the whole sequence, which a split would have to agree on across ranks',
+    'LatteTransformer3DModel': 'Latte alternates spatial (per-frame) and temporal (per-position) attention, '
+                               'reshaping between them in its forward over a batch-times-frames dim: a split by '
+                               'tokens would re-shard the video at every block, and a split by frames would have to '
+                               'cut each sample inside that dim and the temporal position table with it',
+    'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
+                                   "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
+                                   'them), so the sequence would be split twice with a gather between',
 }
 
 
@@ -503,6 +592,15 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'PRXTransformer2DModel': ('prx', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'LuminaNextDiT2DModel': ('lumina-next', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'HeliosTransformer3DModel': ('helios', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'StableAudio3DiTModel': ('stable-audio-3', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
@@ -550,6 +648,18 @@ def video_families() -> list[str]:
 def supported_classes() -> list[str]:
     """Names of the diffusers transformer classes ditmesh can parallelize."""
     return sorted(CLASSES)
+
+
+def refusal(class_name: str) -> str | None:
+    """Why ditmesh refuses the transformer class ``class_name``, one line (None: a family has it): not a diffusion
+    transformer (:data:`NOT_DITS`), a DiT not adapted yet (:data:`NOT_ADAPTED`), or a class it does not know."""
+    if class_name in CLASSES:
+        return None
+    if class_name in NOT_DITS:
+        return f"ditmesh does not parallelize {class_name}: {NOT_DITS[class_name]}"
+    if class_name in NOT_ADAPTED:
+        return f"ditmesh has no adapter for {class_name} yet: {NOT_ADAPTED[class_name]}"
+    return f"ditmesh has no adapter for {class_name}; supported transformers: {', '.join(supported_classes())}"
 
 
 def import_family(module: str):

@@ -8,7 +8,8 @@ nearly all the work, is divided:
   contiguous chunks over the ``dp`` ranks (uneven counts are fine; a rank with no item skips the call)
   and all-gathers the outputs along the batch in order: one all-gather per transformer call. A transformer
   that takes one tensor per sample in lists (the adapter's ``sample_lists``) has those lists sliced, and its list
-  of per-sample outputs is gathered stacked.
+  of per-sample outputs is gathered stacked; a plain list with one entry per sample (``batch_lists``: JoyImage-Edit
+  Plus's image grids) is sliced with the batch.
 * **CFG parallelism, batched pipelines** (SD3: one call on ``[uncond, cond]``): the same batch split,
   over the combined ``dp x cfg`` group; one all-gather per step.
 * **CFG parallelism, sequential pipelines** (FLUX true CFG, Wan: a "cond" call then an "uncond" call per
@@ -124,7 +125,8 @@ class BatchParallel:
                 self.sample_template = samples[0].unsqueeze(0)
             for name in self.adapter.batch_inputs:
                 value = kwargs.get(name)
-                kwargs[name] = value[start:start + size] if name in self.adapter.sample_lists \
+                sliced = name in self.adapter.sample_lists or name in self.adapter.batch_lists
+                kwargs[name] = value[start:start + size] if sliced and value is not None \
                     else _narrow_batch(value, batch, start, size, self.adapter.batch_dims.get(name, 0))
             ctx.skip = size == 0
         return kwargs

@@ -216,6 +216,11 @@ class SequenceParallel:
         """The global token count of ``stream`` in this call (it must have been split already)."""
         return sum(self.ctx.stream_sizes[stream])
 
+    def local_range(self, stream: str) -> tuple[int, int]:
+        """(global index of this rank's first token of ``stream``, its token count) in this call (split already)."""
+        sizes = self.ctx.stream_sizes[stream]
+        return sum(sizes[: self.rank]), sizes[self.rank]
+
     def local_lengths(self, streams) -> list[int]:
         """Local attention length of each sp rank over ``streams`` (those split so far in this call)."""
         sizes = self.ctx.stream_sizes
@@ -265,7 +270,12 @@ class SequenceParallel:
 
 def split_value(splitter, value, spec: Split):
     """``value`` cut by ``spec`` through ``splitter.split(tensor, dim, stream)``: a tensor of the expected ndim, or each
-    tensor of a list or tuple (of its element ``spec.item`` only, when given); anything else as is."""
+    tensor of a list or tuple (of its element ``spec.item`` only, when given), each value of a dict (AnyFlow's RoPE
+    table for the queries and the keys); anything else as is."""
+    if isinstance(value, dict):
+        return {key: split_value(splitter, v, spec) for key, v in value.items()}
+    if spec.count is not None and isinstance(value, int) and not isinstance(value, bool):
+        return _counted(splitter, value, spec)[1]
     if isinstance(value, (list, tuple)):
         if spec.item is not None:
             whole = dataclasses.replace(spec, item=None)
@@ -275,11 +285,22 @@ def split_value(splitter, value, spec: Split):
         return value
     if spec.broadcast and value.shape[spec.dim] == 1:
         return value
+    if spec.count is not None:  # over the stream's first or last tokens: this rank's part of them
+        return value.narrow(spec.dim, *_counted(splitter, value.shape[spec.dim], spec))
     if spec.leading:  # the stream's tokens first, then tokens already local: only the former are cut
         n = splitter.stream_length(spec.stream)
         rest = value.narrow(spec.dim, n, value.shape[spec.dim] - n)
         return torch.cat([splitter.split(value.narrow(spec.dim, 0, n), spec.dim, spec.stream), rest], dim=spec.dim)
     return splitter.split(value, spec.dim, spec.stream)
+
+
+def _counted(splitter, n: int, spec: Split) -> tuple[int, int]:
+    """(offset, length) of this rank's part among the stream's first or last ``n`` tokens (``spec.count``)."""
+    first, size = splitter.local_range(spec.stream)
+    total = splitter.stream_length(spec.stream)
+    lo = 0 if spec.count == "first" else total - n
+    start, end = max(first, lo), min(first + size, lo + n)
+    return (start - lo, end - start) if end > start else (0, 0)
 
 
 class AtPath:

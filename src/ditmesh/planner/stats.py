@@ -285,6 +285,8 @@ def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
         for module in model.modules():
             if hasattr(module, "heads") and hasattr(module, "inner_dim"):
                 return int(module.heads), int(module.inner_dim // module.heads)
+            if isinstance(getattr(module, "heads", None), int) and isinstance(getattr(module, "head_dim", None), int):
+                return module.heads, module.head_dim  # JoyImage-Edit's attention
         for module in model.modules():  # an attention layer counting ``num_heads``, its first linear the query's width
             query = next((c for c in module.children() if isinstance(c, torch.nn.Linear)), None)
             if isinstance(getattr(module, "num_heads", None), int) and query is not None:

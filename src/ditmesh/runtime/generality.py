@@ -94,23 +94,33 @@ def _pipefusion_runs(adapter) -> bool:
 def rows() -> list[list[str]]:
     """One row per transformer class: class, pipelines, family (or what happens), then :func:`axes`' columns."""
     from ..models import adapter_for_class
-    from ..models.registry import NOT_DITS
+    from ..models.registry import CLASSES
 
     out = []
     for class_name, pipelines in sorted(pipeline_transformers().items()):
         shown = ", ".join(pipelines[:2]) + (f" (+{len(pipelines) - 2})" if len(pipelines) > 2 else "")
-        try:
-            adapter = adapter_for_class(class_name)
-        except Exception:  # noqa: BLE001  (no adapter: refused before loading)
-            refused = f"refused, not a DiT over tokens: {NOT_DITS[class_name]}" if class_name in NOT_DITS else NO_ADAPTER
-            out.append([f"`{class_name}`", shown, refused, "", "", "", "", "", ""])
+        if class_name not in CLASSES:
+            out.append([f"`{class_name}`", shown, refused_cell(class_name), "", "", "", "", "", ""])
             continue
+        adapter = adapter_for_class(class_name)
         out.append([f"`{class_name}`", shown, adapter.name, *axes(adapter).values()])
     return out
 
 
-#: the family cell of a class without an adapter
+#: the family cell of a class without an adapter that neither refusal table names (a class newer than the tables)
 NO_ADAPTER = "no adapter: refused"
+
+
+def refused_cell(class_name: str) -> str:
+    """The family cell of a class ditmesh refuses: why, from the registry's :data:`~ditmesh.models.registry.NOT_DITS`
+    (not a DiT over tokens) or :data:`~ditmesh.models.registry.NOT_ADAPTED` (a DiT without an adapter yet)."""
+    from ..models.registry import NOT_ADAPTED, NOT_DITS
+
+    if class_name in NOT_DITS:
+        return f"refused, not a DiT over tokens: {NOT_DITS[class_name]}"
+    if class_name in NOT_ADAPTED:
+        return f"refused, not adapted yet: {NOT_ADAPTED[class_name]}"
+    return NO_ADAPTER
 
 HEADER = ["transformer class", "pipelines", "family", "sequence", "tp", "cfg / dp", "step cache", "parallel VAE",
           "PipeFusion"]

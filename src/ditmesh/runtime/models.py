@@ -109,7 +109,7 @@ def check_transformer_class(model: str) -> str | None:
     """The class name of a local folder's transformer, checked without torch: a pipeline without a transformer, or
     a transformer class ditmesh has no adapter for, is a ConfigError (the local launcher refuses it before any rank
     starts). None where no folder says (a hub id; a synthetic architecture, whose class the registry has)."""
-    from ..models.registry import CLASSES, NOT_DITS, SYNTH, supported_classes
+    from ..models.registry import SYNTH, refusal, supported_classes
 
     if model in SYNTH:
         return None
@@ -126,12 +126,8 @@ def check_transformer_class(model: str) -> str | None:
     config = read_transformer_config(model)
     if not config or "_class_name" not in config:
         return None
-    if config["_class_name"] in NOT_DITS:
-        raise ConfigError(f"--model {model}: ditmesh does not parallelize {config['_class_name']}: "
-                          f"{NOT_DITS[config['_class_name']]}")
-    if config["_class_name"] not in CLASSES:
-        raise ConfigError(f"--model {model}: ditmesh has no adapter for {config['_class_name']}; supported "
-                          f"transformers: {', '.join(supported_classes())}")
+    if (why := refusal(config["_class_name"])) is not None:
+        raise ConfigError(f"--model {model}: {why}")
     return config["_class_name"]
 
 
