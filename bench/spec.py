@@ -532,6 +532,22 @@ TABLES = [
          columns=SERVE_OLD_NEW,
          note="one request a client; the 2 × 1 layout's 16 clients were cut by the call's deadline (12 of 32 "
               "answered) and its --max-batch 4 row did not start"),
+    dict(name="e2e-h200x1-i45", doc=TIMELINE, files=["2026-12-02_h200x1/service/e2e/e2e.json"],
+         columns=E2E + [("bytecode tracing s", "compile_breakdown_s.bytecode_tracing", ".2f"),
+                        ("backend s", "compile_breakdown_s.backend", ".2f"),
+                        ("capture s", "compile_breakdown_s.cuda_graph_capture", ".2f")],
+         note="the synthetic architecture by name (`--model flux-dev`: random weights built in the rank, no "
+              "checkpoint read); warm compile caches (a 3-step warm-up run first); one import timed in the same call"),
+    dict(name="serve-lone-h200x1", doc=TIMELINE, files=["2026-12-02_h200x1/service/serve-lone-1024.json"],
+         rows=serve_rows,
+         columns=SERVE + [(head, f"phases_s.{key}", ".3f") for head, key in (
+             ("steps s", "steps"), ("step s", "step"), ("text encode s", "text_encode"), ("prepare s", "prepare"),
+             ("VAE s", "vae_decode"), ("postprocess s", "postprocess"), ("hand-off s", "handoff"), ("PNG s", "encode"),
+             ("way in s", "http_in"), ("way out s", "http_out"))]
+         + [("bound s", lambda r: 28 * r["phases_s"]["step"] + 0.15, ".3f")],
+         note="a lone client, 4 requests one after the other (the phases' means over them; `step` is each request's "
+              "median later step); `bound` = 28 × the step + 0.15 s (issue 45); the server compiled cold (its compile cache was not the "
+              "e2e rows'), so `ready` and `first image` include a cold compile"),
     dict(name="e2e-h200x4", doc=TIMELINE, files=["2026-11-28_h200x4/e2e.json"], columns=E2E,
          note="old = the baseline tree 42e3be5, new = this tree; warm compile caches (the rows' warm-ups ran first, "
               "all at once); the row the call's deadline skipped: new:pp:warm (its warm-up took 116 s)"),
