@@ -532,6 +532,12 @@ TABLES = [
          columns=SERVE_OLD_NEW,
          note="one request a client; the 2 × 1 layout's 16 clients were cut by the call's deadline (12 of 32 "
               "answered) and its --max-batch 4 row did not start"),
+    dict(name="serve-batching-cpu", doc="docs/serve.md",
+         files=["2026-12-02_cpu/serve/batching-tiny.json", "2026-12-02_cpu/serve/batching-tiny-2.json"],
+         rows=serve_rows, columns=[("run", lambda r: 2 if r["_file"].endswith("-2.json") else 1)] + SERVE[:3]
+         + [SERVE[3]] + SERVE[4:9],
+         note="one CPU process, flux-tiny (synthetic checkpoint) at 64², 2 steps, 4 requests a client; the machine "
+              "otherwise idle; run 2 started the layouts in the other order"),
     dict(name="e2e-h200x1-i45", doc=TIMELINE, files=["2026-12-02_h200x1/service/e2e/e2e.json"],
          columns=E2E + [("bytecode tracing s", "compile_breakdown_s.bytecode_tracing", ".2f"),
                         ("backend s", "compile_breakdown_s.backend", ".2f"),
