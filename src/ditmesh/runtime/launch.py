@@ -307,6 +307,9 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
     for rank in range(1, len(procs)):
         log = run_dir / "logs" / f"rank{rank}.log"
         marks[rank] = log.stat().st_size if log.exists() else 0
+    # where each process is below Python at the limit itself (read before the stacks' wait, in which a zygote may
+    # finish its imports and leave), printed after the stacks
+    states = {rank: _native_state(p.pid) for rank, p in enumerate(procs) if p.poll() is None}
     _send(procs, signal.SIGUSR1)
     time.sleep(wait_s)
     for rank in range(1, len(procs)):
@@ -317,10 +320,9 @@ def _dump_stacks(procs: list[subprocess.Popen], run_dir: Path, wait_s: float = 2
                 dump = f.read().decode(errors="replace").strip()
             if dump:
                 print(f"ditmesh: rank {rank} at the time limit:\n{dump}", file=sys.stderr, flush=True)
-    for rank, p in enumerate(procs):
-        if p.poll() is None:
-            name = "imports" if who == "imports" else f"rank {rank}"
-            print(f"ditmesh: {name} (pid {p.pid}): {_native_state(p.pid)}", file=sys.stderr, flush=True)
+    for rank, state in states.items():
+        name = "imports" if who == "imports" else f"rank {rank}"
+        print(f"ditmesh: {name} (pid {procs[rank].pid}): {state}", file=sys.stderr, flush=True)
 
 
 def _native_state(pid: int) -> str:
