@@ -68,6 +68,15 @@ CASES = {
 #: the audio pipelines (their clips written as WAV)
 AUDIO = ("stable-audio-tiny", "ace-step-tiny")
 
+# -- issue 46 item 2, second batch (branch i46f): Helios, Stable Audio 3, LongCat-Audio-DiT ------------------------------
+# (OmniGen is not here: OmniGenPipeline builds its processor from torchvision's transforms; synth says so in one line)
+CASES.update({
+    # sequential CFG; the pipeline's one chunk of 9 latent frames after its 16 + 2 + 1 history frames (patchified 4x,
+    # 2x and 1x coarser), 2 x 2 tokens a frame, split over 2 heads
+    "helios-tiny": (["--ulysses", "2"], ["--height", "32", "--width", "32", "--frames", "5", "--guidance", "4"]),
+})
+# -- end of branch i46f's cases -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", CASES)
 def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):

@@ -28,8 +28,8 @@ import torch
 from diffusers.models.transformers.transformer_helios import _get_qkv_projections, apply_rotary_emb_transposed
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   register, replace_forward, spatial_latent, transformer_only)
-from .wan import WAN21_14B, WAN_TENSOR_PLAN, WAN_VAE_PLAN
+                   register, replace_forward, spatial_latent, vae_and_t5)
+from .wan import WAN21_14B, WAN_TENSOR_PLAN, WAN_VAE_PLAN, ftfy_setup
 
 
 class HeliosSequenceParallelProcessor(SequenceProcessor):
@@ -124,11 +124,12 @@ HELIOS_14B = dataclasses.replace(
     WAN21_14B,
     name="helios-14b",
     description="Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, FFN 13824; "
-                "long, mid and short history), the transformer alone",
+                "long, mid and short history), the Wan 2.1 VAE, a one-layer UMT5 of UMT5-XXL's width",
     pipeline="HeliosPipeline",
     transformer_class="HeliosTransformer3DModel",
     transformer={k: v for k, v in WAN21_14B.transformer.items() if k != "rope_max_seq_len"},
-    scheduler={},
+    # HeliosPipeline's one stage (HeliosPyramidPipeline's are the scheduler's default three), as its pipeline test
+    scheduler=dict(stage_range=[0, 1], stages=1, use_dynamic_shifting=True),
     scheduler_class="HeliosScheduler",
     default_frames=33,
 )
@@ -137,11 +138,15 @@ HELIOS_14B = dataclasses.replace(
 HELIOS_TINY = dataclasses.replace(
     HELIOS_14B,
     name="helios-tiny",
-    description="Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; the transformer alone",
+    description="Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; a tiny Wan VAE of 4 "
+                "latent channels, UMT5",
     transformer=dict(patch_size=[1, 2, 2], num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
                      text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
                      qk_norm="rms_norm_across_heads", rope_dim=[4, 4, 4], has_multi_term_memory_patch=True,
                      guidance_cross_attn=True, zero_history_timestep=True, is_amplify_history=False),
+    # the Wan VAE at the transformer's 4 channels (its latent statistics cut to them), a UMT5 of the text width
+    vae=dict(base_dim=8, num_res_blocks=1, z_dim=4, latents_mean=[0.0, 0.1, -0.1, 0.2], latents_std=[1.0, 1.5, 2.0, 2.5]),
+    t5=dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=32,
@@ -185,8 +190,9 @@ HELIOS = register(
         fps=24,
         pipelines=("HeliosPipeline", "HeliosPyramidPipeline"),
         synth_archs=(HELIOS_TINY, HELIOS_14B),
-        synth_components=transformer_only("Helios", "UMT5, the Wan VAE and a HeliosScheduler, not assembled here yet"),
+        synth_components=vae_and_t5("AutoencoderKLWan", "UMT5EncoderModel", "UMT5Config"),
         vae=WAN_VAE_PLAN,
+        pipeline_setup=ftfy_setup("helios.pipeline_helios"),  # HeliosPipeline cleans prompts with ftfy unconditionally
         pp_refusal="Helios' blocks take the per-token modulation whole from forward, cut per block; PipeFusion is not "
                    "tested on it",
     )

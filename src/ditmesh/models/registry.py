@@ -346,10 +346,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                 '2 layers; the transformer alone'),
     'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
                               '32064-token vocabulary), the transformer alone'),
-    'helios-tiny': ('helios', "Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; the "
-                              'transformer alone'),
+    'helios-tiny': ('helios', "Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; a "
+                              'tiny Wan VAE of 4 latent channels, UMT5'),
     'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "
-                             'FFN 13824; long, mid and short history), the transformer alone'),
+                             "FFN 13824; long, mid and short history), the Wan 2.1 VAE, a one-layer UMT5 of "
+                             "UMT5-XXL's width"),
     'stable-audio-3-tiny': ('stable_audio3', "Stable Audio 3 at diffusers' test configuration: 2 blocks, 4 heads x 8, "
                                              '3 memory tokens, plain attention; the transformer alone'),
     'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
