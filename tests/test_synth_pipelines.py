@@ -65,8 +65,8 @@ CASES = {
     # empty one: it iterates over a missing one)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4"]),
 }
-#: the audio pipelines (their clips written as WAV)
-AUDIO = ("stable-audio-tiny", "ace-step-tiny")
+#: the audio pipelines (their clips written as WAV): their channels and the VAE's sampling rate
+AUDIO = {"stable-audio-tiny": (2, 4), "ace-step-tiny": (2, 4)}
 
 # -- issue 46 item 2, second batch (branch i46f): Helios, Stable Audio 3, LongCat-Audio-DiT ------------------------------
 # (OmniGen is not here: OmniGenPipeline builds its processor from torchvision's transforms; synth says so in one line)
@@ -74,7 +74,11 @@ CASES.update({
     # sequential CFG; the pipeline's one chunk of 9 latent frames after its 16 + 2 + 1 history frames (patchified 4x,
     # 2x and 1x coarser), 2 x 2 tokens a frame, split over 2 heads
     "helios-tiny": (["--ulysses", "2"], ["--height", "32", "--width", "32", "--frames", "5", "--guidance", "4"]),
+    # sequential CFG; the clip's 26 latent frames (its length read off the default prompt) split 13 + 13 under the
+    # whole padding mask; written as a mono WAV at the tiny VAE's 8 Hz
+    "longcat-audio-dit-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
 })
+AUDIO.update({"longcat-audio-dit-tiny": (1, 8)})
 # -- end of branch i46f's cases -------------------------------------------------------------------------------------
 
 
@@ -95,9 +99,9 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
         report = json.loads(out.with_name(out.name + ".json").read_text())
         assert report["world_size"] == (2 if parallel else 1) and len(report["step_latency_s"]) == 2
         assert out.exists() or out.with_name(f"{name}_frames").is_dir()
-        if out.suffix == ".wav":  # the stereo clip at the VAE's sampling rate (the tiny Oobleck VAE's 4 Hz)
+        if out.suffix == ".wav":  # the clip's channels at the VAE's sampling rate (the tiny Oobleck VAE's 4 Hz stereo)
             with wave.open(str(out)) as clip:
-                assert (clip.getnchannels(), clip.getframerate()) == (2, 4) and clip.getnframes() > 0
+                assert (clip.getnchannels(), clip.getframerate()) == AUDIO[arch] and clip.getnframes() > 0
         latents[name] = load_file(str(tmp_path / f"{name}.safetensors"))["latents"]
     assert rel_err(latents["two"], latents["one"]) <= 1e-5
 

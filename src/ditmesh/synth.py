@@ -385,6 +385,12 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
 
     def write(tmp: Path) -> None:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        # a component the pipeline takes with a default (LongCatAudioDiTPipeline's scheduler) is named in
+        # model_index.json but not saved by diffusers: written here, so that the folder holds every component it names
+        for name in pipe.config:
+            component = getattr(pipe, name, None)
+            if not name.startswith("_") and hasattr(component, "save_pretrained") and not (tmp / name).exists():
+                component.save_pretrained(tmp / name)
         (tmp / "ditmesh_synth.json").write_text(json.dumps(meta, indent=2))
 
     _write_folder(out, write)

@@ -29,7 +29,7 @@ import torch
 from diffusers.models.transformers.transformer_longcat_audio_dit import _apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, token_range, transformer_only)
+                   SynthArch, TensorPlan, register, token_range, vae_and_t5)
 
 
 class LongCatAudioSequenceParallelProcessor(SequenceProcessor):
@@ -99,11 +99,15 @@ LONGCAT_AUDIO_TENSOR_PLAN = TensorPlan(
 LONGCAT_AUDIO = SynthArch(
     name="longcat-audio-dit",
     description="LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x 64, text width 768, long "
-                "skip, text ConvNeXt), the transformer alone",
+                "skip, text ConvNeXt), its audio VAE (24 kHz mono, 2048x), a one-layer UMT5 of UMT5-base's width",
     pipeline="LongCatAudioDiTPipeline",
     transformer_class="LongCatAudioDiTTransformer",
     transformer=dict(dit_dim=1536, dit_depth=24, dit_heads=24, dit_text_dim=768, latent_dim=64),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={},  # LongCatAudioDiTVae's defaults
+    clip={},
+    t5=dict(d_model=768, d_kv=64, d_ff=256, num_layers=1, num_heads=12),
+    # the pipeline's own (it replaces any other with this one)
+    scheduler=dict(shift=1.0, invert_sigmas=True),
     default_dtype="bfloat16",
     default_size=(1, 1024),
     max_sequence_length=256,
@@ -114,8 +118,13 @@ LONGCAT_AUDIO_TINY = dataclasses.replace(
     LONGCAT_AUDIO,
     name="longcat-audio-dit-tiny",
     description="LongCat-Audio-DiT at diffusers' test configuration: 2 blocks, 4 heads x 16, text width 32, no text "
-                "ConvNeXt; the transformer alone",
+                "ConvNeXt; its pipeline test's VAE at 8 Hz, UMT5",
     transformer=dict(dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8, text_conv=False),
+    # the pipeline test's VAE (2x) at 8 samples a second: the clip's length, which the pipeline reads off the prompt
+    # (0.082 s a character), is then some 4 latent frames a second of speech
+    vae=dict(in_channels=1, channels=16, c_mults=[1, 2], strides=[2], latent_dim=8, encoder_latent_dim=16,
+             downsampling_ratio=2, sample_rate=8),
+    t5=dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
     default_dtype="float32",
     default_size=(1, 16),
     max_sequence_length=10,
@@ -147,7 +156,7 @@ LONGCAT_AUDIO_ADAPTER = register(
         out_channels=lambda model: model.config.latent_dim,
         pipelines=("LongCatAudioDiTPipeline",),
         synth_archs=(LONGCAT_AUDIO_TINY, LONGCAT_AUDIO),
-        synth_components=transformer_only("LongCat-Audio-DiT", "its UMT5 text encoder and audio VAE"),
+        synth_components=vae_and_t5("LongCatAudioDiTVae", "UMT5EncoderModel", "UMT5Config"),
         pp_refusal="LongCat-Audio-DiT's long skip adds the embedded input after its blocks; PipeFusion is not tested "
                    "on it",
     )

@@ -356,9 +356,11 @@ SYNTH: dict[str, tuple[str, str]] = {
     'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
                                         'differential attention, 64 memory tokens), the transformer alone'),
     'longcat-audio-dit-tiny': ('longcat_audio', "LongCat-Audio-DiT at diffusers' test configuration: 2 blocks, 4 "
-                                                'heads x 16, text width 32, no text ConvNeXt; the transformer alone'),
+                                                "heads x 16, text width 32, no text ConvNeXt; its pipeline test's VAE at "
+                                                '8 Hz, UMT5'),
     'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
-                                           '64, text width 768, long skip, text ConvNeXt), the transformer alone'),
+                                           '64, text width 768, long skip, text ConvNeXt), its audio VAE (24 kHz mono, '
+                                           "2048x), a one-layer UMT5 of UMT5-base's width"),
     'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token "
                                     'prior codebook) with 2 blocks; the transformer alone'),
     'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
