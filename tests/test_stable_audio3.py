@@ -32,11 +32,11 @@ def inputs_of(shape: str) -> dict:
     rand = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if shape == "diffusers":
         return dict(hidden_states=rand(2, 8, 16), timestep=torch.rand(2, generator=g),
-                    encoder_hidden_states=rand(2, 4, 16), global_hidden_states=rand(2, 12), return_dict=False)
+                    encoder_hidden_states=rand(2, 4, 16), global_hidden_states=rand(2, 16), return_dict=False)
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[1, 4:] = False
     return dict(hidden_states=rand(2, 8, 21), timestep=torch.tensor([0.7, 0.2]), encoder_hidden_states=rand(2, 6, 16),
-                global_hidden_states=rand(2, 12), encoder_attention_mask=mask, local_add_cond=rand(2, 5, 21),
+                global_hidden_states=rand(2, 16), encoder_attention_mask=mask, local_add_cond=rand(2, 5, 21),
                 return_dict=False)
 
 

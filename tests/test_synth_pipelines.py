@@ -77,8 +77,10 @@ CASES.update({
     # sequential CFG; the clip's 26 latent frames (its length read off the default prompt) split 13 + 13 under the
     # whole padding mask; written as a mono WAV at the tiny VAE's 8 Hz
     "longcat-audio-dit-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # batched CFG; the 3 memory tokens and the 10 s clip's 40 latent samples split 22 + 21; a stereo WAV at 16 Hz
+    "stable-audio-3-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
 })
-AUDIO.update({"longcat-audio-dit-tiny": (1, 8)})
+AUDIO.update({"longcat-audio-dit-tiny": (1, 8), "stable-audio-3-tiny": (2, 16)})
 # -- end of branch i46f's cases -------------------------------------------------------------------------------------
 
 

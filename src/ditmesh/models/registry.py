@@ -351,10 +351,12 @@ SYNTH: dict[str, tuple[str, str]] = {
     'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "
                              "FFN 13824; long, mid and short history), the Wan 2.1 VAE, a one-layer UMT5 of "
                              "UMT5-XXL's width"),
-    'stable-audio-3-tiny': ('stable_audio3', "Stable Audio 3 at diffusers' test configuration: 2 blocks, 4 heads x 8, "
-                                             '3 memory tokens, plain attention; the transformer alone'),
+    'stable-audio-3-tiny': ('stable_audio3', "Stable Audio 3 at diffusers' pipeline test configuration: 2 blocks, 4 "
+                                             'heads x 8, 3 memory tokens, plain attention; its tiny SAME autoencoder '
+                                             '(16 Hz stereo), T5Gemma and duration embedder'),
     'stable-audio-3': ('stable_audio3', "Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, "
-                                        'differential attention, 64 memory tokens), the transformer alone'),
+                                        'differential attention, 64 memory tokens), the SAME audio autoencoder, a '
+                                        'one-layer T5Gemma encoder 768 wide, the duration embedder'),
     'longcat-audio-dit-tiny': ('longcat_audio', "LongCat-Audio-DiT at diffusers' test configuration: 2 blocks, 4 "
                                                 "heads x 16, text width 32, no text ConvNeXt; its pipeline test's VAE at "
                                                 '8 Hz, UMT5'),

@@ -27,7 +27,7 @@ import torch
 from diffusers.models.transformers.transformer_stable_audio3 import _apply_rotary_partial
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, register, transformer_only)
+                   SynthArch, register)
 
 
 class StableAudio3SequenceParallelProcessor(SequenceProcessor):
@@ -70,12 +70,19 @@ def stable_audio3_layout(config: dict, height: int, width: int, frames: int, tex
 STABLE_AUDIO3 = SynthArch(
     name="stable-audio-3",
     description="Stable Audio 3 transformer as diffusers' defaults (24 blocks, 24 heads x 64, differential attention, "
-                "64 memory tokens), the transformer alone",
+                "64 memory tokens), the SAME audio autoencoder, a one-layer T5Gemma encoder 768 wide, the duration "
+                "embedder",
     pipeline="StableAudio3Pipeline",
     transformer_class="StableAudio3DiTModel",
     transformer=dict(io_channels=256, patch_size=1, embed_dim=1536, depth=24, num_heads=24, cond_token_dim=768,
                      global_cond_dim=768, num_memory_tokens=64, use_differential_attention=True),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={},  # AutoencoderSAME's defaults
+    clip={},
+    # the T5Gemma encoder's one stack (its width the transformer's cond_token_dim)
+    t5=dict(hidden_size=768, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=96),
+    extra=dict(duration=dict(output_dim=768)),  # the duration embedder (its width the transformer's global_cond_dim)
+    scheduler=dict(shift=1.0, stochastic_sampling=False),
     default_dtype="bfloat16",
     default_size=(1, 1024),
     max_sequence_length=128,
@@ -85,15 +92,40 @@ STABLE_AUDIO3 = SynthArch(
 STABLE_AUDIO3_TINY = dataclasses.replace(
     STABLE_AUDIO3,
     name="stable-audio-3-tiny",
-    description="Stable Audio 3 at diffusers' test configuration: 2 blocks, 4 heads x 8, 3 memory tokens, plain "
-                "attention; the transformer alone",
+    description="Stable Audio 3 at diffusers' pipeline test configuration: 2 blocks, 4 heads x 8, 3 memory tokens, "
+                "plain attention; its tiny SAME autoencoder (16 Hz stereo), T5Gemma and duration embedder",
     transformer=dict(io_channels=8, patch_size=1, embed_dim=32, depth=2, num_heads=4, cond_token_dim=16,
-                     global_cond_dim=12, local_add_cond_dim=5, timestep_features_dim=16, ff_mult=2,
+                     global_cond_dim=16, local_add_cond_dim=5, timestep_features_dim=16, ff_mult=2,
                      num_memory_tokens=3, use_differential_attention=False),
+    vae=dict(audio_channels=2, patch_size=2, encoder_channels=8, encoder_c_mults=[2], encoder_strides=[2],
+             encoder_transformer_depths=[1], latent_dim=8, use_differential_attention=False, dim_heads=4, ff_mult=2,
+             sampling_rate=16),
+    t5=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=8),
+    extra=dict(duration=dict(output_dim=16, fourier_dim=16)),
     default_dtype="float32",
     default_size=(1, 16),
-    max_sequence_length=4,
+    max_sequence_length=8,
 )
+
+def stable_audio3_components(arch: SynthArch, kit) -> dict:
+    """StableAudio3Pipeline's other components: AutoencoderSAME (``arch.vae``), a T5Gemma encoder (``arch.t5``: its one
+    stack, as its pipeline test builds it) with a local Gemma tokenizer, and the duration embedder
+    (``arch.extra["duration"]``)."""
+    import diffusers
+    import transformers
+    from diffusers.pipelines.stable_audio_3.modeling_stable_audio_3 import StableAudio3DurationEmbedder
+
+    tokenizer = kit.gemma_tokenizer(arch.max_sequence_length, add_bos=True)
+    stack = transformers.T5GemmaModuleConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, max_position_embeddings=8192,
+        layer_types=["full_attention"] * arch.t5["num_hidden_layers"], **arch.t5).to_dict()
+    config = transformers.T5GemmaConfig(encoder=stack, decoder=stack, is_encoder_decoder=False,
+                                        attn_implementation="eager")
+    return dict(vae=kit.make(diffusers.AutoencoderSAME, arch.vae, 1), tokenizer=tokenizer,
+                text_encoder=kit.make(transformers.T5GemmaEncoderModel, config, 3),
+                duration_embedder=kit.make(StableAudio3DurationEmbedder, arch.extra["duration"], 2))
+
 
 _JOINT = Split(dim=1, stream="joint", ndim=3)
 
@@ -124,7 +156,7 @@ STABLE_AUDIO3_ADAPTER = register(
         out_channels=lambda model: model.config.io_channels,
         pipelines=("StableAudio3Pipeline", "StableAudio3AudioToAudioPipeline", "StableAudio3InpaintPipeline"),
         synth_archs=(STABLE_AUDIO3_TINY, STABLE_AUDIO3),
-        synth_components=transformer_only("Stable Audio 3", "its text encoder and audio autoencoder"),
+        synth_components=stable_audio3_components,
         pp_refusal="Stable Audio 3's blocks find the audio after the memory tokens by a count; PipeFusion is not "
                    "tested on it",
     )
