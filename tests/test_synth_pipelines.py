@@ -130,3 +130,20 @@ def test_a_checkpoint_whose_pipeline_needs_an_image_is_refused_without_one_befor
     from cases_models import generate_refusal
 
     assert generate_refusal(arch, "--steps", "2").endswith(f"--model {arch}: {line}")
+
+
+# -- branch i46f: a family whose pipeline cannot be built here --------------------------------------------------------
+def test_synth_refuses_omnigens_pipeline_in_one_line_naming_torchvision(tmp_path, capsys):
+    from ditmesh.cli import main
+
+    assert main(["synth", "--arch", "omnigen-tiny", "--out", str(tmp_path / "omnigen")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("ditmesh: error: omnigen-tiny: ditmesh builds OmniGen's transformer only")
+    assert "OmniGenPipeline's constructor builds its multimodal processor from torchvision's transforms" in err
+    assert not (tmp_path / "omnigen").exists()
+    # the reason holds here: the processor cannot be built (when it can, build OmniGen's pipeline instead)
+    from diffusers.pipelines.omnigen.processor_omnigen import OmniGenMultiModalProcessor
+
+    with pytest.raises(NameError, match="transforms"):
+        OmniGenMultiModalProcessor(None)
+# -- end of branch i46f's refusal -------------------------------------------------------------------------------------

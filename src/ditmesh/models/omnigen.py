@@ -166,7 +166,9 @@ OMNIGEN = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("OmniGenPipeline",),
         synth_archs=(OMNIGEN_TINY, OMNIGEN_V1),
-        synth_components=transformer_only("OmniGen", "Phi-3's Llama tokenizer and the SDXL VAE"),
+        synth_components=transformer_only("OmniGen", "torchvision: OmniGenPipeline's constructor builds its "
+                                                     "multimodal processor from torchvision's transforms, even for "
+                                                     "text to image"),
         meta_trace=omnigen_meta_trace,
         batch_refusal="OmniGen's pipeline batches its (up to three) guidance calls with the condition images as one "
                       "list over the batch and a dict of their positions per sample, which a batch split would have "
