@@ -2,7 +2,8 @@
 encoders, tokenizers and VAEs offline, with seeded random weights): each folder through ``ditmesh generate`` on two
 ranks of the shared pool, under the one parallel axis its pipeline calls for, against the same command on one process
 (the final latents, float32, rel. err <= 1e-5). One generate pair per family: 2 steps, the smallest sizes. Cosmos and
-Qwen-Image 2.1 are not here: their pipelines cannot be built offline (synth says why in one line)."""
+Qwen-Image 2.1 are not here: their pipelines cannot be built offline (synth says why in one line); nor is OmniGen, whose
+pipeline needs torchvision (its refusal is tested at the end)."""
 
 from __future__ import annotations
 
