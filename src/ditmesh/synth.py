@@ -387,9 +387,10 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
         pipe.save_pretrained(tmp, safe_serialization=True)
         # a component the pipeline takes with a default (LongCatAudioDiTPipeline's scheduler) is named in
         # model_index.json but not saved by diffusers: written here, so that the folder holds every component it names
-        for name in pipe.config:
+        for name, entry in pipe.config.items():
             component = getattr(pipe, name, None)
-            if not name.startswith("_") and hasattr(component, "save_pretrained") and not (tmp / name).exists():
+            if (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(entry) and not (tmp / name).exists()
+                    and hasattr(component, "save_pretrained")):
                 component.save_pretrained(tmp / name)
         (tmp / "ditmesh_synth.json").write_text(json.dumps(meta, indent=2))
 
