@@ -64,6 +64,11 @@ CASES = {
     # batched CFG split over the ranks, without a negative prompt (EasyAnimate's call_arguments give the pipeline an
     # empty one: it iterates over a missing one)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4"]),
+    # -- issue 46, helper i46e's families (JoyImage-Edit, JoyImage-Edit Plus, GLM-Image, Nucleus-MoE) -------------
+    # sequential CFG with the empty negative prompt; odd 3 x 5 image tokens split 8 + 7 over 4 heads, the padded
+    # text split with them
+    "nucleusmoe-image-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # -- end of i46e's families ---------------------------------------------------------------------------------
 }
 #: the audio pipelines (their clips written as WAV)
 AUDIO = ("stable-audio-tiny", "ace-step-tiny")
