@@ -71,6 +71,9 @@ CASES = {
     # sequential CFG; the pipeline's nearest bucket of 1024 x 1024 (whatever --height and --width): 64 x 64 image
     # tokens split over 2 heads with the text
     "joyimage-edit-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # batched CFG ([uncond, cond], the grids listed twice), the negative prompt padded to the prompt's length under the
+    # key mask; odd 3 x 5 image tokens split 8 + 7 over 2 heads
+    "joyimage-edit-plus-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
     # -- end of i46e's families ---------------------------------------------------------------------------------
 }
 #: the audio pipelines (their clips written as WAV)

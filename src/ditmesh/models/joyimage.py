@@ -28,7 +28,7 @@ from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
 from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, spatial_latent, token_range, transformer_only)
+                   SynthArch, TensorPlan, register, spatial_latent, token_range)
 from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
@@ -202,7 +202,7 @@ JOYIMAGE_EDIT_PLUS = dataclasses.replace(
     JOYIMAGE_EDIT,
     name="joyimage-edit-plus",
     description="JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x 128, text "
-                "width 4096), the transformer alone",
+                "width 4096), the Wan VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width",
     pipeline="JoyImageEditPlusPipeline",
     transformer_class="JoyImageEditPlusTransformer3DModel",
 )
@@ -211,8 +211,8 @@ JOYIMAGE_EDIT_PLUS = dataclasses.replace(
 JOYIMAGE_PLUS_TINY = dataclasses.replace(
     JOYIMAGE_TINY,
     name="joyimage-edit-plus-tiny",
-    description="JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; the "
-                "transformer alone",
+    description="JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; "
+                "JoyImage-Edit's tiny Wan VAE and two-layer Qwen3-VL",
     pipeline=JOYIMAGE_EDIT_PLUS.pipeline,
     transformer_class=JOYIMAGE_EDIT_PLUS.transformer_class,
 )
@@ -235,7 +235,6 @@ JOYIMAGE_PLUS = register(dataclasses.replace(
     output_channel_dim=2,  # [B, patches, C, pt, ph, pw]
     pipelines=("JoyImageEditPlusPipeline",),
     synth_archs=(JOYIMAGE_PLUS_TINY, JOYIMAGE_EDIT_PLUS),
-    synth_components=transformer_only("JoyImage-Edit Plus", "a Qwen3-VL text encoder with its processor and the "
-                                                            "Wan VAE"),
+    synth_components=joyimage_components,
     pp_refusal="PipeFusion is not tested on JoyImage-Edit Plus's dual-stream blocks",
 ))
