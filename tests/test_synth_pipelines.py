@@ -74,6 +74,10 @@ CASES = {
     # batched CFG ([uncond, cond], the grids listed twice), the negative prompt padded to the prompt's length under the
     # key mask; odd 3 x 5 image tokens split 8 + 7 over 2 heads
     "joyimage-edit-plus-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # sequential CFG (the negative prompt's call drops the prior's tokens); the prior's 4 x 4 grid and 16 x 16 preview
+    # sampled on every rank from the same seed; the quoted words' ByT5 glyph tokens and 4 x 6 image tokens split
+    "glm-image-tiny": (["--ulysses", "2"], ["--prompt", 'a sign that says "hello"', "--height", "64", "--width", "96",
+                                            "--guidance", "4"]),
     # -- end of i46e's families ---------------------------------------------------------------------------------
 }
 #: the audio pipelines (their clips written as WAV)
