@@ -78,7 +78,7 @@ GLM_IMAGE = SynthArch(
              latents_std=[1.0] * 16),
     clip={}, t5=dict(d_model=1472, d_kv=64, d_ff=64, num_layers=1, num_heads=2), scheduler={},
     extra=dict(prior=dict(text=dict(hidden_size=4096, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                    num_key_value_heads=2, head_dim=128, rope_parameters={"mrope_section": (8, 12, 12)}),
+                                    num_key_value_heads=2, head_dim=128, rope_parameters={"mrope_section": (16, 24, 24)}),
                           vision=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32),
                           vq=dict(embed_dim=32, latent_channels=32))),
     default_dtype="bfloat16",

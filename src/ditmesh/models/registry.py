@@ -359,10 +359,12 @@ SYNTH: dict[str, tuple[str, str]] = {
                                                 'heads x 16, text width 32, no text ConvNeXt; the transformer alone'),
     'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
                                            '64, text width 768, long skip, text ConvNeXt), the transformer alone'),
-    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token "
-                                    'prior codebook) with 2 blocks; the transformer alone'),
+    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a "
+                                    "64-token prior codebook) with 2 blocks; its pipeline test's KL VAE and "
+                                    'autoregressive prior, a one-layer ByT5'),
     'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
-                               'glyph text 1472 wide, a 16384-token prior codebook), the transformer alone'),
+                               'glyph text 1472 wide, a 16384-token prior codebook), a 16-channel KL VAE, a one-layer'
+                               " ByT5 glyph encoder and a two-layer autoregressive GLM-Image prior of GLM-4's width"),
     'nucleusmoe-image-tiny': ('nucleusmoe', "Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x "
                                             "16, text width 16; its pipeline test's QwenImage VAE and 8-layer "
                                             'Qwen3-VL'),
