@@ -133,11 +133,11 @@ JOYIMAGE_EDIT = SynthArch(
 JOYIMAGE_TINY = dataclasses.replace(
     JOYIMAGE_EDIT,
     name="joyimage-edit-tiny",
-    description="JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; its pipeline "
-                "test's Wan VAE and a two-layer Qwen3-VL",
+    description="JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; a Wan VAE 2 "
+                "channels wide without residual blocks (the pipeline decodes 1024 x 1024) and a two-layer Qwen3-VL",
     transformer=dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16,
                      num_layers=2, rope_dim_list=[4, 6, 6], theta=256),
-    vae=dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]),
+    vae=dict(base_dim=2, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0, temperal_downsample=[False, True, True]),
     t5=qwen3vl_sizes(16, 2, 8, [1, 1, 2], kv_heads=2, intermediate_size=16),
     default_dtype="float32",
     default_size=(64, 64),

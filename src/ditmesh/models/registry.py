@@ -335,7 +335,8 @@ SYNTH: dict[str, tuple[str, str]] = {
     'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
                                 'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
     'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text "
-                                       "width 16; its pipeline test's Wan VAE and a two-layer Qwen3-VL"),
+                                       'width 16; a Wan VAE 2 channels wide without residual blocks (the pipeline '
+                                       'decodes 1024 x 1024) and a two-layer Qwen3-VL'),
     'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads "
                                   "x 128, text width 4096), the Wan VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width"),
     'joyimage-edit-plus-tiny': ('joyimage', "JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x"
