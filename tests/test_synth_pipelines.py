@@ -65,6 +65,21 @@ CASES = {
     # batched CFG split over the ranks, without a negative prompt (EasyAnimate's call_arguments give the pipeline an
     # empty one: it iterates over a missing one)
     "easyanimate-tiny": (["--cfg", "2"], ["--height", "64", "--width", "64", "--frames", "5", "--guidance", "4"]),
+    # -- issue 46, helper i46e's families (JoyImage-Edit, JoyImage-Edit Plus, GLM-Image, Nucleus-MoE) -------------
+    # sequential CFG with the empty negative prompt; odd 3 x 5 image tokens split 8 + 7 over 4 heads, the padded
+    # text split with them
+    "nucleusmoe-image-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # sequential CFG; the pipeline's nearest bucket of 1024 x 1024 (whatever --height and --width): 64 x 64 image
+    # tokens split over 2 heads with the text
+    "joyimage-edit-tiny": (["--ulysses", "2"], ["--guidance", "4"]),
+    # batched CFG ([uncond, cond], the grids listed twice), the negative prompt padded to the prompt's length under the
+    # key mask; odd 3 x 5 image tokens split 8 + 7 over 2 heads
+    "joyimage-edit-plus-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # sequential CFG (the negative prompt's call drops the prior's tokens); the prior's 4 x 4 grid and 16 x 16 preview
+    # sampled on every rank from the same seed; the quoted words' ByT5 glyph tokens and 4 x 6 image tokens split
+    "glm-image-tiny": (["--ulysses", "2"], ["--prompt", 'a sign that says "hello"', "--height", "64", "--width", "96",
+                                            "--guidance", "4"]),
+    # -- end of i46e's families ---------------------------------------------------------------------------------
 }
 #: the audio pipelines (their clips written as WAV): their channels and the VAE's sampling rate
 AUDIO = {"stable-audio-tiny": (2, 4), "ace-step-tiny": (2, 4)}

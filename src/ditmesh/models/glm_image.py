@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from .base import BlockList, Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent, transformer_only
+from .base import BlockList, Gather, Layout, SequencePlan, Split, SynthArch, register, spatial_latent
 from .cogview4 import COGVIEW4_ADAPTER, CogView4SequenceParallelProcessor, cogview4_modulated_input
 
 
@@ -66,13 +66,21 @@ def glm_image_layout(config: dict, height: int, width: int, frames: int, text_to
 GLM_IMAGE = SynthArch(
     name="glm-image",
     description="GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, glyph text 1472 "
-                "wide, a 16384-token prior codebook), the transformer alone",
+                "wide, a 16384-token prior codebook), a 16-channel KL VAE, a one-layer ByT5 glyph encoder and a "
+                "two-layer autoregressive GLM-Image prior of GLM-4's width",
     pipeline="GlmImagePipeline",
     transformer_class="GlmImageTransformer2DModel",
     transformer=dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=40,
                      num_attention_heads=64, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
                      prior_vq_quantizer_codebook_size=16384),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae=dict(block_out_channels=(128, 256, 512, 512), down_block_types=["DownEncoderBlock2D"] * 4,
+             up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=16, latents_mean=[0.0] * 16,
+             latents_std=[1.0] * 16),
+    clip={}, t5=dict(d_model=1472, d_kv=64, d_ff=64, num_layers=1, num_heads=2), scheduler={},
+    extra=dict(prior=dict(text=dict(hidden_size=4096, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=2, head_dim=128, rope_parameters={"mrope_section": (16, 24, 24)}),
+                          vision=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32),
+                          vq=dict(embed_dim=32, latent_channels=32))),
     default_dtype="bfloat16",
     max_sequence_length=256,
 )
@@ -82,16 +90,71 @@ GLM_IMAGE_TINY = dataclasses.replace(
     GLM_IMAGE,
     name="glm-image-tiny",
     description="GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token prior codebook) "
-                "with 2 blocks; the transformer alone",
+                "with 2 blocks; its pipeline test's KL VAE and autoregressive prior, a one-layer ByT5",
     transformer=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
                      num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
                      prior_vq_quantizer_codebook_size=64),
+    vae=dict(block_out_channels=(4, 8, 16, 16), down_block_types=["DownEncoderBlock2D"] * 4,
+             up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=4, norm_num_groups=4, latents_mean=[0.0] * 4,
+             latents_std=[1.0] * 4),
+    t5=dict(d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2),
+    extra=dict(prior=dict(text=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=2, rope_parameters={"mrope_section": (4, 2, 2)}),
+                          vision=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32),
+                          vq=dict(embed_dim=32, latent_channels=32))),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=12,
 )
 
 _IMAGE = Split(dim=1, stream="image", ndim=3)
+
+#: the prior's chat template: GLM's prefix, each message's role and parts (an image part as its placeholder between
+#: the image's start and end tokens), then the assistant's turn; the processor appends the target grids and the
+#: image's start token
+GLM_IMAGE_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% for part in m['content'] %}{% if part['type'] == "
+    "'text' %}{{ part['text'] }}{% else %}<|begin_of_image|><|image|><|end_of_image|>{% endif %}{% endfor %}"
+    "{% endfor %}<|assistant|>\n")
+
+
+def glm_image_components(arch: SynthArch, kit) -> dict:
+    """GlmImagePipeline's other components: a KL VAE (``arch.vae``), a ByT5 glyph encoder (``arch.t5``) with ByT5's
+    byte tokenizer, and the autoregressive prior (``GlmImageForConditionalGeneration``, ``arch.extra["prior"]``) with
+    its processor built locally: a byte-level BPE tokenizer knowing the processor's special tokens and
+    :data:`GLM_IMAGE_CHAT_TEMPLATE`, and the PIL image processor (the default one needs torchvision).
+
+    The prior's vision vocabulary is the transformer's prior codebook, and the first ids of the tokenizer's
+    vocabulary (filler tokens where the words are fewer): every token the prior samples is a code the transformer
+    embeds, never the image's end token (its end of sequence), so it writes exactly the grids' tokens."""
+    import diffusers
+    import transformers
+
+    codebook = arch.transformer["prior_vq_quantizer_codebook_size"]
+    vocab, merges = kit.byte_bpe(())
+    vocab.update((f"<|code_{i}|>", i) for i in range(len(vocab), codebook))
+    specials = dict(pad_token="<|endoftext|>", image_token="<|image|>", bos_token="<|begin_of_image|>",
+                    eos_token="<|end_of_image|>", grid_bos_token="<|begin_of_grid|>", grid_eos_token="<|end_of_grid|>")
+    for token in (*specials.values(), "[gMASK]", "<sop>", "<|user|>", "<|assistant|>"):
+        vocab.setdefault(token, len(vocab))
+    tokenizer = transformers.Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, **{k: specials[k] for k in ("pad_token", "bos_token", "eos_token")},
+        extra_special_tokens={k: specials[k] for k in ("image_token", "grid_bos_token", "grid_eos_token")})
+    processor = transformers.GlmImageProcessor(image_processor=transformers.GlmImageImageProcessorPil(),
+                                               tokenizer=tokenizer, chat_template=GLM_IMAGE_CHAT_TEMPLATE)
+    ids = tokenizer.convert_tokens_to_ids
+    prior = arch.extra["prior"]
+    config = transformers.GlmImageConfig(
+        text_config=dict(prior["text"], vocab_size=len(vocab), vision_vocab_size=codebook, max_position_embeddings=8192,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id),
+        vision_config=prior["vision"], vq_config=dict(prior["vq"], num_embeddings=codebook),
+        image_token_id=ids(specials["image_token"]), image_start_token_id=tokenizer.bos_token_id,
+        image_end_token_id=tokenizer.eos_token_id)
+    byt5 = transformers.ByT5Tokenizer()
+    glyph = transformers.T5Config(vocab_size=len(byt5), pad_token_id=0, eos_token_id=1, **arch.t5)
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1), tokenizer=byt5, processor=processor,
+                text_encoder=kit.make(transformers.T5EncoderModel, glyph, 3),
+                vision_language_encoder=kit.make(transformers.GlmImageForConditionalGeneration, config, 4))
 
 GLM_IMAGE_ADAPTER = register(dataclasses.replace(
     COGVIEW4_ADAPTER,
@@ -115,6 +178,6 @@ GLM_IMAGE_ADAPTER = register(dataclasses.replace(
                   "target_size", "crop_coords", "attention_mask"),
     pipelines=("GlmImagePipeline",),
     synth_archs=(GLM_IMAGE_TINY, GLM_IMAGE),
-    synth_components=transformer_only("GLM-Image", "its autoregressive vision-language model, ByT5 and its processor"),
+    synth_components=glm_image_components,
     pp_refusal="PipeFusion is not tested on GLM-Image",
 ))

@@ -28,7 +28,8 @@ from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
 from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, spatial_latent, token_range, transformer_only)
+                   SynthArch, TensorPlan, register, spatial_latent, token_range)
+from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class JoyImageSequenceParallelProcessor(SequenceProcessor):
@@ -91,6 +92,17 @@ def joyimage_layout(config: dict, height: int, width: int, frames: int, text_tok
     return Layout(image, text_tokens, image + text_tokens, (2, config.get("in_channels", 16), 1, lh, lw))
 
 
+def joyimage_components(arch: SynthArch, kit) -> dict:
+    """JoyImageEditPipeline's (and Edit Plus's) other components: the Wan VAE (``arch.vae``) and a Qwen3-VL for
+    conditional generation (``arch.t5``) with the local Qwen2 tokenizer. In the processor's place (a Qwen3-VL
+    processor, whose video processor needs torchvision) the same tokenizer: the pipeline calls the processor only to
+    put a reference image in the prompt, which the synthetic checkpoint does not take (text to image)."""
+    import diffusers
+
+    encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration")
+    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), processor=encoder["tokenizer"], **encoder)
+
+
 def _each(*suffixes: str) -> tuple[str, ...]:
     return tuple(f"double_blocks.*.{suffix}" for suffix in suffixes)
 
@@ -107,12 +119,12 @@ JOYIMAGE_TENSOR_PLAN = TensorPlan(
 JOYIMAGE_EDIT = SynthArch(
     name="joyimage-edit",
     description="JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x 128, text width "
-                "4096), the transformer alone",
+                "4096), the Wan VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width",
     pipeline="JoyImageEditPipeline",
     transformer_class="JoyImageEditTransformer3DModel",
     transformer=dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=3072, num_attention_heads=24, text_dim=4096,
                      num_layers=20, rope_dim_list=[16, 56, 56], theta=256),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={}, clip={}, t5=qwen3vl_sizes(4096, 2, 128, [24, 20, 20]), scheduler={},
     default_dtype="bfloat16",
     max_sequence_length=512,
 )
@@ -121,10 +133,12 @@ JOYIMAGE_EDIT = SynthArch(
 JOYIMAGE_TINY = dataclasses.replace(
     JOYIMAGE_EDIT,
     name="joyimage-edit-tiny",
-    description="JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; the "
-                "transformer alone",
+    description="JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; a Wan VAE 2 "
+                "channels wide without residual blocks (the pipeline decodes 1024 x 1024) and a two-layer Qwen3-VL",
     transformer=dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16,
                      num_layers=2, rope_dim_list=[4, 6, 6], theta=256),
+    vae=dict(base_dim=2, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=0, temperal_downsample=[False, True, True]),
+    t5=qwen3vl_sizes(16, 2, 8, [1, 1, 2], kv_heads=2, intermediate_size=16),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=32,
@@ -157,8 +171,7 @@ JOYIMAGE = register(
         out_channels=lambda model: model.out_channels,
         pipelines=("JoyImageEditPipeline",),
         synth_archs=(JOYIMAGE_TINY, JOYIMAGE_EDIT),
-        synth_components=transformer_only("JoyImage-Edit", "a Qwen3-VL text encoder with its processor and the Wan "
-                                                           "VAE"),
+        synth_components=joyimage_components,
         pp_refusal="PipeFusion is not tested on JoyImage-Edit's dual-stream blocks",
     )
 )
@@ -189,7 +202,7 @@ JOYIMAGE_EDIT_PLUS = dataclasses.replace(
     JOYIMAGE_EDIT,
     name="joyimage-edit-plus",
     description="JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x 128, text "
-                "width 4096), the transformer alone",
+                "width 4096), the Wan VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width",
     pipeline="JoyImageEditPlusPipeline",
     transformer_class="JoyImageEditPlusTransformer3DModel",
 )
@@ -198,8 +211,8 @@ JOYIMAGE_EDIT_PLUS = dataclasses.replace(
 JOYIMAGE_PLUS_TINY = dataclasses.replace(
     JOYIMAGE_TINY,
     name="joyimage-edit-plus-tiny",
-    description="JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; the "
-                "transformer alone",
+    description="JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x 16, text width 16; "
+                "JoyImage-Edit's tiny Wan VAE and two-layer Qwen3-VL",
     pipeline=JOYIMAGE_EDIT_PLUS.pipeline,
     transformer_class=JOYIMAGE_EDIT_PLUS.transformer_class,
 )
@@ -222,7 +235,6 @@ JOYIMAGE_PLUS = register(dataclasses.replace(
     output_channel_dim=2,  # [B, patches, C, pt, ph, pw]
     pipelines=("JoyImageEditPlusPipeline",),
     synth_archs=(JOYIMAGE_PLUS_TINY, JOYIMAGE_EDIT_PLUS),
-    synth_components=transformer_only("JoyImage-Edit Plus", "a Qwen3-VL text encoder with its processor and the "
-                                                            "Wan VAE"),
+    synth_components=joyimage_components,
     pp_refusal="PipeFusion is not tested on JoyImage-Edit Plus's dual-stream blocks",
 ))

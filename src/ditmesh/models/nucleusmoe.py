@@ -26,7 +26,8 @@ import torch
 from diffusers.models.transformers.transformer_nucleusmoe_image import _apply_rotary_emb_nucleus
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, register, replace_forward, spatial_latent, token_range, transformer_only)
+                   SynthArch, register, replace_forward, spatial_latent, token_range)
+from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class NucleusMoESequenceParallelProcessor(SequenceProcessor):
@@ -101,11 +102,12 @@ def nucleusmoe_layout(config: dict, height: int, width: int, frames: int, text_t
 NUCLEUSMOE = SynthArch(
     name="nucleusmoe-image",
     description="Nucleus-MoE image transformer as diffusers' defaults (24 blocks, 16 heads x 128, 128 experts with "
-                "expert-choice routing, text width 3584), the transformer alone",
+                "expert-choice routing, text width 3584), the QwenImage VAE, an 8-layer Qwen3-VL of that width (the "
+                "pipeline reads its 8th-last hidden state)",
     pipeline="NucleusMoEImagePipeline",
     transformer_class="NucleusMoEImageTransformer2DModel",
     transformer={},
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={}, clip={}, t5=qwen3vl_sizes(3584, 8, 128, [24, 20, 20]), scheduler={},
     default_dtype="bfloat16",
     max_sequence_length=512,
 )
@@ -114,17 +116,31 @@ NUCLEUSMOE = SynthArch(
 NUCLEUSMOE_TINY = dataclasses.replace(
     NUCLEUSMOE,
     name="nucleusmoe-image-tiny",
-    description="Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x 16, text width 16; the "
-                "transformer alone",
+    description="Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x 16, text width 16; its "
+                "pipeline test's QwenImage VAE and 8-layer Qwen3-VL",
     transformer=dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
                      num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=[8, 4, 4], moe_enabled=False,
                      capacity_factors=[8.0, 8.0]),
+    vae=dict(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+             latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+    t5=qwen3vl_sizes(16, 8, 8, [1, 1, 2], kv_heads=2, intermediate_size=16),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=8,
 )
 
 _IMAGE = Split(dim=1, stream="image", ndim=3)
+
+
+def nucleusmoe_components(arch: SynthArch, kit) -> dict:
+    """NucleusMoEImagePipeline's other components: the QwenImage VAE (``arch.vae``) and a Qwen3-VL for conditional
+    generation (``arch.t5``). In the processor's place (a Qwen3-VL processor, whose video processor needs torchvision)
+    the local Qwen2 tokenizer it wraps, with the chat template: the pipeline calls it on text alone."""
+    import diffusers
+
+    encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration")
+    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage, arch.vae, 1), text_encoder=encoder["text_encoder"],
+                processor=encoder["tokenizer"])
 
 NUCLEUSMOE_ADAPTER = register(
     ModelAdapter(
@@ -153,7 +169,7 @@ NUCLEUSMOE_ADAPTER = register(
         out_channels=lambda model: model.config.out_channels * model.config.patch_size ** 2,
         pipelines=("NucleusMoEImagePipeline",),
         synth_archs=(NUCLEUSMOE_TINY, NUCLEUSMOE),
-        synth_components=transformer_only("Nucleus-MoE", "its Qwen3-VL text encoder with its processor and VAE"),
+        synth_components=nucleusmoe_components,
         pp_refusal="Nucleus-MoE's expert-choice feed-forwards run on the whole sequence; PipeFusion is not tested on "
                    "it",
     )

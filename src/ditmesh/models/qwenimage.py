@@ -247,15 +247,16 @@ def qwen3vl_sizes(hidden_size: int, layers: int, head_dim: int, mrope_section: l
                             deepstack_visual_indexes=[]))
 
 
-def qwen3vl_text_encoder(arch: SynthArch, kit) -> dict:
-    """``text_encoder`` (a ``Qwen3VLModel`` of ``arch.t5``'s sizes, :func:`qwen3vl_sizes`) and ``tokenizer``
-    (:func:`qwen_tokenizer`), as Krea 2's and Ideogram 4's pipelines take them."""
+def qwen3vl_text_encoder(arch: SynthArch, kit, model: str = "Qwen3VLModel") -> dict:
+    """``text_encoder`` (a ``Qwen3VLModel`` of ``arch.t5``'s sizes, :func:`qwen3vl_sizes`; ``model``: another
+    transformers class of that config, such as ``Qwen3VLForConditionalGeneration``) and ``tokenizer``
+    (:func:`qwen_tokenizer`), as Krea 2's, Ideogram 4's, JoyImage-Edit's and Nucleus-MoE's pipelines take them."""
     import transformers
 
     tokenizer = qwen_tokenizer(kit)
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
     config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
-    return dict(text_encoder=kit.make(transformers.Qwen3VLModel, config, 3), tokenizer=tokenizer)
+    return dict(text_encoder=kit.make(getattr(transformers, model), config, 3), tokenizer=tokenizer)
 
 
 def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:

@@ -334,14 +334,16 @@ SYNTH: dict[str, tuple[str, str]] = {
                                '13824; flow-map timesteps), full Wan VAE, small UMT5'),
     'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
                                 'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
-    'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, "
-                                       'text width 16; the transformer alone'),
-    'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads x "
-                                  '128, text width 4096), the transformer alone'),
-    'joyimage-edit-plus-tiny': ('joyimage', "JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads "
-                                            'x 16, text width 16; the transformer alone'),
-    'joyimage-edit-plus': ('joyimage', "JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks, "
-                                       '24 heads x 128, text width 4096), the transformer alone'),
+    'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text "
+                                       'width 16; a Wan VAE 2 channels wide without residual blocks (the pipeline '
+                                       'decodes 1024 x 1024) and a two-layer Qwen3-VL'),
+    'joyimage-edit': ('joyimage', "JoyImage-Edit transformer as diffusers' defaults (20 dual-stream blocks, 24 heads "
+                                  "x 128, text width 4096), the Wan VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width"),
+    'joyimage-edit-plus-tiny': ('joyimage', "JoyImage-Edit Plus at diffusers' test configuration: 2 blocks, 2 heads x"
+                                            " 16, text width 16; JoyImage-Edit's tiny Wan VAE and two-layer Qwen3-VL"),
+    'joyimage-edit-plus': ('joyimage', "JoyImage-Edit Plus transformer as diffusers' defaults (20 dual-stream blocks,"
+                                       ' 24 heads x 128, text width 4096), the Wan VAE, a two-layer Qwen3-VL of '
+                                       "Qwen3-VL-8B's width"),
     'omnigen-tiny': ('omnigen', "OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with "
                                 '2 layers; the transformer alone'),
     'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
@@ -363,14 +365,19 @@ SYNTH: dict[str, tuple[str, str]] = {
     'longcat-audio-dit': ('longcat_audio', "LongCat-Audio-DiT transformer as diffusers' defaults (24 blocks, 24 heads x "
                                            '64, text width 768, long skip, text ConvNeXt), its audio VAE (24 kHz mono, '
                                            "2048x), a one-layer UMT5 of UMT5-base's width"),
-    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a 64-token "
-                                    'prior codebook) with 2 blocks; the transformer alone'),
+    'glm-image-tiny': ('glm_image', "GLM-Image at diffusers' test configuration (2 heads x 8, text width 32, a "
+                                    "64-token prior codebook) with 2 blocks; its pipeline test's KL VAE and "
+                                    'autoregressive prior, a one-layer ByT5'),
     'glm-image': ('glm_image', "GLM-Image's diffusion transformer as diffusers' defaults (30 blocks, 64 heads x 40, "
-                               'glyph text 1472 wide, a 16384-token prior codebook), the transformer alone'),
-    'nucleusmoe-image-tiny': ('nucleusmoe', "Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x 16, "
-                                            'text width 16; the transformer alone'),
-    'nucleusmoe-image': ('nucleusmoe', "Nucleus-MoE image transformer as diffusers' defaults (24 blocks, 16 heads x 128, "
-                                       '128 experts with expert-choice routing, text width 3584), the transformer alone'),
+                               'glyph text 1472 wide, a 16384-token prior codebook), a 16-channel KL VAE, a one-layer'
+                               " ByT5 glyph encoder and a two-layer autoregressive GLM-Image prior of GLM-4's width"),
+    'nucleusmoe-image-tiny': ('nucleusmoe', "Nucleus-MoE at diffusers' test configuration: 2 dense blocks, 4 heads x "
+                                            "16, text width 16; its pipeline test's QwenImage VAE and 8-layer "
+                                            'Qwen3-VL'),
+    'nucleusmoe-image': ('nucleusmoe', "Nucleus-MoE image transformer as diffusers' defaults (24 blocks, 16 heads x "
+                                       '128, 128 experts with expert-choice routing, text width 3584), the QwenImage '
+                                       'VAE, an 8-layer Qwen3-VL of that width (the pipeline reads its 8th-last '
+                                       'hidden state)'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
