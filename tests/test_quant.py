@@ -239,3 +239,20 @@ def test_fused_qkv_is_quantized_once_and_matches_the_separate_projections(flux_t
                            generator=torch.Generator().manual_seed(0)).images
     err = rel_err(outs[True], outs[False])
     assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("backend,mode,device,who", [
+    ("auto", "fp8", "cuda", "scaled-mm"), ("auto", "fp8-weight", "cuda", "torchao"),
+    ("auto", "int8-weight", "cuda", "torchao"), ("auto", "fp8", "cpu", "emulated"),
+    ("torchao", "fp8", "cuda", "torchao"), ("scaled-mm", "int8-weight", "cpu", "scaled-mm")])
+def test_one_rule_says_who_does_the_8bit_work(backend, mode, device, who):
+    """The device check (torchao needed?), the quant step and the report read the same rule."""
+    import torch as _torch
+
+    from ditmesh.options import RunOptions, resolved_quant_backend
+    from ditmesh.runtime.generate import ran_options
+
+    assert resolved_quant_backend(backend, mode, device) == who
+    if backend == "auto" and device == "cpu":
+        report = ran_options(RunOptions.create(quant=mode), _torch.device("cpu"), 1)
+        assert report["quant_backend"] == "ditmesh"

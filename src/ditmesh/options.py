@@ -55,10 +55,22 @@ def quant_layer_mode(name: str, in_features: int, out_features: int, mode: str, 
     return mode
 
 
-#: ``quant_backend``: who does the 8-bit work (``parallel.quant.apply``): ``auto`` (on CUDA ``scaled-mm`` for fp8 and
-#: torchao for the weight-only modes, else ditmesh's ``QuantLinear``), ``torchao``, ``scaled-mm`` (``QuantLinear`` everywhere, its fp8 products by ``torch._scaled_mm``
-#: on plain tensors) or ``emulated`` (products in the activations' dtype)
+#: ``quant_backend``: who does the 8-bit work (``parallel.quant.apply``): ``auto`` (:func:`resolved_quant_backend`: on
+#: CUDA ``scaled-mm`` for fp8 and torchao for the weight-only modes, else ditmesh's ``QuantLinear``), ``torchao``,
+#: ``scaled-mm`` (``QuantLinear`` everywhere, its fp8 products by ``torch._scaled_mm`` on plain tensors) or
+#: ``emulated`` (products in the activations' dtype)
 QUANT_BACKENDS = ("auto", "torchao", "scaled-mm", "emulated")
+
+
+def resolved_quant_backend(backend: str, mode: str, device_type: str) -> str:
+    """Who does ``mode``'s 8-bit work under ``backend`` on a ``device_type`` device: ``auto`` is ``scaled-mm`` for
+    fp8 and ``torchao`` for the weight-only modes on CUDA, ``emulated`` (ditmesh's ``QuantLinear``) elsewhere; any
+    other backend is itself."""
+    if backend != "auto":
+        return backend
+    if device_type != "cuda":
+        return "emulated"
+    return "scaled-mm" if mode == "fp8" else "torchao"
 
 #: ``compile_artifacts``: compiled blocks kept between processes (``ditmesh.aot``)
 COMPILE_ARTIFACTS = ("off", "load", "save")
@@ -587,9 +599,8 @@ class RunOptions:
                                   f"Ada, Hopper, Blackwell), and this {name} lacks it; use int8-weight")
             import importlib.util
 
-            # torchao does the weight-only modes (and fp8 when asked); fp8 is ditmesh's own layer by default
-            torchao = self.quant_backend == "torchao" or (self.quant_backend == "auto" and self.quant != "fp8")
-            if torchao and importlib.util.find_spec("torchao") is None:
+            if resolved_quant_backend(self.quant_backend, self.quant, kind) == "torchao" and \
+                    importlib.util.find_spec("torchao") is None:
                 raise ConfigError(f"{flag('quant')}{self.quant} on CUDA runs torchao, which is not installed here; "
                                   "pip install 'ditmesh[quant]' (or torchao), or use quant=off")
         if self.attention == "fp8":

@@ -46,7 +46,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from ..config import ConfigError
-from ..options import QUANT_BACKENDS, QUANT_MANIFEST, quant_layer_mode
+from ..options import QUANT_BACKENDS, QUANT_MANIFEST, quant_layer_mode, resolved_quant_backend
 
 log = logging.getLogger("ditmesh")
 
@@ -66,7 +66,8 @@ COMPILE_OPTIONS = {"coordinate_descent_tuning": True} if os.environ.get("DITMESH
 
 def compile_options(block: torch.nn.Module) -> dict:
     """:data:`COMPILE_OPTIONS` when ``block`` holds an fp8 :class:`QuantLinear` running ``torch._scaled_mm``."""
-    if any(isinstance(m, QuantLinear) and m.mode == "fp8" and m.scaled_mm for m in block.modules()):
+    if COMPILE_OPTIONS and any(isinstance(m, QuantLinear) and m.mode == "fp8" and m.scaled_mm
+                               for m in block.modules()):
         return dict(COMPILE_OPTIONS)
     return {}
 
@@ -259,7 +260,7 @@ def apply(model: torch.nn.Module, adapter, mode: str, tp_group=None, device=None
         return _adopt(model, mode, device)
     # auto: torchao's tensors for the weight-only modes on CUDA; fp8 by ditmesh's own layer (torch._scaled_mm on
     # plain tensors): the same step and a cold compile of 17 s instead of more than 200 s (docs/quantization.md)
-    torchao = backend == "torchao" or (backend == "auto" and device.type == "cuda" and mode != "fp8")
+    torchao = resolved_quant_backend(backend, mode, device.type) == "torchao"
     scaled_mm = backend != "emulated" and device.type == "cuda"  # fp8 products on the tensor cores
     chosen = targets(model, adapter, mode, quantize_modulation)
     replaced: dict[str, torch.nn.Module] = {}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, ParallelConfig
-from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal
+from ..options import RunOptions, displaced_refusal, family_allows, pipefusion_refusal, resolved_quant_backend
 from ..shared import DTYPE_NAMES, atomic_write_bytes, freeze_heap, write_json
 from ..timeline import phase, timeline
 from .image import check_image_args, choose_image_pipeline, image_args_given, image_call_kwargs, image_report
@@ -159,8 +159,9 @@ def ran_options(options: RunOptions, device, world: int) -> dict:
     if out["quant"] == "off":
         out["quant_backend"] = None
     elif out["quant_backend"] == "auto":
-        out["quant_backend"] = ("ditmesh" if device.type != "cuda" else "scaled-mm" if out["quant"].startswith("fp8:")
-                                or out["quant"] == "fp8" else "torchao")
+        # ditmesh's own layer off CUDA (the report has always named it so)
+        resolved = resolved_quant_backend("auto", out["quant"], device.type)
+        out["quant_backend"] = "ditmesh" if resolved == "emulated" else resolved
     return out
 
 
