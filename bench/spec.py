@@ -106,6 +106,12 @@ def fp8_linear_variant(r: dict) -> str:
     return f"ditmesh --quant fp8: {extra.get(name, r.get('quant_backend', 'auto'))}"
 
 
+#: an fp8-linear row's step, memory, first call and the profiler's kernel groups
+FP8_STEP = [("step ms", "step_ms", ".1f"), ("peak GiB", "peak_gib_per_gpu", ".2f"), ("first call s", "first_call_s", ".1f"),
+            ("GEMM ms", "breakdown.kernels_ms.gemm", ".1f"), ("attention ms", "breakdown.kernels_ms.attention", ".1f"),
+            ("other ms", "breakdown.kernels_ms.other", ".1f"), ("note", note)]
+
+
 def model_size(r: dict) -> str:
     d = r["_doc"]
     size = f"{d['height']}×{d['width']}" + (f"×{d['frames']}" if d.get("frames") else "")
@@ -624,16 +630,27 @@ TABLES = [
                 "2026-12-02_h200x1/fp8-linears/flux-fp8-tuned.json"],
          columns=[("call", lambda r: {"flux-fp8-linears.json": 1, "flux-fp8-fused.json": 1, "flux-final.json": 2}.get(
                       r["_file"].rsplit("/", 1)[1], 3)),
-                  ("row", fp8_linear_variant), ("step ms", "step_ms", ".1f"), ("peak GiB", "peak_gib_per_gpu", ".2f"),
-                  ("first call s", "first_call_s", ".1f"), ("GEMM ms", "breakdown.kernels_ms.gemm", ".1f"),
-                  ("attention ms", "breakdown.kernels_ms.attention", ".1f"),
-                  ("other ms", "breakdown.kernels_ms.other", ".1f"), ("note", note)],
+                  ("row", fp8_linear_variant)] + FP8_STEP,
          note="FLUX.1-dev architecture (random weights) at 1024², one GPU, compiled (regional), ditmesh rows with CUDA "
               "graphs, 3 timed steps after 1 warm-up; three consecutive calls on one machine (caches cold in call 1 "
               "and 2, warm from call 2 in call 3). `first call s` is the first call's wall time (dynamo, inductor, "
               "capture); the kernel columns are the profiler's (one step). Call 2's fp8 row ran the products in bf16 "
               "after dequantizing (a bug of that commit's `auto` backend, fixed before call 3): not a measurement of "
               "the fp8 path"),
+    dict(name="fp8-s3-h200x1", doc="docs/quantization.md",
+         files=["2026-12-02_h200x1/fp8-s3/flux-final.json", "2026-12-02_h200x1/fp8-s3/flux-fp8-wide-rows.json",
+                "2026-12-02_h200x1/fp8-s3/wan-bf16.json", "2026-12-02_h200x1/fp8-s3/wan-fp8-wide-rows.json"],
+         columns=[("call", lambda r: 2 if r["_file"].endswith("wan-fp8-wide-rows.json") else 1),
+                  ("model", model_size),
+                  ("row", lambda r: (fp8_linear_variant(r) if not r.get("quant") else "ditmesh --quant fp8" + (
+                      " --attention fp8" if r.get("attention") == "fp8" else "")) + (
+                      ", DITMESH_FP8_WIDE_ROWS=16384" if "wide-rows" in r["_file"] else ""))] + FP8_STEP,
+         note="one H200 (torch 2.11.0+cu130, cuDNN 9.19): call 1 `TOTAL_S=570 PARTS=qtests,final,wide,wanq bash "
+              "scripts/gpu_issue44.sh` on a cold machine, call 2 the Wan fp8 row with DITMESH_FP8_WIDE_ROWS=16384 on "
+              "the same machine right after; FLUX.1-dev and Wan2.1-14B architectures (random weights), compiled "
+              "(regional), ditmesh rows with CUDA graphs, FLUX 3 timed steps and Wan 2 after 1 warm-up; the kernel "
+              "columns are the profiler's (one step, FLUX rows). Call 1's Wan fp8 row without the wide rows, 2,007.1 "
+              "ms (16.52 GiB), is in calls.log only (its files stayed on the machine: 8 files come back a call)"),
     dict(name="ray-cpu-throughput", doc="docs/ray.md",
          files=["2026-11-28_cpu3/ray/throughput.json", "2026-11-28_cpu3/ray/throughput-8steps-128.json"],
          order=lambda r: (len(r["_doc"]["command"]), r["round"], r["nodes"]),

@@ -16,6 +16,7 @@
 #   fused    the fp8 row again with fused Q/K/V (--fuse-qkv), profiled
 #   qtests   tests/gpu/test_quant_gpu.py (the 8-bit linears against their float32 emulation)
 #   final    the issue's FLUX rows in one bench: diffusers eager and compiled, ditmesh bf16 and --quant fp8 (defaults)
+#   wide     the fp8 row with DITMESH_FP8_WIDE_ROWS=16384 (the rounding kernels' rows reduced in one pass), profiled
 #   ablate   the fp8 row with DITMESH_FP8_FAST_ACCUM=0, then with DITMESH_FP8_TUNE=0
 #   wanq     Wan2.1-14B 480x832x81 exact, then --quant fp8 --attention fp8
 #   peer     (last) the torchao fp8 recipe on diffusers, with the time left for its cold compile
@@ -66,6 +67,10 @@ fi
 if want final 150; then  # the issue's FLUX table: diffusers eager (the error reference) and compiled, ditmesh bf16 and fp8
   timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant off,fp8 --profile \
     --row-timeout 150 --out "$OUT/flux-final.json"
+fi
+if want wide 80; then  # the fp8 row with each activation row reduced in one pass (DITMESH_FP8_WIDE_ROWS), profiled
+  DITMESH_FP8_WIDE_ROWS=16384 timeout $(( $(left) - 10 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --quant fp8 \
+    --no-diffusers --methods ulysses --profile --row-timeout 120 --out "$OUT/flux-fp8-wide-rows.json" | tail -4
 fi
 if want ablate 70; then  # what the fp8 layer's fast accumulation and the rounding kernels' tuning each give
   for knob in DITMESH_FP8_FAST_ACCUM DITMESH_FP8_TUNE; do

@@ -256,3 +256,52 @@ def test_one_rule_says_who_does_the_8bit_work(backend, mode, device, who):
     if backend == "auto" and device == "cpu":
         report = ran_options(RunOptions.create(quant=mode), _torch.device("cpu"), 1)
         assert report["quant_backend"] == "ditmesh"
+
+
+def test_wide_rows_heuristics_reduce_a_wide_row_in_one_pass(monkeypatch):
+    """DITMESH_FP8_WIDE_ROWS: inductor's persistent-reduction choice widened from 1,024 to the limit for contiguous
+    rows (FLUX's 3,072 and 15,360), nothing else changed; installed only where blocks hold fp8 products."""
+    from types import SimpleNamespace
+
+    import sympy
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    from ditmesh.parallel import quant
+
+    def features(numel, hint=ReductionHint.INNER):
+        return SimpleNamespace(reduction_numel=sympy.Integer(numel), get_reduction_hint=lambda: hint,
+                               numel=sympy.Integer(4608))
+
+    from ditmesh.parallel.wide_rows import WideRows
+
+    wide = WideRows
+    with V.set_graph_handler(SimpleNamespace(sizevars=SizeVarAllocator())):
+        for numel, default, widened in ((1024, True, True), (3072, False, True), (15360, False, True),
+                                        (16384, False, True), (32768, False, False)):
+            assert InductorChoices.should_use_persistent_reduction(features(numel), False) is default, numel
+            assert wide.should_use_persistent_reduction(features(numel), False) is widened, numel
+        assert not wide.should_use_persistent_reduction(features(3072), True)  # cooperative: inductor's own rule
+        assert not wide.should_use_persistent_reduction(features(3072, ReductionHint.OUTER), False)
+
+    # installed only when asked (DITMESH_FP8_WIDE_ROWS, off by default) and only over fp8 products
+    assert quant.WIDE_ROWS == 0
+    monkeypatch.setattr(quant, "WIDE_ROWS", 16384)
+    assert not quant.install_compile_heuristics([torch.nn.Linear(16, 16)])
+    fp8_block = torch.nn.Sequential(quant.QuantLinear(torch.nn.Linear(32, 16), "fp8", scaled_mm=True))
+    monkeypatch.setattr(quant, "WIDE_ROWS", 0)
+    assert not quant.install_compile_heuristics([fp8_block])
+    monkeypatch.setattr(quant, "WIDE_ROWS", 16384)
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "inductor_choices_class", config.inductor_choices_class)
+    try:
+        assert quant.install_compile_heuristics([fp8_block])
+        assert config.inductor_choices_class is WideRows and isinstance(V.choices, WideRows)
+        import pickle
+
+        assert pickle.loads(pickle.dumps(WideRows)) is WideRows  # inductor's cache key pickles it by name
+    finally:
+        V.set_choices_handler(InductorChoices())

@@ -127,6 +127,7 @@ def compile_blocks(model: torch.nn.Module, adapter: ModelAdapter | None = None, 
     options = dict(symm.COMPILE_OPTIONS) if hook is not None and hook.sp.transport == "symm" else {}
     # fp8 linears: the activations' rounding kernels tuned (parallel.quant.COMPILE_OPTIONS)
     options.update(next((o for o in map(quantized.compile_options, blocks) if o), {}))
+    quantized.install_compile_heuristics(blocks)  # DITMESH_FP8_WIDE_ROWS: their rows reduced in one pass
     options = options or None
     per_class = aot.compilers(blocks, artifacts, artifact_mode, options) if artifacts and artifact_mode != "off" else {}
     inner, routed = [], []
