@@ -10,7 +10,8 @@ and one ulysses-4 rank of it (10 heads):
 * ``fp8 Triton (candidate)``: a Triton kernel written here, Q and K in fp8 per token and head, P and V in fp8 (V per
   channel, stored transposed), to see whether a kernel of our own beats cuDNN's; kept out of the library unless it
   wins;
-* ``int8 (ours)``: ``attention="int8"`` (Q, K int8 per token, P V in bf16), kernel alone and with quantization;
+* ``int8 (ours)``: the retired ``attention="int8"`` (Q, K int8 per token, P V in bf16; its rows in the results came
+  from the commits before it was retired, 1.6-3.2x slower than the exact kernel);
 * ``SageAttention 1.0.6``: the PyPI wheel's Triton kernel (a peer), when installed.
 
 Inputs: q, v ~ N(0, 1), k ~ N(0, 1) plus a per-channel offset ~ N(0, 2) (real K carries one), bf16. The error is
@@ -238,14 +239,6 @@ def rows_for(name, shape, peaks, results):
     except Exception as err:  # noqa: BLE001
         results.append({"shape": name, "row": "fp8 Triton (candidate)", "error": f"{type(err).__name__}: {err}"[:600]})
         print(f"{name} fp8 Triton FAILED: {type(err).__name__}: {str(err)[:600]}", flush=True)
-    try:
-        from ditmesh.attention import int8 as int8mod
-        from ditmesh.attention.int8_triton import attention as int8_kernel
-        qi, qsi, ki, ksi = int8mod.quantize_qk(q, k)
-        add("int8 (ours)", lambda: int8_kernel(qi, qsi, ki, ksi, v, scale, q.dtype), "kernel")
-        add("int8 (ours)", lambda: int8mod.int8_attention(q, k, v), "kernel+quantize")
-    except Exception as err:  # noqa: BLE001
-        print(f"{name} int8 FAILED: {err}", flush=True)
     try:
         from sageattention import sageattn
         add("SageAttention 1.0.6 (peer)", lambda: sageattn(q, k, v, tensor_layout="NHD", is_causal=False),

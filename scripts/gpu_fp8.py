@@ -6,7 +6,7 @@ ended (its rows are lost, the earlier sections' files stay):
 
 * ``quant-test``: tests/gpu/test_quant_gpu.py, the 8-bit linears' float32 emulation (what the CPU tests run) against
   torchao's kernels: weights and scales bit for bit, products within 1e-2.
-* ``attention8-test``: tests/gpu/test_attention8_gpu.py, the int8 attention's Triton kernel against its float32
+* ``attention8-test``: tests/gpu/test_attention_fp8_gpu.py, the fp8 attention's cuDNN kernel against its float32
   emulation.
 * ``quant-flux-1gpu``: FLUX.1-dev architecture at 1024², compiled, CUDA graphs, one GPU: diffusers' eager row (the
   error reference) and compiled row, ditmesh's rows with the block linears in bf16, fp8 and fp8-weight.
@@ -19,7 +19,7 @@ ended (its rows are lost, the earlier sections' files stay):
 The FLUX sections run with ``TORCH_LOGS=recompiles`` (a recompiling block says why on the console) and a row time
 limit; a row past it prints every rank's Python stack before it is stopped.
 * ``quant-wan``: Wan2.1-14B architecture at 480x832x81 (32,760 tokens), eager: diffusers' 1-GPU row (the error
-  reference) and ulysses 4 with {bf16, fp8} block linears x {default (exact), int8 attention}.
+  reference) and ulysses 4 with {bf16, fp8} block linears x {default (exact), fp8 attention}.
 * ``quant-checkpoint``: ``ditmesh quantize --quant fp8`` of the FLUX.1-dev architecture, then a 1-GPU ``generate``
   from the written folder at 1024² (eager, 8 steps): its load and run peaks (the transformer never in bf16) and
   the seconds each took (``quant-checkpoint.json``).
@@ -38,7 +38,7 @@ Each bench section writes its JSON, table and plot under ``--out`` (the table is
 
     bash scripts/gpu.sh python3 scripts/gpu_fp8.py --out "$OUT/quant"
 
-``--cpu-dry-run``: the same commands with the tiny architectures on 2 CPU processes, the int8 attention as its
+``--cpu-dry-run``: the same commands with the tiny architectures on 2 CPU processes, the fp8 attention as its
 float32 emulation and no graphs or compile (what this machine can run), to check the script end to end; the
 deadline applies there only when ``--deadline-s`` is given.
 """
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: pytest sections: (the GPU test, the CPU tests of the same module the dry run runs instead)
 TESTS = {
     "quant-test": (["tests/gpu/test_quant_gpu.py", "-s"], ["tests/test_quant.py", "-k", "rounding"]),
-    "attention8-test": (["tests/gpu/test_attention8_gpu.py"], ["tests/test_attention8.py", "-k", "rounding or interpreter"]),
+    "attention8-test": (["tests/gpu/test_attention_fp8_gpu.py"], ["tests/test_attention_fp8.py", "-k", "emulation"]),
 }
 FLUX = ["--model", "flux-dev", "--height", "1024", "--width", "1024", "--methods", "ulysses", "--compile", "on",
         "--steps", "3", "--warmup", "1", "--row-timeout", "150"]
@@ -73,7 +73,7 @@ SECTIONS = {
     "quant-flux-x4": FLUX + ["--gpus", "4", "--no-single", "--quant", "off,fp8"],
     "quant-flux-x4-comm": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8,off", "--comm-dtype", "fp8"],
     "quant-checkpoint": "checkpoint",
-    "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,int8"],
+    "quant-wan": WAN + ["--gpus", "1,4", "--quant", "off,fp8", "--attention", "default,fp8"],
     "quant-flux-keep": FLUX + ["--gpus", "4", "--no-single", "--quant", "fp8:keep-modulation"],
     # where the parallel fp8 row stalls: without compile and graphs, compiled without graphs, and ditmesh's own fp8
     # layer (torch._scaled_mm on plain tensors, --quant-backend scaled-mm) instead of torchao's tensors
@@ -98,12 +98,12 @@ SECTIONS = {
 #: start and weights, then 3 steps of 0.9 s (ulysses 4) or 3.2 s (1 GPU)); 535 s before the optional last section
 EXPECTED_S = {
     "quant-test": 35,         # pytest start, torchao's kernels on a few layers
-    "attention8-test": 30,    # Triton compiles the kernel once per shape
+    "attention8-test": 30,    # cuDNN builds the graph once per shape
     "quant-flux-1gpu": 185,   # 5 rows: diffusers eager 15, compiled 35; ditmesh bf16 30, fp8 55, fp8-weight 50
     "quant-flux-x4": 85,      # 2 rows: bf16 35, fp8 50
     "quant-flux-x4-comm": 85,  # 2 rows: fp8 + fp8 payloads 50, bf16 + fp8 payloads 35
     "quant-checkpoint": 100,  # quantize: read 24 GB of bf16 and write 12 GB; generate: start, load, 8 eager steps
-    "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, int8} ~21 each
+    "quant-wan": 115,         # 5 rows: diffusers 1 GPU 30, ulysses 4 x {bf16, fp8} x {exact, fp8} ~21 each
     "quant-flux-keep": 50,    # 1 row, compiled cold
     "fp8-eager": 45,          # 1 eager row
     "fp8-compiled": 70,       # 1 row, compiled cold
@@ -113,9 +113,9 @@ EXPECTED_S = {
     "quant-modulation-1gpu": 540,  # 7 rows; on a fresh machine an 8-bit row compiles cold for over 150 s: a call
                                    # of its own, whose deadline may end the last rows
 }
-#: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated int8 attention, no compile/graphs
+#: what the dry run changes: the tiny architectures, 2 CPU processes, the emulated fp8 attention, no compile/graphs
 DRY = {"flux-dev": "flux-tiny", "wan2.1-14b": "wan-tiny", "1024": "64", "480": "64", "832": "64", "81": "5",
-       "1,4": "1,2", "4": "2", "on": "off", "default,int8": "default,int8-emulated"}
+       "1,4": "1,2", "4": "2", "on": "off", "default,fp8": "default,fp8-emulated"}
 
 
 def bench_args(section: str, dry: bool, gpus: int = 4) -> list[str]:

@@ -20,7 +20,7 @@
 #   ablate   the fp8 row with DITMESH_FP8_FAST_ACCUM=0, then with DITMESH_FP8_TUNE=0
 #   wanq     Wan2.1-14B 480x832x81 exact, then --quant fp8 --attention fp8
 #   peer     (last) the torchao fp8 recipe on diffusers, with the time left for its cold compile
-#   tests    tests/gpu/test_attention_fp8_gpu.py and tests/gpu/test_attention8_gpu.py (kernels against emulations,
+#   tests    tests/gpu/test_attention_fp8_gpu.py (the kernel against its emulation,
 #            compile and CUDA graphs)
 # Before the call, once: bash scripts/gpu_issue32.sh --prepare COMMIT (the baseline tree in .old; carry .old, .whl).
 # The call:  PARTS=kernels,flux,old,tests bash scripts/gpu_issue44.sh   (writes into $OUT)
@@ -91,7 +91,7 @@ if want wanq 220; then  # Wan2.1-14B: exact, then the fp8 attention with fp8 lin
 fi
 if want tests 60; then
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m pytest -q -p no:cacheprovider -x \
-    tests/gpu/test_attention_fp8_gpu.py tests/gpu/test_attention8_gpu.py 2>&1 | tail -25
+    tests/gpu/test_attention_fp8_gpu.py 2>&1 | tail -25
 fi
 if want peer 60; then  # the torchao recipe on diffusers (its cold compile: whatever time is left)
   timeout $(( $(left) - 5 )) bash scripts/gpu.sh python3 -m ditmesh bench $FLUX --methods torchao-fp8 --no-diffusers \

@@ -24,7 +24,7 @@ def fp8_attention_case(method: str, seq_len: int, heads: int, ring: int = 1, uly
                        attention: str = "default", seed: int = 0, big_head: bool = False):
     """Sequence-parallel attention (``method``: ulysses, ring or usp) with ``comm_dtype="fp8"`` on this rank's chunk,
     against one process that rounds where the method sends (``parallel.eight.FP8_POINTS``) and against exact
-    attention. ``attention="int8-emulated"`` or ``"fp8-emulated"``: the 8-bit attention after the Ulysses all-to-all,
+    attention. ``attention="fp8-emulated"``: the 8-bit attention after the Ulysses all-to-all,
     on both sides.
 
     Returns (error against the emulation, error against exact attention, collective counts, bytes sent by kind and

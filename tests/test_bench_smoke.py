@@ -191,8 +191,8 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
              (["--steps", "0"], "give at least 1 timed step"),
              (["--gpus", "1", "--no-single"], "--no-single with --gpus 1: no row is left"),
              (["--comm-dtype", "auto,fp4"], "--comm-dtype 'fp4' is not one of auto, fp8"),
-             (["--attention", "int8"], "--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here"),
-             (["--attention", "int8-emulated", "--methods", "ring"], "the 8-bit attention runs on one GPU or under "
+             (["--attention", "int8"], "--attention int8 was retired: it was slower than the exact attention"),
+             (["--attention", "fp8-emulated", "--methods", "ring"], "the 8-bit attention runs on one GPU or under "
                                                                       "ulysses alone")]
     # the first as its own process (the exit code a shell sees), the others in this one (each a start-up less)
     proc = bench(cases[0][0], tmp_path)

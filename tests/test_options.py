@@ -64,9 +64,9 @@ def test_lora_texts_parse_with_optional_name_and_scale(text, spec):
     ({"config": ParallelConfig(pp=2), "cache": "teacache:0.2"}, r"cache teacache does not run with PipeFusion \(pp=2\)"),
     ({"config": ParallelConfig(pp=2), "pp_patches": 1}, "pp_patches=1 is fewer than the pp=2 stages"),
     ({"config": ParallelConfig(ring=2), "transport": "symm"}, "transport=symm moves Ulysses all-to-alls only"),
-    ({"config": ParallelConfig(pp=2), "attention": "int8-emulated"},
-     "attention=int8-emulated runs on one process or under ulysses alone, and pp=2 merges partial attention"),
-    ({"config": ParallelConfig(ulysses=2), "displaced": True, "attention": "int8-emulated"},
+    ({"config": ParallelConfig(pp=2), "attention": "fp8-emulated"},
+     "attention=fp8-emulated runs on one process or under ulysses alone, and pp=2 merges partial attention"),
+    ({"config": ParallelConfig(ulysses=2), "displaced": True, "attention": "fp8-emulated"},
      "and displaced merges partial attention"),
 ])
 def test_every_refusal_is_one_line_naming_the_value(values, message):

@@ -323,10 +323,9 @@ def parallelize(pipe, options: RunOptions | ParallelConfig | None = None, *, dev
             token and head, dequantized on arrival (``comm.fp8_pack``); needs ulysses or ring > 1; not with pp,
             displaced or transport=symm (docs/quantization.md).
         attention: ``"default"`` (the backend's exact kernels), ``"fp8"``: Q, K, V and P in float8 with one scale
-            per sample, cuDNN's fused fp8 attention (Hopper or newer; ``attention.fp8``), ``"int8"``: Q and K in int8
-            per token and head, a Triton kernel (CUDA; ``attention.int8``), or ``"fp8-emulated"`` /
-            ``"int8-emulated"``: their rounding in float32 math (any device; for tests and quality measurements). On
-            one process or under ulysses alone; no attention masks.
+            per sample, cuDNN's fused fp8 attention (Hopper or newer; ``attention.fp8``), or ``"fp8-emulated"``: its
+            rounding in float32 math (any device; for tests and quality measurements). On one process or under
+            ulysses alone; no attention masks. (``"int8"`` was retired: slower than the exact attention.)
         attention_bf16_steps: with the 8-bit attention, the first and last this many steps of each run attend exactly
             (default 0); not with CUDA graphs.
     """

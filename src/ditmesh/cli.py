@@ -128,9 +128,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                              "all-to-alls and ring K/V as float8 with a scale per token and head; docs/quantization.md)")
     parser.add_argument("--attention", default=None, metavar="KERNEL",
                         help="default (exact), fp8 (Q, K, V and P in float8: cuDNN's fp8 attention, Hopper or newer, "
-                             "pip install 'ditmesh[fp8]'), int8 (Q and K in int8 per token and head, a Triton kernel, "
-                             "CUDA), or fp8-emulated / int8-emulated (their rounding in float32 math, slow); the "
-                             "8-bit kernels run on one GPU or under --ulysses alone")
+                             "pip install 'ditmesh[fp8]'), or fp8-emulated (its rounding in float32 math, slow); the "
+                             "8-bit kernel runs on one GPU or under --ulysses alone")
     parser.add_argument("--attention-bf16-steps", type=int, default=None, metavar="W",
                         help="with an 8-bit --attention: the first and last W steps of a run attend exactly (default 0)")
     parser.add_argument("--check-consistency", action="store_true",

@@ -80,10 +80,12 @@ COMPILE_ARTIFACTS = ("off", "load", "save")
 COMM_DTYPES = ("auto", "fp8")
 
 #: ``attention``: the attention kernel (``default``: the exact one of the backend; ``fp8``: Q, K, V and P in float8,
-#: cuDNN's fused fp8 attention (``attention.fp8``), Hopper or newer; ``int8``: Q and K in int8 per token and head, the
-#: Triton kernel of ``attention.int8``, CUDA; ``*-emulated``: their rounding in float32 math, any device, for tests
-#: and quality measurements)
-ATTENTION_MODES = ("default", "fp8", "fp8-emulated", "int8", "int8-emulated")
+#: cuDNN's fused fp8 attention (``attention.fp8``), Hopper or newer; ``fp8-emulated``: its rounding in float32 math,
+#: any device, for tests and quality measurements)
+ATTENTION_MODES = ("default", "fp8", "fp8-emulated")
+#: attention kernels that were options once, and why they are not any more (the refusal names it)
+RETIRED_ATTENTION = {mode: "it was slower than the exact attention on every shape measured on an H200 (1.6-3.2x "
+                           "the time of cuDNN's exact kernel; docs/quantization.md)" for mode in ("int8", "int8-emulated")}
 
 #: a hub id (``owner/name``), which diffusers fetches, as opposed to a local path that does not exist
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -440,6 +442,9 @@ class RunOptions:
         _choice(self.quant, QUANT_MODES, flag("quant"), "quantization mode")
         _choice(self.quant_backend, QUANT_BACKENDS, flag("quant_backend"), "backend of the 8-bit linears")
         _choice(self.comm_dtype, COMM_DTYPES, flag("comm_dtype"), "communication dtype")
+        if self.attention in RETIRED_ATTENTION:
+            raise ConfigError(f"{flag('attention')}{self.attention} was retired: {RETIRED_ATTENTION[self.attention]}; "
+                              f"use the default attention, or {flag('attention')}fp8 (Hopper+, faster from 8,192 keys)")
         _choice(self.attention, ATTENTION_MODES, flag("attention"), "attention kernel")
         _int_or_auto(self.chunk_tokens, flag("chunk_tokens"), "token count", 4096)
         _int_or_auto(self.vae_chunk, flag("vae_chunk"), "row count", 256)
@@ -541,7 +546,7 @@ class RunOptions:
         if self.attention == "default":
             if steps:
                 raise ConfigError(f"{flag('attention_bf16_steps')}{steps} keeps steps out of 8-bit attention, and "
-                                  f"the attention is the default one; drop it or use {flag('attention')}int8")
+                                  f"the attention is the default one; drop it or use {flag('attention')}fp8")
             return
         if c.ring > 1 or self.stale:
             what = f"ring={c.ring}" if c.ring > 1 else f"pp={c.pp}" if c.pp > 1 else "displaced"
@@ -615,20 +620,10 @@ class RunOptions:
             if torch.cuda.get_device_capability(device) < (9, 0):
                 raise ConfigError(f"{flag('attention')}fp8 runs cuDNN's fp8 attention, which needs compute capability "
                                   f"9.0+ (Hopper, Blackwell), and this {torch.cuda.get_device_name(device)} lacks it; "
-                                  "use int8 or the default attention")
+                                  "use the default attention")
             if importlib.util.find_spec("cudnn") is None:
                 raise ConfigError(f"{flag('attention')}fp8 runs cuDNN's fp8 attention through its frontend, which is "
                                   "not installed here; pip install 'ditmesh[fp8]', or use the default attention")
-        if self.attention == "int8":
-            if kind != "cuda":
-                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel on CUDA GPUs, and this rank runs on "
-                                  f"{kind}; use the default attention (int8-emulated gives its rounding in float32 "
-                                  "math, for measurements)")
-            import importlib.util
-
-            if importlib.util.find_spec("triton") is None:
-                raise ConfigError(f"{flag('attention')}int8 runs a Triton kernel and triton is not installed here; "
-                                  "pip install 'ditmesh[int8]', or use the default attention")
         if self.cuda_graph and kind != "cuda":
             raise ConfigError(f"CUDA graphs need a CUDA device, but this rank runs on {kind}; drop the graph option")
         if self.transport == "symm":

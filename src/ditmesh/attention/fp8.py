@@ -33,7 +33,6 @@ import math
 
 import torch
 
-from .int8 import smooth_keys  # the int8 attention's smoothing, the same for both
 
 #: e4m3's largest finite value
 FP8_MAX = 448.0
@@ -43,6 +42,13 @@ P_SCALE = 256.0
 #: took 0.536 ms against the exact kernel's 0.417 at FLUX 1024² (4,608 keys, 24 heads, CUDA graphs) and 29.9 against
 #: 38.3 ms at Wan 480p (32,760 keys, 40 heads): docs/quantization.md. The emulation rounds at every length.
 MIN_KEYS = 8192
+
+
+def smooth_keys(k: torch.Tensor) -> torch.Tensor:
+    """``k`` ``[B, S, H, D]`` minus its mean over the keys (per batch, head and channel), in float32: softmax does not
+    change when every score of a query moves together, and a channel offset no longer takes the 8-bit range."""
+    mean = k.double().mean(dim=1, keepdim=True).float()
+    return k.float() - mean
 #: head dims cuDNN's fp8 attention takes (multiples of 16 up to 256; 128 is its fast path)
 MAX_HEAD_DIM = 256
 

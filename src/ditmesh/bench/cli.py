@@ -92,9 +92,8 @@ def add_bench_parser(sub) -> None:
                    help="ditmesh rows' sequence-parallel payloads: auto, fp8, or a comma list (auto,fp8: each row "
                         "twice, side by side; fp8 only on rows with ulysses or ring > 1). docs/quantization.md")
     b.add_argument("--attention", default="default", metavar="LIST",
-                   help="ditmesh rows' attention: default (exact), fp8 (cuDNN, Hopper+), int8 (CUDA), "
-                        "fp8-emulated, int8-emulated, or a comma list (default,fp8: each row twice); the 8-bit "
-                        "kernels on one GPU or under ulysses alone")
+                   help="ditmesh rows' attention: default (exact), fp8 (cuDNN, Hopper+), fp8-emulated, or a comma "
+                        "list (default,fp8: each row twice); the 8-bit kernel on one GPU or under ulysses alone")
     b.add_argument("--quant", default="off", metavar="LIST",
                    help="ditmesh rows' block linears: off, fp8, fp8-weight, int8-weight, each optionally with "
                         ":keep-modulation or :quant-modulation (the AdaLN modulation linears in the model's dtype or "
@@ -266,17 +265,17 @@ def _settings(args) -> dict:
 def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
     """``--comm-dtype`` and ``--attention`` as lists, each value checked (``options.RunOptions.validate``)."""
     from ..config import ConfigError
-    from ..options import ATTENTION_MODES, COMM_DTYPES
+    from ..options import ATTENTION_MODES, COMM_DTYPES, RETIRED_ATTENTION
 
     comm = [c.strip() for c in args.comm_dtype.split(",") if c.strip()]
     attention = [a.strip() for a in args.attention.split(",") if a.strip()]
+    retired = next((a for a in attention if a in RETIRED_ATTENTION), None)
+    if retired:
+        raise ConfigError(f"--attention {retired} was retired: {RETIRED_ATTENTION[retired]}; use default or fp8")
     for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTION_MODES)):
         bad = [v for v in values if v not in known] or ([] if values else [""])
         if bad:
             raise ConfigError(f"{flag} {bad[0]!r} is not one of {', '.join(known)} (a comma list of them runs each)")
-    if "int8" in attention and not torch.cuda.is_available():
-        raise ConfigError("--attention int8 runs a Triton kernel on CUDA GPUs and none is visible here; use "
-                          "int8-emulated for its rounding in float32 math")
     if (set(attention) - {"default"}) and any(m.startswith(("ring", "usp", "pp", "displaced")) for m in methods):
         raise ConfigError(f"--attention {args.attention}: the 8-bit attention runs on one GPU or under ulysses "
                           "alone; leave ring, usp, pp and displaced out of --methods")

@@ -129,7 +129,7 @@ def _first_call(row: dict) -> str:
 
 
 def _eight_note(row: dict) -> str:
-    """A row's 8-bit options: ``comm fp8, attention int8, quant backend scaled-mm, fused qkv`` (empty for the
+    """A row's 8-bit options: ``comm fp8, attention fp8, quant backend scaled-mm, fused qkv`` (empty for the
     defaults)."""
     return ", ".join([f"{name} {row[key]}" for key, name in (("quant", "quant"), ("quant_backend", "quant backend"),
                                                              ("comm_dtype", "comm"), ("attention", "attention"))

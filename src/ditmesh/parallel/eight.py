@@ -1,10 +1,9 @@
 """8-bit attention in a run, and the one-process emulation of fp8 payloads.
 
 :class:`EightBitAttention` is the local attention of ``attention="fp8"`` (cuDNN's fp8 kernel) or ``"fp8-emulated"``
-(``attention.fp8``), ``"int8"`` (the Triton kernel) or ``"int8-emulated"`` (``attention.int8``), with the first and
-last ``bf16_steps`` steps of each run in exact attention (diffusers' dispatcher); the step comes from the call's
+(``attention.fp8``), with the first and last ``bf16_steps`` steps of each run in exact attention (diffusers' dispatcher); the step comes from the call's
 :class:`~ditmesh.hooks.ForwardContext`, which every rank holds alike. Under Ulysses the sequence step runs it after
-the all-to-all, and the fp8 modes reduce their per-sample amaxes over the Ulysses and tp axes (``group``,
+the all-to-all, and it reduces its per-sample amaxes over the Ulysses and tp axes (``group``,
 :func:`scale_group`), so every rank takes one process's scales; at sequence degree 1 :func:`apply` installs the adapter's processor with a
 :class:`OneProcessAttention` that calls it.
 
@@ -19,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import fp8, int8
-from ..attention.local import QueryChunks, in_query_chunks
+from ..attention import fp8
+from ..attention.local import QueryChunks
 from ..comm import fp8_round
 from ..hooks import ForwardContext
 from .chunk import dispatched_attention
@@ -34,21 +33,20 @@ FP8_POINTS = {
 
 
 class EightBitAttention:
-    """``attention`` (``fp8``, ``int8`` or their ``-emulated`` forms) as a local attention ``(q, k, v, mask=None)`` on
+    """``attention`` (``fp8`` or ``fp8-emulated``) as a local attention ``(q, k, v, mask=None)`` on
     ``[B, S, H, D]``, exact (diffusers' dispatcher with ``backend``) in the first and last ``bf16_steps`` steps of a
-    run. ``group``: the process group (or its name) the fp8 modes reduce their scales over, every rank that holds
-    heads of the same tokens (Ulysses and tp; None on one process). The fp8 modes quantize once per call and cut
+    run. ``group``: the process group (or its name) the scales are reduced over, every rank that holds
+    heads of the same tokens (Ulysses and tp; None on one process). It quantizes once per call and cuts
     only the attention of the quantized queries into ``chunks``' pieces, so every rank makes one all-reduce per
     call whatever its pieces."""
 
-    KERNELS = {"fp8": fp8.fp8_attention, "fp8-emulated": fp8.emulated_attention, "int8": int8.int8_attention,
-               "int8-emulated": int8.emulated_attention}
+    KERNELS = {"fp8": fp8.fp8_attention, "fp8-emulated": fp8.emulated_attention}
 
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
                  chunks: QueryChunks | None = None, group=None):
         self.attention, self.group = attention, group
-        #: the fp8 modes reduce their scales over ``group``: every rank must call them once per attention
-        self.reduces = attention.startswith("fp8")
+        #: the scales are reduced over ``group``: every rank must call it once per attention (no head-group pieces)
+        self.reduces = True
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
         self.calls = {"8-bit": 0, "exact": 0}
@@ -72,10 +70,7 @@ class EightBitAttention:
             self._count("exact")
             return dispatched_attention(q, k, v, mask, self.backend, self.chunks)
         self._count("8-bit")
-        kernel = self.KERNELS[self.attention]
-        if self.reduces:
-            return kernel(q, k, v, mask=mask, group=self.group, pieces=self.chunks)
-        return in_query_chunks(lambda q, k, v, m: kernel(q, k, v, mask=m), q, k, v, mask, self.chunks)
+        return self.KERNELS[self.attention](q, k, v, mask=mask, group=self.group, pieces=self.chunks)
 
 
 class OneProcessAttention:

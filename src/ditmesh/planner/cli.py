@@ -51,7 +51,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     add_quant_flags(p)
     p.add_argument("--attention", default=None, metavar="KERNEL",
                    help="the run's attention kernel: with fp8 (cuDNN's kernel, counted faster on calls of 8,192 keys or "
-                        "more, measured) its rows are ranked beside the exact ones; an 8-bit kernel (fp8, int8) "
+                        "more, measured) its rows are ranked beside the exact ones; the 8-bit kernel "
                         "keeps the layouts it runs on (one GPU, ulysses, tp)")
     p.add_argument("--only", default=None, help="comma-separated axes the runtime implements, e.g. ulysses,cfg")
     p.add_argument("--top", type=int, default=20, help="rows to print (0 = all)")

@@ -91,7 +91,7 @@ def validate_family_early(args, options: "RunOptions", model: str) -> None:
     """The checks of :func:`validate_family` that need neither torch nor the family's module, run before any rank
     starts (and, in one process, before torch loads): ``--frames`` against the family's frame rule, ``--cfg 2``
     against its CFG switch (both from the registry's :class:`~ditmesh.models.registry.FamilyFacts`), and the
-    options' device checks (``--cuda-graph``, ``--attention int8``, ``--transport symm``) where this machine
+    options' device checks (``--cuda-graph``, ``--attention fp8``, ``--transport symm``) where this machine
     certainly has no CUDA device; a hub id's model index is fetched (no weights), so that an unknown or unreachable
     id is one line naming it."""
     from ..models.registry import ARCHS

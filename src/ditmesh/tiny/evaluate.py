@@ -273,15 +273,14 @@ def pp_sweep(model_path: str | None, settings: list[dict], captions: list[str], 
     return rows
 
 
-#: what an ``--eight-sweep`` setting may name: comm=fp8, attention=int8 or fp8, quant=fp8 (the block linears),
-#: exact-steps=W
-EIGHT_KEYS = {"comm": ("fp8",), "attention": ("int8", "fp8"), "quant": ("fp8",)}
+#: what an ``--eight-sweep`` setting may name: comm=fp8, attention=fp8, quant=fp8 (the block linears), exact-steps=W
+EIGHT_KEYS = {"comm": ("fp8",), "attention": ("fp8",), "quant": ("fp8",)}
 #: a setting's parts when it does not name them
 EIGHT_DEFAULT = {"comm": "auto", "attention": "exact", "quant": "off", "exact_steps": 0}
 
 
 def parse_eight_setting(text: str) -> dict:
-    """``comm=fp8,attention=int8,exact-steps=2`` -> ``{"comm": "fp8", "attention": "int8", "exact_steps": 2}`` (each
+    """``comm=fp8,attention=fp8,exact-steps=2`` -> ``{"comm": "fp8", "attention": "fp8", "exact_steps": 2}`` (each
     part optional; comm auto, attention exact and 0 exact steps by default)."""
     from ..config import ConfigError
 
@@ -293,14 +292,14 @@ def parse_eight_setting(text: str) -> dict:
         elif value in EIGHT_KEYS.get(key, ()):
             setting[key] = value
         else:
-            raise ConfigError(f"--eight-sweep setting {text!r}: give comm=fp8, attention=int8 or fp8, quant=fp8 and "
-                              "exact-steps=W, joined by commas (e.g. comm=fp8,attention=int8,exact-steps=2)")
+            raise ConfigError(f"--eight-sweep setting {text!r}: give comm=fp8, attention=fp8, quant=fp8 and "
+                              "exact-steps=W, joined by commas (e.g. comm=fp8,attention=fp8,exact-steps=2)")
     if setting == EIGHT_DEFAULT:
-        raise ConfigError(f"--eight-sweep setting {text!r} names no 8-bit mode (comm=fp8, attention=int8 or fp8, "
+        raise ConfigError(f"--eight-sweep setting {text!r} names no 8-bit mode (comm=fp8, attention=fp8, "
                           "quant=fp8)")
     if setting["exact_steps"] and setting["attention"] == "exact":
         raise ConfigError(f"--eight-sweep setting {text!r}: exact-steps keeps steps out of 8-bit attention; add "
-                          "attention=int8 or attention=fp8")
+                          "attention=fp8")
     return setting
 
 
@@ -309,8 +308,8 @@ def eight_sweep(model_path: str | None, settings: list[dict], captions: list[str
     """Quality of fp8 payloads and 8-bit attention (:func:`parse_eight_setting`) against the exact images of the same
     captions, noise and batches, on one process: fp8 payloads rounded where Ulysses sends them
     (``parallel.eight.emulate_fp8_comm``: Q, K, V and the attention output, per token and head; the images of a
-    Ulysses run with ``comm_dtype="fp8"`` up to float32 noise) and the int8 attention's rounding in float32 math
-    (``attention="int8-emulated"``); accuracies, lost attributes, PSNR / SSIM. ``on_row(row)`` as each row is done."""
+    Ulysses run with ``comm_dtype="fp8"`` up to float32 noise) and the fp8 attention's rounding in float32 math
+    (``attention="fp8-emulated"``); accuracies, lost attributes, PSNR / SSIM. ``on_row(row)`` as each row is done."""
     from .. import ParallelConfig, parallelize, remove
     from ..parallel.eight import emulate_fp8_comm
 
@@ -430,7 +429,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                              "fp8-weight, int8-weight, fp8:keep-modulation), each against the exact images "
                              "(docs/quantization.md)")
     parser.add_argument("--eight-sweep", default=None, metavar="SETTINGS",
-                        help="semicolon-separated 8-bit settings (e.g. 'comm=fp8;attention=int8;attention=int8,"
+                        help="semicolon-separated 8-bit settings (e.g. 'comm=fp8;attention=fp8;attention=fp8,"
                              "exact-steps=2'), their rounding emulated in float32 on one process: print accuracy, lost "
                              "attributes and PSNR/SSIM against the exact images (docs/quantization.md)")
     parser.set_defaults(func=run_eval)
