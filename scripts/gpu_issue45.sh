@@ -8,7 +8,8 @@
 #             request's phase table against 28 x step + 0.15 s (item 2)
 #   serve512  one replica without and with --max-batch 4 (the start-up measurement decides) at 512², 4 and 16 clients
 #             of one request each: throughput, p99, the first picture after launch (item 1)
-#   batch1k   one replica with --max-batch 4 at 1024², 1 and 4 clients (item 1: batching should stay off there)
+#   batch1k   one replica without and with --max-batch 4 at 1024², 4 and 16 clients of one request each (item 1:
+#             the start-up measurement should leave batching off there: one picture already fills the GPU)
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile):  DRY=1 bash scripts/gpu_issue45.sh
@@ -46,5 +47,5 @@ serve() {  # serve NAME "SHAPE" CLIENTS REQUESTS LAYOUT...
 }
 want lone 70 && serve serve-lone-1024 "$BIG" 1 4 "--nproc 1"
 want serve512 100 && serve serve-512 "$SMALL" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
-want batch1k 70 && serve serve-batch-1024 "$BIG" 1,4 2 "--nproc 1 --max-batch 4"
+want batch1k 150 && serve serve-batch-1024 "$BIG" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
 echo "issue45: done at ${SECONDS}s"

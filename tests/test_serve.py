@@ -531,7 +531,7 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
             measured = client.get("/health").json()["replicas"][0]["batching"]
             assert sorted(measured["seconds"]) == ["1", "2", "3"] and measured["use"] in (1, 2, 3), measured
             assert _metric(client, "ditmesh_max_batch") == 3
-            assert _metric(client, 'ditmesh_batch_step_seconds{size="3"}') == measured["seconds"]["3"]
+            assert _metric(client, 'ditmesh_batch_call_seconds{size="3"}') == measured["seconds"]["3"]
             ready = next(line for line in proc.lines if "serving" in line)
             assert "; batching up to 3 pictures a call: as asked (--batching always) (one step, seconds a picture " \
                    "by batch size: 1: " in ready, ready

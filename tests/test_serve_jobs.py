@@ -723,20 +723,43 @@ def test_the_start_up_measurement_warms_every_batch_shape_and_batches_only_where
 
     calls = []
 
-    def timed(pipe, call, device):
+    def timed(pipe, call, device, decode=False):
         size = len(call["prompt"]) if isinstance(call["prompt"], list) else 1
         assert size == 1 or len(call["generator"]) == size  # a seed per picture, as a shared call has
-        calls.append(size)
-        return seconds[size] + 0.01 * (calls.count(size) == 1)  # the first call of a shape is the slowest
+        calls.append((size, decode))
+        # a one-step call's seconds, decoded or not, the first call of a shape the slowest
+        return seconds[size] + 0.01 * (calls.count((size, decode)) == 1)
 
     monkeypatch.setattr(generate, "warm_up_call", timed)
     args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
                               seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
     measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3)
-    # each shape warmed once (size 1 was warmed with the sizes), then timed in rounds over the sizes: the fastest counts
-    assert calls == [2, 3] + [1, 2, 3] * BATCH_REPEATS
-    assert measured == {"seconds": {str(k): v for k, v in seconds.items()}, "use": use}
+    # each shape warmed once, its decode too (size 1's steps were warmed with the sizes), then timed in rounds over
+    # the sizes as a whole call costs: 2 steps and the decode, (2 - 1) x latent + decoded; the fastest counts
+    assert calls == [(1, True), (2, False), (2, True), (3, False), (3, True)] + [
+        (size, decode) for size in (1, 2, 3) for decode in (False, True)] * BATCH_REPEATS
+    assert measured == {"seconds": {str(k): round(2 * v, 4) for k, v in seconds.items()}, "use": use}
     assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 1) is None  # --max-batch 1: nothing to time
+
+
+def test_a_batch_whose_decode_costs_more_than_its_steps_save_does_not_batch(monkeypatch):
+    """The decode counts: two pictures a step cost 1.5x one, but decoding two costs 4x one, and at 2 steps the whole
+    call of two (2 x 1.5 + 4 x 1 = 7) is dearer than two lone calls (2 x (2 + 1) = 6)."""
+    import argparse
+
+    import torch
+
+    from ditmesh.runtime import generate
+    from ditmesh.serve.worker import _measure_batching
+
+    step, decode_excess = {1: 1.0, 2: 1.5}, {1: 1.0, 2: 4.0}
+    monkeypatch.setattr(generate, "warm_up_call", lambda pipe, call, device, decode=False: (
+        step[len(call["prompt"])] + (decode_excess[len(call["prompt"])] if decode else 0)))
+    args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
+                              seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 2) == {"seconds": {"1": 3.0, "2": 7.0}, "use": 1}
+    decode_excess[2] = 1.5  # decoded in 1.5x one picture's time: 2 x 1.5 + 1.5 = 4.5 < 6, batching pays
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 2)["use"] == 2
 
 
 def test_a_noisy_round_does_not_turn_batching_on(monkeypatch):
@@ -753,13 +776,13 @@ def test_a_noisy_round_does_not_turn_batching_on(monkeypatch):
     def measure(rounds):
         seen = {size: 0 for size in rounds}
 
-        def timed(pipe, call, device):
+        def timed(pipe, call, device, decode=False):
             size = len(call["prompt"]) if isinstance(call["prompt"], list) else 1
-            if size > 1 and not call.get("warmed"):  # the warm-up call of a shape
-                call["warmed"] = True
+            if not call.get("warmed", {}).get(decode) and (size > 1 or decode):  # the warm-up call of a shape
+                call.setdefault("warmed", {})[decode] = True
                 return 5.0
-            seen[size] += 1
-            return rounds[size][seen[size] - 1]
+            seen[size] += decode
+            return rounds[size][seen[size] - decode] / 2  # a whole call of 2 steps: latent + decoded
 
         monkeypatch.setattr(generate, "warm_up_call", timed)
         args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
@@ -786,13 +809,13 @@ def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
     assert batch_policy(2, "always", [slow])[0] == 2
     assert batch_policy(1, "auto", [None]) == (1, None) and batch_policy(2, "auto", [None]) == (1, None)
     assert describe_batching(2, dict(fast, policy="auto")) == (
-        "batching up to 2 pictures a call: a batch makes the cheapest picture (one step, seconds a picture by batch "
-        "size: 1: 0.1 s, 2: 0.06 s)")
+        "batching up to 2 pictures a call: a batch makes the cheapest picture (a whole call, seconds a picture by "
+        "batch size: 1: 0.1 s, 2: 0.06 s)")
     assert describe_batching(1, dict(slow, policy="auto")).startswith("batching off: no batch made a picture cheaper")
     service = Service([_ScriptedReplica()], LIMITS, DEFAULTS, max_batch=1)
     service.batching = dict(slow, policy="auto")
     metrics = service.metrics()
-    assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_step_seconds{size="2"} 0.2' in metrics
+    assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_call_seconds{size="2"} 0.2' in metrics
 
 
 def test_a_call_that_ends_after_the_encoders_stopped_is_answered_503_once(service):

@@ -470,9 +470,9 @@ class Service:
             f"ditmesh_images_total {c['images']}",
             "# HELP ditmesh_max_batch Most pictures one call runs (--max-batch as the start-up measurement decided).",
             "# TYPE ditmesh_max_batch gauge", f"ditmesh_max_batch {self.max_batch}",
-            *(["# HELP ditmesh_batch_step_seconds One step's seconds at start-up by batch size (the first replica's "
-               "rank 0).", "# TYPE ditmesh_batch_step_seconds gauge"]
-              + [f'ditmesh_batch_step_seconds{{size="{size}"}} {seconds}'
+            *(["# HELP ditmesh_batch_call_seconds A whole call's seconds at the default size by batch size, timed at "
+               "start-up (the first replica's rank 0).", "# TYPE ditmesh_batch_call_seconds gauge"]
+              + [f'ditmesh_batch_call_seconds{{size="{size}"}} {seconds}'
                  for size, seconds in self.batching["seconds"].items()] if self.batching else []),
             "# HELP ditmesh_batched_requests_total Requests that shared a pipeline call with others.",
             "# TYPE ditmesh_batched_requests_total counter", f"ditmesh_batched_requests_total {c['batched']}",

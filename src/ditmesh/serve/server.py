@@ -92,7 +92,7 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
 
 def batch_policy(max_batch: int, policy: str, measured: list) -> tuple[int, dict | None]:
     """The batch size the service uses from ``--max-batch``, ``--batching`` and each replica's start-up
-    measurement (``worker._measure_batching``: seconds of one step by batch size, and the size it would use):
+    measurement (``worker._measure_batching``: seconds of a whole call by batch size, and the size it would use):
     ``always``: ``max_batch``; ``auto``: the smallest size any replica would use (1: no batching). Returns it and
     the measurement the start-up line and /metrics show (the first replica's, with ``policy``), None without one."""
     measured = [m for m in measured if m]
@@ -108,7 +108,7 @@ def describe_batching(used: int, batching: dict) -> str:
     what = f"batching up to {used} pictures a call" if used > 1 else "batching off"
     why = "as asked (--batching always)" if batching["policy"] == "always" else (
         "a batch makes the cheapest picture" if used > 1 else "no batch made a picture cheaper")
-    return f"{what}: {why} (one step, seconds a picture by batch size: {per})"
+    return f"{what}: {why} (a whole call, seconds a picture by batch size: {per})"
 
 
 def stop_on_signals() -> None:

@@ -149,12 +149,13 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
 
 def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
     """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
-    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
-    nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over the sizes (the
-    fastest counts). Returns the seconds per call by batch size (each size's fastest) and ``use``: the batch size
-    whose picture is at least :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its
-    worst round, else 1 (batching would not raise throughput here). Every rank runs the same calls (their
-    collectives); rank 0's numbers count."""
+    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured,
+    the decode too: nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over
+    the sizes (the fastest counts) as a whole call costs (:func:`_call_seconds`: the steps and the decode). Returns the
+    seconds per call by batch size (each size's fastest) and ``use``: the batch size whose picture is at least
+    :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its worst round, else 1
+    (batching would not raise throughput here). Every rank runs the same calls (their collectives); rank 0's numbers
+    count."""
     if max_batch <= 1:
         return None
     import torch
@@ -168,8 +169,11 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | No
         if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
             calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
             warm_up_call(pipe, calls[size], device)
+        warm_up_call(pipe, calls[size], device, decode=True)
+    steps = calls[1].get("num_inference_steps") or 1
     # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
-    rounds = [{size: warm_up_call(pipe, call, device) for size, call in calls.items()} for _ in range(BATCH_REPEATS)]
+    rounds = [{size: _call_seconds(pipe, call, device, steps) for size, call in calls.items()}
+              for _ in range(BATCH_REPEATS)]
     seconds = {size: min(r[size] for r in rounds) for size in calls}
     # a size batches only where its picture is cheaper than a lone call's in every round (a noisy round cannot turn
     # batching on), and the one whose worst round is the cheapest wins
@@ -177,6 +181,17 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | No
     good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
     use = min(good, key=lambda size: worst[size]) if good else 1
     return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
+
+
+def _call_seconds(pipe, call: dict, device, steps: int) -> float:
+    """What a whole call of ``call`` costs, from two one-step calls: ``steps`` times the one-step call with latents
+    out (its text encoding counted each time: a few percent of a step at most) plus what decoding adds (the decoded
+    one-step call's excess). The decode counts where steps are few: the tiny pipeline's 2-step picture on the 2-core
+    CPU spent about as long in its VAE as in its steps, and in one loaded run 4 pictures decoded in 6.3x one's time."""
+    from ..runtime.generate import warm_up_call
+
+    latent = warm_up_call(pipe, call, device)
+    return (steps - 1) * latent + warm_up_call(pipe, call, device, decode=True)
 
 
 def _lora_switch(pipe, loras):
