@@ -694,9 +694,10 @@ def _sse(event: str, data: dict) -> str:
 
 
 def encode_picture(kind: str, picture) -> tuple[str, bytes]:
-    """A picture as (media type, bytes): a PIL image from the ranks (``kind`` "image") as PNG; bytes as they are."""
-    if kind != "image":
+    """A picture as (media type, bytes): pixels (``kind`` "pixels": a ``[height, width, channels]`` uint8 array) or a
+    PIL image (``kind`` "image") from the ranks as PNG; bytes as they are."""
+    if kind not in ("image", "pixels"):
         return kind, picture
     from .. import png
 
-    return "image/png", png.encode(picture)
+    return "image/png", png.encode_pixels(picture) if kind == "pixels" else png.encode(picture)

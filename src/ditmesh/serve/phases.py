@@ -150,10 +150,13 @@ class DevicePictures(Hook):
 
 def pil_pictures(images: torch.Tensor) -> list:
     """``[batch, channels, height, width]`` values in [0, 1] as PIL pictures, rounded as diffusers' ``numpy_to_pil``
-    rounds them (float32 times 255, half to even), on the images' device."""
+    rounds them (float32 times 255, half to even), on the images' device. The rounding runs on the images' own
+    layout and only the 8-bit pixels are put in rows of pixels there (on a GPU a copy of a few microseconds), so
+    one contiguous copy crosses to the host and PIL gets rows it takes as they are (from a channels-first array it
+    would gather every pixel's channels on the host: ~8 ms at 1024²)."""
     from PIL import Image
 
-    pixels = (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
+    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
     if pixels.shape[-1] == 1:
         return [Image.fromarray(p.squeeze(-1), mode="L") for p in pixels]
     return [Image.fromarray(p) for p in pixels]

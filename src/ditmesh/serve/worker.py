@@ -294,10 +294,24 @@ def _broken(rank: int, job: str | None, exc: BaseException, events) -> None:
 
 
 def _pictures(result) -> list[tuple[str, object]]:
-    """The call's pictures for the front end: ("image", a PIL image) each, which the front end encodes as PNG; an
-    animated GIF per video, as (media type, bytes)."""
+    """The call's pictures for the front end, which encodes them as PNG: ("pixels", its ``[height, width, channels]``
+    uint8 array) each of mode L, LA, RGB or RGBA (an array crosses the process boundary as one buffer; a PIL image
+    is packed into bytes and unpacked again on the way: ~6 ms at 1024²), ("image", a PIL image) of another mode;
+    an animated GIF per video, as (media type, bytes)."""
     if hasattr(result, "frames") and not hasattr(result, "images"):
         from ..runtime.video import gif_bytes
 
         return [("image/gif", gif_bytes(video)) for video in result.frames]
-    return [("image", image) for image in result.images]
+    from ..png import COLOUR_TYPES
+
+    return [("pixels", pixels_of(image)) if getattr(image, "mode", None) in COLOUR_TYPES else ("image", image)
+            for image in result.images]
+
+
+def pixels_of(image):
+    """The pixels of a PIL image of mode L, LA, RGB or RGBA as a ``[height, width, channels]`` uint8 array."""
+    import numpy as np
+
+    from ..png import COLOUR_TYPES
+
+    return np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, COLOUR_TYPES[image.mode][0])
