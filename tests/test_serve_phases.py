@@ -65,3 +65,52 @@ def test_the_answer_with_pictures_is_json_dumps_byte_for_byte(count):
     assert got == want
     assert json_with_pictures({"created": 5}, "data", [{} for _ in pictures], "b64_json", pictures) == json.dumps(
         {"created": 5, "data": [{"b64_json": base64.b64encode(p).decode()} for p in pictures]}).encode()
+
+
+def test_vae_tune_cudnn_and_channels_last_decode_the_same_picture_and_compile_wraps_the_decoder(flux_tiny):
+    """``serve --vae-tune``: cudnn and channels-last give the plain decode's picture (float32 on CPU, rel. err <=
+    1e-5: another convolution kernel may round differently); compile compiles the decoder in place (its compiled
+    run is the GPU script's: on this CPU it takes minutes)."""
+    from diffusers import AutoencoderKL
+
+    from ditmesh.serve.worker import tune_vae
+    from ditmesh.testing import rel_err
+
+    vae = AutoencoderKL.from_pretrained(flux_tiny, subfolder="vae").eval()
+    pipe = type("Pipe", (), {"vae": vae})()
+    latents = torch.randn(1, vae.config.latent_channels, 24, 16, generator=torch.Generator().manual_seed(0))
+    cudnn = torch.backends.cudnn.benchmark
+    try:
+        with torch.no_grad():
+            plain = vae.decode(latents).sample
+            tune_vae(pipe, ("cudnn", "channels-last"))
+            assert torch.backends.cudnn.benchmark is True
+            assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+            tuned = vae.decode(latents).sample
+        assert tuned.shape == plain.shape and rel_err(tuned, plain) <= 1e-5
+        assert vae.decoder._compiled_call_impl is None
+        tune_vae(pipe, ("compile",))
+        assert vae.decoder._compiled_call_impl is not None
+        tune_vae(type("NoVae", (), {})(), ("compile",))  # a pipeline without a VAE: nothing to tune
+    finally:
+        torch.backends.cudnn.benchmark = cudnn
+
+
+@pytest.mark.parametrize("text, ways", [("off", ()), ("cudnn", ("cudnn",)),
+                                        ("compile, cudnn,compile", ("compile", "cudnn"))])
+def test_vae_tune_reads_its_ways(text, ways):
+    from ditmesh.serve.cli import _vae_tunes
+
+    assert _vae_tunes(text) == ways
+
+
+@pytest.mark.parametrize("text", ["fast", "", "cudnn,off", "channels_last"])
+def test_a_bad_vae_tune_is_one_line_and_exit_code_2(capsys, text):
+    from ditmesh.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--vae-tune", text])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"ditmesh serve: error: argument --vae-tune: {text!r}: give off, or some of cudnn, channels-last, "
+                    "compile comma-separated (e.g. cudnn,channels-last) (see ditmesh serve --help)")

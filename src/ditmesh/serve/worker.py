@@ -134,27 +134,55 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     switch = _lora_switch(pipe, run_options.loras)
     timeline, cache = instrument(pipe, device, options.get("prompt_cache", 0),
                                  lambda: switch.chosen if switch is not None else None)
-    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled (or read from
-    # the compile caches) before a client comes; every adapter of the switch runs in them (chosen or at 0)
+    tune_vae(pipe, options.get("vae_tune") or ())
+    # one step and the pictures' decode at the defaults' size and at each --warmup-sizes bucket: their kernels are
+    # compiled (or read from the compile caches) and the VAE's first-call costs paid before a client comes; every
+    # adapter of the switch runs in them (chosen or at 0)
     warmed = {}
     for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
-        warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device), 3)
-    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
+        warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device,
+                                                         decode=True), 3)
+    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1),
+                                 "compile" in (options.get("vae_tune") or ()))
     freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
             "switch": switch, "prompt_cache": cache}
 
 
-def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
+def tune_vae(pipe, ways) -> None:
+    """Speed up ``pipe``'s VAE decode in the ``ways`` of ``serve --vae-tune``: ``cudnn`` (``cudnn.benchmark``: the
+    fastest convolution per shape, timed at its first call, for the process), ``channels-last`` (the VAE's weights,
+    and the decoder's input by a forward pre-hook, in channels-last layout), ``compile`` (``torch.compile`` of the
+    decoder, in place; compiled at the warm-up, which decodes at every warmed size). Every rank tunes alike."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not ways:
+        return
+    import torch
+
+    if "cudnn" in ways:
+        torch.backends.cudnn.benchmark = True
+    decoder = getattr(vae, "decoder", None)
+    if "channels-last" in ways:
+        vae.to(memory_format=torch.channels_last)
+        if decoder is not None:
+            decoder.register_forward_pre_hook(lambda module, inputs: tuple(
+                x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.ndim == 4 else x
+                for x in inputs))
+    if "compile" in ways and decoder is not None:
+        decoder.compile()
+
+
+def _measure_batching(pipe, args, defaults, device, max_batch: int, decode: bool = False) -> dict | None:
     """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
     size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
     nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over the sizes (the
     fastest counts). Returns the seconds per call by batch size (each size's fastest) and ``use``: the batch size
     whose picture is at least :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its
     worst round, else 1 (batching would not raise throughput here). Every rank runs the same calls (their
-    collectives); rank 0's numbers count."""
+    collectives); rank 0's numbers count. ``decode``: each batch shape's warm-up decodes its pictures too (a
+    compiled VAE decoder compiles each batch's shape there, not inside a request)."""
     if max_batch <= 1:
         return None
     import torch
@@ -167,7 +195,7 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | No
         calls[size] = _call_kwargs(pipe, batch, defaults)
         if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
             calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
-            warm_up_call(pipe, calls[size], device)
+            warm_up_call(pipe, calls[size], device, decode)  # a compiled VAE: its decode of the batch compiled too
     # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
     rounds = [{size: warm_up_call(pipe, call, device) for size, call in calls.items()} for _ in range(BATCH_REPEATS)]
     seconds = {size: min(r[size] for r in rounds) for size in calls}
