@@ -114,3 +114,33 @@ def test_a_bad_vae_tune_is_one_line_and_exit_code_2(capsys, text):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (f"ditmesh serve: error: argument --vae-tune: {text!r}: give off, or some of cudnn, channels-last, "
                     "compile comma-separated (e.g. cudnn,channels-last) (see ditmesh serve --help)")
+
+
+def test_the_timeline_reports_the_slowest_step_and_on_a_gpu_the_steps_on_its_clock():
+    """``step_max`` is the slowest later step on the host; with a GPU's events (stand-ins here: what
+    torch.cuda.Event gives) ``steps_gpu`` runs from the first call's event to the last step's and ``step_gpu`` is the
+    median gap between step ends on that clock."""
+    from ditmesh.serve.phases import Timeline
+
+    class Mark:
+        def __init__(self, ms):
+            self.ms, self.synced = ms, False
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+        def synchronize(self):
+            self.synced = True
+
+    timeline = Timeline(torch.device("cpu"))
+    timeline.mark_gpu()
+    assert timeline.gpu_marks == []  # no events off a GPU
+    timeline.first_call = 10.0
+    timeline.step_ends = [10.1, 10.3, 10.45, 10.9]
+    out = timeline.report(9.0, 11.0)
+    assert out["step"] == 0.2 and out["step_max"] == 0.45 and "steps_gpu" not in out
+    timeline.gpu_marks = [Mark(ms) for ms in (0.0, 150.0, 300.0, 440.0, 600.0)]
+    out = timeline.report(9.0, 11.0)
+    assert out["steps_gpu"] == 0.6 and out["step_gpu"] == 0.15 and timeline.gpu_marks[-1].synced
+    timeline.gpu_marks.pop()  # a mark missing (not every step timed on the GPU): no GPU numbers
+    assert "steps_gpu" not in timeline.report(9.0, 11.0)

@@ -37,6 +37,21 @@ class Timeline:
         self.ended: dict[str, float] = {}  # phase -> when it last ended (perf_counter)
         self.step_ends: list[float] = []
         self.first_call: float | None = None  # when the transformer was first called (perf_counter)
+        #: on a GPU: events recorded at the first call and at each step's end, read once the call has ended (the
+        #: steps' seconds as the GPU ran them, beside the host's)
+        self.gpu_marks: list = []
+
+    def mark_gpu(self) -> None:
+        """Record an event where the device's stream stands now (CUDA only; no synchronization)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.gpu_marks.append(event)
+
+    def step_end(self) -> None:
+        """A denoising step ended (the step callback): its host time, and its event on a GPU."""
+        self.mark_gpu()
+        self.step_ends.append(time.perf_counter())
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -54,7 +69,8 @@ class Timeline:
         """The call's phases (seconds): those timed by hooks, ``prepare`` (from the end of the text encoding, or the
         call's start, to the transformer's first call: latents, timesteps, the call's set-up), ``steps`` (from then
         to the last step's end), ``postprocess`` (the rest after the VAE), the first step's and the median later
-        step's seconds, and ``call`` (all of it)."""
+        step's seconds, the slowest later step's (``step_max``), on a GPU the steps' and the median step's seconds
+        on its own clock (``steps_gpu``, ``step_gpu``), and ``call`` (all of it)."""
         out = {k: round(v, 4) for k, v in self.seconds.items()}
         if self.step_ends:
             begin = self.ended.get("text_encode", start)
@@ -66,6 +82,14 @@ class Timeline:
             later = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
             if later:
                 out["step"] = round(later[len(later) // 2], 4)
+                out["step_max"] = round(later[-1], 4)
+        if len(self.gpu_marks) > 2 and len(self.gpu_marks) == len(self.step_ends) + 1:
+            # the GPU's own clock, read after the call's last synchronization: from the first call to the last
+            # step's end, and the median step (what the host's step times hide: the GPU idle between steps)
+            self.gpu_marks[-1].synchronize()
+            gaps = sorted(a.elapsed_time(b) / 1000 for a, b in zip(self.gpu_marks[1:], self.gpu_marks[2:]))
+            out["steps_gpu"] = round(self.gpu_marks[0].elapsed_time(self.gpu_marks[-1]) / 1000, 4)
+            out["step_gpu"] = round(gaps[len(gaps) // 2], 4)
         after = self.ended.get("vae_decode", self.step_ends[-1] if self.step_ends else start)
         out["postprocess"] = round(end - after, 4)
         out["call"] = round(end - start, 4)
@@ -99,6 +123,7 @@ class FirstCall(Hook):
     def __call__(self, owner, call_next, args, kwargs):
         if self.timeline.first_call is None:
             self.timeline.first_call = time.perf_counter()
+            self.timeline.mark_gpu()
         return call_next(args, kwargs)
 
 

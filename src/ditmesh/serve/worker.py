@@ -274,7 +274,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
                 stop = broadcast_tensors([stop], 0, None, state["device"])[0]
             if i + 1 == steps:
                 timeline.sync()
-            timeline.step_ends.append(time.perf_counter())
+            timeline.step_end()
             if stop:
                 raise _Cancelled(i + 1)
             return kw
