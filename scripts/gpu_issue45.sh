@@ -11,7 +11,8 @@
 #             (the same request everywhere) against the first server's, and its file against its JSON answer (the
 #             same bytes?). The cuts without a switch (the pixels' hand-off, the PNG's pieces) are measured against
 #             the 2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
-#             steps_gpu and step_gpu: the steps on the GPU's clock (CUDA events), to tell where the steps' extra goes
+#             The phases are on the GPU's clock (CUDA events, no synchronization inside the call); step_max: the
+#             slowest step, to tell where the steps' extra beyond 28 median steps goes
 #   serve512  one replica without and with --max-batch 4 (the start-up measurement decides) at 512², 4 and 16 clients
 #             of one request each: throughput, p99, the first picture after launch (item 1)
 #   batch1k   one replica with --max-batch 4 at 1024², 1 and 4 clients (item 1: batching should stay off there)

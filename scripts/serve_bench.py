@@ -558,9 +558,9 @@ def table(results: list[dict]) -> str:
 #: the way out (the answer built, sent, read and parsed by the client)
 SEQUENCE = ("http_in", "queue", "lora_switch", "text_encode", "prepare", "steps", "vae_decode", "postprocess",
             "call_other", "handoff", "encode", "http_out")
-#: the phases of the second table: the sequence and, after the steps, ``step`` (the median later step), ``step_max``
-#: (the slowest), and on a GPU ``steps_gpu`` and ``step_gpu`` (the steps and the median step on the GPU's clock)
-TABLE_PHASES = (*SEQUENCE[:6], "step", "step_max", "steps_gpu", "step_gpu", *SEQUENCE[6:])
+#: the phases of the second table: the sequence and, after the steps, ``step`` (the median later step) and
+#: ``step_max`` (the slowest)
+TABLE_PHASES = (*SEQUENCE[:6], "step", "step_max", *SEQUENCE[6:])
 #: a lone request's bound: the steps at the steady step plus this much (issue 45)
 LONE_BOUND_S = 0.15
 

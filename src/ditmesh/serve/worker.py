@@ -254,7 +254,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
         args.seed = seeds[0]
     timeline = state["timeline"]
     timeline.reset()
-    start = time.perf_counter()
+    start = timeline.mark()
     try:
         pipe = state["pipe"]
         if state["switch"] is not None:
@@ -272,8 +272,6 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
             stop = state["cancel"].is_set() if rank == 0 else None
             if state["world"] > 1:
                 stop = broadcast_tensors([stop], 0, None, state["device"])[0]
-            if i + 1 == steps:
-                timeline.sync()
             timeline.step_end()
             if stop:
                 raise _Cancelled(i + 1)
@@ -283,7 +281,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
             result = pipe(**call, **callback)
         if rank == 0:
             pictures = _pictures(result)  # PNG-encoded by the front end, off the ranks' path
-            phases = timeline.report(start, time.perf_counter())
+            phases = timeline.report(start, timeline.mark())
             events.put(("done", rank, job, True, pictures, phases["call"], phases))
     except _Cancelled as exc:
         if rank == 0:
@@ -292,7 +290,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
         if _collective_error(exc):
             _broken(rank, job, exc, events)
         if rank == 0:
-            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4), {}))
+            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start[0], 4), {}))
 
 
 class _Cancelled(Exception):
