@@ -4,15 +4,23 @@
 #   e2e       scripts/e2e_bench.py: `ditmesh generate` from outside, FLUX.1-dev architecture 1024², 28 steps, compiled
 #             with CUDA graphs, warm caches (a warm-up run first), beside "one import" timed in the same call; its
 #             first step's breakdown and the imports' accounts (item 3)
-#   lone      scripts/serve_bench.py at 1024², 28 steps, compiled with CUDA graphs, one replica, one client: the lone
-#             request's phase table against 28 x step + 0.15 s (item 2)
+#   lone      scripts/serve_bench.py at 1024², 28 steps, compiled with CUDA graphs, one replica, one client, 2 requests
+#             a row: the lone request's phase table against 28 x step + 0.15 s (item 2), in three servers: the VAE as
+#             before, --vae-tune cudnn,channels-last, and that with compile; on each, the pictures as JSON (the old
+#             way, the default answer) and as the PNG file (Accept: image/png). After it, each server's first picture
+#             (the same request everywhere) against the first server's, and its file against its JSON answer (the
+#             same bytes?). The cuts without a switch (the pixels' hand-off, the PNG's pieces) are measured against
+#             the 2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
+#             The phases are on the GPU's clock (CUDA events, no synchronization inside the call); step_max: the
+#             slowest step, to tell where the steps' extra beyond 28 median steps goes
 #   serve512  one replica without and with --max-batch 4 (the start-up measurement decides) at 512², 4 and 16 clients
 #             of one request each: throughput, p99, the first picture after launch (item 1)
 #   batch1k   one replica without and with --max-batch 4 at 1024², 4 and 16 clients of one request each (item 1:
 #             the start-up measurement should leave batching off there: one picture already fills the GPU)
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
-# CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile):  DRY=1 bash scripts/gpu_issue45.sh
+# CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
+# Item 2 alone:  PARTS=lone bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 3-4 minutes)
 set -u
 OUT=${OUT:-/tmp/issue45}
 mkdir -p "$OUT"
@@ -24,10 +32,12 @@ PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
   MODEL=flux-tiny FAST="" BIG="--height 64 --width 64 --steps 2" SMALL="--height 32 --width 32 --steps 2"
   E2E="--cpu-dry-run"
+  VAE_WAYS=("cudnn,channels-last")
 else
   MODEL=flux-dev FAST="--compile --cuda-graph" BIG="--height 1024 --width 1024 --steps 28"
   SMALL="--height 512 --width 512 --steps 28"
   E2E="--model flux-dev --gpus 1 --height 1024 --width 1024 --steps 28 --compile --cuda-graph"
+  VAE_WAYS=("cudnn,channels-last" "cudnn,channels-last,compile")
 fi
 if want e2e 100; then
   # shellcheck disable=SC2086
@@ -42,10 +52,23 @@ serve() {  # serve NAME "SHAPE" CLIENTS REQUESTS LAYOUT...
   # shellcheck disable=SC2086
   timeout $(( $(left) - 5 )) $PY scripts/serve_bench.py --model "$MODEL" "${layouts[@]}" --clients "$clients" \
     --requests-per-client "$requests" --deadline $(( $(left) - 15 )) --json "$OUT/$name.json" --logs "$OUT/$name-logs" \
-    $FAST $shape 2>&1 | grep -v "^\[serve_bench" | tail -30
+    $FAST $shape ${EXTRA:-} 2>&1 | grep -v "^\[serve_bench" | tail -30
   grep -ho "batching[^(]*([^)]*)" "$OUT/$name-logs"/*.log
 }
-want lone 70 && serve serve-lone-1024 "$BIG" 1 4 "--nproc 1"
+if want lone 150; then
+  lone=("--nproc 1")
+  for ways in "${VAE_WAYS[@]}"; do lone+=("--nproc 1 --vae-tune $ways"); done
+  EXTRA="--answer json,png" serve serve-lone-1024 "$BIG" 1 2 "${lone[@]}"
+  $PY - "$OUT/serve-lone-1024.json" <<'PYEOF'
+import json, sys
+layouts = json.load(open(sys.argv[1]))["layouts"]
+first = layouts[0].get("first_sha256")
+for lay in layouts:
+    print(f"lone [{lay['layout']}]: first picture {'the same' if lay.get('first_sha256') == first else 'DIFFERENT'} as "
+          f"[{layouts[0]['layout']}]'s; its file as its JSON answer's: {lay.get('first_png_same_as_json')}; "
+          f"error: {lay.get('error')}")
+PYEOF
+fi
 want serve512 100 && serve serve-512 "$SMALL" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
 want batch1k 150 && serve serve-batch-1024 "$BIG" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
 echo "issue45: done at ${SECONDS}s"

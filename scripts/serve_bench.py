@@ -56,6 +56,10 @@ from concurrent.futures import ThreadPoolExecutor
 from ditmesh.testing import process_alive  # the servers run this checkout's ditmesh too (PYTHONPATH=src)
 
 
+#: ``--answer`` kinds: the ``Accept`` header each sends
+ANSWERS = {"json": "application/json", "png": "image/png"}
+
+
 class Deadline(Exception):
     """The whole run's ``--deadline`` passed."""
 
@@ -87,6 +91,12 @@ def parse_args(argv=None):
                    help="the adapter file of the preset's LoRA row (ditmesh synth --lora RANK --model DIR --out DIR "
                         "writes one); without it that row is left out")
     p.add_argument("--clients", default="1,4,16", help="concurrent clients of each phase, comma-separated")
+    p.add_argument("--answer", default="json", metavar="KINDS",
+                   help="how the clients take their pictures, comma-separated, each kind a phase of its own per "
+                        "client count on the same server: json (the default answer: base64 inside JSON) or png "
+                        "(Accept: image/png: the PNG file itself, what the JSON answer says besides in X-Ditmesh-* "
+                        "headers); with png, the first request is asked again that way and its file compared with "
+                        "the JSON answer's (first_png_same_as_json)")
     p.add_argument("--requests-per-client", type=int, default=0, metavar="N",
                    help="requests each client sends one after the other (default: max(2, ceil(4 / clients)): "
                         "4 at one client, 2 from 2 clients on)")
@@ -107,6 +117,9 @@ def parse_args(argv=None):
         p.error(f"--clients {args.clients!r}: give comma-separated counts, e.g. 1,4,16")
     if not args.clients or min(args.clients) < 1:
         p.error(f"--clients {args.clients}: every count must be >= 1, e.g. 1,4,16")
+    args.answers = list(dict.fromkeys(a.strip() for a in args.answer.split(",") if a.strip()))
+    if not args.answers or set(args.answers) - set(ANSWERS):
+        p.error(f"--answer {args.answer!r}: give json, png or json,png")
     if args.requests_per_client < 0:
         p.error(f"--requests-per-client {args.requests_per_client} must be >= 1 (or 0: the default rule)")
     for name in ("timeout", "ready_timeout", "deadline"):
@@ -169,15 +182,23 @@ class Server:
                 self.bound.set()
         self.bound.set()  # exited: nobody waits for a port that will not come
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0):
-        """(status, parsed JSON or text) of one HTTP call to the server."""
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 10.0,
+                accept: str | None = None):
+        """(status, parsed JSON or text) of one HTTP call to the server; a picture's file (``accept``
+        ``image/png``) as the JSON answer's fields (:func:`file_answer`)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = None if body is None else json.dumps(body).encode()
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            headers = {"Content-Type": "application/json"} if data else {}
+            if accept:
+                headers["Accept"] = accept
+            conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
-            text = response.read().decode()
+            content = response.read()
             kind = response.getheader("Content-Type", "")
+            if kind.startswith("image/") and response.status == 200:
+                return response.status, file_answer(response, kind, content)
+            text = content.decode()
             return response.status, json.loads(text) if kind.startswith("application/json") else text
         finally:
             conn.close()
@@ -295,13 +316,34 @@ def gpu_memory_by_pid() -> dict[int, float]:
 
 
 # -- the clients ---------------------------------------------------------------------------------------------------
-def generate(server: Server, prompt: str, seed: int, timeout: float, lora: str | None = None) -> dict:
-    """One POST /generate (with ``lora``: that named adapter): its outcome, latency (client side), the id the server
-    gave it and the server's timeline of it (seconds per phase)."""
+def file_answer(response, kind: str, content: bytes) -> dict:
+    """A picture's file answered to ``Accept: image/png`` as the JSON answer's fields: its X-Ditmesh-* headers, and
+    the file as ``images[0]["file"]``."""
+    header = response.getheader
+    return {"id": header("X-Ditmesh-Id"), "seconds": float(header("X-Ditmesh-Seconds")),
+            "batch": int(header("X-Ditmesh-Batch")), "timeline": json.loads(header("X-Ditmesh-Timeline")),
+            "received_at": float(header("X-Ditmesh-Received-At")),
+            "answered_at": float(header("X-Ditmesh-Answered-At")), "images": [{"media_type": kind, "file": content}]}
+
+
+def picture_sha256(image: dict) -> str:
+    """The sha256 of a picture's file, from either answer (``file``, or ``b64`` of the JSON answer)."""
+    import base64
+    import hashlib
+
+    return hashlib.sha256(image["file"] if "file" in image else base64.b64decode(image.get("b64", ""))).hexdigest()
+
+
+def generate(server: Server, prompt: str, seed: int, timeout: float, lora: str | None = None,
+             answer: str = "json") -> dict:
+    """One POST /generate (with ``lora``: that named adapter; ``answer``: how the picture comes, ``ANSWERS``): its
+    outcome, latency (client side, to the answer read and, as JSON, parsed), the id the server gave it, the server's
+    timeline of it (seconds per phase) and the sha256 of its picture's file (taken after the latency)."""
     t0, sent_at = time.perf_counter(), time.time()
     body = {"prompt": prompt, "seed": seed, **({"lora": lora} if lora else {})}
     try:
-        status, body = server.request("POST", "/generate", body, timeout=timeout)
+        status, body = server.request("POST", "/generate", body, timeout=timeout,
+                                      accept=None if answer == "json" else ANSWERS[answer])
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return {"ok": False, "seconds": time.perf_counter() - t0, "id": None, "error": f"{type(exc).__name__}: {exc}"}
     seconds, read_at = time.perf_counter() - t0, time.time()
@@ -311,6 +353,7 @@ def generate(server: Server, prompt: str, seed: int, timeout: float, lora: str |
     if not body.get("images"):
         return {"ok": False, "seconds": seconds, "id": body.get("id"), "error": "answered 200 without a picture"}
     return {"ok": True, "seconds": seconds, "id": body["id"], "images": len(body["images"]),
+            "sha256": picture_sha256(body["images"][0]), "seed": seed,
             "server_seconds": body.get("seconds"), "batch": body.get("batch", 1),
             "timeline": dict(body.get("timeline", {}), **http_phases(body, sent_at, read_at)), "error": None}
 
@@ -324,9 +367,11 @@ def http_phases(body: dict, sent_at: float, read_at: float) -> dict:
     return {"http_in": round(body["received_at"] - sent_at, 4), "http_out": round(read_at - body["answered_at"], 4)}
 
 
-def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, loras: tuple = ()) -> dict:
+def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, loras: tuple = (),
+              answer: str = "json") -> dict:
     """``clients`` threads, each sending its requests one after the other (``loras``: request i of a client asks
-    for adapter ``loras[i % len(loras)]``, None for none); the row of this phase."""
+    for adapter ``loras[i % len(loras)]``, None for none; ``answer``: how the pictures come, each a prompt of its
+    own so that no phase hits the prompt cache of another); the row of this phase."""
     per_client = requests_per_client(args, clients)
     start = threading.Barrier(clients)
     interrupted = threading.Event()  # Ctrl-C or SIGTERM: each client sends nothing more
@@ -340,8 +385,9 @@ def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, l
                 answers.append({"ok": False, "seconds": 0.0, "id": None, "error": "not sent: the run's deadline passed"
                                 if left <= 0 else "not sent: interrupted"})
                 continue
-            answers.append(generate(server, f"{args.prompt} #{c}.{i}", seed0 + c * per_client + i,
-                                    min(args.timeout, left), loras[(c + i) % len(loras)] if loras else None))
+            answers.append(generate(server, f"{args.prompt} #{c}.{i}" + ("" if answer == "json" else f" {answer}"),
+                                    seed0 + c * per_client + i, min(args.timeout, left),
+                                    loras[(c + i) % len(loras)] if loras else None, answer))
         return answers
 
     with MemorySampler(server.rank_pids) as memory:
@@ -358,7 +404,8 @@ def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, l
     duplicates = len(ids) - len(set(ids))
     latencies = [a["seconds"] for a in ok]
     errors = sorted({a["error"] for a in answers if a["error"]})
-    row = {"clients": clients, "requests_per_client": per_client, "sent": len(answers), "ok": len(ok),
+    row = {"clients": clients, "answer": answer, "requests_per_client": per_client, "sent": len(answers),
+           "ok": len(ok),
            "failed": len(answers) - len(ok), "duplicate_ids": duplicates,
            "answered_once": duplicates == 0 and len(ok) == len(answers),
            "images": sum(a["images"] for a in ok), "wall_s": round(wall, 6),
@@ -369,6 +416,7 @@ def run_phase(server: Server, args, clients: int, seed0: int, deadline: float, l
            "latencies_s": [round(s, 4) for s in latencies],
            "server_seconds": [a["server_seconds"] for a in ok],
            "batched": sum(a["batch"] > 1 for a in ok), "errors": errors[:5], **memory.peaks(),
+           "pictures_sha256": {str(a["seed"]): a["sha256"] for a in ok},
            "phases_s": mean_phases([a["timeline"] for a in ok])}
     return row
 
@@ -408,19 +456,27 @@ def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
         progress(f"  first image {result['first_image_s']:.1f} s after launch (the request itself "
                  f"{first['seconds']:.2f} s)")
         result["first_timeline"] = first.get("timeline")
+        result["first_sha256"] = first["sha256"]
         for phase, count in enumerate(clients):
-            if time.perf_counter() >= deadline:
-                raise Deadline()
-            progress(f"  {count} client(s) x {requests_per_client(args, count)} request(s) ...")
-            row = run_phase(server, args, count, 1000 * (phase + 1), deadline, loras)
-            result["rows"].append(row)
-            lat = row["latency_s"] or {}
-            progress(f"  {count} client(s): {row['ok']}/{row['sent']} ok in {row['wall_s']:.1f} s, "
-                     f"{row['images_per_s']:.3f} img/s, p50 {lat.get('p50', float('nan')):.2f} s, "
-                     f"p99 {lat.get('p99', float('nan')):.2f} s"
-                     + (f"; errors: {row['errors']}" if row["errors"] else ""))
-            if server.proc.poll() is not None:
-                raise RuntimeError(server.died())
+            for answer in args.answers:
+                if time.perf_counter() >= deadline:
+                    raise Deadline()
+                progress(f"  {count} client(s) x {requests_per_client(args, count)} request(s), {answer} ...")
+                row = run_phase(server, args, count, 1000 * (phase + 1), deadline, loras, answer)
+                result["rows"].append(row)
+                lat = row["latency_s"] or {}
+                progress(f"  {count} client(s), {answer}: {row['ok']}/{row['sent']} ok in {row['wall_s']:.1f} s, "
+                         f"{row['images_per_s']:.3f} img/s, p50 {lat.get('p50', float('nan')):.2f} s, "
+                         f"p99 {lat.get('p99', float('nan')):.2f} s"
+                         + (f"; errors: {row['errors']}" if row["errors"] else ""))
+                if server.proc.poll() is not None:
+                    raise RuntimeError(server.died())
+        if "png" in args.answers:  # the first request again, as a file: the JSON answer's picture byte for byte
+            again = generate(server, f"{args.prompt} #first", 0, max(1.0, min(args.timeout, deadline -
+                                                                              time.perf_counter())), answer="png")
+            result["first_png_same_as_json"] = again["ok"] and again["sha256"] == result["first_sha256"]
+            same = "the same bytes" if result["first_png_same_as_json"] else "DIFFERENT from the JSON answer's"
+            progress(f"  the first picture asked again as a file: {same}")
         with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
             _, health = server.request("GET", "/health")
             result["restarts"] = sum(r["restarts"] for r in health["replicas"])
@@ -467,6 +523,12 @@ def environment() -> dict:
             "cards": cards, "cpus": os.cpu_count()}
 
 
+def row_layout(layout: dict, row: dict) -> str:
+    """A row's layout cell: the layout, and how its clients took their pictures unless as JSON (the default)."""
+    answer = row.get("answer", "json")
+    return f"`{layout['layout']}`" + ("" if answer == "json" else f", {answer}")
+
+
 def table(results: list[dict]) -> str:
     def num(value, digits=2):
         return "" if value is None else f"{value:.{digits}f}"
@@ -481,7 +543,7 @@ def table(results: list[dict]) -> str:
                          f"{num(r.get('first_image_s'), 1)} | | |")
         for row in r["rows"]:
             lat = row["latency_s"] or {}
-            lines.append(f"| `{r['layout']}` | {shape} | {row['clients']} | {row['ok']} / {row['sent']} | "
+            lines.append(f"| {row_layout(r, row)} | {shape} | {row['clients']} | {row['ok']} / {row['sent']} | "
                          f"{row['wall_s']:.1f} | {row['images_per_s']:.3f} | {num(lat.get('p50'))} | "
                          f"{num(lat.get('p99'))} | {num(lat.get('mean'))} | {num(r.get('ready_s'), 1)} | "
                          f"{num(r.get('first_image_s'), 1)} | {num(row['peak_gpu_mib_per_rank'], 0)} | "
@@ -496,8 +558,9 @@ def table(results: list[dict]) -> str:
 #: the way out (the answer built, sent, read and parsed by the client)
 SEQUENCE = ("http_in", "queue", "lora_switch", "text_encode", "prepare", "steps", "vae_decode", "postprocess",
             "call_other", "handoff", "encode", "http_out")
-#: the phases of the second table: the sequence and ``step`` (the median later step)
-TABLE_PHASES = (*SEQUENCE[:6], "step", *SEQUENCE[6:])
+#: the phases of the second table: the sequence and, after the steps, ``step`` (the median later step) and
+#: ``step_max`` (the slowest)
+TABLE_PHASES = (*SEQUENCE[:6], "step", "step_max", *SEQUENCE[6:])
 #: a lone request's bound: the steps at the steady step plus this much (issue 45)
 LONE_BOUND_S = 0.15
 
@@ -526,7 +589,7 @@ def phase_table(results: list[dict], steps: int | None = None) -> str:
             phases["client"] = latency
             if row["clients"] == 1 and steps and "step" in phases:
                 phases["bound"] = round(steps * phases["step"] + LONE_BOUND_S, 4)
-            lines.append(f"| `{r['layout']}` | {row['clients']} | " + " | ".join(
+            lines.append(f"| {row_layout(r, row)} | {row['clients']} | " + " | ".join(
                 f"{phases[name]:.3f}" if phases.get(name) is not None else "" for name in names) + " |")
     return "\n".join(lines)
 
@@ -547,7 +610,9 @@ def e2e_rows(report: dict) -> list[dict]:
             phases, latency = row.get("phases_s") or {}, row.get("latency_s") or {}
             if "step" not in phases or "mean" not in latency:
                 continue
-            rows.append({"row": f"serve {layout['layout']} x {row['clients']} client(s)", "wall_s": latency["mean"],
+            answer = "" if row.get("answer", "json") == "json" else f", {row['answer']}"
+            rows.append({"row": f"serve {layout['layout']} x {row['clients']} client(s){answer}",
+                         "wall_s": latency["mean"],
                          "steady_step_s": phases["step"], "steps": steps,
                          "overhead_s": round(latency["mean"] - steps * phases["step"], 4),
                          "images_per_s": row["images_per_s"], "phases_s": phases})

@@ -76,3 +76,46 @@ def test_the_service_and_generate_write_this_png():
     picture = Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 30, 3), dtype=np.uint8))
     kind, data = encode_picture("image", picture)
     assert kind == "image/png" and data == png.encode(picture)
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", [(1, 1), (129, 257), (700, 600)])
+def test_pixels_are_written_byte_for_byte_as_the_one_piece_file(channels, size):
+    """encode_pixels joins the file's pieces once: the same bytes as the file built from the whole zlib stream
+    (chunk by chunk, as png.encode wrote it before), stored or deflated, and png.encode of the PIL picture gives
+    them too."""
+    rng = np.random.default_rng(channels)
+    noise = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    smooth = np.repeat(((x // 4 + y // 8) % 256).astype(np.uint8)[..., None], channels, -1)
+    for pixels in (noise, smooth):
+        raw = png.filtered_rows(pixels)
+        level = png.LEVEL if png.worth_deflating(raw) else 0
+        header = np.array([size[0], size[1]], ">u4").tobytes() + bytes(
+            [8, {1: 0, 2: 4, 3: 2, 4: 6}[channels], 0, 0, 0])
+        whole = (png.SIGNATURE + png._chunk(b"IHDR", header) + png._chunk(b"IDAT", png.deflate_parallel(raw, level))
+                 + png._chunk(b"IEND", b""))
+        assert png.encode_pixels(pixels) == whole
+        mode = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}[channels]
+        picture = Image.fromarray(pixels if channels > 1 else pixels[..., 0], mode)
+        assert png.encode(picture) == whole
+        assert _decoded(whole).tobytes() == picture.tobytes()
+
+
+def test_the_ranks_send_pixels_and_the_front_end_writes_the_same_file():
+    """A served picture crosses from rank 0 as its pixels (worker._pictures), and the front end's file is the one
+    png.encode writes of the PIL picture; a mode PNG does not carry goes as the picture."""
+    from types import SimpleNamespace
+
+    from ditmesh.serve.app import encode_picture
+    from ditmesh.serve.worker import _pictures
+
+    rng = np.random.default_rng(5)
+    rgb = Image.fromarray(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8))
+    grey = Image.fromarray(rng.integers(0, 256, (20, 10), dtype=np.uint8))
+    other = rgb.convert("P")
+    sent = _pictures(SimpleNamespace(images=[rgb, grey, other]))
+    assert [kind for kind, _ in sent] == ["pixels", "pixels", "image"]
+    assert sent[0][1].shape == (40, 30, 3) and sent[1][1].shape == (20, 10, 1) and sent[2][1] is other
+    for (kind, picture), original in zip(sent, (rgb, grey, other)):
+        assert encode_picture(kind, picture) == ("image/png", png.encode(original))

@@ -172,6 +172,49 @@ def test_a_served_picture_is_generates_picture_pixel_for_pixel(server, tmp_path)
         assert decode(r.json()["images"][0]["b64"]).tobytes() == written.convert("RGB").tobytes()
 
 
+def test_a_client_that_accepts_image_png_gets_the_file_itself_the_same_bytes_as_the_json_answer(server):
+    """``Accept: image/png``: the body is the PNG file the JSON answer carries in base64, byte for byte, and the JSON
+    answer's other fields come as X-Ditmesh-* headers (both routes); a request for several pictures that way is
+    refused before it runs."""
+    body = {"prompt": "a yellow star", "seed": 5}
+    as_json = server.post("/generate", json=body)
+    as_file = server.post("/generate", json=body, headers={"Accept": "image/png"})
+    assert as_json.status_code == as_file.status_code == 200, as_file.text
+    assert as_file.headers["content-type"] == "image/png"
+    assert as_file.content == base64.b64decode(as_json.json()["images"][0]["b64"])
+    assert Image.open(io.BytesIO(as_file.content)).size == (64, 64)
+    timeline = json.loads(as_file.headers["x-ditmesh-timeline"])
+    assert timeline["steps"] > 0 and "encode" in timeline and as_file.headers["x-ditmesh-batch"] == "1"
+    received, answered = float(as_file.headers["x-ditmesh-received-at"]), float(as_file.headers["x-ditmesh-answered-at"])
+    assert received <= answered and float(as_file.headers["x-ditmesh-seconds"]) <= answered - received + 0.01
+    assert re.fullmatch(r"[0-9a-f]{12}", as_file.headers["x-ditmesh-id"])
+    assert as_file.headers["x-ditmesh-id"] != as_json.json()["id"]
+    # the JSON answer wins a tie or a higher q; the file a higher q
+    preferred = server.post("/generate", json=body, headers={"Accept": "application/json;q=0.5, image/*"})
+    assert preferred.headers["content-type"] == "image/png" and preferred.content == as_file.content
+    for accept in ("*/*", "image/png;q=0.2, application/json", "image/png, application/json"):
+        r = server.post("/generate", json=body, headers={"Accept": accept})
+        assert r.headers["content-type"] == "application/json" and r.json()["images"][0]["b64"] == \
+            as_json.json()["images"][0]["b64"], accept
+    openai = server.post("/v1/images/generations", json={"prompt": "a yellow star", "size": "64x64"},
+                         headers={"Accept": "image/png"})
+    assert openai.status_code == 200 and openai.content[:8] == b"\x89PNG\r\n\x1a\n"
+    # refused in one line, before any work: more than one picture, an Accept of neither kind, a bad q
+    before = server.get("/metrics").text
+    for path, request, accept, needle in (
+            ("/generate", {"prompt": "x", "n": 2}, "image/png", "n 2 with Accept: image/png: the file answer holds "
+                                                                "one picture; ask n 1, or accept application/json"),
+            ("/v1/images/generations", {"prompt": "x", "n": 2}, "image/*", "n 2 with Accept: image/*"),
+            ("/generate", {"prompt": "x"}, "text/html", "Accept: text/html: this route answers application/json"),
+            ("/generate", {"prompt": "x"}, "image/png;q=2", "q=2 must be a number from 0 to 1")):
+        r = server.post(path, json=request, headers={"Accept": accept})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 406 and needle in message and len(message.splitlines()) == 1, r.text
+    bad = [line for line in server.get("/metrics").text.splitlines() if 'outcome="bad_request"' in line]
+    assert int(bad[0].split()[-1]) == 4 + int(next(line for line in before.splitlines()
+                                                   if 'outcome="bad_request"' in line).split()[-1])
+
+
 @pytest.mark.parametrize("body, status, needle", [
     ({"prompt": "x", "height": 70}, 400, "height 70 must be a positive multiple of 16"),
     ({"prompt": "x", "height": 256, "width": 256}, 422, "at most 16384 (--max-pixels)"),
@@ -533,7 +576,7 @@ def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_
             assert _metric(client, "ditmesh_max_batch") == 3
             assert _metric(client, 'ditmesh_batch_call_seconds{size="3"}') == measured["seconds"]["3"]
             ready = next(line for line in proc.lines if "serving" in line)
-            assert "; batching up to 3 pictures a call: as asked (--batching always) (one step, seconds a picture " \
+            assert "; batching up to 3 pictures a call: as asked (--batching always) (a whole call, seconds a picture " \
                    "by batch size: 1: " in ready, ready
             _named_adapter_requests(client)
             # the one replica is busy with a long request while three compatible ones arrive; cancelling it lets

@@ -25,7 +25,7 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
     out = tmp_path / "serve.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", flux_tiny, "--layout", "--nproc 1 --replicas 2",
-                           "--clients", "1,3", "--json", str(out), "--deadline", "150",
+                           "--clients", "1,3", "--answer", "json,png", "--json", str(out), "--deadline", "150",
                            "--steps", "2", "--height", "64", "--width", "64"],
                           capture_output=True, text=True, env=env, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -36,12 +36,16 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
     assert layout["error"] is None and (layout["replicas"], layout["ranks_per_replica"], layout["gpus"]) == (2, 1, 2)
     assert "serve --model" in layout["command"] and "--nproc 1 --replicas 2 --steps 2" in layout["command"]
     assert 0 < layout["ready_s"] < layout["first_image_s"]
-    assert [(r["clients"], r["requests_per_client"]) for r in layout["rows"]] == [(1, 4), (3, 2)]
+    assert [(r["clients"], r["answer"], r["requests_per_client"]) for r in layout["rows"]] == [
+        (1, "json", 4), (1, "png", 4), (3, "json", 2), (3, "png", 2)]
+    # the first picture asked again as a file (Accept: image/png) is the JSON answer's file byte for byte
+    assert layout["first_png_same_as_json"] is True and len(layout["first_sha256"]) == 64
     for row in layout["rows"]:
         sent = row["clients"] * row["requests_per_client"]
         assert (row["sent"], row["ok"], row["failed"], row["images"]) == (sent, sent, 0, sent), row
         assert row["answered_once"] and row["duplicate_ids"] == 0 and row["errors"] == []
         assert len(row["latencies_s"]) == sent and min(row["latencies_s"]) > 0
+        assert len(row["pictures_sha256"]) == sent  # a seed each
         assert row["images_per_s"] == pytest.approx(row["images"] / row["wall_s"], rel=1e-3)
         # no request can take longer than its phase; the server's own clock is inside the client's
         lat = row["latency_s"]
@@ -58,14 +62,16 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
         assert abs(accounted["unaccounted"]) <= 0.05 * lat["mean"] + 0.02, accounted
     # one line per layout x clients in each table (a rank that outlived its server would have set the layout's error)
     latency, phases = proc.stdout.split("\n\n")
-    assert [line.split("|")[3].strip() for line in latency.splitlines()[2:]] == ["1", "3"]
+    assert [line.split("|")[3].strip() for line in latency.splitlines()[2:]] == ["1", "1", "3", "3"]
     head, _, *lines = phases.strip().splitlines()
-    assert [line.split("|")[2].strip() for line in lines] == ["1", "3"]
+    assert [(line.split("|")[1].strip(), line.split("|")[2].strip()) for line in lines] == [
+        ("`--nproc 1 --replicas 2`", "1"), ("`--nproc 1 --replicas 2`, png", "1"), ("`--nproc 1 --replicas 2`", "3"),
+        ("`--nproc 1 --replicas 2`, png", "3")]
     # the lone client's row has its bound: --steps 2 x the steady step + 0.15 s
     columns = [c.strip() for c in head.split("|")]
     lone = dict(zip(columns, (c.strip() for c in lines[0].split("|"))))
     assert float(lone["bound"]) == pytest.approx(2 * float(lone["step"]) + 0.15, abs=2e-3)
-    assert dict(zip(columns, (c.strip() for c in lines[1].split("|"))))["bound"] == ""
+    assert dict(zip(columns, (c.strip() for c in lines[2].split("|"))))["bound"] == ""
 
 
 class _StandInServer:
@@ -78,7 +84,7 @@ class _StandInServer:
         self.repeat_id = repeat_id
         self.lock = threading.Lock()
 
-    def request(self, method, path, body=None, timeout=10.0):
+    def request(self, method, path, body=None, timeout=10.0, accept=None):
         with self.lock:
             self.calls += 1
             job = "same" if self.repeat_id and self.calls <= 2 else f"id{self.calls}"
@@ -128,6 +134,7 @@ def test_e2e_rows_take_the_steps_at_the_steady_step_out_of_the_mean_latency():
     (["--clients", "0"], "--clients [0]: every count must be >= 1"),
     (["--clients", "a,b"], "--clients 'a,b': give comma-separated counts"),
     (["--port", "8000"], "--port: the benchmark sets serve's address itself"),
+    (["--answer", "json,jpeg"], "--answer 'json,jpeg': give json, png or json,png"),
 ])
 def test_bad_options_are_one_line_and_exit_code_2(capsys, argv, needle):
     bench = load_script("serve_bench")

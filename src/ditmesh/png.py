@@ -58,9 +58,11 @@ def filtered_rows(pixels: np.ndarray) -> np.ndarray:
     return out.reshape(-1)
 
 
-def deflate_parallel(raw: np.ndarray, level: int = LEVEL, parts: int | None = None) -> bytes:
-    """A zlib stream of the bytes ``raw`` (flat uint8), its deflate parts made at once on :func:`_pool`'s threads
-    (``parts``: how many; default one per :data:`PART_BYTES`, at most one per thread)."""
+def deflate_parts(raw: np.ndarray, level: int = LEVEL, parts: int | None = None) -> list[bytes]:
+    """The pieces of a zlib stream of the bytes ``raw`` (flat uint8), in order: its header, the deflate parts made at
+    once on :func:`_pool`'s threads (``parts``: how many; default one per :data:`PART_BYTES`, at most one per
+    thread), its checksum. Joined, they are :func:`deflate_parallel`'s stream; kept apart, a caller that joins them
+    with other bytes copies each once."""
     size = raw.nbytes
     n = parts or max(1, min(_pool()._max_workers, size // PART_BYTES))
     bounds = [size * i // n for i in range(n + 1)]
@@ -71,8 +73,14 @@ def deflate_parallel(raw: np.ndarray, level: int = LEVEL, parts: int | None = No
         comp = zlib.compressobj(level, zlib.DEFLATED, -15, **primed)
         return comp.compress(raw[start:end]) + comp.flush(zlib.Z_FINISH if i == n - 1 else zlib.Z_SYNC_FLUSH)
 
-    body = b"".join(_pool().map(deflate, range(n))) if n > 1 else deflate(0)
-    return b"\x78\x01" + body + struct.pack(">I", zlib.adler32(raw))
+    body = list(_pool().map(deflate, range(n))) if n > 1 else [deflate(0)]
+    return [b"\x78\x01", *body, struct.pack(">I", zlib.adler32(raw))]
+
+
+def deflate_parallel(raw: np.ndarray, level: int = LEVEL, parts: int | None = None) -> bytes:
+    """A zlib stream of the bytes ``raw`` (flat uint8), its deflate parts made at once on several threads
+    (:func:`deflate_parts`)."""
+    return b"".join(deflate_parts(raw, level, parts))
 
 
 def worth_deflating(raw: np.ndarray, level: int = LEVEL) -> bool:
@@ -86,14 +94,27 @@ def worth_deflating(raw: np.ndarray, level: int = LEVEL) -> bool:
 
 
 def encode(image, level: int = LEVEL) -> bytes:
-    """The PNG file of the PIL image ``image`` (modes other than L, LA, RGB and RGBA are converted first): its rows
-    deflated at ``level``, or stored (level 0) where a sample of them does not shrink (:func:`worth_deflating`); the
-    pixels are the same either way."""
+    """The PNG file of the PIL image ``image`` (modes other than L, LA, RGB and RGBA are converted first), as
+    :func:`encode_pixels` writes it."""
     if image.mode not in COLOUR_TYPES:
         image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
-    channels, colour_type = COLOUR_TYPES[image.mode]
-    pixels = np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, channels)
-    header = struct.pack(">IIBBBBB", image.width, image.height, 8, colour_type, 0, 0, 0)
-    raw = filtered_rows(pixels)
+    channels, _ = COLOUR_TYPES[image.mode]
+    return encode_pixels(np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, channels), level)
+
+
+def encode_pixels(pixels: np.ndarray, level: int = LEVEL) -> bytes:
+    """The PNG file of ``pixels`` (``[height, width, channels]`` uint8; 1, 2, 3 or 4 channels: L, LA, RGB, RGBA):
+    its rows deflated at ``level``, or stored (level 0) where a sample of them does not shrink
+    (:func:`worth_deflating`); the pixels are the same either way. The file's pieces are joined once (the IDAT
+    chunk's checksum taken piece by piece), so its bytes are copied once after deflating."""
+    height, width, channels = pixels.shape
+    colour_type = next(kind for count, kind in COLOUR_TYPES.values() if count == channels)
+    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
+    raw = filtered_rows(np.ascontiguousarray(pixels, dtype=np.uint8))
     level = level if level == 0 or worth_deflating(raw, level) else 0
-    return SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", deflate_parallel(raw, level)) + _chunk(b"IEND", b"")
+    stream = deflate_parts(raw, level)
+    crc = zlib.crc32(b"IDAT")
+    for piece in stream:
+        crc = zlib.crc32(piece, crc)
+    return b"".join([SIGNATURE, _chunk(b"IHDR", header), struct.pack(">I", sum(map(len, stream))), b"IDAT", *stream,
+                     struct.pack(">I", crc), _chunk(b"IEND", b"")])

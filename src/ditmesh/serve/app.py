@@ -585,23 +585,46 @@ def create_app(service: Service, token: str | None = None):
             service.phase_seconds["respond"] += seconds
         return Response(content, media_type="application/json")
 
+    def respond_file(job: Job, result: dict):
+        """The answer of a client that asked for the picture itself (:func:`wants_file`): the file as the body (the
+        bytes the JSON answer carries in base64), what the JSON answer says besides in ``X-Ditmesh-*`` headers."""
+        start = time.perf_counter()
+        (kind, data), = result["images"]
+        headers = {"X-Ditmesh-Id": job.id, "X-Ditmesh-Seconds": repr(result["seconds"]),
+                   "X-Ditmesh-Batch": str(result.get("batch", 1)),
+                   "X-Ditmesh-Timeline": json.dumps(result["timeline"], separators=(",", ":")),
+                   "X-Ditmesh-Received-At": repr(job.arrived), "X-Ditmesh-Answered-At": repr(time.time())}
+        response = Response(data, media_type=kind, headers=headers)
+        with service.lock:
+            service.phase_seconds["respond"] += time.perf_counter() - start
+        return response
+
+    async def pictures(request: Request, parse, answer_json):
+        """Run a request of a route that answers with pictures: as JSON (``answer_json(job, result)``), or the file
+        itself where the client's ``Accept`` asks for it; a bad ``Accept`` is refused before any work."""
+        file = wants_file(request.headers.get("accept"))
+        options = await read_options(request, parse)
+        if file:
+            one_picture(options, service.defaults, request.headers.get("accept"))
+        job = service.submit(options)
+        result = await answer(job)
+        return respond_file(job, result) if file else answer_json(job, result)
+
     @app.post("/generate")
     async def generate(request: Request):
-        job = service.submit(await read_options(request, native_options))
-        result = await answer(job)
         # when the request was read and when its answer began (this host's clock): a client on the same host
         # times the way in and the way out from them (scripts/serve_bench.py)
-        return respond({"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
-                        "timeline": result["timeline"], "received_at": job.arrived, "answered_at": time.time()},
-                       "images", [{"media_type": kind} for kind, _ in result["images"]], "b64",
-                       [data for _, data in result["images"]])
+        return await pictures(request, native_options, lambda job, result: respond(
+            {"id": job.id, "seconds": result["seconds"], "batch": result.get("batch", 1),
+             "timeline": result["timeline"], "received_at": job.arrived, "answered_at": time.time()},
+            "images", [{"media_type": kind} for kind, _ in result["images"]], "b64",
+            [data for _, data in result["images"]]))
 
     @app.post("/v1/images/generations")
     async def openai_generations(request: Request):
-        job = service.submit(await read_options(request, openai_options))
-        result = await answer(job)
-        return respond({"created": int(time.time())}, "data", [{} for _ in result["images"]], "b64_json",
-                       [data for _, data in result["images"]])
+        return await pictures(request, openai_options, lambda job, result: respond(
+            {"created": int(time.time())}, "data", [{} for _ in result["images"]], "b64_json",
+            [data for _, data in result["images"]]))
 
     @app.post("/jobs", status_code=202)
     async def submit_job(request: Request):
@@ -689,14 +712,58 @@ def json_with_pictures(body: dict, key: str, items: list[dict], field: str, pict
     return head[:-len(b"null}")] + b"[" + b", ".join(parts) + b"]}"
 
 
+#: media ranges of ``Accept`` that take the JSON answer, and those that take the picture's own file (PNG, GIF for a
+#: video): one file, whatever its type
+JSON_RANGES = ("application/json", "application/*", "*/*")
+FILE_RANGES = ("image/png", "image/gif", "image/*")
+
+
+def wants_file(accept: str | None) -> bool:
+    """Whether the ``Accept`` header ``accept`` prefers the picture's file itself (``image/png``, ``image/gif``,
+    ``image/*``) to the JSON answer (``application/json``, ``application/*``, ``*/*``), by their ``q`` values (a tie
+    or no header: JSON, the default). A header that accepts neither is refused (406), in one line."""
+    if accept is None or not accept.strip():
+        return False
+    best = {"json": 0.0, "file": 0.0}
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = -1.0
+                if not 0 <= q <= 1:
+                    raise BadRequest(f"Accept: {accept}: q={value.strip()} must be a number from 0 to 1", 406)
+        media = media.lower()
+        for kind, ranges in (("json", JSON_RANGES), ("file", FILE_RANGES)):
+            if media in ranges:
+                best[kind] = max(best[kind], q)
+    if not best["json"] and not best["file"]:
+        raise BadRequest(f"Accept: {accept}: this route answers application/json (the default), or the picture's "
+                         f"file itself for Accept: image/png (one picture: n 1)", 406)
+    return best["file"] > best["json"]
+
+
+def one_picture(options: dict, defaults, accept: str) -> None:
+    """A file answer holds one picture: refuse (406) a request for more, before it runs."""
+    n = options.get("images_per_prompt", getattr(defaults, "images_per_prompt", 1) or 1)
+    if n != 1:
+        raise BadRequest(f"n {n} with Accept: {accept}: the file answer holds one picture; ask n 1, or accept "
+                         f"application/json for {n} pictures in one answer", 406, "n")
+
+
 def _sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
 def encode_picture(kind: str, picture) -> tuple[str, bytes]:
-    """A picture as (media type, bytes): a PIL image from the ranks (``kind`` "image") as PNG; bytes as they are."""
-    if kind != "image":
+    """A picture as (media type, bytes): pixels (``kind`` "pixels": a ``[height, width, channels]`` uint8 array) or a
+    PIL image (``kind`` "image") from the ranks as PNG; bytes as they are."""
+    if kind not in ("image", "pixels"):
         return kind, picture
     from .. import png
 
-    return "image/png", png.encode(picture)
+    return "image/png", png.encode_pixels(picture) if kind == "pixels" else png.encode(picture)

@@ -66,6 +66,12 @@ def add_serve_parser(sub) -> None:
                             "service is ready and timed; auto (default) batches only up to the size whose picture "
                             "came out cheapest, and not at all where no batch beat one picture a call; always: up "
                             "to N whatever the measurement (said in the start-up line and /metrics)")
+    group.add_argument("--vae-tune", type=_vae_tunes, default=(), metavar="WAYS",
+                       help="ways to speed up the VAE decode, comma-separated: cudnn (cuDNN picks its fastest "
+                            "convolution per shape, timed at the warm-up), channels-last (the decoder's weights and "
+                            "input in channels-last layout), compile (torch.compile of the decoder, compiled at the "
+                            "warm-up); or off (the default). Each may change the pictures' last bits on a GPU, where "
+                            "another kernel rounds differently")
     group.add_argument("--prompt-cache", type=_non_negative_int, default=16, metavar="N",
                        help="text encodings of the last N distinct prompts kept on the ranks: a prompt sent again is "
                             "not encoded again (default 16; 0: none)")
@@ -75,6 +81,24 @@ def add_serve_parser(sub) -> None:
     from .ray_backend import add_ray_options
 
     add_ray_options(s)
+
+
+#: the ways ``--vae-tune`` names (``worker.tune_vae``)
+VAE_TUNES = ("cudnn", "channels-last", "compile")
+
+
+def _vae_tunes(text: str) -> tuple[str, ...]:
+    """``--vae-tune``: ``off`` or a comma-separated set of :data:`VAE_TUNES`."""
+    import argparse
+
+    ways = tuple(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    if ways == ("off",):
+        return ()
+    unknown = [w for w in ways if w not in VAE_TUNES]
+    if unknown or not ways:
+        raise argparse.ArgumentTypeError(f"{text!r}: give off, or some of {', '.join(VAE_TUNES)} comma-separated "
+                                         f"(e.g. cudnn,channels-last)")
+    return ways
 
 
 def run_serve(args) -> int:

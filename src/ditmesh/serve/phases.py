@@ -1,8 +1,9 @@
 """What a served request spends its time on, per rank (its timeline), and the cache of prompt embeddings.
 
 A rank times each phase of a pipeline call with ``timeline`` hooks (the outermost of each chain): the text
-encoding (``encode_prompt``) and the VAE decode (``vae.decode``), each ended by a device synchronization so that
-the seconds are the device's; the steps are timed by the step callback. ``prompt_cache`` answers
+encoding (``encode_prompt``) and the VAE decode (``vae.decode``), and the transformer's first call; the steps are
+timed by the step callback. On a GPU each boundary is a CUDA event, read after the call, so that the seconds are
+the device's without a synchronization inside the call (:class:`Timeline`). ``prompt_cache`` answers
 ``encode_prompt`` for arguments it has seen, with a copy of what the encoders returned then (the same values:
 a served picture does not change), the least recently used entry going first.
 
@@ -26,49 +27,72 @@ RANK_PHASES = ("lora_switch", "text_encode", "prepare", "steps", "vae_decode", "
 
 
 class Timeline:
-    """The phase seconds of the call in flight on this rank."""
+    """The phase seconds of the call in flight on this rank, on the device's clock. Each boundary is a mark: the
+    host's time and, on a GPU, a CUDA event recorded on the current stream. Nothing inside the call waits for the
+    GPU to time it (the host launches the next phase while the GPU ends the last: the text encoding's kernels run
+    while the host prepares the latents, the VAE's are launched while the last step runs); the events are read once
+    the call has ended, its pictures on the host."""
 
     def __init__(self, device):
         self.device = device
         self.reset()
 
     def reset(self) -> None:
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-        self.ended: dict[str, float] = {}  # phase -> when it last ended (perf_counter)
-        self.step_ends: list[float] = []
-        self.first_call: float | None = None  # when the transformer was first called (perf_counter)
+        self.spans: list[tuple[str, tuple, tuple]] = []  # (phase, start mark, end mark) in the order they ended
+        self.step_marks: list[tuple] = []  # the end of each denoising step
+        self.first_call: tuple | None = None  # the transformer's first call
 
-    def sync(self) -> None:
+    def mark(self) -> tuple:
+        """Now: ``(perf_counter(), event)``, the event recorded on the current CUDA stream (None off a GPU)."""
+        event = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
 
-    def add(self, phase: str, start: float) -> float:
-        """Count ``perf_counter() - start`` to ``phase`` (after a device synchronization); returns the end."""
-        self.sync()
-        end = time.perf_counter()
-        self.seconds[phase] += end - start
-        self.ended[phase] = end
-        return end
+    def add(self, phase: str, start: tuple) -> None:
+        """Count from the mark ``start`` to now to ``phase``."""
+        self.spans.append((phase, start, self.mark()))
 
-    def report(self, start: float, end: float) -> dict:
-        """The call's phases (seconds): those timed by hooks, ``prepare`` (from the end of the text encoding, or the
-        call's start, to the transformer's first call: latents, timesteps, the call's set-up), ``steps`` (from then
-        to the last step's end), ``postprocess`` (the rest after the VAE), the first step's and the median later
-        step's seconds, and ``call`` (all of it)."""
-        out = {k: round(v, 4) for k, v in self.seconds.items()}
-        if self.step_ends:
-            begin = self.ended.get("text_encode", start)
+    def step_end(self) -> None:
+        """A denoising step ended (the step callback)."""
+        self.step_marks.append(self.mark())
+
+    def report(self, start: tuple, end: tuple) -> dict:
+        """The call's phases (seconds) from its first mark ``start`` to its last ``end`` (taken once the pictures are
+        on the host): those timed by hooks, ``prepare`` (from the end of the text encoding, or the call's start, to
+        the transformer's first call: latents, timesteps, the call's set-up), ``steps`` (from then to the last step's
+        end), ``postprocess`` (the rest after the VAE), the first step's, the median later step's (``step``) and the
+        slowest later step's (``step_max``) seconds, and ``call`` (all of it, on the host's clock). On a GPU every
+        mark is read on the GPU's clock (its event's time from ``start``'s, the GPU idle when a call begins)."""
+        if end[1] is not None:
+            end[1].synchronize()
+
+        def at(mark: tuple) -> float:
+            host, event = mark
+            return host if event is None or start[1] is None else start[0] + start[1].elapsed_time(event) / 1000
+
+        seconds: dict[str, float] = collections.defaultdict(float)
+        ended: dict[str, float] = {}
+        for phase, begun, finished in self.spans:
+            seconds[phase] += at(finished) - at(begun)
+            ended[phase] = at(finished)
+        out = {k: round(v, 4) for k, v in seconds.items()}
+        steps = [at(mark) for mark in self.step_marks]
+        if steps:
+            begin = ended.get("text_encode", start[0])
             if self.first_call is not None:
-                out["prepare"] = round(self.first_call - begin, 4)
-                begin = self.first_call
-            out["steps"] = round(self.step_ends[-1] - begin, 4)
-            out["first_step"] = round(self.step_ends[0] - begin, 4)
-            later = sorted(b - a for a, b in zip(self.step_ends, self.step_ends[1:]))
+                out["prepare"] = round(at(self.first_call) - begin, 4)
+                begin = at(self.first_call)
+            out["steps"] = round(steps[-1] - begin, 4)
+            out["first_step"] = round(steps[0] - begin, 4)
+            later = sorted(b - a for a, b in zip(steps, steps[1:]))
             if later:
                 out["step"] = round(later[len(later) // 2], 4)
-        after = self.ended.get("vae_decode", self.step_ends[-1] if self.step_ends else start)
-        out["postprocess"] = round(end - after, 4)
-        out["call"] = round(end - start, 4)
+                out["step_max"] = round(later[-1], 4)
+        after = ended.get("vae_decode", steps[-1] if steps else start[0])
+        out["postprocess"] = round(at(end) - after, 4)
+        out["call"] = round(end[0] - start[0], 4)
         return out
 
 
@@ -81,15 +105,15 @@ class Timed(Hook):
         self.timeline, self.phase = timeline, phase
 
     def __call__(self, owner, call_next, args, kwargs):
-        start = time.perf_counter()
+        start = self.timeline.mark()
         out = call_next(args, kwargs)
         self.timeline.add(self.phase, start)
         return out
 
 
 class FirstCall(Hook):
-    """The ``timeline`` hook on a transformer: notes when the call's first step began (host time, no sync: what
-    came before it was launched, the device may still run it)."""
+    """The ``timeline`` hook on a transformer: marks where the call's first step begins (on a GPU, where the stream
+    reaches it: after what came before it)."""
 
     name = "timeline"
 
@@ -98,7 +122,7 @@ class FirstCall(Hook):
 
     def __call__(self, owner, call_next, args, kwargs):
         if self.timeline.first_call is None:
-            self.timeline.first_call = time.perf_counter()
+            self.timeline.first_call = self.timeline.mark()
         return call_next(args, kwargs)
 
 
@@ -150,10 +174,13 @@ class DevicePictures(Hook):
 
 def pil_pictures(images: torch.Tensor) -> list:
     """``[batch, channels, height, width]`` values in [0, 1] as PIL pictures, rounded as diffusers' ``numpy_to_pil``
-    rounds them (float32 times 255, half to even), on the images' device."""
+    rounds them (float32 times 255, half to even), on the images' device. The rounding runs on the images' own
+    layout and only the 8-bit pixels are put in rows of pixels there (on a GPU a copy of a few microseconds), so
+    one contiguous copy crosses to the host and PIL gets rows it takes as they are (from a channels-first array it
+    would gather every pixel's channels on the host: ~8 ms at 1024²)."""
     from PIL import Image
 
-    pixels = (images.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
+    pixels = (images.float() * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu().numpy()
     if pixels.shape[-1] == 1:
         return [Image.fromarray(p.squeeze(-1), mode="L") for p in pixels]
     return [Image.fromarray(p) for p in pixels]

@@ -182,9 +182,10 @@ class Replica:
 
     # -- requests ----------------------------------------------------------------------------------------------
     def run(self, job_id: str, options: dict, on_step=None) -> tuple[list, dict]:
-        """Run one request on the group: returns its pictures (``("image", PIL image)`` or ``(media type, bytes)``)
-        and rank 0's timeline of it (``phases.Timeline.report``; ``call``: its seconds there). Raises RankFault
-        (restart the group) or RequestFailed (the pipeline refused it)."""
+        """Run one request on the group: returns its pictures (``("pixels", uint8 array)``, ``("image", PIL image)``
+        or ``(media type, bytes)``: ``worker._pictures``) and rank 0's timeline of it (``phases.Timeline.report``;
+        ``call``: its seconds there). Raises RankFault (restart the group) or RequestFailed (the pipeline refused
+        it)."""
         now = time.time()
         for r in self.ranks:
             r.step, r.progress = 0, now

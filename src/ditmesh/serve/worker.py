@@ -134,12 +134,15 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
     switch = _lora_switch(pipe, run_options.loras)
     timeline, cache = instrument(pipe, device, options.get("prompt_cache", 0),
                                  lambda: switch.chosen if switch is not None else None)
-    # one step at the defaults' size and at each --warmup-sizes bucket: their kernels are compiled (or read from
-    # the compile caches) before a client comes; every adapter of the switch runs in them (chosen or at 0)
+    tune_vae(pipe, options.get("vae_tune") or ())
+    # one step and the pictures' decode at the defaults' size and at each --warmup-sizes bucket: their kernels are
+    # compiled (or read from the compile caches) and the VAE's first-call costs paid before a client comes; every
+    # adapter of the switch runs in them (chosen or at 0)
     warmed = {}
     for height, width in [(args.height, args.width), *options.get("warmup_sizes", [])]:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
-        warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device), 3)
+        warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device,
+                                                         decode=True), 3)
     batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
     freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
@@ -147,10 +150,34 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
             "switch": switch, "prompt_cache": cache}
 
 
+def tune_vae(pipe, ways) -> None:
+    """Speed up ``pipe``'s VAE decode in the ``ways`` of ``serve --vae-tune``: ``cudnn`` (``cudnn.benchmark``: the
+    fastest convolution per shape, timed at its first call, for the process), ``channels-last`` (the VAE's weights,
+    and the decoder's input by a forward pre-hook, in channels-last layout), ``compile`` (``torch.compile`` of the
+    decoder, in place; compiled at the warm-up, which decodes at every warmed size). Every rank tunes alike."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not ways:
+        return
+    import torch
+
+    if "cudnn" in ways:
+        torch.backends.cudnn.benchmark = True
+    decoder = getattr(vae, "decoder", None)
+    if "channels-last" in ways:
+        vae.to(memory_format=torch.channels_last)
+        if decoder is not None:
+            decoder.register_forward_pre_hook(lambda module, inputs: tuple(
+                x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.ndim == 4 else x
+                for x in inputs))
+    if "compile" in ways and decoder is not None:
+        decoder.compile()
+
+
 def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
     """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
     size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured,
-    the decode too: nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over
+    the decode too, a compiled VAE's included: nothing new is built inside a request; one picture's shape was warmed,
+    decoded, with the defaults' size), then each is timed in :data:`BATCH_REPEATS` rounds over
     the sizes (the fastest counts) as a whole call costs (:func:`_call_seconds`: the steps and the decode). Returns the
     seconds per call by batch size (each size's fastest) and ``use``: the batch size whose picture is at least
     :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its worst round, else 1
@@ -169,7 +196,7 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | No
         if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
             calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
             warm_up_call(pipe, calls[size], device)
-        warm_up_call(pipe, calls[size], device, decode=True)
+            warm_up_call(pipe, calls[size], device, decode=True)  # a compiled VAE: its decode of the batch compiled too
     steps = calls[1].get("num_inference_steps") or 1
     # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
     rounds = [{size: _call_seconds(pipe, call, device, steps) for size, call in calls.items()}
@@ -241,7 +268,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
         args.seed = seeds[0]
     timeline = state["timeline"]
     timeline.reset()
-    start = time.perf_counter()
+    start = timeline.mark()
     try:
         pipe = state["pipe"]
         if state["switch"] is not None:
@@ -259,9 +286,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
             stop = state["cancel"].is_set() if rank == 0 else None
             if state["world"] > 1:
                 stop = broadcast_tensors([stop], 0, None, state["device"])[0]
-            if i + 1 == steps:
-                timeline.sync()
-            timeline.step_ends.append(time.perf_counter())
+            timeline.step_end()
             if stop:
                 raise _Cancelled(i + 1)
             return kw
@@ -270,7 +295,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
             result = pipe(**call, **callback)
         if rank == 0:
             pictures = _pictures(result)  # PNG-encoded by the front end, off the ranks' path
-            phases = timeline.report(start, time.perf_counter())
+            phases = timeline.report(start, timeline.mark())
             events.put(("done", rank, job, True, pictures, phases["call"], phases))
     except _Cancelled as exc:
         if rank == 0:
@@ -279,7 +304,7 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
         if _collective_error(exc):
             _broken(rank, job, exc, events)
         if rank == 0:
-            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start, 4), {}))
+            events.put(("done", rank, job, False, one_line(exc), round(time.perf_counter() - start[0], 4), {}))
 
 
 class _Cancelled(Exception):
@@ -309,10 +334,24 @@ def _broken(rank: int, job: str | None, exc: BaseException, events) -> None:
 
 
 def _pictures(result) -> list[tuple[str, object]]:
-    """The call's pictures for the front end: ("image", a PIL image) each, which the front end encodes as PNG; an
-    animated GIF per video, as (media type, bytes)."""
+    """The call's pictures for the front end, which encodes them as PNG: ("pixels", its ``[height, width, channels]``
+    uint8 array) each of mode L, LA, RGB or RGBA (an array crosses the process boundary as one buffer; a PIL image
+    is packed into bytes and unpacked again on the way: ~6 ms at 1024²), ("image", a PIL image) of another mode;
+    an animated GIF per video, as (media type, bytes)."""
     if hasattr(result, "frames") and not hasattr(result, "images"):
         from ..runtime.video import gif_bytes
 
         return [("image/gif", gif_bytes(video)) for video in result.frames]
-    return [("image", image) for image in result.images]
+    from ..png import COLOUR_TYPES
+
+    return [("pixels", pixels_of(image)) if getattr(image, "mode", None) in COLOUR_TYPES else ("image", image)
+            for image in result.images]
+
+
+def pixels_of(image):
+    """The pixels of a PIL image of mode L, LA, RGB or RGBA as a ``[height, width, channels]`` uint8 array."""
+    import numpy as np
+
+    from ..png import COLOUR_TYPES
+
+    return np.asarray(image, dtype=np.uint8).reshape(image.height, image.width, COLOUR_TYPES[image.mode][0])
