@@ -112,6 +112,10 @@ WITH_TORCHVISION = {
     # batched CFG ([cond, uncond] in one call, OmniGen refuses cfg and dp); the left-padded [prompt, time, image]
     # sequence under its causal-and-image mask, 4 x 4 image patches and the prompts' tokens split over 4 heads
     "omnigen-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # true CFG (the prompt's call, then the negative prompt's, each extracting its text prefix's K/V on the first step
+    # and attending the target's 4 x 4 tokens to it on the second); the joint sequence split under the block-causal mask
+    "qwenimage21-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--negative-prompt", "blurry",
+                                              "--true-cfg-scale", "4"]),
 }
 CASES.update(WITH_TORCHVISION)
 # -- end of branch i46j's cases -------------------------------------------------------------------------------------
@@ -170,7 +174,8 @@ def test_a_checkpoint_whose_pipeline_needs_an_image_is_refused_without_one_befor
 @needs_no_torchvision
 @pytest.mark.parametrize("arch, family, why", [
     ("omnigen-tiny", "OmniGen", "OmniGenPipeline's constructor builds its multimodal processor from torchvision's "
-                                "transforms")])
+                                "transforms"),
+    ("qwenimage21-tiny", "Qwen-Image 2.1", "that processor's video processor needs torchvision")])
 def test_synth_refuses_a_pipeline_that_needs_torchvision_in_one_line_naming_its_install(tmp_path, capsys, arch,
                                                                                          family, why):
     from ditmesh.cli import main
