@@ -116,6 +116,10 @@ WITH_TORCHVISION = {
     # and attending the target's 4 x 4 tokens to it on the second); the joint sequence split under the block-causal mask
     "qwenimage21-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--negative-prompt", "blurry",
                                               "--true-cfg-scale", "4"]),
+    # JoyImage-Edit's reference image (the condition image in the prompt through the Qwen3-VL processor, and as a
+    # second item of latent frames): sequential CFG; the target's and the reference's 64 x 64 tokens (the 1024 bucket)
+    # split over 2 heads with the text
+    "joyimage-edit-tiny+image": (["--ulysses", "2"], ["--image", "{image}", "--guidance", "4"]),
 }
 CASES.update(WITH_TORCHVISION)
 # -- end of branch i46j's cases -------------------------------------------------------------------------------------
@@ -128,6 +132,7 @@ def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny
     from safetensors.torch import load_file
 
     axis, options = CASES[arch]
+    arch = arch.split("+")[0]  # a second case of one architecture: "NAME+what it adds"
     image = tmp_path / "condition.png"  # the image-to-video pipelines' condition image
     Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()).save(image)
     options = [str(image) if option == "{image}" else option for option in options]
@@ -190,4 +195,21 @@ def test_synth_refuses_a_pipeline_that_needs_torchvision_in_one_line_naming_its_
     from ditmesh.synth import build_transformer
 
     assert build_transformer(arch).config.num_layers == 2
+
+
+@needs_no_torchvision
+def test_joyimage_edit_written_without_torchvision_refuses_a_reference_image_in_one_line(tmp_path, tiny_checkpoints):
+    from cases_models import generate_refusal
+
+    image = tmp_path / "reference.png"
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(image)
+    line = generate_refusal(tiny_checkpoints("joyimage-edit-tiny"), "--image", str(image), "--steps", "2")
+    assert line.endswith("holds a Qwen2Tokenizer in its place; give a checkpoint with one (ditmesh synth writes it "
+                         "where torchvision imports)"), line
+    assert "--image: JoyImageEditPipeline puts the image in the prompt through a Qwen3VLProcessor" in line
+    assert generate_refusal("joyimage-edit-tiny", "--image", str(image)).endswith(
+        f"holds a tokenizer (torchvision does not import here: {NO_TORCHVISION}) in its place; give a checkpoint with "
+        "one (ditmesh synth writes it where torchvision imports)")
 # -- end of the torchvision refusals ----------------------------------------------------------------------------------

@@ -450,7 +450,9 @@ class ImagePipeline:
     same checkpoint folder. ``mask``: it takes a mask (``--mask``, required) or refuses one; ``strength``: it takes
     ``--strength`` (how far into the schedule the run starts). ``check``: (transformer config dict) -> why this
     checkpoint's transformer cannot run it (one line), or None. ``setup``: () -> None, called before the pipeline
-    class is used (it makes up for what the diffusers pipeline expects of the environment), or None.
+    class is used (it makes up for what the diffusers pipeline expects of the environment), or None. ``processor``:
+    the class the checkpoint's ``processor`` component must be for the image to reach the text encoder (JoyImage-Edit's
+    ``Qwen3VLProcessor``; a synthetic checkpoint written where torchvision does not import holds a tokenizer there).
     """
 
     mode: str
@@ -459,6 +461,7 @@ class ImagePipeline:
     strength: bool = True
     check: Callable | None = None
     setup: Callable | None = None
+    processor: str | None = None
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------

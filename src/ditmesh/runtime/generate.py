@@ -206,10 +206,32 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
         adapter = adapter_for_class(transformer_class)
         transformer_config = getattr(diffusers, transformer_class).load_config(model, subfolder="transformer")
     chosen = choose_image_pipeline(args, adapter, checkpoint, transformer_config)
+    if chosen.processor is not None:
+        check_image_processor(model, chosen)
     cls = getattr(diffusers, chosen.pipeline)
     if config is not None and config.cfg > 1 and "negative_prompt" not in inspect.signature(cls.__call__).parameters:
         raise ConfigError(f"--cfg {config.cfg}: {chosen.pipeline} has no negative prompt (no true CFG); use --cfg 1")
     return cls
+
+
+def check_image_processor(model: str, chosen) -> None:
+    """Refuse in one line a checkpoint whose ``processor`` is not the class ``chosen`` (an ImagePipeline) reads the
+    image through: a synthetic one written (or, by its architecture's name, built) where torchvision does not import
+    holds a tokenizer there."""
+    from ..models.base import torchvision_error
+    from ..models.registry import ARCHS
+
+    index = Path(model) / "model_index.json"
+    if model in ARCHS:
+        error = torchvision_error()
+        held = None if error is None else f"a tokenizer (torchvision does not import here: {error})"
+    else:
+        entry = read_model_json(index).get("processor") if index.is_file() else None
+        held = None if not entry or entry[-1] == chosen.processor else f"a {entry[-1]}"
+    if held is not None:
+        raise ConfigError(f"--image: {chosen.pipeline} puts the image in the prompt through a {chosen.processor}, and "
+                          f"--model {model} holds {held} in its place; give a checkpoint with one (ditmesh synth writes "
+                          "it where torchvision imports)")
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -670,6 +692,11 @@ def run(args) -> int:
     from .trace import CallPhases
 
     phases = CallPhases(pipe, transformers_of(pipe), lambda: _sync(device), first_step_name(args))
+    # what a pipeline draws from torch's global generator (JoyImageEditPipeline samples its reference image's latents
+    # with none given) is drawn alike on every rank, and in every run: it is seeded from --seed, as the call's is
+    import torch
+
+    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with phases:
         with step_callback(pipe, on_step_end) as callback:
