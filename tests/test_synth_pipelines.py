@@ -116,6 +116,10 @@ WITH_TORCHVISION = {
     # and attending the target's 4 x 4 tokens to it on the second); the joint sequence split under the block-causal mask
     "qwenimage21-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--negative-prompt", "blurry",
                                               "--true-cfg-scale", "4"]),
+    # a condition image (resized to the pipeline's 1024 x 1024 output resolution: 64 x 64 tokens of the prefix, one
+    # bidirectional block under the block-causal mask, cached with the text) and the target's 4 x 4 tokens
+    "qwenimage21-tiny+image": (["--ulysses", "2"], ["--image", "{image}", "--height", "64", "--width", "64",
+                                                    "--negative-prompt", "blurry", "--true-cfg-scale", "4"]),
     # JoyImage-Edit's reference image (the condition image in the prompt through the Qwen3-VL processor, and as a
     # second item of latent frames): sequential CFG; the target's and the reference's 64 x 64 tokens (the 1024 bucket)
     # split over 2 heads with the text
@@ -198,18 +202,19 @@ def test_synth_refuses_a_pipeline_that_needs_torchvision_in_one_line_naming_its_
 
 
 @needs_no_torchvision
-def test_joyimage_edit_written_without_torchvision_refuses_a_reference_image_in_one_line(tmp_path, tiny_checkpoints):
+def test_a_reference_image_without_torchvision_is_refused_in_one_line(tmp_path, tiny_checkpoints):
+    from PIL import Image
+
     from cases_models import generate_refusal
 
     image = tmp_path / "reference.png"
-    from PIL import Image
-
     Image.new("RGB", (32, 32), (200, 40, 40)).save(image)
     line = generate_refusal(tiny_checkpoints("joyimage-edit-tiny"), "--image", str(image), "--steps", "2")
     assert line.endswith("holds a Qwen2Tokenizer in its place; give a checkpoint with one (ditmesh synth writes it "
                          "where torchvision imports)"), line
     assert "--image: JoyImageEditPipeline puts the image in the prompt through a Qwen3VLProcessor" in line
-    assert generate_refusal("joyimage-edit-tiny", "--image", str(image)).endswith(
-        f"holds a tokenizer (torchvision does not import here: {NO_TORCHVISION}) in its place; give a checkpoint with "
-        "one (ditmesh synth writes it where torchvision imports)")
+    for arch in ("joyimage-edit-tiny", "qwenimage21-tiny"):  # by name: the pipeline would be built here
+        assert generate_refusal(arch, "--image", str(image)).endswith(
+            f"through a Qwen3VLProcessor, whose video processor needs torchvision, and torchvision does not import here "
+            f"({NO_TORCHVISION}): pip install torchvision (the release built for your torch)")
 # -- end of the torchvision refusals ----------------------------------------------------------------------------------

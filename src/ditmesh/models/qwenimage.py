@@ -281,7 +281,9 @@ def qwen3vl_processor(arch: SynthArch, kit) -> dict:
                                                                 *QWEN3VL_MARKERS.values()]})
     encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration", tokenizer)
     patches = dict(patch_size=16, merge_size=2, temporal_patch_size=2)
-    processor = transformers.Qwen3VLProcessor(image_processor=transformers.Qwen2VLImageProcessor(**patches),
+    # Qwen3-VL's pixel bounds (its preprocessor_config.json): a 1024 x 1024 condition image keeps its size
+    image_processor = transformers.Qwen2VLImageProcessor(size=dict(shortest_edge=65536, longest_edge=16777216), **patches)
+    processor = transformers.Qwen3VLProcessor(image_processor=image_processor,
                                               video_processor=transformers.Qwen3VLVideoProcessor(**patches),
                                               tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
     return dict(encoder, processor=processor)

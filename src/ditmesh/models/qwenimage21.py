@@ -38,8 +38,8 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
 
 from ..comm import offsets, split_sizes
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, with_torchvision)
+from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
+                   SynthArch, TensorPlan, register, spatial_latent, with_torchvision)
 from .qwenimage import QWENIMAGE_SCHEDULER, qwen3vl_processor, qwen3vl_sizes
 
 
@@ -253,6 +253,9 @@ QWENIMAGE21_ADAPTER = register(
         output_channel_dim=-1,
         out_channels=lambda model: model.proj_out.out_features,
         pipelines=("QwenImage21Pipeline",),
+        # condition images (the pipeline's own class, which also generates from text alone): in the prompt through
+        # the Qwen3-VL processor and in the joint sequence as the prefix's image blocks
+        image_pipelines=(ImagePipeline("edit", "QwenImage21Pipeline", strength=False, processor="Qwen3VLProcessor"),),
         synth_archs=(QWENIMAGE21_TINY, QWENIMAGE21),
         synth_components=with_torchvision("Qwen-Image 2.1", "QwenImage21Pipeline calls a Qwen3-VL processor on text "
                                           "and images and reads its tokenizer (a tokenizer cannot stand in), and that "

@@ -215,23 +215,25 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
 
 
 def check_image_processor(model: str, chosen) -> None:
-    """Refuse in one line a checkpoint whose ``processor`` is not the class ``chosen`` (an ImagePipeline) reads the
-    image through: a synthetic one written (or, by its architecture's name, built) where torchvision does not import
-    holds a tokenizer there."""
+    """Refuse in one line a run whose checkpoint cannot put the image in the prompt: a folder whose ``processor`` is not
+    the class ``chosen`` (an ImagePipeline) reads the image through (a synthetic one written where torchvision does not
+    import holds a tokenizer there), or an architecture's name where torchvision does not import (the processor it
+    would build needs it)."""
     from ..models.base import torchvision_error
     from ..models.registry import ARCHS
 
-    index = Path(model) / "model_index.json"
+    why = f"--image: {chosen.pipeline} puts the image in the prompt through a {chosen.processor}"
     if model in ARCHS:
         error = torchvision_error()
-        held = None if error is None else f"a tokenizer (torchvision does not import here: {error})"
-    else:
-        entry = read_model_json(index).get("processor") if index.is_file() else None
-        held = None if not entry or entry[-1] == chosen.processor else f"a {entry[-1]}"
-    if held is not None:
-        raise ConfigError(f"--image: {chosen.pipeline} puts the image in the prompt through a {chosen.processor}, and "
-                          f"--model {model} holds {held} in its place; give a checkpoint with one (ditmesh synth writes "
-                          "it where torchvision imports)")
+        if error is not None:
+            raise ConfigError(f"{why}, whose video processor needs torchvision, and torchvision does not import here "
+                              f"({error}): pip install torchvision (the release built for your torch)")
+        return
+    index = Path(model) / "model_index.json"
+    entry = read_model_json(index).get("processor") if index.is_file() else None
+    if entry and entry[-1] != chosen.processor:
+        raise ConfigError(f"{why}, and --model {model} holds a {entry[-1]} in its place; give a checkpoint with one "
+                          "(ditmesh synth writes it where torchvision imports)")
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
