@@ -129,7 +129,7 @@ _ROPE_SCALING = dict(long_factor=[1.0] * 48, short_factor=[1.0] * 48)
 OMNIGEN_V1 = SynthArch(
     name="omnigen-v1",
     description="OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's 32064-token "
-                "vocabulary), the transformer alone",
+                "vocabulary), the SDXL VAE, a local Llama tokenizer",
     pipeline="OmniGenPipeline",
     transformer_class="OmniGenTransformer2DModel",
     transformer=dict(in_channels=4, patch_size=2, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
@@ -143,8 +143,8 @@ OMNIGEN_V1 = SynthArch(
 OMNIGEN_TINY = dataclasses.replace(
     OMNIGEN_V1,
     name="omnigen-tiny",
-    description="OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with 2 layers; the "
-                "transformer alone",
+    description="OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with 2 layers; a "
+                "tiny SDXL VAE, a local Llama tokenizer",
     transformer=dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32, num_layers=2,
                      pad_token_id=0, vocab_size=1000, in_channels=4, time_step_dim=4,
                      rope_scaling=dict(long_factor=[1, 2], short_factor=[1, 2])),
