@@ -78,6 +78,32 @@ def test_generate_ulysses2_matches_single_process(tmp_path, flux_tiny):
     assert all(m > 0 for m in r2["peak_memory_bytes"])
 
 
+def test_generate_seeds_torchs_global_generator_from_seed_before_the_call(tmp_path, flux_tiny, monkeypatch):
+    # what a pipeline draws from torch's global generator (JoyImageEditPipeline samples its reference image's latents
+    # with no generator) must be the same in every run, so on every rank: drawn here at the call's start, in two runs
+    # of one process whose generator moved on between them
+    import functools
+
+    import diffusers
+
+    from ditmesh.cli import main
+
+    call, drawn = diffusers.FluxPipeline.__call__, []
+
+    @functools.wraps(call)
+    def drawing(self, *args, **kwargs):
+        drawn.append(torch.rand(4))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.FluxPipeline, "__call__", drawing)
+    for run in range(2):
+        torch.rand(run + 1)
+        assert main(["generate", "--model", flux_tiny, "--steps", "1", "--seed", "7", "--out",
+                     str(tmp_path / f"{run}.png")]) == 0
+    assert len(drawn) == 2 and torch.equal(drawn[0], drawn[1])
+    assert torch.equal(drawn[0], torch.rand(4, generator=torch.Generator().manual_seed(7)))
+
+
 def test_generate_pp2_with_every_step_exact_matches_single_process(tmp_path, flux_tiny):
     _, l1, _ = generate(tmp_path, "single", "--model", flux_tiny, "--nproc", "1")
     r2, l2, _ = generate(tmp_path, "pp2", "--model", flux_tiny, "--nproc", "2", "--pp", "2", "--pp-patches", "3",

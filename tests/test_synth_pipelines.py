@@ -1,9 +1,10 @@
 """The whole synthetic pipelines of the families issue 46 added (``ditmesh synth --arch NAME`` builds their text
 encoders, tokenizers and VAEs offline, with seeded random weights): each folder through ``ditmesh generate`` on two
 ranks of the shared pool, under the one parallel axis its pipeline calls for, against the same command on one process
-(the final latents, float32, rel. err <= 1e-5). One generate pair per family: 2 steps, the smallest sizes. Cosmos and
-Qwen-Image 2.1 are not here: their pipelines cannot be built offline (synth says why in one line); nor is OmniGen, whose
-pipeline needs torchvision (its refusal is tested at the end)."""
+(the final latents, float32, rel. err <= 1e-5). One generate pair per family: 2 steps, the smallest sizes. Cosmos is not
+here: its pipeline cannot be built offline (synth says why in one line). The pipelines that need torchvision (OmniGen's,
+:data:`WITH_TORCHVISION`) run where torchvision imports; where it does not, their one-line refusal is tested instead
+(the test extra cannot carry torchvision beside the CPU torch: docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import pytest
 import torch
 
 from cases_models import run_ranks
+from ditmesh.models.base import torchvision_error
 from ditmesh.testing import rel_err
+
+#: why torchvision does not import here (None: it does); decides which of each torchvision pair of tests runs
+NO_TORCHVISION = torchvision_error()
+needs_torchvision = pytest.mark.skipif(NO_TORCHVISION is not None, reason=f"torchvision does not import here "
+                                       f"({NO_TORCHVISION}): the pipeline's refusal is tested instead")
+needs_no_torchvision = pytest.mark.skipif(NO_TORCHVISION is None, reason="torchvision imports here: the pipeline "
+                                          "itself is tested instead of its refusal")
 
 #: architecture -> (the axis of the two-rank run, the size and guidance options of both runs)
 CASES = {
@@ -85,7 +94,6 @@ CASES = {
 AUDIO = {"stable-audio-tiny": (2, 4), "ace-step-tiny": (2, 4)}
 
 # -- issue 46 item 2, second batch (branch i46f): Helios, Stable Audio 3, LongCat-Audio-DiT ------------------------------
-# (OmniGen is not here: OmniGenPipeline builds its processor from torchvision's transforms; synth says so in one line)
 CASES.update({
     # sequential CFG; the pipeline's one chunk of 9 latent frames after its 16 + 2 + 1 history frames (patchified 4x,
     # 2x and 1x coarser), 2 x 2 tokens a frame, split over 2 heads
@@ -99,13 +107,36 @@ CASES.update({
 AUDIO.update({"longcat-audio-dit-tiny": (1, 8), "stable-audio-3-tiny": (2, 16)})
 # -- end of branch i46f's cases -------------------------------------------------------------------------------------
 
+# -- branch i46j: the pipelines that need torchvision -----------------------------------------------------------------
+WITH_TORCHVISION = {
+    # batched CFG ([cond, uncond] in one call, OmniGen refuses cfg and dp); the left-padded [prompt, time, image]
+    # sequence under its causal-and-image mask, 4 x 4 image patches and the prompts' tokens split over 4 heads
+    "omnigen-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--guidance", "4"]),
+    # true CFG (the prompt's call, then the negative prompt's, each extracting its text prefix's K/V on the first step
+    # and attending the target's 4 x 4 tokens to it on the second); the joint sequence split under the block-causal mask
+    "qwenimage21-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--negative-prompt", "blurry",
+                                              "--true-cfg-scale", "4"]),
+    # a condition image (resized to the pipeline's 1024 x 1024 output resolution: 64 x 64 tokens of the prefix, one
+    # bidirectional block under the block-causal mask, cached with the text) and the target's 4 x 4 tokens
+    "qwenimage21-tiny+image": (["--ulysses", "2"], ["--image", "{image}", "--height", "64", "--width", "64",
+                                                    "--negative-prompt", "blurry", "--true-cfg-scale", "4"]),
+    # JoyImage-Edit's reference image (the condition image in the prompt through the Qwen3-VL processor, and as a
+    # second item of latent frames): sequential CFG; the target's and the reference's 64 x 64 tokens (the 1024 bucket)
+    # split over 2 heads with the text
+    "joyimage-edit-tiny+image": (["--ulysses", "2"], ["--image", "{image}", "--guidance", "4"]),
+}
+CASES.update(WITH_TORCHVISION)
+# -- end of branch i46j's cases -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", CASES)
+
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=needs_torchvision if arch in WITH_TORCHVISION else ())
+                                  for arch in CASES])
 def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):
     from PIL import Image
     from safetensors.torch import load_file
 
     axis, options = CASES[arch]
+    arch = arch.split("+")[0]  # a second case of one architecture: "NAME+what it adds"
     image = tmp_path / "condition.png"  # the image-to-video pipelines' condition image
     Image.fromarray((torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()).save(image)
     options = [str(image) if option == "{image}" else option for option in options]
@@ -148,18 +179,42 @@ def test_a_checkpoint_whose_pipeline_needs_an_image_is_refused_without_one_befor
     assert generate_refusal(arch, "--steps", "2").endswith(f"--model {arch}: {line}")
 
 
-# -- branch i46f: a family whose pipeline cannot be built here --------------------------------------------------------
-def test_synth_refuses_omnigens_pipeline_in_one_line_naming_torchvision(tmp_path, capsys):
+# -- branches i46f and i46j: the pipelines that need torchvision, where it does not import -----------------------------
+@needs_no_torchvision
+@pytest.mark.parametrize("arch, family, why", [
+    ("omnigen-tiny", "OmniGen", "OmniGenPipeline's constructor builds its multimodal processor from torchvision's "
+                                "transforms"),
+    ("qwenimage21-tiny", "Qwen-Image 2.1", "that processor's video processor needs torchvision")])
+def test_synth_refuses_a_pipeline_that_needs_torchvision_in_one_line_naming_its_install(tmp_path, capsys, arch,
+                                                                                         family, why):
     from ditmesh.cli import main
 
-    assert main(["synth", "--arch", "omnigen-tiny", "--out", str(tmp_path / "omnigen")]) == 2
+    assert main(["synth", "--arch", arch, "--out", str(tmp_path / arch)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("ditmesh: error: omnigen-tiny: ditmesh builds OmniGen's transformer only")
-    assert "OmniGenPipeline's constructor builds its multimodal processor from torchvision's transforms" in err
-    assert not (tmp_path / "omnigen").exists()
-    # the reason holds here: the processor cannot be built (when it can, build OmniGen's pipeline instead)
-    from diffusers.pipelines.omnigen.processor_omnigen import OmniGenMultiModalProcessor
+    assert "\n" not in err and err.startswith(f"ditmesh: error: {arch}: ditmesh builds {family}'s pipeline only where "
+                                              "torchvision imports")
+    assert why in err and f"here it does not ({NO_TORCHVISION}): pip install torchvision" in err
+    assert not (tmp_path / arch).exists()
+    # the transformer alone is still built (plan, bench and the transformer-level tests take it)
+    from ditmesh.synth import build_transformer
 
-    with pytest.raises(NameError, match="transforms"):
-        OmniGenMultiModalProcessor(None)
-# -- end of branch i46f's refusal -------------------------------------------------------------------------------------
+    assert build_transformer(arch).config.num_layers == 2
+
+
+@needs_no_torchvision
+def test_a_reference_image_without_torchvision_is_refused_in_one_line(tmp_path, tiny_checkpoints):
+    from PIL import Image
+
+    from cases_models import generate_refusal
+
+    image = tmp_path / "reference.png"
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(image)
+    line = generate_refusal(tiny_checkpoints("joyimage-edit-tiny"), "--image", str(image), "--steps", "2")
+    assert line.endswith("holds a Qwen2Tokenizer in its place; give a checkpoint with one (ditmesh synth writes it "
+                         "where torchvision imports)"), line
+    assert "--image: JoyImageEditPipeline puts the image in the prompt through a Qwen3VLProcessor" in line
+    for arch in ("joyimage-edit-tiny", "qwenimage21-tiny"):  # by name: the pipeline would be built here
+        assert generate_refusal(arch, "--image", str(image)).endswith(
+            f"through a Qwen3VLProcessor, whose video processor needs torchvision, and torchvision does not import here "
+            f"({NO_TORCHVISION}): pip install torchvision (the release built for your torch)")
+# -- end of the torchvision refusals ----------------------------------------------------------------------------------

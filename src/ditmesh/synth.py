@@ -111,25 +111,35 @@ def build_t5_tokenizer(words=WORDS, max_length: int = 512):
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
+def _piece_bpe(specials: tuple[str, ...], words) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The vocabulary and merges of a SentencePiece-style BPE over single characters (``▁`` marks a word start):
+    ``specials`` first, then the characters, then each of ``words`` after its ``▁`` as one token."""
+    vocab = {s: i for i, s in enumerate(specials)}
+    for c in "\u2581abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
+        vocab[c] = len(vocab)
+    return vocab, _word_merges([["\u2581", *word] for word in words], vocab)
+
+
 def build_gemma_tokenizer(words=WORDS, max_length: int = 300, add_bos: bool = False):
     """A Gemma (BPE) tokenizer over single characters, with merges that make each of ``words`` (after the ``▁`` that
     marks a word start) one token; ``add_bos``: every text starts with ``<bos>``, as Gemma's own tokenizers do (an
     empty prompt is then one token, not none)."""
     from transformers import GemmaTokenizer
 
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
-    for c in "\u2581abcdefghijklmnopqrstuvwxyz0123456789.,!?'-":
-        vocab[c] = len(vocab)
-    merges: list[tuple[str, str]] = []
-    for word in words:
-        pieces = ["\u2581", *word]
-        while len(pieces) > 1:
-            if (pieces[0], pieces[1]) not in merges:
-                merges.append((pieces[0], pieces[1]))
-            joined = pieces[0] + pieces[1]
-            vocab.setdefault(joined, len(vocab))
-            pieces = [joined] + pieces[2:]
+    vocab, merges = _piece_bpe(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"), words)
     return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length, add_bos_token=add_bos)
+
+
+def build_llama_tokenizer(specials: tuple[str, ...] = (), words=WORDS, max_length: int = 2048):
+    """A Llama (BPE) tokenizer as :func:`build_gemma_tokenizer`'s (``<unk>``, ``<s>``, ``</s>`` first), knowing
+    ``specials`` (a chat template's markers) as whole special tokens."""
+    from transformers import LlamaTokenizer
+
+    vocab, merges = _piece_bpe(("<unk>", "<s>", "</s>", *specials), words)
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+    if specials:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,6 +252,9 @@ class Kit:
 
     def t5_tokenizer(self, max_length: int):
         return build_t5_tokenizer(max_length=max_length)
+
+    def llama_tokenizer(self, specials: tuple[str, ...], max_length: int):
+        return build_llama_tokenizer(specials, max_length=max_length)
 
     def byte_bpe(self, specials: tuple[str, ...], words=()):
         """(vocab, merges) of a byte-level BPE knowing ``specials`` and :data:`WORDS` plus ``words`` (:func:`byte_bpe`)."""

@@ -388,6 +388,42 @@ def transformer_only(family: str, missing: str) -> Callable:
     return components
 
 
+def torchvision_error() -> str | None:
+    """Why ``import torchvision`` fails here, in one line (``"ModuleNotFoundError: No module named 'torchvision'"``,
+    or PyPI's CUDA build beside a CPU torch: ``"RuntimeError: operator torchvision::nms does not exist"``); None when
+    it imports. transformers and diffusers only look whether the package is installed, so a broken one counts as there
+    for them: this imports it."""
+    global _TORCHVISION_ERROR
+    if _TORCHVISION_ERROR is None:
+        import importlib
+
+        try:
+            importlib.import_module("torchvision")
+            _TORCHVISION_ERROR = ""
+        except Exception as exc:  # noqa: BLE001 - any failure to import it is the reason to give
+            _TORCHVISION_ERROR = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    return _TORCHVISION_ERROR or None
+
+
+_TORCHVISION_ERROR: str | None = None
+
+
+def with_torchvision(family: str, why: str, components: Callable) -> Callable:
+    """The ``synth_components`` of a family whose pipeline needs torchvision (``why``: what needs it): ``components``
+    where torchvision imports; elsewhere only the transformer is built (``transformer_only``) and a pipeline asked for
+    is refused in one line that names the import's error and ``pip install torchvision``."""
+
+    def guarded(arch: SynthArch, kit) -> dict:
+        error = torchvision_error()
+        if error is not None:
+            raise NotImplementedError(f"{arch.name}: ditmesh builds {family}'s pipeline only where torchvision imports "
+                                      f"({why}); here it does not ({error}): pip install torchvision (the release "
+                                      "built for your torch), or use build_transformer or a real checkpoint")
+        return components(arch, kit)
+
+    return guarded
+
+
 def vae_and_t5(vae_class: str, encoder: str = "T5EncoderModel", config_class: str = "T5Config") -> Callable:
     """``synth_components`` of a pipeline whose other components are a VAE of the diffusers class ``vae_class``
     (``arch.vae``) and a T5-shaped text encoder (the transformers class ``encoder`` of config ``config_class``, sized by
@@ -414,7 +450,9 @@ class ImagePipeline:
     same checkpoint folder. ``mask``: it takes a mask (``--mask``, required) or refuses one; ``strength``: it takes
     ``--strength`` (how far into the schedule the run starts). ``check``: (transformer config dict) -> why this
     checkpoint's transformer cannot run it (one line), or None. ``setup``: () -> None, called before the pipeline
-    class is used (it makes up for what the diffusers pipeline expects of the environment), or None.
+    class is used (it makes up for what the diffusers pipeline expects of the environment), or None. ``processor``:
+    the class the checkpoint's ``processor`` component must be for the image to reach the text encoder (JoyImage-Edit's
+    ``Qwen3VLProcessor``; a synthetic checkpoint written where torchvision does not import holds a tokenizer there).
     """
 
     mode: str
@@ -423,6 +461,7 @@ class ImagePipeline:
     strength: bool = True
     check: Callable | None = None
     setup: Callable | None = None
+    processor: str | None = None
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------

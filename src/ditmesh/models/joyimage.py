@@ -27,9 +27,10 @@ import torch
 from diffusers.models.transformers.transformer_joyimage import _apply_rotary_emb
 from diffusers.models.transformers.transformer_joyimage_edit_plus import _apply_rotary_emb_batched
 
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, spatial_latent, token_range)
-from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
+from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan,
+                   SequenceProcessor, Split, SynthArch, TensorPlan, register, spatial_latent, token_range,
+                   torchvision_error)
+from .qwenimage import qwen3vl_processor, qwen3vl_sizes, qwen3vl_text_encoder
 
 
 class JoyImageSequenceParallelProcessor(SequenceProcessor):
@@ -94,13 +95,19 @@ def joyimage_layout(config: dict, height: int, width: int, frames: int, text_tok
 
 def joyimage_components(arch: SynthArch, kit) -> dict:
     """JoyImageEditPipeline's (and Edit Plus's) other components: the Wan VAE (``arch.vae``) and a Qwen3-VL for
-    conditional generation (``arch.t5``) with the local Qwen2 tokenizer. In the processor's place (a Qwen3-VL
-    processor, whose video processor needs torchvision) the same tokenizer: the pipeline calls the processor only to
-    put a reference image in the prompt, which the synthetic checkpoint does not take (text to image)."""
+    conditional generation (``arch.t5``) with the local Qwen2 tokenizer and, where torchvision imports, a Qwen3-VL
+    processor over it (:func:`~ditmesh.models.qwenimage.qwen3vl_processor`: the pipeline puts the reference image in the
+    prompt through it). Where torchvision does not import (the processor's video processor needs it), the tokenizer
+    stands in the processor's place: the pipeline calls the processor only for that image, so the checkpoint generates
+    from text alone (``generate --image`` refuses it in one line)."""
     import diffusers
 
-    encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration")
-    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), processor=encoder["tokenizer"], **encoder)
+    if torchvision_error() is None:
+        encoder = qwen3vl_processor(arch, kit)
+    else:
+        encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration")
+        encoder["processor"] = encoder["tokenizer"]
+    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), **encoder)
 
 
 def _each(*suffixes: str) -> tuple[str, ...]:
@@ -170,6 +177,8 @@ JOYIMAGE = register(
         output_channel_dim=-4,  # [B, (items,) C, T, H, W]
         out_channels=lambda model: model.out_channels,
         pipelines=("JoyImageEditPipeline",),
+        # the reference image (the pipeline's own class, which also generates from text alone)
+        image_pipelines=(ImagePipeline("edit", "JoyImageEditPipeline", strength=False, processor="Qwen3VLProcessor"),),
         synth_archs=(JOYIMAGE_TINY, JOYIMAGE_EDIT),
         synth_components=joyimage_components,
         pp_refusal="PipeFusion is not tested on JoyImage-Edit's dual-stream blocks",
@@ -234,6 +243,7 @@ JOYIMAGE_PLUS = register(dataclasses.replace(
     cfg_mode="batched",  # one call on [uncond, cond], the grids listed twice
     output_channel_dim=2,  # [B, patches, C, pt, ph, pw]
     pipelines=("JoyImageEditPlusPipeline",),
+    image_pipelines=(),  # its reference images are not run by generate yet
     synth_archs=(JOYIMAGE_PLUS_TINY, JOYIMAGE_EDIT_PLUS),
     synth_components=joyimage_components,
     pp_refusal="PipeFusion is not tested on JoyImage-Edit Plus's dual-stream blocks",

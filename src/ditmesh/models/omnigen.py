@@ -27,7 +27,8 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, TensorPlan, register, replace_forward, spatial_latent, transformer_only)
+                   SynthArch, TensorPlan, register, replace_forward, spatial_latent, with_torchvision)
+from .pixart import _SDXL_VAE
 
 
 class OmniGenSequenceParallelProcessor(SequenceProcessor):
@@ -110,17 +111,30 @@ OMNIGEN_TENSOR_PLAN = TensorPlan(
 )
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
+#: the markers of OmniGen's prompt template (its processor's ``add_prefix_instruction``) and of a condition image
+OMNIGEN_MARKERS = ("<|user|>", "<|assistant|>", "<|end|>", "<|diffusion|>", "<img>", "</img>")
+
+
+def omnigen_components(arch: SynthArch, kit) -> dict:
+    """OmniGenPipeline's other components: the SDXL VAE (``arch.vae``) and a Llama tokenizer built locally that knows
+    the prompt template's markers; no text encoder (the transformer embeds the token ids itself)."""
+    import diffusers
+
+    return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1),
+                tokenizer=kit.llama_tokenizer(OMNIGEN_MARKERS, 4096))  # its prompts are not cut
+
+
 _ROPE_SCALING = dict(long_factor=[1.0] * 48, short_factor=[1.0] * 48)
 
 OMNIGEN_V1 = SynthArch(
     name="omnigen-v1",
     description="OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's 32064-token "
-                "vocabulary), the transformer alone",
+                "vocabulary), the SDXL VAE, a local Llama tokenizer",
     pipeline="OmniGenPipeline",
     transformer_class="OmniGenTransformer2DModel",
     transformer=dict(in_channels=4, patch_size=2, hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
                      intermediate_size=8192, num_layers=32, rope_scaling=_ROPE_SCALING),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae=_SDXL_VAE, clip={}, t5={}, scheduler={},
     default_dtype="bfloat16",
     max_sequence_length=120,
 )
@@ -129,11 +143,12 @@ OMNIGEN_V1 = SynthArch(
 OMNIGEN_TINY = dataclasses.replace(
     OMNIGEN_V1,
     name="omnigen-tiny",
-    description="OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with 2 layers; the "
-                "transformer alone",
+    description="OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with 2 layers; a "
+                "tiny SDXL VAE, a local Llama tokenizer",
     transformer=dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32, num_layers=2,
                      pad_token_id=0, vocab_size=1000, in_channels=4, time_step_dim=4,
                      rope_scaling=dict(long_factor=[1, 2], short_factor=[1, 2])),
+    vae=dict(_SDXL_VAE, block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8, sample_size=64),
     default_dtype="float32",
     default_size=(64, 64),
     max_sequence_length=24,
@@ -166,9 +181,9 @@ OMNIGEN = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("OmniGenPipeline",),
         synth_archs=(OMNIGEN_TINY, OMNIGEN_V1),
-        synth_components=transformer_only("OmniGen", "torchvision: OmniGenPipeline's constructor builds its "
-                                                     "multimodal processor from torchvision's transforms, even for "
-                                                     "text to image"),
+        synth_components=with_torchvision("OmniGen", "OmniGenPipeline's constructor builds its multimodal processor "
+                                                     "from torchvision's transforms, even for text to image",
+                                          omnigen_components),
         meta_trace=omnigen_meta_trace,
         batch_refusal="OmniGen's pipeline batches its (up to three) guidance calls with the condition images as one "
                       "list over the batch and a dict of their positions per sample, which a batch split would have "

@@ -247,16 +247,46 @@ def qwen3vl_sizes(hidden_size: int, layers: int, head_dim: int, mrope_section: l
                             deepstack_visual_indexes=[]))
 
 
-def qwen3vl_text_encoder(arch: SynthArch, kit, model: str = "Qwen3VLModel") -> dict:
+def qwen3vl_text_encoder(arch: SynthArch, kit, model: str = "Qwen3VLModel", tokenizer=None) -> dict:
     """``text_encoder`` (a ``Qwen3VLModel`` of ``arch.t5``'s sizes, :func:`qwen3vl_sizes`; ``model``: another
     transformers class of that config, such as ``Qwen3VLForConditionalGeneration``) and ``tokenizer``
-    (:func:`qwen_tokenizer`), as Krea 2's, Ideogram 4's, JoyImage-Edit's and Nucleus-MoE's pipelines take them."""
+    (:func:`qwen_tokenizer`, or the one given: the ids of the vision markers it knows go to the config), as Krea 2's,
+    Ideogram 4's, JoyImage-Edit's and Nucleus-MoE's pipelines take them."""
+    import transformers
+
+    tokenizer = tokenizer or qwen_tokenizer(kit)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    known = tokenizer.get_vocab()
+    markers = {f"{field}_token_id": known[token] for field, token in QWEN3VL_MARKERS.items() if token in known}
+    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"],
+                                        **markers)
+    return dict(text_encoder=kit.make(getattr(transformers, model), config, 3), tokenizer=tokenizer)
+
+
+#: the vision markers a Qwen3-VL processor writes into the text, by the config field holding each one's id
+QWEN3VL_MARKERS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "image": "<|image_pad|>",
+                   "video": "<|video_pad|>"}
+
+
+def qwen3vl_processor(arch: SynthArch, kit) -> dict:
+    """``text_encoder`` (a ``Qwen3VLForConditionalGeneration``, :func:`qwen3vl_text_encoder`), ``tokenizer`` (the
+    local one, knowing the vision markers too) and ``processor``: a ``Qwen3VLProcessor`` over that tokenizer with
+    Qwen3-VL's image processor (16-pixel patches merged 2 x 2: one vision token per 32 x 32 pixels, as the pipelines
+    lay out 2 x 2 latent tokens of a 16x VAE per slot) and its video processor, which needs torchvision; as
+    Qwen-Image 2.1's and JoyImage-Edit's pipelines take them for condition images."""
     import transformers
 
     tokenizer = qwen_tokenizer(kit)
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    config = transformers.Qwen3VLConfig(text_config=dict(arch.t5["text"], **ids), vision_config=arch.t5["vision"])
-    return dict(text_encoder=kit.make(getattr(transformers, model), config, 3), tokenizer=tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>",
+                                                                *QWEN3VL_MARKERS.values()]})
+    encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration", tokenizer)
+    patches = dict(patch_size=16, merge_size=2, temporal_patch_size=2)
+    # Qwen3-VL's pixel bounds (its preprocessor_config.json): a 1024 x 1024 condition image keeps its size
+    image_processor = transformers.Qwen2VLImageProcessor(size=dict(shortest_edge=65536, longest_edge=16777216), **patches)
+    processor = transformers.Qwen3VLProcessor(image_processor=image_processor,
+                                              video_processor=transformers.Qwen3VLVideoProcessor(**patches),
+                                              tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
+    return dict(encoder, processor=processor)
 
 
 def qwen25vl_text_encoder(arch: SynthArch, kit, generation: str = "Qwen2_5_VL") -> dict:

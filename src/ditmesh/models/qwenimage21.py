@@ -38,9 +38,9 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
 
 from ..comm import offsets, split_sizes
-from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
-from .qwenimage import QWENIMAGE_SCHEDULER
+from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, Split,
+                   SynthArch, TensorPlan, register, spatial_latent, with_torchvision)
+from .qwenimage import QWENIMAGE_SCHEDULER, qwen3vl_processor, qwen3vl_sizes
 
 
 def block_causal_mask(segments, key_valid, length: int, device) -> torch.Tensor:
@@ -176,18 +176,29 @@ QWENIMAGE21_TENSOR_PLAN = TensorPlan(
     rowwise=("transformer_blocks.*.attn.to_out.0", "transformer_blocks.*.img_mlp.out"),
 )
 
+def qwenimage21_components(arch: SynthArch, kit) -> dict:
+    """QwenImage21Pipeline's other components: its 16x VAE (``arch.vae``) and a Qwen3-VL for conditional generation
+    (``arch.t5``) with its processor (:func:`~ditmesh.models.qwenimage.qwen3vl_processor`: the pipeline calls it on
+    the prompt and the condition images, and reads its tokenizer)."""
+    import diffusers
+
+    encoder = qwen3vl_processor(arch, kit)
+    return dict(vae=kit.make(diffusers.AutoencoderKLQwenImage21, arch.vae, 1), text_encoder=encoder["text_encoder"],
+                processor=encoder["processor"])
+
+
 #: 16x VAE, latents not packed; the pipeline's dynamic shift
 QWENIMAGE21 = SynthArch(
     name="qwenimage21",
     description="Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32 heads x 128, text "
-                "width 4096, block-causal attention); the transformer alone",
+                "width 4096, block-causal attention), its VAE, a two-layer Qwen3-VL of Qwen3-VL-8B's width",
     pipeline="QwenImage21Pipeline",
     transformer_class="QwenImage21Transformer2DModel",
     transformer=dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
                      num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=[16, 56, 56]),
     vae={},
     clip={},
-    t5={},
+    t5=qwen3vl_sizes(4096, 2, 128, [24, 20, 20]),
     scheduler=QWENIMAGE_SCHEDULER,
     default_dtype="bfloat16",
     default_size=(1024, 1024),
@@ -197,9 +208,13 @@ QWENIMAGE21 = SynthArch(
 #: the transformer's test-sized configuration: 2 blocks, 4 heads of 16 (tp 2 and 4 divide them), RoPE 4 + 6 + 6
 QWENIMAGE21_TINY = dataclasses.replace(
     QWENIMAGE21, name="qwenimage21-tiny",
-    description="Qwen-Image 2.1 shrunk for CPU tests: 2 single-stream blocks, 4 heads x 16, text width 32",
+    description="Qwen-Image 2.1 shrunk for CPU tests: 2 single-stream blocks, 4 heads x 16, text width 32; a 16x VAE "
+                "4 channels wide without residual blocks, a two-layer Qwen3-VL",
     transformer=dict(QWENIMAGE21.transformer, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
                      num_attention_heads=4, context_in_dim=32, axes_dims_rope=[4, 6, 6]),
+    vae=dict(base_dim=4, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
+             latents_mean=[0.0] * 16, latents_std=[1.0] * 16),
+    t5=qwen3vl_sizes(32, 2, 8, [1, 1, 2], kv_heads=2, intermediate_size=16),
     default_dtype="float32", default_size=(64, 64), max_sequence_length=32)
 
 
@@ -238,11 +253,13 @@ QWENIMAGE21_ADAPTER = register(
         output_channel_dim=-1,
         out_channels=lambda model: model.proj_out.out_features,
         pipelines=("QwenImage21Pipeline",),
+        # condition images (the pipeline's own class, which also generates from text alone): in the prompt through
+        # the Qwen3-VL processor and in the joint sequence as the prefix's image blocks
+        image_pipelines=(ImagePipeline("edit", "QwenImage21Pipeline", strength=False, processor="Qwen3VLProcessor"),),
         synth_archs=(QWENIMAGE21_TINY, QWENIMAGE21),
-        synth_components=transformer_only("Qwen-Image 2.1",
-                                          "a Qwen3-VL processor (it calls the processor on text and images and reads "
-                                          "its tokenizer: a tokenizer cannot stand in), whose video processor needs "
-                                          "torchvision"),
+        synth_components=with_torchvision("Qwen-Image 2.1", "QwenImage21Pipeline calls a Qwen3-VL processor on text "
+                                          "and images and reads its tokenizer (a tokenizer cannot stand in), and that "
+                                          "processor's video processor needs torchvision", qwenimage21_components),
         meta_trace=qwenimage21_meta_trace,
         pp_refusal="Qwen-Image 2.1's prefix K/V cache and block-causal mask are not carried across PipeFusion's patches",
         graph_refusal="Qwen-Image 2.1's forward reads its image layout on the host (tolist) to build the segments",

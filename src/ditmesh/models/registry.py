@@ -267,9 +267,11 @@ SYNTH: dict[str, tuple[str, str]] = {
     'bria-3.2': ('flux_like', "Bria 3.2 transformer as diffusers' defaults (19 double + 38 single blocks, 24 heads"
                               " x 128, text width 4096), FLUX.1's VAE, a one-layer T5-XXL-wide encoder"),
     'qwenimage21-tiny': ('qwenimage21', 'Qwen-Image 2.1 shrunk for CPU tests: 2 single-stream blocks, 4 heads x '
-                                        '16, text width 32'),
+                                        '16, text width 32; a 16x VAE 4 channels wide without residual blocks, a '
+                                        'two-layer Qwen3-VL'),
     'qwenimage21': ('qwenimage21', "Qwen-Image 2.1 transformer as diffusers' defaults (32 single-stream blocks, 32"
-                                   ' heads x 128, text width 4096, block-causal attention); the transformer alone'),
+                                   ' heads x 128, text width 4096, block-causal attention), its VAE, a two-layer '
+                                   "Qwen3-VL of Qwen3-VL-8B's width"),
     'bria-fibo-tiny': ('flux_like', "Bria FIBO shrunk for CPU tests: diffusers' test configuration (1 double + 1 "
                                     'single block, 2 heads x 8, text width 64, text-encoder layers 32 wide), a tiny '
                                     'Wan 2.2 VAE and SmolLM3'),
@@ -345,9 +347,9 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        ' 24 heads x 128, text width 4096), the Wan VAE, a two-layer Qwen3-VL of '
                                        "Qwen3-VL-8B's width"),
     'omnigen-tiny': ('omnigen', "OmniGen at diffusers' test configuration (4 heads x 4, a 1000-token vocabulary) with "
-                                '2 layers; the transformer alone'),
+                                '2 layers; a tiny SDXL VAE, a local Llama tokenizer'),
     'omnigen-v1': ('omnigen', "OmniGen-v1 transformer as diffusers' defaults (32 layers, 32 heads x 96, Phi-3's "
-                              '32064-token vocabulary), the transformer alone'),
+                              '32064-token vocabulary), the SDXL VAE, a local Llama tokenizer'),
     'helios-tiny': ('helios', "Helios at diffusers' test configuration: 2 blocks, 2 heads x 12, text width 16; a "
                               'tiny Wan VAE of 4 latent channels, UMT5'),
     'helios-14b': ('helios', "Helios 14B transformer as diffusers' defaults (Wan2.1-14B's 40 blocks, 40 heads x 128, "

@@ -206,10 +206,34 @@ def image_pipeline_class(args, model: str, adapter=None, transformer_config: dic
         adapter = adapter_for_class(transformer_class)
         transformer_config = getattr(diffusers, transformer_class).load_config(model, subfolder="transformer")
     chosen = choose_image_pipeline(args, adapter, checkpoint, transformer_config)
+    if chosen.processor is not None:
+        check_image_processor(model, chosen)
     cls = getattr(diffusers, chosen.pipeline)
     if config is not None and config.cfg > 1 and "negative_prompt" not in inspect.signature(cls.__call__).parameters:
         raise ConfigError(f"--cfg {config.cfg}: {chosen.pipeline} has no negative prompt (no true CFG); use --cfg 1")
     return cls
+
+
+def check_image_processor(model: str, chosen) -> None:
+    """Refuse in one line a run whose checkpoint cannot put the image in the prompt: a folder whose ``processor`` is not
+    the class ``chosen`` (an ImagePipeline) reads the image through (a synthetic one written where torchvision does not
+    import holds a tokenizer there), or an architecture's name where torchvision does not import (the processor it
+    would build needs it)."""
+    from ..models.base import torchvision_error
+    from ..models.registry import ARCHS
+
+    why = f"--image: {chosen.pipeline} puts the image in the prompt through a {chosen.processor}"
+    if model in ARCHS:
+        error = torchvision_error()
+        if error is not None:
+            raise ConfigError(f"{why}, whose video processor needs torchvision, and torchvision does not import here "
+                              f"({error}): pip install torchvision (the release built for your torch)")
+        return
+    index = Path(model) / "model_index.json"
+    entry = read_model_json(index).get("processor") if index.is_file() else None
+    if entry and entry[-1] != chosen.processor:
+        raise ConfigError(f"{why}, and --model {model} holds a {entry[-1]} in its place; give a checkpoint with one "
+                          "(ditmesh synth writes it where torchvision imports)")
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -670,6 +694,11 @@ def run(args) -> int:
     from .trace import CallPhases
 
     phases = CallPhases(pipe, transformers_of(pipe), lambda: _sync(device), first_step_name(args))
+    # what a pipeline draws from torch's global generator (JoyImageEditPipeline samples its reference image's latents
+    # with none given) is drawn alike on every rank, and in every run: it is seeded from --seed, as the call's is
+    import torch
+
+    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with phases:
         with step_callback(pipe, on_step_end) as callback:
