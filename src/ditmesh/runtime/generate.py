@@ -846,8 +846,8 @@ def warm_up(pipe, call: dict, config, world: int, rank: int, device, load_s: flo
 
 
 def warm_up_call(pipe, call: dict, device, decode: bool = False) -> float:
-    """One denoising step of ``call`` (latents out, no decode; ``decode``: the pictures too, as the pipeline's call
-    makes them): compiles this shape and opens the collectives. Every rank calls it alike. Returns its seconds."""
+    """One denoising step of ``call`` (latents out, no decode; ``decode``: decoded as ``call`` asks): compiles this
+    shape and opens the collectives. Every rank calls it alike. Returns its seconds."""
     _sync(device)
     start = time.perf_counter()
     pipe(**dict(call, num_inference_steps=1, **({} if decode else {"output_type": "latent"})))
