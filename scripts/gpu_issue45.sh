@@ -19,7 +19,8 @@
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
-# Item 2 alone:  PARTS=lone bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 3-4 minutes)
+# Item 2 alone:  PARTS=lone TOTAL_S=330 bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 4-5 minutes: three
+# servers, the first compiling the transformer cold unless the compile cache is warm, the third the VAE decoder)
 set -u
 OUT=${OUT:-/tmp/issue45}
 mkdir -p "$OUT"
