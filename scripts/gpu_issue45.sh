@@ -21,8 +21,10 @@
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
-# Item 2 alone:  PARTS=lone TOTAL_S=330 bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 4-5 minutes: three
-# servers, the first compiling the transformer cold unless the compile cache is warm, the third the VAE decoder)
+# Item 2 alone:  PARTS=lone TOTAL_S=420 bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 5-6 minutes with the
+# tree before the cuts carried in .old: four servers, the first compiling the transformer cold unless the compile
+# cache is warm, the last the VAE decoder); LONE_VAE="WAYS ..." picks the --vae-tune servers (space-separated; ""
+# none; default "cudnn,channels-last cudnn,channels-last,compile")
 set -u
 OUT=${OUT:-/tmp/issue45}
 mkdir -p "$OUT"
@@ -34,12 +36,12 @@ PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
   MODEL=flux-tiny FAST="" BIG="--height 64 --width 64 --steps 2" SMALL="--height 32 --width 32 --steps 2"
   E2E="--cpu-dry-run"
-  VAE_WAYS=("cudnn,channels-last")
+  VAE_WAYS=${LONE_VAE-cudnn,channels-last}
 else
   MODEL=flux-dev FAST="--compile --cuda-graph" BIG="--height 1024 --width 1024 --steps 28"
   SMALL="--height 512 --width 512 --steps 28"
   E2E="--model flux-dev --gpus 1 --height 1024 --width 1024 --steps 28 --compile --cuda-graph"
-  VAE_WAYS=("cudnn,channels-last" "cudnn,channels-last,compile")
+  VAE_WAYS=${LONE_VAE-cudnn,channels-last cudnn,channels-last,compile}
 fi
 if want e2e 100; then
   # shellcheck disable=SC2086
@@ -63,7 +65,7 @@ if want lone 150; then
     PYTHONPATH=${PYTHONPATH//$PWD\/src/$PWD\/.old\/src} EXTRA="" serve serve-lone-1024-old "$BIG" 1 2 "--nproc 1"
   fi
   lone=("--nproc 1")
-  for ways in "${VAE_WAYS[@]}"; do lone+=("--nproc 1 --vae-tune $ways"); done
+  for ways in $VAE_WAYS; do lone+=("--nproc 1 --vae-tune $ways"); done
   EXTRA="--answer json,png" serve serve-lone-1024 "$BIG" 1 2 "${lone[@]}"
   $PY - "$OUT/serve-lone-1024.json" "$OUT/serve-lone-1024-old.json" <<'PYEOF'
 import json, os, sys
