@@ -143,54 +143,12 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
         warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device,
                                                          decode=True), 3)
-    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
+    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1),
+                                 "compile" in (options.get("vae_tune") or ()))
     freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
             "switch": switch, "prompt_cache": cache}
-
-
-def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
-    """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
-    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
-    nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over the sizes (the
-    fastest counts). Returns the seconds per call by batch size (each size's fastest) and ``use``: the batch size
-    whose picture is at least :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its
-    worst round, else 1 (batching would not raise throughput here). Every rank runs the same calls (their
-    collectives); rank 0's numbers count."""
-    if max_batch <= 1:
-        return None
-    import torch
-
-    from ..runtime.generate import _call_kwargs, warm_up_call
-
-    calls = {}
-    for size in range(1, max_batch + 1):
-        batch = argparse.Namespace(**{**vars(args), "prompt": [args.prompt[0]] * size})
-        calls[size] = _call_kwargs(pipe, batch, defaults)
-        if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
-            calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
-            warm_up_call(pipe, calls[size], device)
-    # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
-    rounds = [{size: warm_up_call(pipe, call, device) for size, call in calls.items()} for _ in range(BATCH_REPEATS)]
-    seconds = {size: min(r[size] for r in rounds) for size in calls}
-    # a size batches only where its picture is cheaper than a lone call's in every round (a noisy round cannot turn
-    # batching on), and the one whose worst round is the cheapest wins
-    worst = {size: max(r[size] / size / r[1] for r in rounds) for size in calls if size > 1}
-    good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
-    use = min(good, key=lambda size: worst[size]) if good else 1
-    return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
-
-
-def _lora_switch(pipe, loras):
-    """With named adapters (``--lora NAME=PATH[:SCALE]``): the switch that turns one of them on per request (the
-    unnamed ones stay on); None without any (every adapter stays on, as ``generate`` runs them)."""
-    if not any(lora.name for lora in loras):
-        return None
-    from ..parallel.lora import Switch
-
-    names = [lora.name or f"lora{i}" for i, lora in enumerate(loras)]
-    return Switch(pipe, names, [lora.scale for lora in loras], {n for n, lora in zip(names, loras) if not lora.name})
 
 
 def tune_vae(pipe, ways) -> None:
@@ -214,6 +172,50 @@ def tune_vae(pipe, ways) -> None:
                 for x in inputs))
     if "compile" in ways and decoder is not None:
         decoder.compile()
+
+
+def _measure_batching(pipe, args, defaults, device, max_batch: int, decode: bool = False) -> dict | None:
+    """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
+    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured:
+    nothing new is built inside a request), then each is timed in :data:`BATCH_REPEATS` rounds over the sizes (the
+    fastest counts). Returns the seconds per call by batch size (each size's fastest) and ``use``: the batch size
+    whose picture is at least :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its
+    worst round, else 1 (batching would not raise throughput here). Every rank runs the same calls (their
+    collectives); rank 0's numbers count. ``decode``: each batch shape's warm-up decodes its pictures too (a
+    compiled VAE decoder compiles each batch's shape there, not inside a request)."""
+    if max_batch <= 1:
+        return None
+    import torch
+
+    from ..runtime.generate import _call_kwargs, warm_up_call
+
+    calls = {}
+    for size in range(1, max_batch + 1):
+        batch = argparse.Namespace(**{**vars(args), "prompt": [args.prompt[0]] * size})
+        calls[size] = _call_kwargs(pipe, batch, defaults)
+        if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
+            calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
+            warm_up_call(pipe, calls[size], device, decode)  # a compiled VAE: its decode of the batch compiled too
+    # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
+    rounds = [{size: warm_up_call(pipe, call, device) for size, call in calls.items()} for _ in range(BATCH_REPEATS)]
+    seconds = {size: min(r[size] for r in rounds) for size in calls}
+    # a size batches only where its picture is cheaper than a lone call's in every round (a noisy round cannot turn
+    # batching on), and the one whose worst round is the cheapest wins
+    worst = {size: max(r[size] / size / r[1] for r in rounds) for size in calls if size > 1}
+    good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
+    use = min(good, key=lambda size: worst[size]) if good else 1
+    return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
+
+
+def _lora_switch(pipe, loras):
+    """With named adapters (``--lora NAME=PATH[:SCALE]``): the switch that turns one of them on per request (the
+    unnamed ones stay on); None without any (every adapter stays on, as ``generate`` runs them)."""
+    if not any(lora.name for lora in loras):
+        return None
+    from ..parallel.lora import Switch
+
+    names = [lora.name or f"lora{i}" for i, lora in enumerate(loras)]
+    return Switch(pipe, names, [lora.scale for lora in loras], {n for n, lora in zip(names, loras) if not lora.name})
 
 
 def _serve(rank: int, world: int, state: dict, requests, events, parent: int) -> None:
