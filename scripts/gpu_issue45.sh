@@ -9,8 +9,10 @@
 #             before, --vae-tune cudnn,channels-last, and that with compile; on each, the pictures as JSON (the old
 #             way, the default answer) and as the PNG file (Accept: image/png). After it, each server's first picture
 #             (the same request everywhere) against the first server's, and its file against its JSON answer (the
-#             same bytes?). The cuts without a switch (the pixels' hand-off, the PNG's pieces) are measured against
-#             the 2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
+#             same bytes?). The cuts without a switch (the pixels' hand-off, the PNG's pieces, no synchronization
+#             inside the call) against the tree before them: where .old/src holds it (bash scripts/gpu_issue32.sh
+#             --prepare 82ac395, carried), its server runs first (serve-lone-1024-old.json); else against the
+#             2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
 #             The phases are on the GPU's clock (CUDA events, no synchronization inside the call); step_max: the
 #             slowest step, to tell where the steps' extra beyond 28 median steps goes
 #   serve512  one replica without and with --max-batch 4 (the start-up measurement decides) at 512², 4 and 16 clients
@@ -20,7 +22,10 @@
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
-# Item 2 alone:  PARTS=lone bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 3-4 minutes)
+# Item 2 alone:  PARTS=lone TOTAL_S=420 bash scripts/gpu.sh bash scripts/gpu_issue45.sh   (about 5-6 minutes with the
+# tree before the cuts carried in .old: four servers, the first compiling the transformer cold unless the compile
+# cache is warm, the last the VAE decoder); LONE_VAE="WAYS ..." picks the --vae-tune servers (space-separated; ""
+# none; default "cudnn,channels-last cudnn,channels-last,compile")
 set -u
 OUT=${OUT:-/tmp/issue45}
 mkdir -p "$OUT"
@@ -32,12 +37,12 @@ PY=${PY:-python3}
 if [ "${DRY:-0}" = 1 ]; then
   MODEL=flux-tiny FAST="" BIG="--height 64 --width 64 --steps 2" SMALL="--height 32 --width 32 --steps 2"
   E2E="--cpu-dry-run"
-  VAE_WAYS=("cudnn,channels-last")
+  VAE_WAYS=${LONE_VAE-cudnn,channels-last}
 else
   MODEL=flux-dev FAST="--compile --cuda-graph" BIG="--height 1024 --width 1024 --steps 28"
   SMALL="--height 512 --width 512 --steps 28"
   E2E="--model flux-dev --gpus 1 --height 1024 --width 1024 --steps 28 --compile --cuda-graph"
-  VAE_WAYS=("cudnn,channels-last" "cudnn,channels-last,compile")
+  VAE_WAYS=${LONE_VAE-cudnn,channels-last cudnn,channels-last,compile}
 fi
 if want e2e 100; then
   # shellcheck disable=SC2086
@@ -56,13 +61,20 @@ serve() {  # serve NAME "SHAPE" CLIENTS REQUESTS LAYOUT...
   grep -ho "batching[^(]*([^)]*)" "$OUT/$name-logs"/*.log
 }
 if want lone 150; then
+  if [ -d .old/src/ditmesh ]; then  # the tree before the cuts, where given (scripts/gpu_issue32.sh --prepare COMMIT;
+    # carry .old): its server, the JSON answer only (the same machine, the same call)
+    PYTHONPATH=${PYTHONPATH//$PWD\/src/$PWD\/.old\/src} EXTRA="" serve serve-lone-1024-old "$BIG" 1 2 "--nproc 1"
+  fi
   lone=("--nproc 1")
-  for ways in "${VAE_WAYS[@]}"; do lone+=("--nproc 1 --vae-tune $ways"); done
+  for ways in $VAE_WAYS; do lone+=("--nproc 1 --vae-tune $ways"); done
   EXTRA="--answer json,png" serve serve-lone-1024 "$BIG" 1 2 "${lone[@]}"
-  $PY - "$OUT/serve-lone-1024.json" <<'PYEOF'
-import json, sys
+  $PY - "$OUT/serve-lone-1024.json" "$OUT/serve-lone-1024-old.json" <<'PYEOF'
+import json, os, sys
 layouts = json.load(open(sys.argv[1]))["layouts"]
 first = layouts[0].get("first_sha256")
+if os.path.exists(sys.argv[2]):  # the tree before the cuts: the same request's picture, byte for byte?
+    old = json.load(open(sys.argv[2]))["layouts"][0].get("first_sha256")
+    print(f"lone: the tree before the cuts drew {'the same' if old == first else 'a DIFFERENT'} first picture")
 for lay in layouts:
     print(f"lone [{lay['layout']}]: first picture {'the same' if lay.get('first_sha256') == first else 'DIFFERENT'} as "
           f"[{layouts[0]['layout']}]'s; its file as its JSON answer's: {lay.get('first_png_same_as_json')}; "
