@@ -117,3 +117,83 @@ def check_caches_decide_as_one_process(pools, path: str, settings, **kwargs) -> 
         for config in ({"ulysses": 2}, {"cfg": 2}):
             for got in pools(2).run(cached_run, path, config, setting, **kwargs):
                 assert_same_run(got, ref)
+
+
+#: the inputs of a family's four cached calls: the example inputs of seed 0 twice, then those of seed 1 twice (a call
+#: equal to the one before it, then a changed one)
+FAMILY_CALLS = (0, 0, 1, 1)
+
+
+def family_model(arch: str, layers: dict | None = None):
+    """The synthetic ``arch`` transformer (seed 0, float32); ``layers``: config entries in place of the arch's (its
+    block counts)."""
+    from dataclasses import replace
+
+    from ditmesh.synth import build_transformer, get_arch
+
+    spec = get_arch(arch)
+    if layers:
+        spec = replace(spec, transformer={**spec.transformer, **layers})
+    return build_transformer(spec, seed=0, dtype=torch.float32)
+
+
+def family_inputs(arch: str, layers: dict | None = None) -> tuple[list[dict], dict]:
+    """The synthetic ``arch`` transformer's adapter's example inputs of each call of :data:`FAMILY_CALLS` (drawn from
+    its seed; one sample, 8 text tokens, two latent frames of a video family, float32; 32 x 32, or the least power of
+    two above it that gives 4 image tokens or more), and the sequence-parallel axis its heads take: ulysses 2, or
+    ring 2 where they do not divide."""
+    from ditmesh.models import adapter_for
+
+    model = family_model(arch, layers)
+    adapter = adapter_for(model)
+    frames, size = 1 + (adapter.frame_step or 4), 32
+    while adapter.layout(dict(model.config), size, size, frames, 8).image_tokens < 4:
+        size *= 2
+    inputs = [adapter.example_inputs(model, height=size, width=size, batch=1, text_len=8,
+                                     generator=torch.Generator().manual_seed(seed), device="cpu", dtype=torch.float32,
+                                     frames=frames) for seed in FAMILY_CALLS]
+    return inputs, ({"ulysses": 2} if adapter.num_heads(model) % 2 == 0 else {"ring": 2})
+
+
+def family_cached_calls(arch: str, config: dict, setting: str | None, inputs: list[dict], layers: dict | None = None):
+    """The synthetic ``arch`` transformer's calls on ``inputs`` (one a step of a run of ``len(inputs)`` steps, as a
+    pipeline's scheduler counts them) under ``config`` with the step cache ``setting`` on this rank. Returns (every
+    call's output sample, the cache's decisions, how often each block's own forward ran, the collectives of the
+    calls)."""
+    import functools
+    from types import SimpleNamespace
+
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+    from ditmesh.hooks import output_sample
+    from ditmesh.models import adapter_for
+
+    model = family_model(arch, layers)
+    blocks = adapter_for(model).block_modules(model)
+    runs = [0] * len(blocks)
+    for i, block in enumerate(blocks):  # wrapped before parallelize: the cache's hook calls this when the block runs
+        @functools.wraps(block.forward)  # its signature: the hooks bind positional inputs by name
+        def counted(*args, _i=i, _forward=block.forward, **kwargs):
+            runs[_i] += 1
+            return _forward(*args, **kwargs)
+        block.forward = counted
+    scheduler = SimpleNamespace(timesteps=torch.arange(len(inputs)), step_index=None, begin_index=None)
+
+    class Pipe:  # what parallelize and the context hook read: the transformer and the scheduler's position
+        transformer = model
+
+    Pipe.scheduler = scheduler
+    runtime = parallelize(Pipe, ParallelConfig(**config), cache=setting)
+    outs = []
+    with torch.no_grad(), count_collectives() as counts:
+        for step, call in enumerate(inputs):
+            scheduler.step_index = step
+            out = model(**call)
+            outs.append(out if isinstance(out, torch.Tensor) else output_sample(out))  # Kandinsky 5: the tensor
+    history = [h["skip"] for h in runtime.caches["transformer"].history] if setting else []
+    return outs, history, runs, dict(counts)
+
+
+def family_cached_runs(arch: str, config: dict, settings, inputs: list[dict], layers: dict | None = None) -> dict:
+    """:func:`family_cached_calls` of each cache setting in ``settings`` (one pool task for all of them)."""
+    return {setting: family_cached_calls(arch, config, setting, inputs, layers) for setting in settings}

@@ -179,3 +179,4 @@ def test_hunyuan_video_framepack_history_matters():
     ref = transformer_call(FRAMEPACK, {}, inputs)[0]
     other = dict(inputs, latents_history_4x=-inputs["latents_history_4x"])
     assert rel_err(transformer_call(FRAMEPACK, {}, other)[0], ref) > 1e-4
+

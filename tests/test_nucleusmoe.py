@@ -18,14 +18,16 @@ from ditmesh.testing import rel_err
 LAYERS = 2
 
 
-def arch_of(shape: str):
+def arch_of(shape: str, heads: int = 3, kv_heads: int = 1):
+    """diffusers' configuration, or ours (``odd``): ``heads`` query heads over ``kv_heads`` key/value heads, a dense then
+    an expert-choice block."""
     from ditmesh.synth import get_arch
 
     arch = get_arch("nucleusmoe-image-tiny")
     if shape == "diffusers":
         return arch
     return dataclasses.replace(arch, transformer=dict(
-        arch.transformer, num_attention_heads=3, num_key_value_heads=1, moe_enabled=True,
+        arch.transformer, num_attention_heads=heads, num_key_value_heads=kv_heads, moe_enabled=True,
         dense_moe_strategy="leave_first_block_dense", num_experts=4, moe_intermediate_dim=32,
         capacity_factors=[2.0, 2.0]))
 
@@ -76,3 +78,29 @@ def test_nucleusmoe_routing_and_mask_matter():
     assert rel_err(transformer_call(dense, {}, inputs)[0], ref) > 1e-4  # far above the 1e-5 the parallel runs keep
     unmasked = dict(inputs, encoder_hidden_states_mask=torch.ones(2, 7, dtype=torch.long))
     assert rel_err(transformer_call(arch, {}, unmasked)[0][1], ref[1]) > 1e-3
+
+
+@pytest.mark.parametrize("shape", ["diffusers", "odd"])
+def test_nucleusmoe_tensor_parallel_matches_single_process(pools, shape):
+    # tp 2: diffusers' dense blocks (4 heads), and ours with 4 query over 2 key/value heads, a dense then an
+    # expert-choice block (its shared expert split, its routed experts whole); per block one all-reduce after the
+    # attention's output projection and one after the feed-forward's (the dense SwiGLU's or the shared expert's)
+    arch = arch_of(shape, heads=4, kv_heads=2)
+    check_transformer(pools, arch, {"tp": 2}, inputs_of(shape), {"all_reduce": 2 * LAYERS})
+
+
+def test_nucleusmoe_tensor_parallel_shards_and_refuses_split_kv_heads():
+    from ditmesh import ParallelConfig
+    from ditmesh.models import adapter_for
+    from ditmesh.parallel.tensor import resolve_plan
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(arch_of("odd", heads=4, kv_heads=2))
+    adapter = adapter_for(model)
+    shards = resolve_plan(model, adapter.tensor_plan, 2)
+    assert {"transformer_blocks.0.img_mlp.net.2", "transformer_blocks.1.img_mlp.shared_expert.net.2",
+            "transformer_blocks.1.attn.add_v_proj"} <= set(shards)
+    assert not any("experts.gate_up_proj" in name or name.endswith("img_mlp.gate") for name in shards)
+    assert adapter.unsupported(model, ParallelConfig(tp=2)) is None
+    one_kv = build_transformer(arch_of("odd", heads=4, kv_heads=1))
+    assert "does not divide Nucleus-MoE's 1 key/value heads" in adapter.unsupported(one_kv, ParallelConfig(tp=2))

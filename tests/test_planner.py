@@ -466,3 +466,45 @@ def test_the_trace_cache_is_keyed_by_ditmesh_source(monkeypatch, tmp_path):
     assert before == stats._cache_path(spec, 1024, 1024, 1, 1) and before.parent == tmp_path
     monkeypatch.setattr(aot, "source_hash", lambda: "an-edited-adapter")
     assert stats._cache_path(spec, 1024, 1024, 1, 1) != before
+
+
+def _one_tiny_arch_per_family() -> list[str]:
+    from ditmesh.models import adapters
+
+    return sorted({a.name: next(s.name for s in a.synth_archs if s.name.endswith("-tiny"))
+                   for a in adapters() if any(s.name.endswith("-tiny") for s in a.synth_archs)}.values())
+
+
+@pytest.mark.parametrize("arch", _one_tiny_arch_per_family())
+def test_ditmesh_plan_traces_every_family_at_its_default_size(arch, monkeypatch, capsys):
+    # each family's transformer traced on the meta device (its adapter's meta_trace where diffusers' forward reads a
+    # tensor on the host), at the size generate makes of the architecture; bad input would be one line, exit code 2
+    from ditmesh.cli import main
+
+    monkeypatch.setenv("DITMESH_PLAN_CACHE", "off")
+    assert main(["plan", "--model", arch, "--gpus", "2", "--json"]) == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    assert out["configs"] and out["recommendation"]["degrees"]
+
+
+@pytest.mark.parametrize("arch", ["hunyuan-video-framepack-tiny", "lumina2-tiny", "mochi-tiny"])
+def test_meta_traces_compute_diffusers_forward_on_the_planners_inputs(arch):
+    # the planner's forward of these families (their meta_trace: what diffusers' forward reads on the host is taken
+    # from the planner's inputs, one sample, all text valid) computes diffusers' forward on real weights
+    import torch
+
+    from ditmesh.models import adapter_for
+    from ditmesh.synth import build_transformer
+    from ditmesh.testing import rel_err
+
+    model = build_transformer(arch, dtype=torch.float32)
+    adapter = adapter_for(model)
+    inputs = adapter.example_inputs(model, height=48, width=48, batch=1, text_len=11,
+                                    generator=torch.Generator().manual_seed(3), device="cpu", dtype=torch.float32,
+                                    frames=1 + (adapter.frame_step or 2))
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        undo = adapter.meta_trace(model)
+        traced = model(**inputs)[0]
+        undo()
+    assert traced.shape == ref.shape and rel_err(traced, ref) <= 1e-5

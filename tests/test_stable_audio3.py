@@ -17,14 +17,15 @@ from ditmesh.testing import rel_err
 LAYERS = 2
 
 
-def arch_of(shape: str):
+def arch_of(shape: str, heads: int = 3):
+    """diffusers' configuration, or ours (``odd``): differential attention, ``heads`` heads of 8, 5 memory tokens."""
     from ditmesh.synth import get_arch
 
     arch = get_arch("stable-audio-3-tiny")
     if shape == "diffusers":
         return arch
-    return dataclasses.replace(arch, transformer=dict(arch.transformer, embed_dim=24, num_heads=3, num_memory_tokens=5,
-                                                      use_differential_attention=True))
+    return dataclasses.replace(arch, transformer=dict(arch.transformer, embed_dim=8 * heads, num_heads=heads,
+                                                      num_memory_tokens=5, use_differential_attention=True))
 
 
 def inputs_of(shape: str) -> dict:
@@ -59,3 +60,23 @@ def test_stable_audio3_inpainting_conditioning_matters():
     arch, inputs = arch_of("odd"), inputs_of("odd")
     ref = transformer_call(arch, {}, inputs)[0]
     assert rel_err(transformer_call(arch, {}, dict(inputs, local_add_cond=None))[0], ref) > 1e-3
+
+
+@pytest.mark.parametrize("shape", ["diffusers", "odd"])
+def test_stable_audio3_tensor_parallel_matches_single_process(pools, shape):
+    # tp 2 over 4 heads: plain attention (fused Q/K/V of three parts, K/V of two) and differential (five and three, two
+    # queries); per block one all-reduce after each attention's output projection and one after the SwiGLU's
+    arch = arch_of(shape, heads=4)
+    check_transformer(pools, arch, {"tp": 2}, inputs_of(shape), {"all_reduce": 3 * LAYERS})
+
+
+def test_stable_audio3_tensor_plan_cuts_each_fused_part():
+    from ditmesh.models import adapter_for
+    from ditmesh.parallel.tensor import resolve_plan
+    from ditmesh.synth import build_transformer
+
+    for shape, qkv, kv in (("diffusers", 3, 2), ("odd", 5, 3)):
+        model = build_transformer(arch_of(shape, heads=4))
+        shards = resolve_plan(model, adapter_for(model).tensor_plan, 2)
+        assert shards["transformer_blocks.0.self_attn.to_qkv"].parts == (32,) * qkv
+        assert shards["transformer_blocks.1.cross_attn.to_kv"].parts == (32,) * kv

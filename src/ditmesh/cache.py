@@ -1,12 +1,12 @@
 """Step caching whose decisions every rank shares: compute the first blocks, skip the rest while they barely change.
 
 Policy ``dbcache`` (``fbcache`` is its ``first=1`` case): at every transformer call the first ``first`` blocks
-run. Their residual on the main stream (``hidden_states`` after block ``first - 1`` minus ``hidden_states``
-entering block 0) is compared with the same residual at the previous step of the same branch: ``rel = sum|r_t -
-r_{t-1}| / sum|r_{t-1}|``. When ``rel < threshold`` (after ``warmup`` computed steps, and at most ``max_skips``
-cached steps in a row), the middle blocks are skipped: each returns its input, and the last of them adds the
-residual the middle blocks produced at the last step they ran (per carried stream, e.g. FLUX's text and image
-streams). The last ``last`` blocks always run.
+run. Their residual on the main stream (the block list's first carried input, ``hidden_states`` in most families:
+its value after block ``first - 1`` minus its value entering block 0) is compared with the same residual at the
+previous step of the same branch: ``rel = sum|r_t - r_{t-1}| / sum|r_{t-1}|``. When ``rel < threshold`` (after
+``warmup`` computed steps, and at most ``max_skips`` cached steps in a row), the middle blocks are skipped: each
+returns its input, and the last of them adds the residual the middle blocks produced at the last step they ran (per
+carried stream, e.g. FLUX's text and image streams). The last ``last`` blocks always run.
 
 Cross-rank rule: the two sums are taken over this rank's part of the tensor and added, in float64, over every
 rank that holds another part of the same call's batch (the sequence-parallel ranks, the data-parallel ranks, and
@@ -291,7 +291,7 @@ class _BlockHook(Hook):
         named = bind_kwargs(self.forward, args, kwargs)
         patch = cache.ctx.patch
         if index == cache.first_own and (patch is None or patch[0] == 0):  # once per call, at its first patch
-            cache.entry = named["hidden_states"]
+            cache.entry = named[self.spec.carries[0]]  # the main stream (ERNIE-Image's ``x``, Kandinsky 5's ``visual_embed``)
             if cache.planned is not None:  # taken before the call (a graph replays this path)
                 cache.skip = cache.planned
             elif cache.known_in_advance:
@@ -308,7 +308,7 @@ class _BlockHook(Hook):
         if cache.cuts is not None and index == middle.start < middle.stop - 1:
             cache.cuts.cut_inside()
         if index == config.first - 1 and config.policy == "dbcache":
-            hidden = self._stream(output, "hidden_states")
+            hidden = self._stream(output, self.spec.carries[0])
             cache.skip = cache.decide_at(hidden - cache.entry)
         if index == here.stop - 1 and not cache.skip:
             state = cache.branch()

@@ -131,10 +131,11 @@ class RedundancyProbe:
             from .hooks import bind_kwargs
 
             outputs = output if isinstance(output, tuple) else (output,)
-            # the block's main stream: the last carried tensor it returns (hidden_states)
-            position = spec.returns.index("hidden_states") if "hidden_states" in spec.returns else 0
+            # the block's main stream: its list's first carried input (hidden_states; ERNIE-Image's x)
+            main = spec.carries[0]
+            position = spec.returns.index(main) if main in spec.returns else 0
             out = outputs[position]
-            inp = bind_kwargs(module.forward, args, kwargs).get("hidden_states")
+            inp = bind_kwargs(module.forward, args, kwargs).get(main)
             self._record(out_index, out)
             if isinstance(inp, torch.Tensor) and inp.shape == out.shape:
                 self._record(res_index, out - inp)

@@ -129,6 +129,9 @@ class TensorPlan:
       Q, K, V and MLP input; a SwiGLU's gate and value halves): each part is split on its own, so a rank keeps
       its share of every part, in order. Parts are named relative to the linear's parent: a linear (its output
       features) or an integer attribute (``inner_dim``, ``linear_out.in_features``).
+    - ``equal_parts_colwise``: a packed column-parallel linear whose output is as many equal parts as the width of the
+      one part named (as for ``packed_colwise``) goes into it, whatever their count (Stable Audio 3's fused Q/K/V:
+      three parts, or five where the checkpoint has differential attention).
     - ``packed_rowwise``: a row-parallel linear whose input is the concatenation of the outputs of
       several column-parallel parts (named as for ``packed_colwise``: sibling linears such as FLUX's
       ``attn.to_q`` and ``proj_mlp``, or integer attributes); its input columns are split as one contiguous
@@ -151,6 +154,7 @@ class TensorPlan:
     rowwise: tuple[str, ...]
     packed_rowwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
     packed_colwise: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    equal_parts_colwise: dict[str, str] = field(default_factory=dict)
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
     head_outputs: dict[str, int] = field(default_factory=dict)

@@ -22,6 +22,7 @@ diffusers' guider: two calls a step, the prompt's then the negative prompt's (se
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -264,6 +265,39 @@ def framepack_layout(config: dict, height: int, width: int, frames: int, text_to
     return Layout(video, text_tokens + 729, video + text_tokens + 729, (config.get("in_channels", 16), frames, lh, lw))
 
 
+def framepack_meta_trace(model: torch.nn.Module):
+    """Give the planner's ``model`` a forward traceable on the meta device at a real call's cost: diffusers' forward cuts
+    the text of a one-sample call to its mask's valid length (and writes a larger batch's key mask row by row), reading
+    each length on the host, which a meta tensor has not; the planner's text is all valid, so here it runs whole
+    without a key mask, as diffusers runs a one-sample call. The history is packed and the blocks, final norm,
+    projection and unpatchifying run as in diffusers' forward. Returns the undo callable."""
+
+    def forward(hidden_states, timestep, encoder_hidden_states, encoder_attention_mask, pooled_projections,
+                image_embeds, indices_latents, guidance=None, latents_clean=None, indices_latents_clean=None,
+                latents_history_2x=None, indices_latents_history_2x=None, latents_history_4x=None,
+                indices_latents_history_4x=None, **_):
+        batch, _, frames, height, width = hidden_states.shape
+        p, pt = model.config.patch_size, model.config.patch_size_t
+        grid = (frames // pt, height // p, width // p)
+        rope = lambda frames: model.rope(frame_indices=frames, height=height, width=width,  # noqa: E731
+                                         device=hidden_states.device)
+        history = model.clean_x_embedder(latents_clean, latents_history_2x, latents_history_4x)
+        tokens, rotary = model._pack_history_states(
+            model.x_embedder(hidden_states), *history, rope(indices_latents), rope(indices_latents_clean),
+            rope(indices_latents_history_2x), rope(indices_latents_history_4x), height // p, width // p)
+        temb, _ = model.time_text_embed(timestep, pooled_projections, guidance)
+        text = torch.cat([model.image_projection(image_embeds),
+                          model.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)], dim=1)
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            tokens, text = block(tokens, text, temb, None, rotary)
+        out = model.proj_out(model.norm_out(tokens[:, -math.prod(grid):], temb))
+        out = out.reshape(batch, *grid, -1, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)  # back to [B, C, F, H, W]
+        return (out.reshape(batch, out.shape[1], frames, height, width),)
+
+    model.forward = forward
+    return lambda: vars(model).pop("forward")
+
+
 HUNYUAN_VIDEO_FRAMEPACK = dataclasses.replace(
     HUNYUAN_VIDEO,
     name="hunyuan-video-framepack",
@@ -334,5 +368,6 @@ HUNYUAN_VIDEO_FRAMEPACK_ADAPTER = register(dataclasses.replace(
     # image to video: the image is the clean frame the windows are sampled from (no strength: every run is from noise)
     image_pipelines=(ImagePipeline("i2v", "HunyuanVideoFramepackPipeline", strength=False),),
     unsupported=None,
+    meta_trace=framepack_meta_trace,
     pp_refusal="its attention always takes the text's key mask, which PipeFusion's attention does not take",
 ))

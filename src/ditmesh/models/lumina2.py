@@ -28,7 +28,7 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, Split, SynthArch, \
-    TensorPlan, register, spatial_latent
+    TensorPlan, register, replace_forward, spatial_latent
 from .flux import FLUX_VAE, KL_VAE_PLAN
 
 
@@ -163,6 +163,16 @@ def lumina2_components(arch: SynthArch, kit) -> dict:
     return dict(vae=kit.make(diffusers.AutoencoderKL, arch.vae, 1), **kit.gemma2_text_encoder(arch))
 
 
+def lumina2_meta_trace(model: torch.nn.Module):
+    """Make ``model`` traceable on the meta device for the planner: its RoPE embedder reads each prompt's valid length on
+    the host (the mask's sum, as a list), which a meta tensor has not; the planner's prompts are all valid, so it reads
+    them from a host mask of ones of the meta mask's shape (the positions and tables are still built on the meta
+    device). Returns the undo callable."""
+    forward = model.rope_embedder.forward
+    return replace_forward(model.rope_embedder, lambda hidden_states, attention_mask: forward(
+        hidden_states, torch.ones(attention_mask.shape, dtype=attention_mask.dtype)))
+
+
 LUMINA2_ADAPTER = register(
     ModelAdapter(
         name="lumina2",
@@ -185,6 +195,7 @@ LUMINA2_ADAPTER = register(
         layout=lumina2_layout,
         text_tokens=256,
         tensor_plan=LUMINA2_TENSOR_PLAN,
+        meta_trace=lumina2_meta_trace,
         batch_inputs=("hidden_states", "timestep", "encoder_hidden_states", "encoder_attention_mask"),
         cfg_mode="sequential",  # Lumina2Pipeline calls the transformer for the prompt, then the negative prompt
         cfg_switch="guidance_scale",

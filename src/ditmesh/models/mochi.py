@@ -191,6 +191,37 @@ def mochi_components(arch: SynthArch, kit) -> dict:
                 tokenizer=t5_tok)
 
 
+def mochi_meta_trace(model: torch.nn.Module):
+    """Make ``model`` traceable on the meta device for the planner: its RoPE builds the table under autocast on the
+    positions' device, which the meta device has not (here the same table, float32 positions times frequencies, then
+    cos and sin, without autocast); its attention finds each prompt's valid tokens with ``nonzero`` of the text mask,
+    which a meta tensor cannot answer (the planner's prompts are all valid: the attention reads a host mask of ones of
+    the meta mask's shape). Returns the undo callable."""
+    rope = model.rope
+
+    def create_rope(freqs: torch.Tensor, pos: torch.Tensor):
+        angles = torch.einsum("nd,dhf->nhf", pos.float(), freqs.float())
+        return torch.cos(angles), torch.sin(angles)
+
+    def all_valid(processor):
+        def call(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs):
+            ones = torch.ones(attention_mask.shape, dtype=attention_mask.dtype)
+            return processor(attn, hidden_states, encoder_hidden_states, ones, **kwargs)
+        return call
+
+    rope._create_rope = create_rope
+    processors = [block.attn1.processor for block in model.transformer_blocks]
+    for block, processor in zip(model.transformer_blocks, processors):
+        block.attn1.processor = all_valid(processor)
+
+    def undo() -> None:
+        delattr(rope, "_create_rope")
+        for block, processor in zip(model.transformer_blocks, processors):
+            block.attn1.processor = processor
+
+    return undo
+
+
 MOCHI = register(
     ModelAdapter(
         name="mochi",
@@ -213,6 +244,7 @@ MOCHI = register(
         layout=mochi_layout,
         text_tokens=256,  # MochiPipeline's max_sequence_length
         tensor_plan=MOCHI_TENSOR_PLAN,
+        meta_trace=mochi_meta_trace,
         batch_inputs=("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask"),
         cfg_mode="batched",  # MochiPipeline runs [uncond, cond] in one call
         output_channel_dim=1,

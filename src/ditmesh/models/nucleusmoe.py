@@ -14,7 +14,8 @@ the local text keys serve as queries too and their rows are dropped (PRX's way).
 token of a sample, so the feed-forward runs on the whole sequence: the output of ``pre_mlp_norm`` is gathered (from
 which the block builds both the MoE input and the router's input) and the feed-forward's output cut back to the rank's
 tokens (one all-gather a block, the feed-forward computed whole on every rank: exact, not faster). The image is
-gathered at ``proj_out``. No tensor plan yet (the routed experts' packed weights). CFG: the prompt's call, then the
+gathered at ``proj_out``. Tensor plan: the attention by heads (query and key/value heads), the dense and shared-expert
+SwiGLUs by width; the routed experts' packed weights stay whole on every rank (``NUCLEUSMOE_TENSOR_PLAN``). CFG: the prompt's call, then the
 negative prompt's (sequential). A ``cached_txt_key`` passed in ``attention_kwargs`` is refused in one line.
 """
 
@@ -26,7 +27,7 @@ import torch
 from diffusers.models.transformers.transformer_nucleusmoe_image import _apply_rotary_emb_nucleus
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, register, replace_forward, spatial_latent, token_range)
+                   SynthArch, TensorPlan, register, replace_forward, spatial_latent, token_range)
 from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
@@ -98,6 +99,32 @@ def nucleusmoe_layout(config: dict, height: int, width: int, frames: int, text_t
     return Layout(image, text_tokens, image + text_tokens, (image, config.get("in_channels", 64)))
 
 
+#: Megatron-style: the attention's Q, K, V and the text's K, V column-parallel by heads (the key/value heads too, so
+#: tp must divide them: :func:`nucleusmoe_unsupported`), its output row-parallel; the SwiGLU feed-forwards of the dense
+#: blocks and the MoE blocks' shared expert split by their hidden width (value and gate halves of ``net.0.proj``, each
+#: cut on its own), ``net.2`` row-parallel. The routed experts (packed ``gate_up_proj``/``down_proj`` parameters, not
+#: linears) and the router stay whole on every rank: the routing reads the whole replicated stream, so every rank picks
+#: the same tokens and adds the same routed output after the shared expert's all-reduce. Two all-reduces a block.
+_SWIGLU = ("../2.in_features", "../2.in_features")
+NUCLEUSMOE_TENSOR_PLAN = TensorPlan(
+    colwise=tuple(f"transformer_blocks.*.attn.{name}" for name in ("to_q", "to_k", "to_v", "add_k_proj", "add_v_proj")),
+    rowwise=("transformer_blocks.*.attn.to_out.0", "transformer_blocks.*.img_mlp.net.2?",
+             "transformer_blocks.*.img_mlp.shared_expert.net.2?"),
+    packed_colwise={"transformer_blocks.*.img_mlp.net.0.proj?": _SWIGLU,
+                    "transformer_blocks.*.img_mlp.shared_expert.net.0.proj?": _SWIGLU},
+    per_rank_attrs={"transformer_blocks.*.attn": ("heads", "inner_dim", "inner_kv_dim")},
+)
+
+
+def nucleusmoe_unsupported(model, config) -> str | None:
+    """tp that does not divide the key/value heads (grouped-query attention): each rank needs whole K/V heads."""
+    kv_heads = model.config.num_key_value_heads or model.config.num_attention_heads
+    if config.tp > 1 and kv_heads % config.tp:
+        return (f"tp={config.tp} does not divide Nucleus-MoE's {kv_heads} key/value heads; use a tp that divides "
+                f"them, or ulysses, ring or cfg")
+    return None
+
+
 # -- synthetic architectures ---------------------------------------------------------------------------------
 NUCLEUSMOE = SynthArch(
     name="nucleusmoe-image",
@@ -160,6 +187,8 @@ NUCLEUSMOE_ADAPTER = register(
         sequence_processor=NucleusMoESequenceParallelProcessor,
         blocks=(BlockList("transformer_blocks", ("hidden_states",), ("hidden_states",), ("image",)),),
         example_inputs=nucleusmoe_example_inputs,
+        tensor_plan=NUCLEUSMOE_TENSOR_PLAN,
+        unsupported=nucleusmoe_unsupported,
         meta_trace=nucleusmoe_meta_trace,
         layout=nucleusmoe_layout,
         text_tokens=512,

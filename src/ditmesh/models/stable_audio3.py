@@ -12,8 +12,9 @@ with it, ``num_memory_tokens`` replaced by the memory tokens this rank holds and
 it holds (``Split.count``), so the block's own slicing finds this rank's audio; the last block's output gathered, so
 the model drops the memory from the whole sequence. Attention: the self-attention's one or two attentions
 (differential: ``Attn(Q1, K1, V) - Attn(Q2, K2, V)``) each through ``sp.attention``; the cross-attention (local
-queries against the whole context) as diffusers'. CFG: one call on ``[uncond, cond]`` (batched). No tensor plan yet:
-its fused Q/K/V holds three or five parts by checkpoint (``use_differential_attention``).
+queries against the whole context) as diffusers'. CFG: one call on ``[uncond, cond]`` (batched). Tensor plan: every
+attention by heads, its fused projections cut part by part whatever their count (three or five for the self-attention's
+Q/K/V by checkpoint, ``use_differential_attention``), the SwiGLU by width (``STABLE_AUDIO3_TENSOR_PLAN``).
 
 Sizes: an audio family has no image; ``width`` is the latent's length in samples (``height`` is ignored), and the
 "text" is the cross-attention context, which is not split.
@@ -27,7 +28,7 @@ import torch
 from diffusers.models.transformers.transformer_stable_audio3 import _apply_rotary_partial
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
-                   SynthArch, register)
+                   SynthArch, TensorPlan, register)
 
 
 class StableAudio3SequenceParallelProcessor(SequenceProcessor):
@@ -64,6 +65,21 @@ def stable_audio3_layout(config: dict, height: int, width: int, frames: int, tex
     audio = width // config.get("patch_size", 1)
     memory = config.get("num_memory_tokens", 64)
     return Layout(audio, text_tokens, audio + memory, (config.get("io_channels", 256), width))
+
+
+#: Megatron-style: each attention column-parallel by heads and row-parallel at ``to_out``; its fused projections
+#: (the self-attention's Q/K/V, the cross-attention's queries and keys/values: two or three parts without differential
+#: attention, three or five with it) cut part by part, each part as wide as ``to_out``; the SwiGLU's value and gate
+#: halves each cut on its own, ``proj_out`` row-parallel. Three all-reduces a block.
+STABLE_AUDIO3_TENSOR_PLAN = TensorPlan(
+    colwise=(),
+    rowwise=("transformer_blocks.*.self_attn.to_out", "transformer_blocks.*.cross_attn.to_out",
+             "transformer_blocks.*.ff.proj_out"),
+    packed_colwise={"transformer_blocks.*.ff.proj_in": ("proj_out.in_features", "proj_out.in_features")},
+    equal_parts_colwise={f"transformer_blocks.*.{name}": "to_out"
+                         for name in ("self_attn.to_qkv", "cross_attn.to_q", "cross_attn.to_kv")},
+    per_rank_attrs={"transformer_blocks.*.self_attn": ("heads",), "transformer_blocks.*.cross_attn": ("heads",)},
+)
 
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
@@ -146,6 +162,7 @@ STABLE_AUDIO3_ADAPTER = register(
         sequence_processor=StableAudio3SequenceParallelProcessor,
         blocks=(BlockList("transformer_blocks", ("hidden_states",), ("hidden_states",)),),
         token_wise=("transformer_blocks.*.ff",),
+        tensor_plan=STABLE_AUDIO3_TENSOR_PLAN,
         example_inputs=stable_audio3_example_inputs,
         layout=stable_audio3_layout,
         text_tokens=128,

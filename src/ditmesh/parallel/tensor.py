@@ -121,6 +121,14 @@ def resolve_plan(model: torch.nn.Module, plan: TensorPlan, size: int) -> dict[st
                     raise ValueError(f"{name}: packed parts {packed[pattern]} have {sum(parts)} features, "
                                      f"the linear's {side} are {getattr(base_layer(linear), side)}")
                 shards[name] = LinearShard(kind, parts)
+    for pattern, hits in _matching(model, plan.equal_parts_colwise).items():
+        for name, linear in hits:
+            part = _part_size(model, name.rpartition(".")[0], plan.equal_parts_colwise[pattern])
+            count, rest = divmod(base_layer(linear).out_features, part)
+            if rest:
+                raise ValueError(f"{name}: {base_layer(linear).out_features} output features are not whole parts of "
+                                 f"{part} ({plan.equal_parts_colwise[pattern]})")
+            shards[name] = LinearShard("colwise", (part,) * count)
     for pattern, hits in _matching(model, plan.sharded_norms).items():
         for name, norm in hits:
             if type(norm).__name__ != "RMSNorm":

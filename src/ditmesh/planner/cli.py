@@ -16,8 +16,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description="Predict step latency, per-GPU memory and communication of every valid parallel "
                     "configuration (dp, cfg, pp, ring, ulysses, tp) and recommend one.")
     p.add_argument("--model", default=None, help="a ditmesh synth architecture (e.g. flux-dev) or a checkpoint folder")
-    p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=None,
+                   help="image height (default: a synthetic architecture's default size, else 1024)")
+    p.add_argument("--width", type=int, default=None,
+                   help="image width, or an audio architecture's latent samples (default: as --height)")
     p.add_argument("--frames", type=int, default=None,
                    help="video frames (the family's frame rule applies, e.g. 4k+1; default: a video architecture's "
                         "default, else 1)")
@@ -149,6 +151,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     if args.frames is None:  # a video architecture plans its default clip, not one frame
         args.frames = _default_frames(args.model)
+    size = _default_size(args.model)  # a synthetic architecture plans the size generate makes of it
+    args.height = size[0] if args.height is None else args.height
+    args.width = size[1] if args.width is None else args.width
     supported = None
     if args.only:
         supported = {a.strip() for a in args.only.split(",") if a.strip()}
@@ -168,20 +173,41 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_frames(model: str) -> int:
-    """The frames a run of ``model`` makes without ``--frames``: a synthetic video architecture's default, or a
-    folder's (``ditmesh_synth.json``); 1 otherwise."""
+def _synth_defaults(model: str) -> dict:
+    """What a run of ``model`` makes by default: a synthetic architecture's ``default_size`` and ``default_frames``, or
+    a folder's (``ditmesh_synth.json``); {} otherwise."""
     from pathlib import Path
 
     from ..models.registry import ARCHS
 
     if model in ARCHS:
-        return ARCHS[model].default_frames or 1
+        arch = ARCHS[model]
+        return {"default_size": list(arch.default_size), "default_frames": arch.default_frames}
     meta = Path(model) / "ditmesh_synth.json"
     try:
-        return int(json.loads(meta.read_text()).get("default_frames") or 1) if meta.is_file() else 1
+        return json.loads(meta.read_text()) if meta.is_file() else {}
     except (OSError, ValueError):
+        return {}
+
+
+def _default_frames(model: str) -> int:
+    """The frames a run of ``model`` makes without ``--frames``: a synthetic video architecture's default, or a
+    folder's (``ditmesh_synth.json``); 1 otherwise."""
+    try:
+        return int(_synth_defaults(model).get("default_frames") or 1)
+    except (TypeError, ValueError):
         return 1
+
+
+def _default_size(model: str) -> tuple[int, int]:
+    """The (height, width) a run of ``model`` makes without ``--height``/``--width``: a synthetic architecture's default
+    (what ``generate`` makes of it; a tiny one's positional tables may not reach 1024), or a folder's; 1024 x 1024
+    otherwise."""
+    try:
+        height, width = _synth_defaults(model).get("default_size") or (1024, 1024)
+        return int(height), int(width)
+    except (TypeError, ValueError):
+        return 1024, 1024
 
 
 def main(argv=None) -> int:
