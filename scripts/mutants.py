@@ -694,6 +694,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "return block.norm1(hidden) * (1 + modulation[:, 0:1]) + modulation[:, 1:2]",
            (f"{T_ALLEGRO}test_allegro_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
            "Allegro's modulated input (what teacache measures) takes the shift for the scale"),
+    Mutant("split-folded-groups-ignored", "parallel/sequence.py",
+           "        return groups.narrow(spec.dim + 1, first, size).flatten(spec.dim, spec.dim + 1)\n",
+           "        return value.narrow(spec.dim, first * groups.shape[spec.dim], size * groups.shape[spec.dim])\n",
+           ("tests/test_latte.py::test_latte_transformer_matches_single_process[ulysses2-diffusers]",),
+           "Latte's temporal timestep [B * N, 6D] cut as one run of rows, not per sample: a rank takes the wrong "
+           "samples' modulation"),
+    Mutant("latte-temporal-timestep-whole", "models/latte.py",
+           '            inputs={"temporal_transformer_blocks.*": {"timestep": Split(dim=0, stream="video", folded=True)}},\n',
+           "",
+           ("tests/test_latte.py::test_latte_transformer_matches_single_process[ulysses2-odd]",),
+           "Latte's temporal blocks get the timestep of every patch position while they hold this rank's"),
 )
 
 

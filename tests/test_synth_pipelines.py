@@ -99,6 +99,14 @@ CASES.update({
 AUDIO.update({"longcat-audio-dit-tiny": (1, 8), "stable-audio-3-tiny": (2, 16)})
 # -- end of branch i46f's cases -------------------------------------------------------------------------------------
 
+# -- issue 46, branch i46h: Latte ---------------------------------------------------------------------------------------
+CASES.update({
+    # batched CFG; 2 frames of 4 x 4 patch positions, each rank the same 8 positions in both frames (the temporal
+    # attention local), split over 2 heads
+    "latte-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--frames", "2", "--guidance", "4"]),
+})
+# -- end of branch i46h's cases -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", CASES)
 def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):
