@@ -705,6 +705,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "",
            ("tests/test_latte.py::test_latte_transformer_matches_single_process[ulysses2-odd]",),
            "Latte's temporal blocks get the timestep of every patch position while they hold this rank's"),
+    Mutant("kandinsky6-sr-nabla-mask-dropped", "models/kandinsky6_sr.py",
+           "        out = self.sp.attention(q, k, v, local=lambda q, k, v: nabla_attention(q, k, v, sparse_params))\n",
+           "        out = self.sp.attention(q, k, v)\n",
+           ("tests/test_kandinsky6_sr.py::test_kandinsky6_sr_transformer_matches_single_process[ulysses2-sparse]",),
+           "Kandinsky 6 SR's attention under Ulysses attends densely, without NABLA's block mask"),
+    Mutant("kandinsky6-sr-nabla-mask-across-heads", "models/kandinsky6_sr.py",
+           "    mask = transformer_kandinsky6_sr.nabla_block_mask(query.transpose(1, 2), key.transpose(1, 2),\n",
+           "    mask = transformer_kandinsky6_sr.nabla_block_mask(query.transpose(1, 2).mean(1, keepdim=True).expand("
+           "-1, query.shape[2], -1, -1), key.transpose(1, 2),\n",
+           ("tests/test_kandinsky6_sr.py::test_kandinsky6_sr_transformer_matches_single_process[ulysses2-sparse]",),
+           "Kandinsky 6 SR's NABLA masks pooled over a rank's heads instead of built per head"),
 )
 
 

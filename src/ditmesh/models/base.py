@@ -528,6 +528,9 @@ class ModelAdapter:
     #: why the step caches cannot skip the family's blocks (one line), or None: they run wherever it declares block
     #: lists (Wan VACE adds its control hints between blocks, outside them: a skipped span would add them twice)
     cache_refusal: str | None = None
+    #: why ring attention (and USP) cannot run the family exactly (one line: Kandinsky 6 SR's NABLA block mask), or None;
+    #: ``parallelize`` refuses ring > 1 with it and the table says ulysses only
+    ring_refusal: str | None = None
     #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
     #: the batch hook gathers the first output only)
     batch_refusal: str | None = None
