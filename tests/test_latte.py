@@ -1,6 +1,6 @@
 """Latte (``models/latte.py``) on real gloo process groups, against one process: the patch positions split in every
 frame (the spatial attention over the ranks' positions: Ulysses, ring, USP; the temporal attention local to each
-rank; the temporal blocks' per-position timestep cut with the positions), tp, batched CFG; at diffusers' test
+rank; the temporal blocks' per-position timestep cut with the positions), tp, batched CFG, dp; at diffusers' test
 configuration and inputs (one frame of 4 x 4 positions) and at an awkward one of ours (3 heads, 2 layers, 3 frames
 of 5 x 5 positions: 13 + 12 over 2 ranks)."""
 
@@ -30,13 +30,14 @@ ARCHS = {"diffusers": ("latte-tiny", 1), "odd": ("latte-tiny-odd", 2)}  # (archi
 
 @pytest.mark.parametrize("config, shape", [({"ulysses": 2}, "diffusers"), ({"ring": 2}, "diffusers"),
                                            ({"tp": 2}, "diffusers"), ({"ulysses": 2}, "odd"), ({"ring": 2}, "odd"),
-                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"cfg": 2}, "odd")],
+                                           ({"ring": 2, "ulysses": 2}, "odd"), ({"cfg": 2}, "odd"),
+                                           ({"dp": 2}, "odd")],
                          ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
 def test_latte_transformer_matches_single_process(pools, config, shape):
     arch, layers = ARCHS[shape]
     # per layer: the spatial self-attention's exchanges (the cross- and temporal attentions move nothing); tp: 3
     # all-reduces in the spatial block, 2 in the temporal one
-    counts = {"all_gather": 1} if "cfg" in config else call_counts(config, layers, 5 * layers)
+    counts = {"all_gather": 1} if "cfg" in config or "dp" in config else call_counts(config, layers, 5 * layers)
     check_transformer(pools, arch, config, inputs_of(shape), counts)
 
 

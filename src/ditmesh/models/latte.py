@@ -94,7 +94,8 @@ def _tensor_plan() -> TensorPlan:
     return TensorPlan(
         colwise=tuple(f"{path}.*.{attn}.{proj}" for path, attn in attns for proj in ("to_q", "to_k", "to_v"))
         + tuple(f"{path}.*.ff.net.0.proj" for path in _LISTS),
-        rowwise=tuple(f"{path}.*.{attn}.to_out.0" for path, attn in attns) + tuple(f"{path}.*.ff.net.2" for path in _LISTS),
+        rowwise=tuple(f"{path}.*.{attn}.to_out.0" for path, attn in attns)
+        + tuple(f"{path}.*.ff.net.2" for path in _LISTS),
         per_rank_attrs={f"{path}.*.{attn}": ("heads", "inner_dim") for path, attn in attns},
     )
 
