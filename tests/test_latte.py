@@ -65,3 +65,16 @@ def test_latte_refuses_a_frame_count_its_table_does_not_hold():
     assert layout(get_arch("latte-1").transformer, 512, 512, 16, 120).split_tokens == 16 * 32 * 32
     with pytest.raises(ValueError, match="holds 16 frames; use --frames 16"):
         layout(get_arch("latte-1").transformer, 512, 512, 9, 120)
+
+
+def test_latte_refuses_tp_for_a_gated_feed_forward():
+    # GEGLU's two halves sit in one projection, which the column-parallel cut would split across its halves
+    from types import SimpleNamespace
+
+    from ditmesh import ParallelConfig
+    from ditmesh.models.latte import latte_unsupported
+
+    model = lambda activation: SimpleNamespace(config=SimpleNamespace(activation_fn=activation))  # noqa: E731
+    assert "'geglu' activation" in latte_unsupported(model("geglu"), ParallelConfig(tp=2))
+    assert latte_unsupported(model("geglu"), ParallelConfig(ulysses=2)) is None
+    assert latte_unsupported(model("gelu-approximate"), ParallelConfig(tp=2)) is None

@@ -128,7 +128,8 @@ KANDINSKY6_SR_TINY = dataclasses.replace(
 )
 
 #: an awkward one of ours: 3 heads (2 + 1 over two ranks), and a NABLA that drops blocks (the sliding-tile prior only
-#: the block itself, half of each row's mass kept), so that a mask built from the wrong heads or tokens changes the result
+#: the block itself, half of each row's mass kept), so that a mask built from the wrong heads or tokens changes the
+#: result
 KANDINSKY6_SR_TINY_SPARSE = dataclasses.replace(
     KANDINSKY6_SR_TINY,
     name="kandinsky6-sr-tiny-sparse",
