@@ -716,6 +716,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "-1, query.shape[2], -1, -1), key.transpose(1, 2),\n",
            ("tests/test_kandinsky6_sr.py::test_kandinsky6_sr_transformer_matches_single_process[ulysses2-sparse]",),
            "Kandinsky 6 SR's NABLA masks pooled over a rank's heads instead of built per head"),
+    Mutant("kandinsky5-nabla-mask-dropped", "models/kandinsky5.py",
+           "            out = self.sp.attention(q, k, v, local=lambda q, k, v: self.nabla(q, k, v, sparse_params))\n",
+           "            out = self.sp.attention(q, k, v, backend=self._attention_backend)\n",
+           ("tests/test_kandinsky5.py::test_kandinsky5_nabla_attention_under_ulysses_matches_single_process",),
+           "Kandinsky 5's nabla attention under Ulysses attends densely, without its block mask"),
 )
 
 

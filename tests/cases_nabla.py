@@ -1,4 +1,5 @@
-"""Functions run on every rank of a gloo worker pool for Kandinsky 6 SR's NABLA attention (tests/test_kandinsky6_sr.py).
+"""Functions run on every rank of a gloo worker pool for Kandinsky 6 SR's NABLA and Kandinsky 5's nabla attention
+(tests/test_kandinsky6_sr.py, tests/test_kandinsky5.py).
 
 On CPU, torch's eager ``flex_attention`` attends over every key whatever the ``BlockMask`` says when the mask is made
 of full blocks only (NABLA's: ``mask_mod=None``), so one process and a parallel run would agree even with a wrong
@@ -40,7 +41,12 @@ def block_masks_applied():
         flex_attention.flex_attention = kept
 
 
-def masked_transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None):
+def flex_backend(model) -> None:
+    """The model's attention layers on diffusers' flex backend (what Kandinsky 5's pipeline sets for nabla)."""
+    model.set_attention_backend("flex")
+
+
+def masked_transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None):
     """:func:`cases_models.transformer_call` with the block masks applied (:func:`block_masks_applied`)."""
     with block_masks_applied():
-        return transformer_call(arch, config, inputs, model_config)
+        return transformer_call(arch, config, inputs, model_config, prepare)
