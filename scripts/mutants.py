@@ -694,6 +694,33 @@ MUTANTS: tuple[Mutant, ...] = (
            "return block.norm1(hidden) * (1 + modulation[:, 0:1]) + modulation[:, 1:2]",
            (f"{T_ALLEGRO}test_allegro_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
            "Allegro's modulated input (what teacache measures) takes the shift for the scale"),
+    Mutant("split-folded-groups-ignored", "parallel/sequence.py",
+           "        return groups.narrow(spec.dim + 1, first, size).flatten(spec.dim, spec.dim + 1)\n",
+           "        return value.narrow(spec.dim, first * groups.shape[spec.dim], size * groups.shape[spec.dim])\n",
+           ("tests/test_latte.py::test_latte_transformer_matches_single_process[ulysses2-diffusers]",),
+           "Latte's temporal timestep [B * N, 6D] cut as one run of rows, not per sample: a rank takes the wrong "
+           "samples' modulation"),
+    Mutant("latte-temporal-timestep-whole", "models/latte.py",
+           '            inputs={"temporal_transformer_blocks.*": {"timestep": Split(dim=0, stream="video", folded=True)}},\n',
+           "",
+           ("tests/test_latte.py::test_latte_transformer_matches_single_process[ulysses2-odd]",),
+           "Latte's temporal blocks get the timestep of every patch position while they hold this rank's"),
+    Mutant("kandinsky6-sr-nabla-mask-dropped", "models/kandinsky6_sr.py",
+           "        out = self.sp.attention(q, k, v, local=lambda q, k, v: nabla_attention(q, k, v, sparse_params))\n",
+           "        out = self.sp.attention(q, k, v)\n",
+           ("tests/test_kandinsky6_sr.py::test_kandinsky6_sr_transformer_matches_single_process[ulysses2-sparse]",),
+           "Kandinsky 6 SR's attention under Ulysses attends densely, without NABLA's block mask"),
+    Mutant("kandinsky6-sr-nabla-mask-across-heads", "models/kandinsky6_sr.py",
+           "    mask = transformer_kandinsky6_sr.nabla_block_mask(query.transpose(1, 2), key.transpose(1, 2),\n",
+           "    mask = transformer_kandinsky6_sr.nabla_block_mask(query.transpose(1, 2).mean(1, keepdim=True).expand("
+           "-1, query.shape[2], -1, -1), key.transpose(1, 2),\n",
+           ("tests/test_kandinsky6_sr.py::test_kandinsky6_sr_transformer_matches_single_process[ulysses2-sparse]",),
+           "Kandinsky 6 SR's NABLA masks pooled over a rank's heads instead of built per head"),
+    Mutant("kandinsky5-nabla-mask-dropped", "models/kandinsky5.py",
+           "            out = self.sp.attention(q, k, v, local=lambda q, k, v: self.nabla(q, k, v, sparse_params))\n",
+           "            out = self.sp.attention(q, k, v, backend=self._attention_backend)\n",
+           ("tests/test_kandinsky5.py::test_kandinsky5_nabla_attention_under_ulysses_matches_single_process",),
+           "Kandinsky 5's nabla attention under Ulysses attends densely, without its block mask"),
 )
 
 

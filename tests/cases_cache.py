@@ -140,14 +140,21 @@ def family_model(arch: str, layers: dict | None = None):
 def family_inputs(arch: str, layers: dict | None = None) -> tuple[list[dict], dict]:
     """The synthetic ``arch`` transformer's adapter's example inputs of each call of :data:`FAMILY_CALLS` (drawn from
     its seed; one sample, 8 text tokens, two latent frames of a video family, float32; 32 x 32, or the least power of
-    two above it that gives 4 image tokens or more), and the sequence-parallel axis its heads take: ulysses 2, or
-    ring 2 where they do not divide."""
+    two above it that the family takes and that gives 4 image tokens or more), and the sequence-parallel axis its heads
+    take: ulysses 2, or ring 2 where they do not divide."""
     from ditmesh.models import adapter_for
 
     model = family_model(arch, layers)
     adapter = adapter_for(model)
     frames, size = 1 + (adapter.frame_step or 4), 32
-    while adapter.layout(dict(model.config), size, size, frames, 8).image_tokens < 4:
+
+    def tokens(size: int) -> int:  # 0 where the family refuses the size (a multiple it needs: doubled until it fits)
+        try:
+            return adapter.layout(dict(model.config), size, size, frames, 8).image_tokens
+        except ValueError:
+            return 0
+
+    while tokens(size) < 4:
         size *= 2
     inputs = [adapter.example_inputs(model, height=size, width=size, batch=1, text_len=8,
                                      generator=torch.Generator().manual_seed(seed), device="cpu", dtype=torch.float32,

@@ -44,7 +44,35 @@ def test_kandinsky5_transformer_matches_single_process(pools, config, shape):
         assert counts == want
 
 
-def test_kandinsky5_refuses_nabla_attention_under_sequence_parallelism():
+def nabla_inputs() -> dict:
+    """2 latent frames of 8 x 16 patches (256 tokens: 4 blocks of 64, the fractal order's 8 x 8 tiles) with nabla's
+    parameters as the pipeline passes them: a sliding-tile prior of each block alone, half of each row's mass kept."""
+    from ditmesh.models import adapter_for_class
+    from ditmesh.synth import build_transformer
+
+    model = build_transformer(ARCH, dtype=torch.float32)
+    inputs = adapter_for_class("Kandinsky5Transformer3DModel").example_inputs(
+        model, batch=2, generator=torch.Generator().manual_seed(3), device="cpu", dtype=torch.float32, height=128,
+        width=256, frames=5, text_len=8)
+    sparse = {"sta_mask": torch.eye(4, dtype=torch.bool)[None, None], "P": 0.5, "to_fractal": True}
+    return dict(inputs, timestep=torch.tensor([700.0, 300.0]), sparse_params=sparse)
+
+
+def test_kandinsky5_nabla_attention_under_ulysses_matches_single_process(pools):
+    # each rank builds its heads' nabla block masks after the all-to-all; both sides through cases_nabla's emulation,
+    # which applies the block mask (eager flex attention on CPU ignores it)
+    from cases_nabla import flex_backend, masked_transformer_call
+
+    inputs = nabla_inputs()
+    ref, _ = masked_transformer_call(ARCH, {}, inputs, prepare=flex_backend)
+    dense, _ = masked_transformer_call(ARCH, {}, dict(inputs, sparse_params=None), prepare=flex_backend)
+    assert rel_err(dense, ref) > 1e-3  # the mask drops blocks, so a wrong one could not pass
+    for out, counts in pools(2).run(masked_transformer_call, ARCH, {"ulysses": 2}, inputs, None, flex_backend):
+        assert rel_err(out, ref) <= 1e-5
+        assert counts == sequence_counts({"ulysses": 2}, VISUAL_BLOCKS, 1)
+
+
+def test_kandinsky5_refuses_nabla_attention_under_ring():
     import dataclasses
 
     from ditmesh import ParallelConfig
@@ -53,5 +81,7 @@ def test_kandinsky5_refuses_nabla_attention_under_sequence_parallelism():
 
     arch = get_arch(ARCH)
     model = build_transformer(dataclasses.replace(arch, transformer=dict(arch.transformer, attention_type="nabla")))
-    why = adapter_for_class("Kandinsky5Transformer3DModel").unsupported(model, ParallelConfig(ulysses=2))
-    assert why.startswith("Kandinsky 5's nabla sparse attention does not run under sequence parallelism (ulysses=2")
+    unsupported = adapter_for_class("Kandinsky5Transformer3DModel").unsupported
+    assert unsupported(model, ParallelConfig(ulysses=2)) is None
+    why = unsupported(model, ParallelConfig(ring=2))
+    assert why.startswith("Kandinsky 5's nabla sparse attention chooses each query block's keys") and "ring=2" in why

@@ -60,3 +60,6 @@ def test_plan_auto_offers_pipefusion_and_displaced_to_the_planner_only_with_allo
     planned_config(_args(model="sana-tiny", allow_stale=True), 2)
     assert "pp" not in offered[2][0] and offered[2][1]
     assert "pp" not in offered[3][0] and not offered[3][1]
+    # nor is ring offered to a family that refuses it (Kandinsky 6 SR: its NABLA block mask)
+    planned_config(_args(model="kandinsky6-sr-tiny"), 2)
+    assert "ring" not in offered[4][0] and "ulysses" in offered[4][0] and "ring" in offered[0][0]

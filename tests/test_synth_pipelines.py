@@ -128,6 +128,14 @@ WITH_TORCHVISION = {
 CASES.update(WITH_TORCHVISION)
 # -- end of branch i46j's cases -------------------------------------------------------------------------------------
 
+# -- issue 46, branch i46h: Latte ---------------------------------------------------------------------------------------
+CASES.update({
+    # batched CFG; 2 frames of 4 x 4 patch positions, each rank the same 8 positions in both frames (the temporal
+    # attention local), split over 2 heads
+    "latte-tiny": (["--ulysses", "2"], ["--height", "64", "--width", "64", "--frames", "2", "--guidance", "4"]),
+})
+# -- end of branch i46h's cases -------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", [pytest.param(arch, marks=needs_torchvision if arch in WITH_TORCHVISION else ())
                                   for arch in CASES])

@@ -644,6 +644,9 @@ class RunOptions:
             pipefusion_refusal(adapter)
         if self.displaced:
             displaced_refusal(adapter)
+        if self.config.ring > 1 and adapter.ring_refusal:
+            raise ConfigError(f"ring={self.config.ring} does not run {adapter.name}: {adapter.ring_refusal}; use "
+                              "ring=1 (ulysses runs it)")
         if (self.config.cfg > 1 or self.config.dp > 1) and adapter.batch_refusal:
             raise ConfigError(f"cfg and dp do not run {adapter.name} yet: {adapter.batch_refusal}; use cfg=1 and dp=1 "
                               "(ulysses and ring run it)")

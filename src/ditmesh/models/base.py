@@ -41,6 +41,10 @@ class Split:
     denoised after the history; Stable Audio 3's ``num_memory_tokens``, before the audio) becomes how many of them
     this rank holds; a tensor over them along ``dim`` (Stable Audio 3's inpainting conditioning, over the audio after
     the memory tokens) is cut to this rank's part of them.
+
+    ``folded``: ``dim`` folds another axis outside the stream's tokens (the stream must have been split before in the
+    call): its entries are groups of ``stream_length`` tokens, one group per outer entry (Latte's temporal timestep,
+    ``[B * N, 6D]``, one row per sample and patch position); each group is cut to this rank's tokens.
     """
 
     dim: int
@@ -50,6 +54,7 @@ class Split:
     broadcast: bool = False
     item: int | None = None
     count: str | None = None
+    folded: bool = False
 
 
 @dataclass(frozen=True)
@@ -489,6 +494,10 @@ class ModelAdapter:
     #: (transformer config dict, height, width, frames, text_tokens) -> :class:`Layout`; ValueError for a size
     #: the family cannot take
     layout: Callable
+    #: its block lists run in turn, block ``i`` of each list before block ``i + 1`` of the first (Latte's spatial and
+    #: temporal blocks), not one list after the other: compiled block by block all the same, but a family with them
+    #: refuses PipeFusion and the step caches (its ``pp_refusal`` and ``cache_refusal``)
+    alternating_blocks: bool = False
     #: text tokens the family's pipelines feed the transformer by default (the planner's default)
     text_tokens: int = 512
     #: (model_index.json as a dict) -> text tokens for that checkpoint, or None for ``text_tokens``
@@ -562,6 +571,9 @@ class ModelAdapter:
     #: why the step caches cannot skip the family's blocks (one line), or None: they run wherever it declares block
     #: lists (Wan VACE adds its control hints between blocks, outside them: a skipped span would add them twice)
     cache_refusal: str | None = None
+    #: why ring attention (and USP) cannot run the family exactly (one line: Kandinsky 6 SR's NABLA block mask), or None;
+    #: ``parallelize`` refuses ring > 1 with it and the table says ulysses only
+    ring_refusal: str | None = None
     #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
     #: the batch hook gathers the first output only)
     batch_refusal: str | None = None

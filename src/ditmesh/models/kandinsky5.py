@@ -13,8 +13,9 @@ of the last visual block (``visual_transformer_blocks.-1``), before the unflatte
 Attention: the visual self-attention computes projections, per-head QK-norms and the rotation on local tokens (the
 rotation rounds through bfloat16, as diffusers' processor does) and runs the softmax through ``sp.attention``; the
 cross-attention to the whole text runs as diffusers' processor (local queries, whole keys). Its sparse "nabla"
-attention (``attention_type="nabla"``, the Pro checkpoints' long videos: a block mask built from the scores) is refused
-under sequence parallelism. CFG: two calls a step (sequential). Tensor plan: Q/K/V column- and the output row-parallel
+attention (``attention_type="nabla"``, the Pro checkpoints' long videos) builds a block mask per sample and per head
+from that head's queries and keys over the whole sequence, as Kandinsky 6 SR's NABLA does: under Ulysses each rank
+builds its heads' masks after the all-to-all (the attention's ``local``); ring and USP are refused for it. CFG: two calls a step (sequential). Tensor plan: Q/K/V column- and the output row-parallel
 in every attention, the feed-forward column -> row: 3 all-reduces a visual block (self, cross, feed-forward), 2 a text
 block; the QK-norms act per head.
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers import transformer_kandinsky
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
                    SynthArch, TensorPlan, register, spatial_latent, temporal_latent)
@@ -45,23 +48,32 @@ class Kandinsky5SequenceParallelProcessor(SequenceProcessor):
         if encoder_hidden_states is not None:
             return self.previous(attn, hidden_states, encoder_hidden_states=encoder_hidden_states,
                                  rotary_emb=rotary_emb, sparse_params=sparse_params)
-        if sparse_params is not None:
-            raise NotImplementedError("Kandinsky 5's nabla sparse attention builds its block mask from the whole "
-                                      "sequence's scores; run it without sequence parallelism")
         q, k, v = (linear(hidden_states).unflatten(-1, (attn.num_heads, -1))
                    for linear in (attn.to_query, attn.to_key, attn.to_value))
         q, k = attn.query_norm(q.float()).type_as(q), attn.key_norm(k.float()).type_as(k)
         if rotary_emb is not None:
             q, k = rotate(q, rotary_emb), rotate(k, rotary_emb)
-        out = self.sp.attention(q, k, v, backend=self._attention_backend)
+        if sparse_params is None:
+            out = self.sp.attention(q, k, v, backend=self._attention_backend)
+        elif self.sp.ring_degree > 1:
+            raise NotImplementedError("Kandinsky 5's nabla attention chooses each query block's keys from every key "
+                                      "block of the sequence, which ring attention does not take; use ulysses")
+        else:  # nabla: each head's block mask from its own queries and keys over the whole sequence
+            out = self.sp.attention(q, k, v, local=lambda q, k, v: self.nabla(q, k, v, sparse_params))
         return attn.out_layer(out.flatten(-2, -1))
+
+    def nabla(self, query, key, value, sparse_params):
+        """Nabla attention of ``[B, S, h, D]`` holding every token of ``h`` heads (after the Ulysses all-to-all), as
+        diffusers' processor runs it: each head's block mask (``nablaT_v2``), then the layer's backend (flex)."""
+        mask = transformer_kandinsky.nablaT_v2(query, key, sparse_params["sta_mask"], thr=sparse_params["P"])
+        return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=self._attention_backend)
 
 
 def kandinsky5_unsupported(model, config) -> str | None:
-    """Nabla sparse attention (its block mask comes from the whole sequence's scores) under sequence parallelism."""
-    if model.config.get("attention_type") == "nabla" and config.sp > 1:
-        return (f"Kandinsky 5's nabla sparse attention does not run under sequence parallelism (ulysses="
-                f"{config.ulysses}, ring={config.ring}); use tp, cfg or dp")
+    """Nabla sparse attention under ring (a row of its block mask reads every key block of the sequence)."""
+    if model.config.get("attention_type") == "nabla" and config.ring > 1:
+        return (f"Kandinsky 5's nabla sparse attention chooses each query block's keys from every key block of the "
+                f"sequence, which ring attention does not take (ring={config.ring}); use ulysses, tp, cfg or dp")
     return None
 
 

@@ -72,6 +72,8 @@ CLASSES: dict[str, str] = {
     'LongCatAudioDiTTransformer': 'longcat_audio',
     'GlmImageTransformer2DModel': 'glm_image',
     'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
+    'LatteTransformer3DModel': 'latte',
+    'Kandinsky6SRTransformer3DModel': 'kandinsky6_sr',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -380,6 +382,18 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        '128, 128 experts with expert-choice routing, text width 3584), the QwenImage '
                                        'VAE, an 8-layer Qwen3-VL of that width (the pipeline reads its 8th-last '
                                        'hidden state)'),
+    'latte-tiny': ('latte', "Latte at diffusers' test configuration (1 layer, 2 heads x 4, caption 8 wide) with 2 "
+                            "frames; PixArt's tiny VAE, a T5 8 wide"),
+    'latte-tiny-odd': ('latte', 'latte-tiny with 2 layers, 3 heads x 8 and 3 frames, for odd position counts and '
+                                'heads'),
+    'latte-1': ('latte', 'Latte-1 transformer (28 spatial and 28 temporal blocks, 16 heads x 72, 16 frames), the SD '
+                         "VAE, one-layer T5 of T5-XXL's width"),
+    'kandinsky6-sr-tiny': ('kandinsky6_sr', "Kandinsky 6 SR at diffusers' test configuration: 2 blocks, 2 heads x "
+                                            '12, patch 1 x 2 x 2; the transformer alone'),
+    'kandinsky6-sr-tiny-sparse': ('kandinsky6_sr', 'kandinsky6-sr-tiny with 3 heads and a sparse NABLA (window 1 x 1 '
+                                                   'x 1, threshold 0.5)'),
+    'kandinsky6-sr': ('kandinsky6_sr', "Kandinsky 6 SR transformer as diffusers' defaults (32 blocks, 28 heads x 64, "
+                                       "640 output channels: the distilled checkpoints' head), the transformer alone"),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -500,6 +514,9 @@ HEADS: dict[str, int] = {
     'glm-image-tiny': 2,
     'glm-image': 64,
     'nucleusmoe-image-tiny': 4,
+    'latte-tiny': 2,
+    'latte-tiny-odd': 3,
+    'latte-1': 16,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -544,13 +561,6 @@ NOT_ADAPTED: dict[str, str] = {
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
-    'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
-                                      'a flex-attention block mask chosen each call from pooled query/key statistics '
-                                      'of the whole sequence, which a split would have to agree on across ranks',
-    'LatteTransformer3DModel': 'Latte alternates spatial (per-frame) and temporal (per-position) attention, '
-                               'reshaping between them in its forward over a batch-times-frames dim: a split by '
-                               'tokens would re-shard the video at every block, and a split by frames would have to '
-                               'cut each sample inside that dim and the temporal position table with it',
     'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
                                    "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
                                    'them), so the sequence would be split twice with a gather between',
@@ -615,6 +625,8 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'LatteTransformer3DModel': ('latte', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 1, 1),
+    'Kandinsky6SRTransformer3DModel': ('kandinsky6-sr', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
 }
 
 

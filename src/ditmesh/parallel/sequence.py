@@ -287,6 +287,10 @@ def split_value(splitter, value, spec: Split):
         return value
     if spec.count is not None:  # over the stream's first or last tokens: this rank's part of them
         return value.narrow(spec.dim, *_counted(splitter, value.shape[spec.dim], spec))
+    if spec.folded:  # groups of the stream's tokens, one per entry of an outer axis folded into dim: each group cut
+        first, size = splitter.local_range(spec.stream)
+        groups = value.unflatten(spec.dim, (-1, splitter.stream_length(spec.stream)))
+        return groups.narrow(spec.dim + 1, first, size).flatten(spec.dim, spec.dim + 1)
     if spec.leading:  # the stream's tokens first, then tokens already local: only the former are cut
         n = splitter.stream_length(spec.stream)
         rest = value.narrow(spec.dim, n, value.shape[spec.dim] - n)

@@ -74,8 +74,9 @@ def pipeline_transformers() -> dict[str, list[str]]:
 def axes(adapter) -> dict[str, str]:
     """What ditmesh runs on a family's transformer, by column of the table."""
     caches = ["dbcache", "static", "taylor"] + (["teacache"] if adapter.modulated_input is not None else [])
+    sequence = "ulysses" if adapter.ring_refusal else "ulysses, ring, USP"  # Kandinsky 6 SR: ulysses only
     return {
-        "sequence": "ulysses, ring, USP" if adapter.sequence_plan is not None else "",
+        "sequence": sequence if adapter.sequence_plan is not None else "",
         "tp": "yes" if adapter.tensor_plan is not None else "",
         "cfg / dp": "" if adapter.batch_refusal else
         ("dp only (cfg refused)" if adapter.cfg_refusal else f"yes ({adapter.cfg_mode} CFG)"),

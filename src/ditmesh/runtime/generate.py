@@ -343,6 +343,8 @@ def planned_setting(args, world_size: int):
         pp_runs = family_allows(pipefusion_refusal, adapter)
         displaced_runs = family_allows(displaced_refusal, adapter)
     supported = set(AXIS_ORDER) - (set() if pp_runs else {"pp"})
+    if adapter is not None and adapter.ring_refusal:  # Kandinsky 6 SR's NABLA: ulysses only
+        supported.discard("ring")
     defaults = read_defaults(model)
     size = defaults.get("default_size") or [1024, 1024]
     cfg_on = guidance_on(adapter, args)
