@@ -694,6 +694,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "return block.norm1(hidden) * (1 + modulation[:, 0:1]) + modulation[:, 1:2]",
            (f"{T_ALLEGRO}test_allegro_modulated_input_is_what_attn1_reads_and_caches_decide_as_one_process",),
            "Allegro's modulated input (what teacache measures) takes the shift for the scale"),
+    Mutant("bria-fibo2-gist-key-mask-dropped", "models/bria_fibo2.py",
+           "streams=streams, mask=attention_mask)", "streams=streams, mask=None)",
+           ("tests/test_bria_fibo2.py::test_bria_fibo2_transformer_matches_single_process[ulysses2-odd]",),
+           "Bria FIBO 2's sequence-parallel self-attention drops the key mask over a batch's padded gist tokens"),
 )
 
 

@@ -72,6 +72,7 @@ CLASSES: dict[str, str] = {
     'LongCatAudioDiTTransformer': 'longcat_audio',
     'GlmImageTransformer2DModel': 'glm_image',
     'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
+    'BriaFibo2Transformer2DModel': 'bria_fibo2',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -378,6 +379,12 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        '128, 128 experts with expert-choice routing, text width 3584), the QwenImage '
                                        'VAE, an 8-layer Qwen3-VL of that width (the pipeline reads its 8th-last '
                                        'hidden state)'),
+    'bria-fibo2-tiny': ('bria_fibo2', "Bria FIBO 2 at diffusers' test configuration: 2 blocks (the second an "
+                                      'injection block) + 1 refiner, 2 heads x 16, a 1-layer Perceiver of 4 to 8 gist '
+                                      'tokens; transformer only'),
+    'bria-fibo2': ('bria_fibo2', "Bria FIBO 2 transformer as diffusers' defaults (44 blocks + 2 refiners, 28 heads x "
+                                 '128, 5 injection blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles '
+                                 '7680 wide); transformer only'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -549,9 +556,6 @@ NOT_ADAPTED: dict[str, str] = {
                                'reshaping between them in its forward over a batch-times-frames dim: a split by '
                                'tokens would re-shard the video at every block, and a split by frames would have to '
                                'cut each sample inside that dim and the temporal position table with it',
-    'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
-                                   "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
-                                   'them), so the sequence would be split twice with a gather between',
 }
 
 
@@ -613,6 +617,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'LongCatAudioDiTTransformer': ('longcat-audio-dit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'BriaFibo2Transformer2DModel': ('bria-fibo2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
 }
 
 
