@@ -73,6 +73,7 @@ CLASSES: dict[str, str] = {
     'GlmImageTransformer2DModel': 'glm_image',
     'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
     'BriaFibo2Transformer2DModel': 'bria_fibo2',
+    'MotifVideoTransformer3DModel': 'motif_video',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -385,6 +386,11 @@ SYNTH: dict[str, tuple[str, str]] = {
     'bria-fibo2': ('bria_fibo2', "Bria FIBO 2 transformer as diffusers' defaults (44 blocks + 2 refiners, 28 heads x "
                                  '128, 5 injection blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles '
                                  '7680 wide); transformer only'),
+    'motif-video-tiny': ('motif_video', "Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 "
+                                        'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; transformer '
+                                        'only'),
+    'motif-video': ('motif_video', "Motif-Video transformer as diffusers' defaults (20 dual + 40 single blocks, 24 "
+                                   'heads x 128, text width 4096, 33 input channels); transformer only'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -505,6 +511,8 @@ HEADS: dict[str, int] = {
     'glm-image-tiny': 2,
     'glm-image': 64,
     'nucleusmoe-image-tiny': 4,
+    'motif-video-tiny': 2,
+    'motif-video': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -542,10 +550,6 @@ NOT_ADAPTED: dict[str, str] = {
                               'text pathway and a generation pathway whose vision, sound and action tokens are '
                               'scattered into the sequence by index; the packing and the causal prefix need a '
                               'sequence plan of their own',
-    'MotifVideoTransformer3DModel': "Motif-Video, a dual- and single-stream video DiT whose last single blocks are a "
-                                    "decoder attending to the encoder's output image tokens as their second stream, "
-                                    'beside a text key mask and per-block text cross-attention: three attention '
-                                    'layouts to plan',
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
@@ -618,6 +622,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'BriaFibo2Transformer2DModel': ('bria-fibo2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'MotifVideoTransformer3DModel': ('motif-video', 'guidance_scale', "the pipeline's guider (guidance_scale > 1)", 4, 1),
 }
 
 
