@@ -699,9 +699,13 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_bria_fibo2.py::test_bria_fibo2_transformer_matches_single_process[ulysses2-odd]",),
            "Bria FIBO 2's sequence-parallel self-attention drops the key mask over a batch's padded gist tokens"),
     Mutant("motif-video-text-key-mask-dropped", "models/motif_video.py",
-           'streams=("image", "text"), mask=mask)', 'streams=("image", "text"), mask=None)',
+           'streams=self.streams, mask=mask)', 'streams=self.streams, mask=None)',
            ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-odd]",),
            "Motif-Video's sequence-parallel joint attention drops the rebuilt key mask over the padded text"),
+    Mutant("motif-video-decoder-layers-not-named", "models/motif_video.py",
+           'return {"streams": ("image", "image")} if decoder else {}', "return {}",
+           ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-decoder]",),
+           "Motif-Video's decoder blocks attend as if their keys were the video and the text (the wrong sizes)"),
 )
 
 

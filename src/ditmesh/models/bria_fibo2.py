@@ -172,7 +172,7 @@ BRIA_FIBO2_ADAPTER = register(
         pipelines=("BriaFibo2Pipeline",),
         synth_archs=(BRIA_FIBO2_TINY, BRIA_FIBO2),
         synth_components=transformer_only("Bria FIBO 2", "a Qwen3-VL processor, whose video processor needs "
-                                          "torchvision, called on images of the caption's text"),
+                                          "torchvision, called on the prompt and on images of a caption's text"),
         pp_refusal="Bria FIBO 2's blocks take x, not hidden_states, and its sequence is joined between the refiner "
                    "and the main blocks; PipeFusion does not take it",
     )

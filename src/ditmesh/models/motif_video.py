@@ -17,8 +17,10 @@ Sequence plan: the video split where it is embedded (``x_embedder``) and its RoP
 video gathered at ``proj_out``. The processor rebuilds the key mask over the whole sequence (the video's ones at its
 global length, then the context's columns, which the forward keeps whole) and hands it to ``sp.attention``. The
 cross-attention gathers the normalized context (one all-gather a layer, ``I + L`` tokens) and runs diffusers' processor
-on the local video queries. Decoder blocks are refused under sequence parallelism (``unsupported``): their attention
-looks like an encoder single block's from inside, and the processor cannot tell which stream sizes it runs over.
+on the local video queries. A decoder block's copy of the embedded video is taken after the split, so it is the
+rank's part of the video too: its attention runs over ``[decoder video, encoder output]``, each rank's two parts in
+turn, with no mask, exact in the ranks' order. From inside, that attention looks like an encoder single block's over
+the text, so the adapter names the decoder layers to their processors (``processor_args``: the streams of the keys).
 
 Tensor plan: FLUX.1's (the same module names), plus the dual blocks' cross-attention (Q, K, V column-parallel, its
 output row-parallel). The single blocks' cross-attention adds its projected output to the attention's heads before
@@ -39,8 +41,13 @@ from .flux import FLUX_TENSOR_PLAN
 
 class MotifVideoSequenceParallelProcessor(SequenceProcessor):
     """Processor for Motif-Video's attention layers (module docstring): the joint attention of the dual and single
-    blocks through ``sp.attention`` over ``[video, context]`` with the rebuilt key mask; the text cross-attention by
-    the layer's own processor on the gathered context."""
+    blocks through ``sp.attention`` over ``[video, context]`` with the rebuilt key mask, or, in a decoder block
+    (``streams``: ``("image", "image")``), over the decoder's video and the encoder's output video, both split like
+    the video; the text cross-attention by the layer's own processor on the gathered context."""
+
+    def __init__(self, sp, previous=None, streams=("image", "text")):
+        super().__init__(sp, previous)
+        self.streams = streams
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                  image_embed_seq_len: int = 0):
@@ -65,11 +72,12 @@ class MotifVideoSequenceParallelProcessor(SequenceProcessor):
             q, k, v = (torch.cat([a, b], 1) for a, b in ((q, attn.norm_added_q(cq)), (k, attn.norm_added_k(ck)),
                                                           (v, cv)))
         mask = None
-        if attention_mask is not None:  # the forward's mask spans this rank's video: ones over the whole video
+        if attention_mask is not None:  # the forward's mask spans this rank's video: ones over the whole video (a
+            # decoder block has none)
             total = token_range(self.sp, "image", video)[1]
             whole = attention_mask[..., video:]
             mask = torch.cat([whole.new_ones(*whole.shape[:-1], total), whole], -1)
-        out = self.sp.attention(q, k, v, backend=self._attention_backend, streams=("image", "text"), mask=mask)
+        out = self.sp.attention(q, k, v, backend=self._attention_backend, streams=self.streams, mask=mask)
         out = out.flatten(2, 3).to(q.dtype)
         out, context_out = out[:, :video], out[:, video:video + context]
         if attn.to_out is not None:
@@ -109,16 +117,21 @@ def motif_video_layout(config: dict, height: int, width: int, frames: int, text_
 def motif_video_unsupported(model, config) -> str | None:
     """A checkpoint this configuration cannot run exactly (module docstring), in one line; or None."""
     cfg = model.config
-    if config.sp > 1 and cfg.num_decoder_layers:
-        return (f"Motif-Video's decoder blocks (num_decoder_layers={cfg.num_decoder_layers}) are not split: from "
-                "inside, their attention over the encoder's output video looks like an encoder block's over the text; "
-                "use tp, cfg or dp with this checkpoint")
     if config.sp > 1 and not cfg.num_layers:
         return "Motif-Video without dual blocks (num_layers=0) takes its text split at the first one; use tp, cfg or dp"
     if config.tp > 1 and cfg.enable_text_cross_attention_single:
         return ("Motif-Video's single blocks add their text cross-attention to the attention heads before proj_out, "
                 "which tp does not shard; use ulysses, ring, cfg or dp with this checkpoint")
     return None
+
+
+def motif_video_processor_args(model, name: str) -> dict:
+    """The decoder blocks' attention layers (the last ``num_decoder_layers`` single blocks) run over two video streams
+    split alike: the decoder's and the encoder's output."""
+    first_decoder = model.config.num_single_layers - model.config.num_decoder_layers
+    parts = name.split(".")
+    decoder = parts[0] == "single_transformer_blocks" and parts[2] == "attn" and int(parts[1]) >= first_decoder
+    return {"streams": ("image", "image")} if decoder else {}
 
 
 #: FLUX.1's plan (the same module names), with the dual blocks' text cross-attention where a checkpoint has it
@@ -192,6 +205,7 @@ MOTIF_VIDEO_ADAPTER = register(
         synth_archs=(MOTIF_VIDEO_TINY, MOTIF_VIDEO),
         synth_components=transformer_only("Motif-Video", "a T5Gemma 2 encoder, which ditmesh does not synthesize yet"),
         unsupported=motif_video_unsupported,
+        processor_args=motif_video_processor_args,
         pp_refusal="Motif-Video's blocks take the text key mask, which PipeFusion does not take",
     )
 )
