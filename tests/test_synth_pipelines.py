@@ -99,6 +99,13 @@ CASES.update({
 AUDIO.update({"longcat-audio-dit-tiny": (1, 8), "stable-audio-3-tiny": (2, 16)})
 # -- end of branch i46f's cases -------------------------------------------------------------------------------------
 
+# -- issue 46, branch i46i: Motif-Video ------------------------------------------------------------------------------
+CASES.update({
+    # CFG by the pipeline's guider (two calls a step); 2 latent frames of 6 x 10 tokens and the T5Gemma 2 text, padded
+    # to the maximum length under its key mask, split over 2 heads
+    "motif-video-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--frames", "5"]),
+})
+
 
 @pytest.mark.parametrize("arch", CASES)
 def test_generate_runs_the_synthetic_pipeline_as_one_process_does(tmp_path, tiny_checkpoints, arch):

@@ -24,7 +24,9 @@ the text, so the adapter names the decoder layers to their processors (``process
 
 Tensor plan: FLUX.1's (the same module names), plus the dual blocks' cross-attention (Q, K, V column-parallel, its
 output row-parallel). The single blocks' cross-attention adds its projected output to the attention's heads before
-``proj_out`` and is refused under tp. CFG: the guider's two calls a step (sequential).
+``proj_out`` and is refused under tp. CFG: the guider's two calls a step (sequential). The VAE is Wan's
+(``AutoencoderKLWan``), split as Wan's; the synthetic pipeline is MotifVideoPipeline with a T5Gemma 2 encoder (the
+image-to-video pipeline's SigLIP image processor is not built).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .base import (AttentionSelector, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split, SynthArch,
-                   register, spatial_latent, token_range, transformer_only)
+                   register, spatial_latent, token_range)
 from .flux import FLUX_TENSOR_PLAN
+from .wan import WAN_VAE_PLAN
 
 
 class MotifVideoSequenceParallelProcessor(SequenceProcessor):
@@ -150,11 +153,16 @@ _TABLE = Split(dim=0, stream="image", ndim=2)
 MOTIF_VIDEO = SynthArch(
     name="motif-video",
     description="Motif-Video transformer as diffusers' defaults (20 dual + 40 single blocks, 24 heads x 128, text "
-                "width 4096, 33 input channels); transformer only",
+                "width 4096, 33 input channels), the Wan 2.1 VAE, a one-layer T5Gemma 2 encoder of that width",
     pipeline="MotifVideoPipeline",
     transformer_class="MotifVideoTransformer3DModel",
     transformer=dict(num_attention_heads=24, attention_head_dim=128, num_layers=20, num_single_layers=40),
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={},  # AutoencoderKLWan's defaults are the Wan 2.1 VAE
+    clip={},
+    t5=dict(hidden_size=4096, intermediate_size=64, num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8,
+            head_dim=256),
+    scheduler=dict(shift=7.0),
+    extra=dict(guidance_scale=5.0),
     default_dtype="bfloat16",
     default_size=(480, 832),
     default_frames=121,
@@ -165,13 +173,34 @@ MOTIF_VIDEO = SynthArch(
 MOTIF_VIDEO_TINY = dataclasses.replace(
     MOTIF_VIDEO, name="motif-video-tiny",
     description="Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 heads x 12, 1x1 patches, "
-                "text width 32, image embeddings 4 wide; transformer only",
+                "text width 32, image embeddings 4 wide; a tiny Wan VAE and T5Gemma 2 encoder",
     transformer=dict(in_channels=33, out_channels=16, num_attention_heads=2, attention_head_dim=12, num_layers=1,
                      num_single_layers=1, num_decoder_layers=0, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
                      qk_norm="rms_norm", norm_type="layer_norm", text_embed_dim=32, image_embed_dim=4,
                      rope_theta=256.0, rope_axes_dim=(4, 4, 4), enable_text_cross_attention_dual=False,
                      enable_text_cross_attention_single=False),
+    vae=dict(base_dim=8, num_res_blocks=1),
+    t5=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            head_dim=16),
     default_dtype="float32", default_size=(64, 64), default_frames=5, max_sequence_length=32)
+
+def motif_video_components(arch: SynthArch, kit) -> dict:
+    """MotifVideoPipeline's other components: the Wan VAE (``arch.vae``), a T5Gemma 2 encoder (``arch.t5``; its vision
+    tower, which text to video does not run, at one small layer) with a local Gemma tokenizer, no image processor
+    (image to video only), and the CFG guider (``arch.extra["guidance_scale"]``)."""
+    import diffusers
+    import transformers
+
+    tokenizer = kit.gemma_tokenizer(arch.max_sequence_length, add_bos=True)
+    text = transformers.T5Gemma2TextConfig(vocab_size=len(tokenizer), max_position_embeddings=1024, dropout_rate=0.0,
+                                           **arch.t5)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.T5Gemma2EncoderConfig(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), tokenizer=tokenizer,
+                text_encoder=kit.make(transformers.T5Gemma2Encoder, config, 3), feature_extractor=None,
+                guider=diffusers.ClassifierFreeGuidance(guidance_scale=arch.extra["guidance_scale"]))
+
 
 MOTIF_VIDEO_ADAPTER = register(
     ModelAdapter(
@@ -203,7 +232,8 @@ MOTIF_VIDEO_ADAPTER = register(
         fps=24,
         pipelines=("MotifVideoPipeline", "MotifVideoImage2VideoPipeline"),
         synth_archs=(MOTIF_VIDEO_TINY, MOTIF_VIDEO),
-        synth_components=transformer_only("Motif-Video", "a T5Gemma 2 encoder, which ditmesh does not synthesize yet"),
+        synth_components=motif_video_components,
+        vae=WAN_VAE_PLAN,
         unsupported=motif_video_unsupported,
         processor_args=motif_video_processor_args,
         pp_refusal="Motif-Video's blocks take the text key mask, which PipeFusion does not take",

@@ -387,10 +387,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                  '128, 5 injection blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles '
                                  '7680 wide); transformer only'),
     'motif-video-tiny': ('motif_video', "Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 "
-                                        'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; transformer '
-                                        'only'),
+                                        'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; a tiny Wan '
+                                        'VAE and T5Gemma 2 encoder'),
     'motif-video': ('motif_video', "Motif-Video transformer as diffusers' defaults (20 dual + 40 single blocks, 24 "
-                                   'heads x 128, text width 4096, 33 input channels); transformer only'),
+                                   'heads x 128, text width 4096, 33 input channels), the Wan 2.1 VAE, a one-layer '
+                                   'T5Gemma 2 encoder of that width'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
