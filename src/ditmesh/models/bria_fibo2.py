@@ -22,7 +22,8 @@ whole text as keys, so it runs as diffusers' processor; the key mask stays whole
 
 Tensor plan (refiner, main blocks, injection cross-attention): Q, K, V and the SwiGLU's ``w1``/``w3``
 column-parallel, the attention outputs and ``w2`` row-parallel: 2 all-reduces a block, 3 in an injection block. CFG:
-the prompt's call, then the negative prompt's (sequential).
+the prompt's call, then the negative prompt's (sequential). The VAE is FLUX.2's (``AutoencoderKLFlux2``), split as
+FLUX.2's.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ import dataclasses
 import torch
 
 from .base import (AttentionSelector, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split, SynthArch,
-                   TensorPlan, register, spatial_latent, transformer_only)
+                   TensorPlan, register, spatial_latent)
+from .flux import FLUX_SCHEDULER
+from .flux2 import FLUX2_TINY, FLUX2_VAE_PLAN
 from .lumina2 import swiglu_blocks_plan
+from .qwenimage import qwen3vl_sizes, qwen3vl_text_encoder
 
 
 def _rotated(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -113,14 +117,19 @@ _IMAGE = Split(dim=1, stream="image", ndim=3)
 _JOINT = Split(dim=1, stream="joint", ndim=3)
 
 # -- synthetic architectures ---------------------------------------------------------------------------------
+#: the pipeline reads Qwen3-VL's hidden states up to the 35th (three per text bundle): 36 layers, as Qwen3-VL-4B's
 BRIA_FIBO2 = SynthArch(
     name="bria-fibo2",
     description="Bria FIBO 2 transformer as diffusers' defaults (44 blocks + 2 refiners, 28 heads x 128, 5 injection "
-                "blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles 7680 wide); transformer only",
+                "blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles 7680 wide), FLUX.2's VAE, a "
+                "36-layer Qwen3-VL of Qwen3-VL-4B's width, narrow inside",
     pipeline="BriaFibo2Pipeline",
     transformer_class="BriaFibo2Transformer2DModel",
     transformer={},
-    vae={}, clip={}, t5={}, scheduler={},
+    vae={},  # AutoencoderKLFlux2's defaults are FLUX.2's VAE
+    clip={},
+    t5=qwen3vl_sizes(2560, 36, 128, [24, 20, 20]),
+    scheduler=FLUX_SCHEDULER,
     default_dtype="bfloat16",
     default_size=(1024, 1024),
     max_sequence_length=2048,
@@ -130,12 +139,25 @@ BRIA_FIBO2 = SynthArch(
 BRIA_FIBO2_TINY = dataclasses.replace(
     BRIA_FIBO2, name="bria-fibo2-tiny",
     description="Bria FIBO 2 at diffusers' test configuration: 2 blocks (the second an injection block) + 1 refiner, "
-                "2 heads x 16, a 1-layer Perceiver of 4 to 8 gist tokens; transformer only",
+                "2 heads x 16, a 1-layer Perceiver of 4 to 8 gist tokens; a tiny FLUX.2 VAE and 36-layer Qwen3-VL",
     transformer=dict(in_channels=4, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, cap_feat_dim=24,
                      injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4, max_num_gist_tokens=8,
                      gist_step=4, gist_min_text_len=4, gist_max_text_len=16, axes_dims=(4, 6, 6),
                      axes_lens=(16, 16, 16)),
-    default_dtype="float32", default_size=(64, 64), max_sequence_length=16)
+    vae=FLUX2_TINY.vae,
+    t5=qwen3vl_sizes(8, 36, 8, [2, 1, 1], intermediate_size=16),
+    default_dtype="float32", default_size=(64, 64), max_sequence_length=64)
+
+
+def bria_fibo2_components(arch: SynthArch, kit) -> dict:
+    """BriaFibo2Pipeline's other components: FLUX.2's VAE (``arch.vae``) and a Qwen3-VL for conditional generation
+    (``arch.t5``). In the processor's place (a Qwen3-VL processor, whose video processor needs torchvision) the local
+    Qwen2 tokenizer it wraps: the pipeline calls it on text alone unless a caption's text is drawn as images."""
+    import diffusers
+
+    encoder = qwen3vl_text_encoder(arch, kit, "Qwen3VLForConditionalGeneration")
+    return dict(vae=kit.make(diffusers.AutoencoderKLFlux2, arch.vae, 1), text_encoder=encoder["text_encoder"],
+                processor=encoder["tokenizer"])
 
 BRIA_FIBO2_ADAPTER = register(
     ModelAdapter(
@@ -171,8 +193,8 @@ BRIA_FIBO2_ADAPTER = register(
         out_channels=lambda model: model.config.in_channels,
         pipelines=("BriaFibo2Pipeline",),
         synth_archs=(BRIA_FIBO2_TINY, BRIA_FIBO2),
-        synth_components=transformer_only("Bria FIBO 2", "a Qwen3-VL processor, whose video processor needs "
-                                          "torchvision, called on the prompt and on images of a caption's text"),
+        synth_components=bria_fibo2_components,
+        vae=FLUX2_VAE_PLAN,
         pp_refusal="Bria FIBO 2's blocks take x, not hidden_states, and its sequence is joined between the refiner "
                    "and the main blocks; PipeFusion does not take it",
     )

@@ -382,10 +382,10 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        'hidden state)'),
     'bria-fibo2-tiny': ('bria_fibo2', "Bria FIBO 2 at diffusers' test configuration: 2 blocks (the second an "
                                       'injection block) + 1 refiner, 2 heads x 16, a 1-layer Perceiver of 4 to 8 gist '
-                                      'tokens; transformer only'),
+                                      'tokens; a tiny FLUX.2 VAE and 36-layer Qwen3-VL'),
     'bria-fibo2': ('bria_fibo2', "Bria FIBO 2 transformer as diffusers' defaults (44 blocks + 2 refiners, 28 heads x "
                                  '128, 5 injection blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles '
-                                 '7680 wide); transformer only'),
+                                 "7680 wide), FLUX.2's VAE, a 36-layer Qwen3-VL of Qwen3-VL-4B's width, narrow inside"),
     'motif-video-tiny': ('motif_video', "Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 "
                                         'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; a tiny Wan '
                                         'VAE and T5Gemma 2 encoder'),
