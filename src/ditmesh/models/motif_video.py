@@ -25,8 +25,8 @@ the text, so the adapter names the decoder layers to their processors (``process
 Tensor plan: FLUX.1's (the same module names), plus the dual blocks' cross-attention (Q, K, V column-parallel, its
 output row-parallel). The single blocks' cross-attention adds its projected output to the attention's heads before
 ``proj_out`` and is refused under tp. CFG: the guider's two calls a step (sequential). The VAE is Wan's
-(``AutoencoderKLWan``), split as Wan's; the synthetic pipeline is MotifVideoPipeline with a T5Gemma 2 encoder (the
-image-to-video pipeline's SigLIP image processor is not built).
+(``AutoencoderKLWan``), split as Wan's; the synthetic checkpoint holds what both pipelines take (a T5Gemma 2 encoder,
+whose vision tower gives image to video its image features, and a SigLIP image processor).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import dataclasses
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .base import (AttentionSelector, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split, SynthArch,
-                   register, spatial_latent, token_range)
+from .base import (AttentionSelector, Gather, ImagePipeline, Layout, ModelAdapter, SequencePlan, SequenceProcessor,
+                   Split, SynthArch, register, spatial_latent, token_range)
 from .flux import FLUX_TENSOR_PLAN
 from .wan import WAN_VAE_PLAN
 
@@ -185,20 +185,22 @@ MOTIF_VIDEO_TINY = dataclasses.replace(
     default_dtype="float32", default_size=(64, 64), default_frames=5, max_sequence_length=32)
 
 def motif_video_components(arch: SynthArch, kit) -> dict:
-    """MotifVideoPipeline's other components: the Wan VAE (``arch.vae``), a T5Gemma 2 encoder (``arch.t5``; its vision
-    tower, which text to video does not run, at one small layer) with a local Gemma tokenizer, no image processor
-    (image to video only), and the CFG guider (``arch.extra["guidance_scale"]``)."""
+    """MotifVideoPipeline's other components: the Wan VAE (``arch.vae``), a T5Gemma 2 encoder (``arch.t5``) with a local
+    Gemma tokenizer, the CFG guider (``arch.extra["guidance_scale"]``), and for MotifVideoImage2VideoPipeline on the
+    same folder a SigLIP image processor (its PIL path: no torchvision) for the encoder's vision tower, one small layer
+    whose width is the transformer's ``image_embed_dim``."""
     import diffusers
     import transformers
 
     tokenizer = kit.gemma_tokenizer(arch.max_sequence_length, add_bos=True)
     text = transformers.T5Gemma2TextConfig(vocab_size=len(tokenizer), max_position_embeddings=1024, dropout_rate=0.0,
                                            **arch.t5)
-    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+    vision = dict(hidden_size=arch.transformer.get("image_embed_dim") or 16, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
     config = transformers.T5Gemma2EncoderConfig(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    extractor = transformers.SiglipImageProcessor(size={"height": 28, "width": 28})
     return dict(vae=kit.make(diffusers.AutoencoderKLWan, arch.vae, 1), tokenizer=tokenizer,
-                text_encoder=kit.make(transformers.T5Gemma2Encoder, config, 3), feature_extractor=None,
+                text_encoder=kit.make(transformers.T5Gemma2Encoder, config, 3), feature_extractor=extractor,
                 guider=diffusers.ClassifierFreeGuidance(guidance_scale=arch.extra["guidance_scale"]))
 
 
@@ -231,6 +233,7 @@ MOTIF_VIDEO_ADAPTER = register(
         frame_step=4,
         fps=24,
         pipelines=("MotifVideoPipeline", "MotifVideoImage2VideoPipeline"),
+        image_pipelines=(ImagePipeline("i2v", "MotifVideoImage2VideoPipeline", strength=False),),
         synth_archs=(MOTIF_VIDEO_TINY, MOTIF_VIDEO),
         synth_components=motif_video_components,
         vae=WAN_VAE_PLAN,
