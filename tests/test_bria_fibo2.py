@@ -3,7 +3,8 @@ context tokens split and gathered around it, then the sequence joined with the P
 gathered around the main blocks; on diffusers' test configuration and inputs (a 4 x 4 grid, 6 text tokens: 8 gist
 tokens first) and on ours: 3 heads, 2 refiner blocks, a batch of 2 on a 3 x 5 grid with a 2 x 3 image to edit (21
 refiner tokens), prompts of 4 and 16 text tokens whose gist (4 and 8) the batch pads, so the gist goes last under a
-key mask (29 joint tokens); Ulysses, ring, USP, tp and the two CFG calls on two ranks."""
+key mask (29 joint tokens); Ulysses, ring, USP, tp, dp (one prompt a rank, its gist unpadded) and the two CFG calls
+on two ranks."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def counts(config: dict, shape: str) -> dict:
     layers = refiners(shape) + 2
     if config.get("tp", 1) > 1:  # per block the attention output and w2; the injection block's cross-attention
         return {"all_reduce": 2 * layers + 1}
+    if "dp" in config:  # one sample a rank, the outputs gathered
+        return {"all_gather": 1}
     got = {"all_gather": 2}
     if "ulysses" in config:
         got["all_to_all"] = 2 * layers
@@ -55,8 +58,9 @@ def counts(config: dict, shape: str) -> dict:
     return got
 
 
-# diffusers' configuration under Ulysses and tp (its 2 heads); ours, the harder one, under every sequence axis
-CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers")] + [(c, "odd") for c in SP_AXES]
+# diffusers' configuration under Ulysses and tp (its 2 heads); ours, the harder one, under every sequence axis and dp
+# (one prompt a rank: each rank's gist unpadded and first, the batch's padded and last)
+CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers")] + [(c, "odd") for c in SP_AXES] + [({"dp": 2}, "odd")]
 
 
 @pytest.mark.parametrize("config, shape", CASES, ids=case_id)

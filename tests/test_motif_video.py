@@ -4,7 +4,7 @@ sequence, the cross-attention on the gathered context; on diffusers' test config
 16 tokens, 12 text tokens, no mask) and on ours: 3 heads, 2x2 patches, 1 dual and 2 single blocks with text
 cross-attention in all of them, a batch of 2 on 3 frames of 3 x 5 tokens, 3 image embeddings and 7 text tokens of
 which the second prompt pads 3; Ulysses, ring, USP, tp (diffusers' 2 heads, with the dual block's cross-attention) and
-the guider's two calls on two ranks; ours with a decoder block (attending from a copy of the embedded video to the
+the guider's two calls on two ranks, dp; ours with a decoder block (attending from a copy of the embedded video to the
 encoder's output) under every sequence axis; the single blocks' cross-attention refused under tp."""
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ def counts(config: dict, shape: str) -> dict:
     """Per joint attention its exchanges, per cross-attention the context's gather; the output's gather."""
     if config.get("tp", 1) > 1:  # the dual block's 4 (and its cross-attention's), the single block's proj_out
         return {"all_reduce": 6 if shape == "tp" else 5}
+    if "dp" in config:  # one sample a rank, the outputs gathered
+        return {"all_gather": 1}
     joint, cross = {"diffusers": (2, 0), "odd": (3, 3), "decoder": (3, 2)}[shape]  # decoder blocks: no cross
     got = {"all_gather": 1 + cross}
     if "ulysses" in config:
@@ -58,9 +60,9 @@ def counts(config: dict, shape: str) -> dict:
 
 
 # diffusers' configuration under Ulysses; ours, the harder one, under every sequence axis; tp on diffusers' 2 heads,
-# with and without the dual block's cross-attention; ours with its second single block a decoder block
+# with and without the dual block's cross-attention; ours with its second single block a decoder block; dp on ours
 CASES = ([({"ulysses": 2}, "diffusers")] + [(c, "odd") for c in SP_AXES] + [({"tp": 2}, "diffusers"), ({"tp": 2}, "tp")]
-         + [(c, "decoder") for c in SP_AXES])
+         + [(c, "decoder") for c in SP_AXES] + [({"dp": 2}, "odd")])
 
 
 @pytest.mark.parametrize("config, shape", CASES, ids=case_id)
