@@ -11,12 +11,13 @@ run over the joined sequence with a per-token noise mask; some of them (``inject
 their own text bundle, whole, under the prompts' padding mask. The final layer reads the image tokens only.
 
 Sequence plan: two streams, each split once. ``image`` (the image and context tokens) is split where the noise refiner
-starts (its input, its RoPE table and its noise mask at every refiner block) and gathered where it ends: the joined
-sequence is built whole by the forward (the gist tokens, their positions, the noise mask and the gist padding mask
-follow from global counts), and an exact split of it would need the gist cut out of the middle of a tensor the forward
-concatenates. ``joint`` is that joined sequence, split where the main blocks start (its RoPE table and noise mask at
-every block) and gathered after the last one, before the model keeps its image tokens. The gather between costs one
-all-gather of the refined tokens a call, against two all-to-alls per attention layer. The Perceiver runs whole on every
+starts (its input, its RoPE table and its noise mask at every refiner block) and gathered where it ends, because the
+forward builds the joined sequence, its noise mask (set by global token index) and the gist padding mask from the
+tokens it holds: held split, those would be wrong, and every rank would hold every gist token (a replicated stream
+whose keys the attention would have to count once). ``joint`` is that joined sequence, split where the main blocks
+start (its RoPE table and noise mask at every block) and gathered after the last one, before the model keeps its image
+tokens. The gather between costs one all-gather of the refined tokens a call, against two all-to-alls per attention
+layer. The Perceiver runs whole on every
 rank (it reads the text only: ``whole_attention``); the injection blocks' cross-attention has local queries and the
 whole text as keys, so it runs as diffusers' processor; the key mask stays whole and goes to ``sp.attention``.
 
