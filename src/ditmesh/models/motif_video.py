@@ -152,11 +152,13 @@ _TABLE = Split(dim=0, stream="image", ndim=2)
 # -- synthetic architectures ---------------------------------------------------------------------------------
 MOTIF_VIDEO = SynthArch(
     name="motif-video",
-    description="Motif-Video transformer as diffusers' defaults (20 dual + 40 single blocks, 24 heads x 128, text "
-                "width 4096, 33 input channels), the Wan 2.1 VAE, a one-layer T5Gemma 2 encoder of that width",
+    description="Motif-Video-2B's block layout (12 dual + 16 single + 8 decoder blocks, as diffusers' docs give it) at "
+                "diffusers' default width (24 heads x 128, text width 4096, 33 input channels), the Wan 2.1 VAE, a "
+                "one-layer T5Gemma 2 encoder of that width",
     pipeline="MotifVideoPipeline",
     transformer_class="MotifVideoTransformer3DModel",
-    transformer=dict(num_attention_heads=24, attention_head_dim=128, num_layers=20, num_single_layers=40),
+    transformer=dict(num_attention_heads=24, attention_head_dim=128, num_layers=12, num_single_layers=24,
+                     num_decoder_layers=8),
     vae={},  # AutoencoderKLWan's defaults are the Wan 2.1 VAE
     clip={},
     t5=dict(hidden_size=4096, intermediate_size=64, num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=8,
@@ -164,7 +166,7 @@ MOTIF_VIDEO = SynthArch(
     scheduler=dict(shift=7.0),
     extra=dict(guidance_scale=5.0),
     default_dtype="bfloat16",
-    default_size=(480, 832),
+    default_size=(736, 1280),  # the size of diffusers' examples
     default_frames=121,
     max_sequence_length=512,
 )

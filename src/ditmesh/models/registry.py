@@ -389,9 +389,10 @@ SYNTH: dict[str, tuple[str, str]] = {
     'motif-video-tiny': ('motif_video', "Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 "
                                         'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; a tiny Wan '
                                         'VAE and T5Gemma 2 encoder'),
-    'motif-video': ('motif_video', "Motif-Video transformer as diffusers' defaults (20 dual + 40 single blocks, 24 "
-                                   'heads x 128, text width 4096, 33 input channels), the Wan 2.1 VAE, a one-layer '
-                                   'T5Gemma 2 encoder of that width'),
+    'motif-video': ('motif_video', "Motif-Video-2B's block layout (12 dual + 16 single + 8 decoder blocks, as "
+                                   "diffusers' docs give it) at diffusers' default width (24 heads x 128, text width "
+                                   '4096, 33 input channels), the Wan 2.1 VAE, a one-layer T5Gemma 2 encoder of that '
+                                   'width'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
