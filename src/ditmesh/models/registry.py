@@ -624,7 +624,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'GlmImageTransformer2DModel': ('glm-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'BriaFibo2Transformer2DModel': ('bria-fibo2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
-    'MotifVideoTransformer3DModel': ('motif-video', 'guidance_scale', "the pipeline's guider (guidance_scale > 1)", 4, 1),
+    'MotifVideoTransformer3DModel': ('motif-video', 'guidance_scale', "the checkpoint's guider (guider/config.json guidance_scale > 1)", 4, 1),
 }
 
 
