@@ -74,9 +74,10 @@ class MotifVideoSequenceParallelProcessor(SequenceProcessor):
                           for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
             q, k, v = (torch.cat([a, b], 1) for a, b in ((q, attn.norm_added_q(cq)), (k, attn.norm_added_k(ck)),
                                                           (v, cv)))
+        # the forward's key mask spans this rank's video, then the whole context: ones over the whole video instead
+        # (a decoder block has none)
         mask = None
-        if attention_mask is not None:  # the forward's mask spans this rank's video: ones over the whole video (a
-            # decoder block has none)
+        if attention_mask is not None:
             total = token_range(self.sp, "image", video)[1]
             whole = attention_mask[..., video:]
             mask = torch.cat([whole.new_ones(*whole.shape[:-1], total), whole], -1)
