@@ -721,6 +721,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "            out = self.sp.attention(q, k, v, backend=self._attention_backend)\n",
            ("tests/test_kandinsky5.py::test_kandinsky5_nabla_attention_under_ulysses_matches_single_process",),
            "Kandinsky 5's nabla attention under Ulysses attends densely, without its block mask"),
+    Mutant("bria-fibo2-gist-key-mask-dropped", "models/bria_fibo2.py",
+           "streams=streams, mask=attention_mask)", "streams=streams, mask=None)",
+           ("tests/test_bria_fibo2.py::test_bria_fibo2_transformer_matches_single_process[ulysses2-odd]",),
+           "Bria FIBO 2's sequence-parallel self-attention drops the key mask over a batch's padded gist tokens"),
+    Mutant("motif-video-text-key-mask-dropped", "models/motif_video.py",
+           'streams=self.streams, mask=mask)', 'streams=self.streams, mask=None)',
+           ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-odd]",),
+           "Motif-Video's sequence-parallel joint attention drops the rebuilt key mask over the padded text"),
+    Mutant("motif-video-decoder-layers-not-named", "models/motif_video.py",
+           'return {"streams": ("image", "image")} if decoder else {}', "return {}",
+           ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-decoder]",),
+           "Motif-Video's decoder blocks attend as if their keys were the video and the text (the wrong sizes)"),
 )
 
 

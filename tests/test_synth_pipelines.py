@@ -128,6 +128,19 @@ WITH_TORCHVISION = {
 CASES.update(WITH_TORCHVISION)
 # -- end of branch i46j's cases -------------------------------------------------------------------------------------
 
+# -- issue 46, branch i46i: Motif-Video and Bria FIBO 2 --------------------------------------------------------------
+CASES.update({
+    # sequential CFG (the prompt's call, then the default negative prompt's); odd 3 x 5 image tokens split 8 + 7
+    # through the refiner, then joined with the gist tokens through the main blocks
+    "bria-fibo2-tiny": (["--ulysses", "2"], ["--height", "48", "--width", "80", "--guidance", "4"]),
+    # image to video: the first frame's latents as condition channels and its SigLIP features (the T5Gemma 2 encoder's
+    # vision tower) prepended to the text; CFG by the pipeline's guider (two calls a step); 2 latent frames of 6 x 10
+    # tokens and the context (image features, then the text padded to the maximum length under its key mask) split
+    "motif-video-tiny": (["--ulysses", "2"], ["--image", "{image}", "--height", "48", "--width", "80",
+                                              "--frames", "5"]),
+})
+
+
 # -- issue 46, branch i46h: Latte ---------------------------------------------------------------------------------------
 CASES.update({
     # batched CFG; 2 frames of 4 x 4 patch positions, each rank the same 8 positions in both frames (the temporal

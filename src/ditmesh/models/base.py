@@ -596,6 +596,10 @@ class ModelAdapter:
     #: what would work), or None: ``parallelize`` refuses it with that line (HunyuanVideo's token-replace blocks under
     #: sequence parallelism). None: every configuration the plans allow runs
     unsupported: Callable | None = None
+    #: (model, attention layer name) -> keyword arguments the family's processor takes for that layer, where layers
+    #: of one class run over different streams that their inputs do not tell apart (Motif-Video's decoder blocks
+    #: attend over the encoder's output video where the encoder's single blocks attend over the text); None: none
+    processor_args: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:
@@ -623,7 +627,8 @@ class ModelAdapter:
         previous = {}
         for name, attn in self.attention_modules(model):
             previous[name] = attn.processor
-            set_processor(attn, self.sequence_processor(runtime_of(name), attn.processor))
+            args = self.processor_args(model, name) if self.processor_args is not None else {}
+            set_processor(attn, self.sequence_processor(runtime_of(name), attn.processor, **args))
 
         def restore() -> None:
             for name, attn in self.attention_modules(model):

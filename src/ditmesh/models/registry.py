@@ -74,6 +74,8 @@ CLASSES: dict[str, str] = {
     'NucleusMoEImageTransformer2DModel': 'nucleusmoe',
     'LatteTransformer3DModel': 'latte',
     'Kandinsky6SRTransformer3DModel': 'kandinsky6_sr',
+    'BriaFibo2Transformer2DModel': 'bria_fibo2',
+    'MotifVideoTransformer3DModel': 'motif_video',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -394,6 +396,19 @@ SYNTH: dict[str, tuple[str, str]] = {
                                                    'x 1, threshold 0.5)'),
     'kandinsky6-sr': ('kandinsky6_sr', "Kandinsky 6 SR transformer as diffusers' defaults (32 blocks, 28 heads x 64, "
                                        "640 output channels: the distilled checkpoints' head), the transformer alone"),
+    'bria-fibo2-tiny': ('bria_fibo2', "Bria FIBO 2 at diffusers' test configuration: 2 blocks (the second an "
+                                      'injection block) + 1 refiner, 2 heads x 16, a 1-layer Perceiver of 4 to 8 gist '
+                                      'tokens; a tiny FLUX.2 VAE and 36-layer Qwen3-VL'),
+    'bria-fibo2': ('bria_fibo2', "Bria FIBO 2 transformer as diffusers' defaults (44 blocks + 2 refiners, 28 heads x "
+                                 '128, 5 injection blocks, a 2-layer Perceiver of 256 to 512 gist tokens, text bundles '
+                                 "7680 wide), FLUX.2's VAE, a 36-layer Qwen3-VL of Qwen3-VL-4B's width, narrow inside"),
+    'motif-video-tiny': ('motif_video', "Motif-Video at diffusers' test configuration: 1 dual + 1 single block, 2 "
+                                        'heads x 12, 1x1 patches, text width 32, image embeddings 4 wide; a tiny Wan '
+                                        'VAE and T5Gemma 2 encoder'),
+    'motif-video': ('motif_video', "Motif-Video-2B's block layout (12 dual + 16 single + 8 decoder blocks, as "
+                                   "diffusers' docs give it) at diffusers' default width (24 heads x 128, text width "
+                                   '4096, 33 input channels), the Wan 2.1 VAE, a one-layer T5Gemma 2 encoder of that '
+                                   'width'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -517,6 +532,8 @@ HEADS: dict[str, int] = {
     'latte-tiny': 2,
     'latte-tiny-odd': 3,
     'latte-1': 16,
+    'motif-video-tiny': 2,
+    'motif-video': 24,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -554,16 +571,19 @@ NOT_ADAPTED: dict[str, str] = {
                               'text pathway and a generation pathway whose vision, sound and action tokens are '
                               'scattered into the sequence by index; the packing and the causal prefix need a '
                               'sequence plan of their own',
-    'MotifVideoTransformer3DModel': "Motif-Video, a dual- and single-stream video DiT whose last single blocks are a "
-                                    "decoder attending to the encoder's output image tokens as their second stream, "
-                                    'beside a text key mask and per-block text cross-attention: three attention '
-                                    'layouts to plan',
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
     'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
                                    "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
                                    'them), so the sequence would be split twice with a gather between',
+    'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
+                                      'a flex-attention block mask chosen each call from pooled query/key statistics '
+                                      'of the whole sequence, which a split would have to agree on across ranks',
+    'LatteTransformer3DModel': 'Latte alternates spatial (per-frame) and temporal (per-position) attention, '
+                               'reshaping between them in its forward over a batch-times-frames dim: a split by '
+                               'tokens would re-shard the video at every block, and a split by frames would have to '
+                               'cut each sample inside that dim and the temporal position table with it',
 }
 
 
@@ -627,6 +647,8 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'NucleusMoEImageTransformer2DModel': ('nucleusmoe-image', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'LatteTransformer3DModel': ('latte', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 1, 1),
     'Kandinsky6SRTransformer3DModel': ('kandinsky6-sr', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'BriaFibo2Transformer2DModel': ('bria-fibo2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
+    'MotifVideoTransformer3DModel': ('motif-video', 'guidance_scale', "the checkpoint's guider (guider/config.json guidance_scale > 1)", 4, 1),
 }
 
 

@@ -287,6 +287,9 @@ def _heads(model: torch.nn.Module, config: dict) -> tuple[int, int]:
                 return int(module.heads), int(module.inner_dim // module.heads)
             if isinstance(getattr(module, "heads", None), int) and isinstance(getattr(module, "head_dim", None), int):
                 return module.heads, module.head_dim  # JoyImage-Edit's attention
+            query = getattr(module, "to_q", None)
+            if isinstance(getattr(module, "heads", None), int) and isinstance(query, torch.nn.Linear):
+                return module.heads, query.out_features // module.heads  # Bria FIBO 2's attention
         for module in model.modules():  # an attention layer counting ``num_heads``, its first linear the query's width
             query = next((c for c in module.children() if isinstance(c, torch.nn.Linear)), None)
             if isinstance(getattr(module, "num_heads", None), int) and query is not None:
