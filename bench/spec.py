@@ -560,6 +560,30 @@ TABLES = [
          note="a lone client, 4 requests one after the other (the phases' means over them; `step` is each request's "
               "median later step); `bound` = 28 × the step + 0.15 s (issue 45); the server compiled cold (its compile cache was not the "
               "e2e rows'), so `ready` and `first image` include a cold compile"),
+    dict(name="serve-lone-h200x1-s3", doc=TIMELINE, files=["2026-12-02_h200x1/service-s3/serve-lone-1024.json"],
+         rows=serve_rows,
+         columns=[SERVE[0], ("answer", "answer")] + SERVE[2:4] + [SERVE[6], SERVE[7]]
+         + [(head, f"phases_s.{key}", ".3f") for head, key in (
+             ("steps s", "steps"), ("step s", "step"), ("slowest step s", "step_max"), ("text encode s", "text_encode"),
+             ("prepare s", "prepare"), ("VAE s", "vae_decode"), ("postprocess s", "postprocess"),
+             ("hand-off s", "handoff"), ("PNG s", "encode"), ("way out s", "http_out"))]
+         + [("bound s", lambda r: 28 * r["phases_s"]["step"] + 0.15, ".3f"),
+            ("within", lambda r: "yes" if r["latency_s"]["p50"] <= 28 * r["phases_s"]["step"] + 0.15 else "no")],
+         note="one client, 2 requests a row one after the other (the phases' means, on the GPU's clock: CUDA events, no "
+              "synchronization inside the call); each server answered as JSON (base64 inside) and as the PNG file "
+              "(`Accept: image/png`); `bound` = 28 × the step + 0.15 s (issue 45); the first server compiled cold, the "
+              "others read its compile cache; the compiled VAE's picture differs from the eager VAE's (not bit-exact), "
+              "the other two servers' first pictures are the same bytes"),
+    dict(name="serve-batching-h200x1", doc="docs/serve.md",
+         files=["2026-12-02_h200x1/service-s3/serve-512.json", "2026-12-02_h200x1/service-s3/serve-batch-1024.json"],
+         rows=serve_rows,
+         columns=[("size", lambda r: "{0}²".format(r["_doc"]["serve_args"][r["_doc"]["serve_args"].index("--height") + 1])
+                   if r["_first"] else "")] + SERVE,
+         note="one H200, FLUX.1-dev architecture (random weights built in the rank), 28 steps, compiled with CUDA graphs, "
+              "one request a client; the replica with `--max-batch 4` (`--batching auto`) batched at 512² (start-up "
+              "measurement, a whole call's seconds a picture by batch size 1-4: 1.25, 1.15, 1.12, 1.10) and left "
+              "batching off at 1024² (3.99, 4.01, 3.93, 3.91: no size 5% cheaper); 512² and 1024² ran in two calls on "
+              "one machine"),
     dict(name="e2e-h200x4", doc=TIMELINE, files=["2026-11-28_h200x4/e2e.json"], columns=E2E,
          note="old = the baseline tree 42e3be5, new = this tree; warm compile caches (the rows' warm-ups ran first, "
               "all at once); the row the call's deadline skipped: new:pp:warm (its warm-up took 116 s)"),
