@@ -734,11 +734,14 @@ def test_the_start_up_measurement_warms_every_batch_shape_and_batches_only_where
     args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
                               seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
     measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3)
-    # each shape warmed once, its decode too (size 1 was warmed and decoded with the sizes), then timed in rounds over
-    # the sizes as a whole call costs: 2 steps and the decode, (2 - 1) x latent + decoded; the fastest counts
-    assert calls == [(2, False), (2, True), (3, False), (3, True)] + [
-        (size, decode) for size in (1, 2, 3) for decode in (False, True)] * BATCH_REPEATS
-    assert measured == {"seconds": {str(k): round(2 * v, 4) for k, v in seconds.items()}, "use": use}
+    # sizes tried in turn: each warmed once, its decode too (size 1 was warmed and decoded with the sizes), then timed
+    # against a lone call in rounds as a whole call costs (2 steps and the decode: (2 - 1) x latent + decoded); a size
+    # that is not 5% cheaper a picture ends the search, the larger ones neither warmed nor timed
+    tried = [2] if seconds[2] / 2 / seconds[1] > 0.95 else [2, 3]
+    rounds = [(size, decode) for size in (1, None) for decode in (False, True)] * BATCH_REPEATS
+    assert calls == [c for size in tried for c in [(size, False), (size, True)] + [
+        (size if s is None else s, d) for s, d in rounds]]
+    assert measured == {"seconds": {str(k): round(2 * seconds[k], 4) for k in [1] + tried}, "use": use}
     assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 1) is None  # --max-batch 1: nothing to time
 
 
@@ -773,7 +776,7 @@ def test_a_noisy_round_does_not_turn_batching_on(monkeypatch):
     from ditmesh.runtime import generate
     from ditmesh.serve.worker import BATCH_REPEATS, _measure_batching
 
-    def measure(rounds):
+    def measure(rounds, max_batch=3):
         seen = {size: 0 for size in rounds}
 
         def timed(pipe, call, device, decode=False):
@@ -787,17 +790,49 @@ def test_a_noisy_round_does_not_turn_batching_on(monkeypatch):
         monkeypatch.setattr(generate, "warm_up_call", timed)
         args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
                                   seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
-        measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), len(rounds))
-        assert all(n == BATCH_REPEATS for n in seen.values())
+        measured = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), max_batch)
+        # each size tried was timed in BATCH_REPEATS rounds, each round beside a lone call
+        tried = [size for size in rounds if size > 1 and seen[size]]
+        assert all(seen[size] == BATCH_REPEATS for size in tried) and seen[1] == BATCH_REPEATS * len(tried)
         return measured
 
     assert BATCH_REPEATS == 3
-    # the first two rounds say "batch", the third does not: no batching (each size's fastest call is reported)
+    # the first two rounds say "batch", the third does not: no batching, and a batch of 3 is not tried (each size's
+    # fastest call is reported)
     assert measure({1: [0.525, 0.31, 0.30], 2: [0.41, 0.205, 0.62], 3: [0.9, 0.95, 0.92]}) == {
-        "seconds": {"1": 0.3, "2": 0.205, "3": 0.9}, "use": 1}
+        "seconds": {"1": 0.3, "2": 0.205}, "use": 1}
     # every round says "batch": batching at the size whose worst round is cheapest (3: 0.45 of a lone picture)
-    assert measure({1: [0.5, 0.3, 0.3], 2: [0.6, 0.4, 0.4], 3: [0.6, 0.4, 0.405]}) == {
+    assert measure({1: [0.5, 0.3, 0.3, 0.5, 0.3, 0.3], 2: [0.6, 0.4, 0.4], 3: [0.6, 0.4, 0.405]}) == {
         "seconds": {"1": 0.3, "2": 0.4, "3": 0.4}, "use": 3}
+
+
+def test_a_size_that_is_not_cheaper_ends_the_search_before_its_larger_shapes_are_built(monkeypatch):
+    """Where one picture fills the GPU (FLUX at 1024² on one H200: a whole call 3.99 s a picture alone, 4.01 in two),
+    the batch of two is the last shape built: the warm-up of 3 and 4 would only delay the first picture."""
+    import argparse
+
+    import torch
+
+    from ditmesh.runtime import generate
+    from ditmesh.serve.worker import _measure_batching
+
+    built = []
+
+    def timed(pipe, call, device, decode=False):
+        size = len(call["prompt"])
+        built.append(size)
+        return {1: 3.99, 2: 8.02, 3: 11.79, 4: 15.64}[size] / 2
+
+    monkeypatch.setattr(generate, "warm_up_call", timed)
+    args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
+                              seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 4) == {"seconds": {"1": 3.99, "2": 8.02},
+                                                                            "use": 1}
+    assert set(built) == {1, 2}
+    # --batching always sends every size up to N: every shape is built (and timed) whatever the measurement says
+    built.clear()
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 4, every_size=True)["use"] == 1
+    assert set(built) == {1, 2, 3, 4}
 
 
 def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():

@@ -143,7 +143,8 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
         warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device,
                                                          decode=True), 3)
-    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1))
+    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1),
+                                 every_size=options.get("batching") == "always")
     freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
@@ -173,41 +174,50 @@ def tune_vae(pipe, ways) -> None:
         decoder.compile()
 
 
-def _measure_batching(pipe, args, defaults, device, max_batch: int) -> dict | None:
-    """With ``--max-batch`` N > 1: every batch shape the front end may send (1 to N pictures of the defaults'
-    size, a seed each) is warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured,
-    the decode too, a compiled VAE's included: nothing new is built inside a request; one picture's shape was warmed,
-    decoded, with the defaults' size), then each is timed in :data:`BATCH_REPEATS` rounds over
-    the sizes (the fastest counts) as a whole call costs (:func:`_call_seconds`: the steps and the decode). Returns the
-    seconds per call by batch size (each size's fastest) and ``use``: the batch size whose picture is at least
-    :data:`BATCH_GAIN` cheaper than one picture a call in every round, the cheapest in its worst round, else 1
-    (batching would not raise throughput here). Every rank runs the same calls (their collectives); rank 0's numbers
-    count."""
+def _measure_batching(pipe, args, defaults, device, max_batch: int, every_size: bool = False) -> dict | None:
+    """With ``--max-batch`` N > 1: the batch sizes 2, 3, ... N of the defaults' size (a seed a picture) are tried in
+    turn, each warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured, the decode too,
+    a compiled VAE's included: nothing new is built inside a request; one picture's shape was warmed, decoded, with the
+    defaults' size) and timed against one picture a call in :data:`BATCH_REPEATS` interleaved rounds as a whole call
+    costs (:func:`_call_seconds`: the steps and the decode). A size whose picture is not at least :data:`BATCH_GAIN`
+    cheaper than the same round's lone picture in every round ends the search: the larger sizes are neither warmed nor
+    timed (where one picture fills the GPU, two already cost twice one, and the warm-up of every larger shape would
+    only delay the first picture: 28 s of three shapes at 1024² on one H200), unless ``every_size`` (``--batching
+    always``: the front end sends every size up to N whatever the measurement). Returns the seconds per call by batch
+    size tried (each size's fastest) and ``use``: of the sizes that were cheaper, the one cheapest in its worst round,
+    else 1. Every rank runs the same calls (their collectives); rank 0's numbers count."""
     if max_batch <= 1:
         return None
     import torch
 
     from ..runtime.generate import _call_kwargs, warm_up_call
 
-    calls = {}
-    for size in range(1, max_batch + 1):
+    def call_of(size: int) -> dict:
         batch = argparse.Namespace(**{**vars(args), "prompt": [args.prompt[0]] * size})
-        calls[size] = _call_kwargs(pipe, batch, defaults)
-        if size > 1:  # a seed per picture, as a shared call of the front end draws them (one was warmed above)
-            calls[size]["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
-            warm_up_call(pipe, calls[size], device)
-            warm_up_call(pipe, calls[size], device, decode=True)  # a compiled VAE: its decode of the batch compiled too
-    steps = calls[1].get("num_inference_steps") or 1
-    # timed in rounds over the sizes, so that a change of the machine's load falls on every size of a round alike
-    rounds = [{size: _call_seconds(pipe, call, device, steps) for size, call in calls.items()}
-              for _ in range(BATCH_REPEATS)]
-    seconds = {size: min(r[size] for r in rounds) for size in calls}
-    # a size batches only where its picture is cheaper than a lone call's in every round (a noisy round cannot turn
-    # batching on), and the one whose worst round is the cheapest wins
-    worst = {size: max(r[size] / size / r[1] for r in rounds) for size in calls if size > 1}
+        call = _call_kwargs(pipe, batch, defaults)
+        if size > 1:  # a seed per picture, as a shared call of the front end draws them
+            call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
+        return call
+
+    lone = call_of(1)
+    steps = lone.get("num_inference_steps") or 1
+    times, worst = {1: []}, {}
+    for size in range(2, max_batch + 1):
+        call = call_of(size)
+        warm_up_call(pipe, call, device)
+        warm_up_call(pipe, call, device, decode=True)  # a compiled VAE: its decode of the batch compiled too
+        # interleaved with lone calls, so that a change of the machine's load falls on both sides of a round alike
+        rounds = [(_call_seconds(pipe, lone, device, steps), _call_seconds(pipe, call, device, steps))
+                  for _ in range(BATCH_REPEATS)]
+        times[1] += [one for one, _ in rounds]
+        times[size] = [batch for _, batch in rounds]
+        # cheaper only if cheaper in every round (a noisy round cannot turn batching on)
+        worst[size] = max(batch / size / one for one, batch in rounds)
+        if worst[size] > 1 - BATCH_GAIN and not every_size:
+            break
     good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
     use = min(good, key=lambda size: worst[size]) if good else 1
-    return {"seconds": {str(k): round(v, 4) for k, v in seconds.items()}, "use": use}
+    return {"seconds": {str(k): round(min(v), 4) for k, v in times.items()}, "use": use}
 
 
 def _call_seconds(pipe, call: dict, device, steps: int) -> float:
