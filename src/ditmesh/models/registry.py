@@ -574,16 +574,6 @@ NOT_ADAPTED: dict[str, str] = {
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
-    'BriaFibo2Transformer2DModel': "Bria FIBO 2's noise refiner runs over the image and context tokens before the "
-                                   "Perceiver's gist tokens are joined to them (first, or last when a batch pads "
-                                   'them), so the sequence would be split twice with a gather between',
-    'Kandinsky6SRTransformer3DModel': "Kandinsky 6's super-resolution transformer always runs NABLA sparse attention: "
-                                      'a flex-attention block mask chosen each call from pooled query/key statistics '
-                                      'of the whole sequence, which a split would have to agree on across ranks',
-    'LatteTransformer3DModel': 'Latte alternates spatial (per-frame) and temporal (per-position) attention, '
-                               'reshaping between them in its forward over a batch-times-frames dim: a split by '
-                               'tokens would re-shard the video at every block, and a split by frames would have to '
-                               'cut each sample inside that dim and the temporal position table with it',
 }
 
 
