@@ -42,8 +42,16 @@ def block_masks_applied():
 
 
 def flex_backend(model) -> None:
-    """The model's attention layers on diffusers' flex backend (what Kandinsky 5's pipeline sets for nabla)."""
-    model.set_attention_backend("flex")
+    """The model's attention layers on diffusers' flex backend (what Kandinsky 5's pipeline sets for nabla). diffusers'
+    ``set_attention_backend`` also makes it the process's active backend, for every model after it: that is put back
+    (under the suite's shared processes, later files' models attended through flex and failed on their masks)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        model.set_attention_backend("flex")
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
 
 
 def masked_transformer_call(arch: str, config: dict, inputs: dict, model_config: dict | None = None, prepare=None):
