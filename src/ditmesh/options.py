@@ -442,9 +442,7 @@ class RunOptions:
         _choice(self.quant, QUANT_MODES, flag("quant"), "quantization mode")
         _choice(self.quant_backend, QUANT_BACKENDS, flag("quant_backend"), "backend of the 8-bit linears")
         _choice(self.comm_dtype, COMM_DTYPES, flag("comm_dtype"), "communication dtype")
-        if self.attention in RETIRED_ATTENTION:
-            raise ConfigError(f"{flag('attention')}{self.attention} was retired: {RETIRED_ATTENTION[self.attention]}; "
-                              f"use the default attention, or {flag('attention')}fp8 (Hopper+, faster from 8,192 keys)")
+        refuse_retired_attention(self.attention, flag("attention"))
         _choice(self.attention, ATTENTION_MODES, flag("attention"), "attention kernel")
         _int_or_auto(self.chunk_tokens, flag("chunk_tokens"), "token count", 4096)
         _int_or_auto(self.vae_chunk, flag("vae_chunk"), "row count", 256)
@@ -691,6 +689,13 @@ def family_allows(refusal, adapter) -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+def refuse_retired_attention(value, flag: str) -> None:
+    """A retired attention kernel (:data:`RETIRED_ATTENTION`) is one line naming why and what to use instead."""
+    if value in RETIRED_ATTENTION:
+        raise ConfigError(f"{flag}{value} was retired: {RETIRED_ATTENTION[value]}; use the default attention, or "
+                          f"{flag}fp8 (Hopper+, faster from 8,192 keys)")
 
 
 def _choice(value, allowed: tuple, flag: str, what: str) -> None:

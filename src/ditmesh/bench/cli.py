@@ -265,13 +265,12 @@ def _settings(args) -> dict:
 def _eight_variants(args, methods: list[str]) -> tuple[list[str], list[str]]:
     """``--comm-dtype`` and ``--attention`` as lists, each value checked (``options.RunOptions.validate``)."""
     from ..config import ConfigError
-    from ..options import ATTENTION_MODES, COMM_DTYPES, RETIRED_ATTENTION
+    from ..options import ATTENTION_MODES, COMM_DTYPES, refuse_retired_attention
 
     comm = [c.strip() for c in args.comm_dtype.split(",") if c.strip()]
     attention = [a.strip() for a in args.attention.split(",") if a.strip()]
-    retired = next((a for a in attention if a in RETIRED_ATTENTION), None)
-    if retired:
-        raise ConfigError(f"--attention {retired} was retired: {RETIRED_ATTENTION[retired]}; use default or fp8")
+    for mode in attention:
+        refuse_retired_attention(mode, "--attention ")
     for flag, values, known in (("--comm-dtype", comm, COMM_DTYPES), ("--attention", attention, ATTENTION_MODES)):
         bad = [v for v in values if v not in known] or ([] if values else [""])
         if bad:

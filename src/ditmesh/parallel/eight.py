@@ -45,8 +45,6 @@ class EightBitAttention:
     def __init__(self, attention: str, bf16_steps: int = 0, ctx: ForwardContext | None = None, backend=None,
                  chunks: QueryChunks | None = None, group=None):
         self.attention, self.group = attention, group
-        #: the scales are reduced over ``group``: every rank must call it once per attention (no head-group pieces)
-        self.reduces = True
         self.bf16_steps, self.ctx, self.backend, self.chunks = bf16_steps, ctx, backend, chunks
         #: calls that ran in 8 bits and exactly (for tests and reports)
         self.calls = {"8-bit": 0, "exact": 0}

@@ -121,7 +121,7 @@ class SequenceParallel:
         if self.ring_degree == 1:
             # the fp8 attention reduces its scales over the group: one call of every rank, never a head group that
             # leaves a rank without heads (and so without its all-reduce)
-            chunks = self.ulysses_chunks if local is None and not (self.eight is not None and self.eight.reduces) else 1
+            chunks = self.ulysses_chunks if local is None and self.eight is None else 1
 
             def dispatched(q, k, v, mask=None):
                 return dispatched_attention(q, k, v, mask, backend, self.query_chunks)
