@@ -15,10 +15,11 @@
 #             2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
 #             The phases are on the GPU's clock (CUDA events, no synchronization inside the call); step_max: the
 #             slowest step, to tell where the steps' extra beyond 28 median steps goes
-#   serve512  one replica without and with --max-batch 4 (the start-up measurement decides) at 512², 4 and 16 clients
-#             of one request each: throughput, p99, the first picture after launch (item 1)
-#   batch1k   one replica without and with --max-batch 4 at 1024², 4 and 16 clients of one request each (item 1:
-#             the start-up measurement should leave batching off there: one picture already fills the GPU)
+#   serve512  one replica without and with --max-batch 4 (measured once the service is idle after the first picture;
+#             serve_bench waits for it: batching_measured_s) at 512², 4 and 16 clients of one request each:
+#             throughput, p99, the first picture after launch (item 1)
+#   batch1k   the same at 1024² (item 1: the measurement should leave batching off there, one picture already fills
+#             the GPU, and the first picture should come as early as without --max-batch)
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh

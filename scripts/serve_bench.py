@@ -457,6 +457,11 @@ def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
                  f"{first['seconds']:.2f} s)")
         result["first_timeline"] = first.get("timeline")
         result["first_sha256"] = first["sha256"]
+        if measures_batching(command):  # measured once the service is idle: the load phases run as it decided
+            result["batching_measured_s"], result["batching"] = wait_batching(server, deadline)
+            progress(f"  batching measured {result['batching_measured_s']:.1f} s after launch: use "
+                     f"{[b['use'] for b in result['batching']]} (a whole call's seconds by batch size: "
+                     f"{[b['seconds'] for b in result['batching']]})")
         for phase, count in enumerate(clients):
             for answer in args.answers:
                 if time.perf_counter() >= deadline:
@@ -494,6 +499,28 @@ def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
         progress(f"  stopped (exit code {server.proc.returncode})" + (f"; ERROR: {result['error']}"
                                                                         if result["error"] else ""))
     return result
+
+
+def measures_batching(command: list[str]) -> bool:
+    """Whether ``ditmesh serve COMMAND`` measures batching while idle: ``--max-batch`` N > 1 without ``--batching
+    always`` (which measures before the service is ready)."""
+    values = {flag: command[i + 1] for i, flag in enumerate(command[:-1]) if flag in ("--max-batch", "--batching")}
+    return int(values.get("--max-batch", 1)) > 1 and values.get("--batching", "auto") == "auto"
+
+
+def wait_batching(server, deadline: float) -> tuple[float, list[dict]]:
+    """Wait (the service idle) until every replica has measured batching; returns the seconds after launch and each
+    replica's measurement."""
+    while True:
+        _, health = server.request("GET", "/health")
+        measured = [r["batching"] for r in health["replicas"]]
+        if all(m is not None for m in measured):
+            return round(time.perf_counter() - server.t0, 3), measured
+        if time.perf_counter() >= deadline:
+            raise Deadline()
+        if server.proc.poll() is not None:
+            raise RuntimeError(server.died())
+        time.sleep(0.25)
 
 
 def progress(line: str) -> None:

@@ -190,3 +190,19 @@ def test_eight_bit_attention_compiles_once():
         out = compiled(q, k, v)
     assert len(_debug_get_cache_entry_list(Block.forward.__code__)) == 1
     assert rel_err(out, block(q, k, v)) <= 1e-6
+
+
+def test_a_layer_with_its_own_attention_kernel_refuses_the_8_bit_attention_instead_of_running_exact():
+    # a family's ``local`` attention (Qwen-Image 2.1's cached prefix, nabla's block mask) would bypass the 8-bit
+    # kernel: a run asked for 8 bits must not silently attend exactly there
+    from types import SimpleNamespace
+
+    import torch
+
+    from ditmesh.parallel.sequence import SequenceParallel
+
+    q = torch.zeros(1, 4, 2, 8)
+    sp = SimpleNamespace(seq_sizes=[4, 4], eight=object(), ring_degree=1)
+    with pytest.raises(NotImplementedError, match="the 8-bit attention does not run a layer that attends through its "
+                                                  "own kernel"):
+        SequenceParallel.attention(sp, q, q, q, local=lambda q, k, v: q)

@@ -85,3 +85,28 @@ def test_kandinsky5_refuses_nabla_attention_under_ring():
     assert unsupported(model, ParallelConfig(ulysses=2)) is None
     why = unsupported(model, ParallelConfig(ring=2))
     assert why.startswith("Kandinsky 5's nabla sparse attention chooses each query block's keys") and "ring=2" in why
+
+
+@pytest.mark.parametrize("arch_name, nabla", [(ARCH, True), (ARCH, False), ("kandinsky6-sr-tiny", True)])
+def test_the_8_bit_attention_refuses_a_nabla_checkpoint_in_one_line_before_it_runs(arch_name, nabla):
+    # nabla's block-sparse mask runs through flex attention: --attention fp8 would silently attend exactly there
+    import dataclasses
+
+    from ditmesh import ParallelConfig
+    from ditmesh.options import ConfigError, RunOptions
+    from ditmesh.synth import build_transformer, get_arch
+
+    arch = get_arch(arch_name)
+    if arch_name == ARCH:
+        arch = dataclasses.replace(arch, transformer=dict(arch.transformer,
+                                                          attention_type="nabla" if nabla else "regular"))
+    model = build_transformer(arch)
+    options = RunOptions(config=ParallelConfig(ulysses=2), attention="fp8-emulated")
+    if not nabla:
+        options.validate(models=[model])
+        return
+    with pytest.raises(ConfigError) as refused:
+        options.validate(models=[model])
+    line = str(refused.value)
+    assert "\n" not in line and "fp8-emulated does not run Kandinsky" in line and "use the default attention" in line
+    RunOptions(config=ParallelConfig(ulysses=2)).validate(models=[model])  # the default attention runs it

@@ -558,6 +558,38 @@ def test_serve_refuses_bad_options_in_one_line_and_leaves_no_rank(capsys, argv, 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("ditmesh-serve-")]
 
 
+def test_batching_auto_is_measured_after_the_first_picture_on_every_rank_and_gives_way_to_a_request():
+    """--batching auto on a replica of two ranks: ready without any batch shape built (the start-up line says the
+    measurement comes once the service is idle), the first request runs alone; then the idle replica measures, its
+    two ranks stopping the search at the same size (a hang otherwise), and a request that comes meanwhile is answered
+    (the measurement stops for it and is made again at the next idle moment)."""
+    with running_server("--nproc", "2", "--ulysses", "2", "--steps", "2", "--height", "64", "--width", "64",
+                        "--max-batch", "2") as (base, proc):
+        with httpx.Client(base_url=base, timeout=120) as client:
+            ready = next(line for line in proc.lines if "serving" in line)
+            assert "batching up to 2 pictures a call where a measurement finds it pays, measured once the service " \
+                   "is idle" in ready, ready
+            first = client.post("/generate", json={"prompt": "first", "seed": 1}).json()
+            assert first["batch"] == 1 and client.get("/health").json()["replicas"][0]["batching"] is None
+            deadline = time.time() + 60
+            while client.get("/health").json()["replicas"][0]["state"] != "calibrating":
+                assert time.time() < deadline, "the idle replica did not measure batching"
+                time.sleep(0.02)
+            during = client.post("/generate", json={"prompt": "during", "seed": 2})
+            assert during.status_code == 200 and during.json()["batch"] == 1
+            while (measured := client.get("/health").json()["replicas"][0]["batching"]) is None:
+                assert time.time() < deadline + 60, "the measurement never ended"
+                time.sleep(0.2)
+            assert measured["use"] in (1, 2) and sorted(measured["seconds"]) == ["1", "2"], measured
+            assert _metric(client, "ditmesh_max_batch") == measured["use"]
+            assert _metric(client, "ditmesh_batching_measured_replicas") == 1
+            said = [line for line in proc.lines if "replica 0: " in line and "batching" in line]
+            # the request stopped the measurement unless it ended first; either way the last line is its result
+            assert said and "measured while idle" in said[-1], said
+            assert all("gave way to a request" in line for line in said[:-1]), said
+            print("\n" + "\n".join(said))
+
+
 def test_waiting_requests_that_differ_in_prompt_and_seed_share_one_call_and_get_their_own_pictures(tmp_path):
     import numpy as np
 

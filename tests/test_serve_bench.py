@@ -24,8 +24,8 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
     bench = load_script("serve_bench")
     out = tmp_path / "serve.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", flux_tiny, "--layout", "--nproc 1 --replicas 2",
-                           "--clients", "1,3", "--answer", "json,png", "--json", str(out), "--deadline", "150",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", flux_tiny, "--layout",
+                           "--nproc 1 --replicas 2 --max-batch 2", "--clients", "1,3", "--answer", "json,png", "--json", str(out), "--deadline", "150",
                            "--steps", "2", "--height", "64", "--width", "64"],
                           capture_output=True, text=True, env=env, timeout=200)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -34,8 +34,12 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
     assert report["versions"]["torch"] and report["card"]
     (layout,) = report["layouts"]
     assert layout["error"] is None and (layout["replicas"], layout["ranks_per_replica"], layout["gpus"]) == (2, 1, 2)
-    assert "serve --model" in layout["command"] and "--nproc 1 --replicas 2 --steps 2" in layout["command"]
+    assert "serve --model" in layout["command"] and "--nproc 1 --replicas 2 --max-batch 2 --steps 2" in \
+        layout["command"]
     assert 0 < layout["ready_s"] < layout["first_image_s"]
+    # --batching auto measures once the service is idle: the load phases waited for both replicas' measurements
+    assert layout["first_image_s"] < layout["batching_measured_s"]
+    assert [sorted(b["seconds"]) for b in layout["batching"]] == [["1", "2"]] * 2, layout["batching"]
     assert [(r["clients"], r["answer"], r["requests_per_client"]) for r in layout["rows"]] == [
         (1, "json", 4), (1, "png", 4), (3, "json", 2), (3, "png", 2)]
     # the first picture asked again as a file (Accept: image/png) is the JSON answer's file byte for byte
@@ -64,9 +68,9 @@ def test_serve_bench_on_cpu_answers_every_request_once_and_its_numbers_add_up(fl
     latency, phases = proc.stdout.split("\n\n")
     assert [line.split("|")[3].strip() for line in latency.splitlines()[2:]] == ["1", "1", "3", "3"]
     head, _, *lines = phases.strip().splitlines()
+    layout = "--nproc 1 --replicas 2 --max-batch 2"
     assert [(line.split("|")[1].strip(), line.split("|")[2].strip()) for line in lines] == [
-        ("`--nproc 1 --replicas 2`", "1"), ("`--nproc 1 --replicas 2`, png", "1"), ("`--nproc 1 --replicas 2`", "3"),
-        ("`--nproc 1 --replicas 2`, png", "3")]
+        (f"`{layout}`{answer}", clients) for clients in "13" for answer in ("", ", png")]
     # the lone client's row has its bound: --steps 2 x the steady step + 0.15 s
     columns = [c.strip() for c in head.split("|")]
     lone = dict(zip(columns, (c.strip() for c in lines[0].split("|"))))

@@ -7,6 +7,7 @@ once in the metrics. tests/test_serve.py meets the same paths through a real ser
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -40,6 +41,8 @@ class _ScriptedReplica:
         self.script: queue.Queue = queue.Queue()
         self.seen = 0  # calls the test has looked at (next_call)
         self.in_flight = None
+        # --batching auto: the measurements asked for (their ids), what the next one returns, and its stop flag
+        self.batching, self.calibrations, self.measurements, self.stopped = None, [], queue.Queue(), None
 
     def run(self, job_id, options, on_step=None):
         self.calls.append(options)
@@ -72,13 +75,30 @@ class _ScriptedReplica:
         self.seen += 1
         return self.calls[self.seen - 1]
 
+    def calibrate(self, job_id, waiting=lambda: False):
+        """As Replica.calibrate: the measurement the test puts in ``measurements``, or None once cancelled."""
+        self.calibrations.append(job_id)
+        self.state, self.in_flight, self.stopped = "calibrating", job_id, threading.Event()
+        if waiting():
+            self.stopped.set()
+        try:
+            while not self.stopped.is_set():
+                with contextlib.suppress(queue.Empty):
+                    self.batching = self.measurements.get(timeout=0.01)
+                    return self.batching
+            return None
+        finally:
+            self.state, self.in_flight = "ready", None
+
     def cancel(self, job_id):
         self.cancels.append(job_id)
+        if job_id == self.in_flight and self.stopped is not None:
+            self.stopped.set()
         return job_id == self.in_flight
 
     def restart(self):
         self.restarts += 1
-        self.state = "ready"
+        self.state, self.batching = "ready", None  # new ranks: no batch shape built, nothing measured
 
     def check(self):
         pass
@@ -835,14 +855,48 @@ def test_a_size_that_is_not_cheaper_ends_the_search_before_its_larger_shapes_are
     assert set(built) == {1, 2, 3, 4}
 
 
+def test_a_measurement_stops_between_two_calls_and_every_rank_decides_on_rank_0s_rounds(monkeypatch):
+    """In the background (``worker._calibrate``) the measurement asks ``stop`` before each call: once it says yes, no
+    further call is made (the request that came runs next). On a replica of several ranks each rank times its own
+    calls, but the search must stop at the same size on every rank (their calls are collectives): each decides on
+    rank 0's rounds (``share``), whatever its own numbers say."""
+    import argparse
+
+    import torch
+
+    from ditmesh.runtime import generate
+    from ditmesh.serve.worker import _Cancelled, _measure_batching
+
+    made = []
+
+    def timed(pipe, call, device, decode=False):
+        made.append(len(call["prompt"]))
+        return {1: 1.0, 2: 2.0, 3: 3.0}[len(call["prompt"])]  # this rank: a batch is no cheaper
+
+    monkeypatch.setattr(generate, "warm_up_call", timed)
+    args = argparse.Namespace(prompt=["p"], height=64, width=64, steps=2, guidance=3.5, max_sequence_length=None,
+                              seed=0, images_per_prompt=1, frames=None, negative_prompt=None, image=None)
+    with pytest.raises(_Cancelled):
+        _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3, stop=lambda: len(made) >= 5)
+    assert len(made) == 6  # the 5th call's _call_seconds is two calls; none after the stop was seen
+    made.clear()
+    assert _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3)["use"] == 1  # its own numbers: stop at 2
+    assert set(made) == {1, 2}
+    made.clear()
+    # rank 0 found each size cheaper: this rank goes on to 3 and uses what rank 0 chose
+    rank0 = iter([[(2.0, 2.4)] * 3, [(2.0, 3.0)] * 3])  # rank 0's rounds of size 2, then of size 3
+    shared = _measure_batching(_Pipe(), args, {}, torch.device("cpu"), 3, share=lambda rounds: next(rank0))
+    assert shared["use"] == 3 and set(made) == {1, 2, 3}
+
+
 def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
-    from ditmesh.serve.server import batch_policy, describe_batching
+    from ditmesh.serve.app import describe_batching
+    from ditmesh.serve.server import batch_policy
 
     fast, slow = {"seconds": {"1": 0.1, "2": 0.12}, "use": 2}, {"seconds": {"1": 0.1, "2": 0.2}, "use": 1}
-    assert batch_policy(2, "auto", [fast, fast]) == (2, dict(fast, policy="auto"))
-    assert batch_policy(2, "auto", [fast, slow])[0] == 1  # a replica that would not batch: none does
-    assert batch_policy(2, "always", [slow])[0] == 2
-    assert batch_policy(1, "auto", [None]) == (1, None) and batch_policy(2, "auto", [None]) == (1, None)
+    # always: measured at start-up, every size used; auto: --max-batch bounds what each replica measures when idle
+    assert batch_policy(2, "always", [slow, slow]) == (2, dict(slow, policy="always"))
+    assert batch_policy(1, "auto", [None]) == (1, None) and batch_policy(2, "auto", [None]) == (2, None)
     assert describe_batching(2, dict(fast, policy="auto")) == (
         "batching up to 2 pictures a call: a batch makes the cheapest picture (a whole call, seconds a picture by "
         "batch size: 1: 0.1 s, 2: 0.06 s)")
@@ -851,6 +905,63 @@ def test_the_service_batches_as_the_measurement_says_or_as_asked_and_says_so():
     service.batching = dict(slow, policy="auto")
     metrics = service.metrics()
     assert "ditmesh_max_batch 1" in metrics and 'ditmesh_batch_call_seconds{size="2"} 0.2' in metrics
+
+
+def test_batching_auto_measures_while_idle_gives_way_to_a_job_and_then_batches_as_measured(monkeypatch):
+    """--batching auto: no batch shape is built before the service is ready (the first picture does not wait for
+    them); the replica runs one request a call until it has measured, which it does once nothing has arrived for
+    CALIBRATE_IDLE_S; a job that comes meanwhile stops the measurement and runs at once, and the measurement is asked
+    again at the next idle moment; then calls hold up to the size it chose (not --max-batch), /metrics says so; a
+    restarted replica (new ranks) measures again."""
+    from ditmesh.serve import app
+
+    monkeypatch.setattr(app, "CALIBRATE_IDLE_S", 0.3)
+    replica = _ScriptedReplica()
+    svc = Service([replica], LIMITS, DEFAULTS, queue_size=8, max_batch=3, restart_delay_s=0.01, measure_batching=True)
+    svc.start()
+    try:
+        jobs = [svc.submit({"prompt": "a"})]
+        assert replica.next_call()["prompt"] == "a"
+        jobs += [svc.submit({"prompt": p}) for p in "bc"]  # compatible and waiting, but nothing is measured yet
+        assert replica.next_call(then=("done",))["prompt"] == "b"
+        assert replica.next_call(then=("done",))["prompt"] == "c"
+        replica.script.put(("done",))
+        assert not replica.calibrations and "ditmesh_max_batch 1" in svc.metrics()
+        _wait(lambda: replica.in_flight in replica.calibrations, "no measurement once the service was idle")
+        assert svc.health()["status"] == "ok" and svc.health()["replicas"][0]["state"] == "calibrating"
+        jobs.append(svc.submit({"prompt": "d"}))  # a job comes: the measurement gives way to it
+        assert replica.next_call()["prompt"] == "d" and replica.cancels == replica.calibrations[:1]
+        replica.script.put(("done",))
+        _wait(lambda: len(replica.calibrations) == 2 and replica.in_flight == replica.calibrations[1],
+              "the measurement was not asked again at the next idle moment")
+        replica.measurements.put({"seconds": {"1": 1.0, "2": 1.5, "3": 2.4}, "use": 2})
+        _wait(lambda: replica.batching is not None and replica.state == "ready", "the measurement did not end")
+        time.sleep(0.6)  # idle again, measured already: no third measurement
+        assert len(replica.calibrations) == 2
+        metrics = svc.metrics()
+        assert "ditmesh_max_batch 2" in metrics and "ditmesh_batching_measured_replicas 1" in metrics
+        assert 'ditmesh_batch_call_seconds{size="3"} 2.4' in metrics
+        # three compatible jobs wait behind a running one: calls of at most the measured 2, not --max-batch 3
+        jobs.append(svc.submit({"prompt": "long"}))
+        assert replica.next_call()["prompt"] == "long"
+        jobs += [svc.submit({"prompt": p}) for p in "xyz"]
+        assert replica.next_call(then=("done",))["prompt"] == ["x", "y"]
+        assert replica.next_call(then=("done",))["prompt"] == "z"
+        replica.script.put(("done",))
+        assert [j.future.result(5).get("error") for j in jobs] == [None] * len(jobs)
+        assert _outcomes(svc) == {"ok": len(jobs)}
+        # a rank fault restarts the replica: its new ranks built no batch shape, so it runs alone and measures again
+        jobs.append(svc.submit({"prompt": "fault"}))
+        assert replica.next_call(then=None)["prompt"] == "fault"
+        replica.script.put(("fault", "rank 1 died"))
+        assert replica.next_call()["prompt"] == "fault"  # run again, first in line, on the restarted replica
+        assert replica.restarts == 1 and "ditmesh_max_batch 1" in svc.metrics()
+        replica.script.put(("done",))
+        assert jobs[-1].future.result(5).get("error") is None
+        _wait(lambda: len(replica.calibrations) == 3, "no measurement after the restart")
+    finally:
+        replica.measurements.put({"seconds": {}, "use": 1})
+        svc.stop()
 
 
 def test_a_call_that_ends_after_the_encoders_stopped_is_answered_503_once(service):

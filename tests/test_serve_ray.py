@@ -73,7 +73,9 @@ def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_act
     c = cluster
     argv = ["--nproc", "2", "--ulysses", "2", *SMALL]
     reference = _reference_pictures(argv, BODIES)
-    with running_server(*argv, "--ray", c.address, "--ray-cpus-per-rank", "0.5", ready_s=300) as (base, _):
+    # a rebuild on a loaded machine may take over the default 60 s without a replica: not what this test is about
+    with running_server(*argv, "--ray", c.address, "--ray-cpus-per-rank", "0.5", "--unavailable-timeout", "300",
+                        ready_s=300) as (base, proc):
         with httpx.Client(base_url=base, timeout=180) as client:
             pictures = [client.post("/generate", json=body) for body in BODIES]
             assert [r.status_code for r in pictures] == [200, 200], pictures[0].text
@@ -90,9 +92,17 @@ def test_a_two_rank_replica_gives_the_single_host_pictures_and_a_killed_rank_act
             assert job in data["message"] and "running step" in data["message"], data
             print(f"\nray: rank actor killed: {data['message']}")
             event, data = _progress_then(client, queued, 99, lambda: None)
-            assert event == "done", data
+            assert event == "done", (data, [line for line in proc.lines if "replica 0" in line])
             rebuilt = _health(client)["replicas"][0]
-            assert rebuilt["restarts"] == 1 and not set(rebuilt["pids"]) & set(replica["pids"])
+            assert not set(rebuilt["pids"]) & set(replica["pids"])
+            # one restart for the kill; on a loaded machine a rebuild may fail once and be tried again (seen in CI:
+            # 2 restarts), but never silently: each restart beyond the first follows a failed restart or a rank fault
+            # the log names
+            said = [line for line in proc.lines if "replica 0" in line]
+            again = [line for line in said if " failed: " in line or "rank fault" in line][1:]
+            assert rebuilt["restarts"] == 1 + len(again), (rebuilt, said)
+            if again:
+                print("ray: the rebuild was tried again:", *again, sep="\n")
             assert client.post("/generate", json=BODIES[0]).json()["images"][0]["b64"] == \
                 pictures[0].json()["images"][0]["b64"]
 

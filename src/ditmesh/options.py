@@ -474,6 +474,11 @@ class RunOptions:
                 reason = adapter.unsupported(model, c) if adapter.unsupported is not None else None
                 if reason:
                     raise ConfigError(reason)
+                why = adapter.attention_refusal(model) if self.attention != "default" and \
+                    adapter.attention_refusal is not None else None
+                if why:
+                    raise ConfigError(f"{flag('attention')}{self.attention} does not run {why}; use the default "
+                                      "attention")
         elif heads is not None:
             c.check_heads(heads, model_name)
         for adapter in adapters:  # a family's refusal first: it holds on every device

@@ -596,6 +596,9 @@ class ModelAdapter:
     #: what would work), or None: ``parallelize`` refuses it with that line (HunyuanVideo's token-replace blocks under
     #: sequence parallelism). None: every configuration the plans allow runs
     unsupported: Callable | None = None
+    #: transformer -> why the 8-bit attention (``--attention fp8``) cannot stand in for this checkpoint's own
+    #: attention kernel (one line), or None: Kandinsky's nabla block-sparse attention; None: it runs every checkpoint
+    attention_refusal: Callable | None = None
     #: (model, attention layer name) -> keyword arguments the family's processor takes for that layer, where layers
     #: of one class run over different streams that their inputs do not tell apart (Motif-Video's decoder blocks
     #: attend over the encoder's output video where the encoder's single blocks attend over the text); None: none

@@ -69,6 +69,12 @@ class Kandinsky5SequenceParallelProcessor(SequenceProcessor):
         return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=self._attention_backend)
 
 
+#: why the 8-bit attention does not stand in for a nabla attention (``ModelAdapter.attention_refusal``; Kandinsky 6 SR's
+#: too)
+NABLA_REFUSAL = ("block-sparse attention: each query block's keys chosen from its own scores and run as a "
+                 "flex-attention block mask, which the 8-bit kernel (dense, cuDNN's) does not take")
+
+
 def kandinsky5_unsupported(model, config) -> str | None:
     """Nabla sparse attention under ring (a row of its block mask reads every key block of the sequence)."""
     if model.config.get("attention_type") == "nabla" and config.ring > 1:
@@ -220,6 +226,8 @@ KANDINSKY5 = register(
         synth_archs=(KANDINSKY5_LITE, KANDINSKY5_TINY),
         synth_components=kandinsky5_components,
         unsupported=kandinsky5_unsupported,
+        attention_refusal=lambda model: (f"Kandinsky 5's nabla {NABLA_REFUSAL} (this checkpoint's attention_type)"
+                                         if model.config.get("attention_type") == "nabla" else None),
         pp_refusal="its visual blocks take the RoPE table whole from forward, cut per block; PipeFusion is not tested "
                    "on it",
     )

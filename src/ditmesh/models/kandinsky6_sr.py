@@ -32,6 +32,7 @@ from diffusers.models.transformers import transformer_kandinsky6_sr
 
 from .base import (AttentionSelector, BlockList, Gather, Layout, ModelAdapter, SequencePlan, SequenceProcessor, Split,
                    SynthArch, TensorPlan, register, spatial_latent, temporal_latent, transformer_only)
+from .kandinsky5 import NABLA_REFUSAL
 
 _BLOCKS = "visual_transformer_blocks"
 _SIDE = transformer_kandinsky6_sr.FRACTAL_BLOCK_SIZE  # tokens per side of NABLA's 8 x 8 spatial blocks
@@ -163,6 +164,7 @@ KANDINSKY6_SR_ADAPTER = register(
             rowwise=(f"{_BLOCKS}.*.self_attention.out_layer", f"{_BLOCKS}.*.feed_forward.net.2"),
             per_rank_attrs={f"{_BLOCKS}.*.self_attention": ("num_heads",)},
         ),
+        attention_refusal=lambda model: f"Kandinsky 6 SR's NABLA {NABLA_REFUSAL}",
         ring_refusal="its NABLA attention chooses each query block's keys from every key block of the sequence and "
                      "runs as a flex-attention block mask, which ring attention (dense masks, merged partial results) "
                      "does not take",

@@ -116,6 +116,9 @@ class SequenceParallel:
         seq_sizes = self.seq_sizes if streams is None else self.local_lengths(streams)
         if mask is not None:
             mask = self.gathered_mask(mask, self.plan.streams if streams is None else streams)
+        if local is not None and self.eight is not None:  # never an exact attention where 8 bits were asked for
+            raise NotImplementedError("the 8-bit attention does not run a layer that attends through its own kernel "
+                                      "(a cached prefix, a block-sparse mask); use the default attention")
         if local is not None and self.ring_degree > 1:
             return self.ring_gathered(query, key, value, seq_sizes, local)
         if self.ring_degree == 1:

@@ -38,6 +38,10 @@ from .requests import BadRequest, Limits, native_options, openai_options, parse_
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: how often the watchdog looks whether some replica can serve (seconds)
 WATCH_S = 0.25
+#: with ``--batching auto``: a replica measures batching once nothing has arrived for this long (seconds)
+CALIBRATE_IDLE_S = 2.0
+#: the states of a replica that takes the next job at once (a calibrating one stops its measurement for it)
+SERVING = ("ready", "busy", "calibrating")
 #: how long a finished job's result stays available to ``GET /jobs/<id>`` (the web page reads it once)
 KEEP_FINISHED = 64
 #: the outcomes of ``ditmesh_requests_total`` that ``ditmesh_failures_total`` adds up: the service's, not the client's
@@ -69,6 +73,16 @@ def _batch_key(options: dict) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in options.items() if k not in ("prompt", "seed")))
 
 
+def describe_batching(used: int, batching: dict) -> str:
+    """The start-up line's (--batching always) or the log's (auto) word on batching: what is used and the
+    measurement it comes from."""
+    per = ", ".join(f"{int(size)}: {seconds / int(size):.3g} s" for size, seconds in batching["seconds"].items())
+    what = f"batching up to {used} pictures a call" if used > 1 else "batching off"
+    why = "as asked (--batching always)" if batching["policy"] == "always" else (
+        "a batch makes the cheapest picture" if used > 1 else "no batch made a picture cheaper")
+    return f"{what}: {why} (a whole call, seconds a picture by batch size: {per})"
+
+
 def log(line: str) -> None:
     """One line of the server's log (stderr): a rank fault, a restart, a replica given up."""
     print(f"ditmesh: {line}", file=sys.stderr, flush=True)
@@ -79,7 +93,7 @@ class Service:
 
     def __init__(self, replicas: list[Replica], limits: Limits, defaults, adapter=None, queue_size: int = 64,
                  restart_delay_s: float = 1.0, restart_attempts: int = 3, max_batch: int = 1,
-                 unavailable_timeout_s: float = 60.0):
+                 unavailable_timeout_s: float = 60.0, measure_batching: bool = False):
         self.replicas = replicas
         self.limits = limits
         self.defaults = defaults
@@ -95,8 +109,13 @@ class Service:
         #: waiting requests that differ only in prompt and seed (one picture each) run as one call of up to this
         #: many pictures
         self.max_batch = max_batch
+        #: ``--batching auto``: each replica batches only up to the size its own measurement found cheapest, measured
+        #: while the service is idle (:meth:`_calibrate`); until then it runs one request a call
+        self.measure_batching = measure_batching and max_batch > 1
+        self.calibrating: dict[int, str] = {}  # replica index -> the id of its measurement in flight
+        self.last_arrival = time.time()
         self.batch_of: dict[str, list[Job]] = {}  # running job id -> the jobs of its call
-        #: the start-up measurement behind ``max_batch`` (``server.batch_policy``), for /metrics; None without one
+        #: the measurement /metrics shows (``--batching always``: the start-up one; auto: the first replica's)
         self.batching: dict | None = None
         self.last_restart_error = ""
         #: no replica able to serve for longer than this: waiting and new jobs are answered 503 (module docstring)
@@ -169,8 +188,11 @@ class Service:
                     del self.jobs[oldest]
                 else:
                     break
+        self.last_arrival = time.time()
         try:
             self.queue.put_nowait(job)
+            for index, measuring in list(self.calibrating.items()):  # a job waits: a measurement gives way to it
+                self.replicas[index].cancel(measuring)
         except queue.Full:
             self._finish(job, "failed", error=(429, f"the queue is full ({self.queue.maxsize} waiting); try again"))
         if self._all_down():  # the last replica went down while this job was queued: nobody will take it
@@ -232,6 +254,8 @@ class Service:
                     return
                 try:
                     replica.check()
+                    if self._wants_calibration(replica):
+                        self._calibrate(replica)
                 except RankFault as exc:
                     self.counts["faults"] += 1
                     self.faults[replica.index] = str(exc)
@@ -241,22 +265,62 @@ class Service:
             with self.lock:
                 if job.state != "queued":  # cancelled while it waited
                     continue
-                batch = self._batch(job)
+                batch = self._batch(job, replica)
                 for member in batch:
                     member.state = "running"
                     self.batch_of[member.id] = batch
             self._run(replica, batch)
 
-    def _batch(self, first: Job) -> list[Job]:
-        """``first`` and the waiting jobs that may share its call (caller holds the lock): same options but prompt
-        and seed, one picture each, up to ``max_batch``; taken out of the queue in their order."""
+    def _wants_calibration(self, replica: Replica) -> bool:
+        """Whether ``replica`` should measure batching now: ``--batching auto``, not measured since it (re)started,
+        ready, nothing waiting and nothing arrived for :data:`CALIBRATE_IDLE_S`."""
+        return (self.measure_batching and replica.state == "ready" and getattr(replica, "batching", None) is None
+                and not self.stopping.is_set() and self.queue.empty()
+                and time.time() - self.last_arrival >= CALIBRATE_IDLE_S)
+
+    def _calibrate(self, replica: Replica) -> None:
+        """Measure batching on idle ``replica`` (``Replica.calibrate``; a job that arrives stops it, and it is asked
+        again at the next idle moment); RankFault as a request's."""
+        measuring = f"calibrate-{uuid.uuid4().hex[:8]}"
+        with self.lock:
+            self.calibrating[replica.index] = measuring
+        start = time.perf_counter()
+        try:  # a job that came before the measurement could be cancelled stops it at once (waiting)
+            measured = replica.calibrate(measuring, waiting=lambda: not self.queue.empty())
+        finally:
+            with self.lock:
+                self.calibrating.pop(replica.index, None)
+        seconds = time.perf_counter() - start
+        if measured is None:
+            self.counts["calibrations_stopped"] += 1
+            log(f"replica {replica.index}: the batching measurement gave way to a request after {seconds:.1f} s; "
+                "it goes on at the next idle moment")
+            return
+        replica.batching = measured = dict(measured, policy="auto")
+        self.batching = self.batching or measured
+        said = (f"batching off: the measurement failed ({measured['error']})" if measured.get("error")
+                else describe_batching(self._limit(replica), measured))
+        log(f"replica {replica.index}: {said}; measured while idle in {seconds:.1f} s")
+
+    def _limit(self, replica: Replica) -> int:
+        """The most pictures one call of ``replica`` runs: ``max_batch``, or with ``--batching auto`` the size its
+        measurement chose (1 until it has measured)."""
+        if not self.measure_batching:
+            return self.max_batch
+        measured = getattr(replica, "batching", None)
+        return min(self.max_batch, measured["use"]) if measured else 1
+
+    def _batch(self, first: Job, replica: Replica) -> list[Job]:
+        """``first`` and the waiting jobs that may share its call on ``replica`` (caller holds the lock): same options
+        but prompt and seed, one picture each, up to :meth:`_limit`; taken out of the queue in their order."""
         batch = [first]
-        if self.max_batch == 1 or first.options.get("images_per_prompt", 1) != 1:
+        limit = self._limit(replica)
+        if limit == 1 or first.options.get("images_per_prompt", 1) != 1:
             return batch
         key = _batch_key(first.options)
         with self.queue.mutex:
             for job in list(self.queue.queue):
-                if len(batch) == self.max_batch:
+                if len(batch) == limit:
                     break
                 if job.state == "queued" and job.options.get("images_per_prompt", 1) == 1 and \
                         _batch_key(job.options) == key:
@@ -397,7 +461,7 @@ class Service:
 
     def _serving(self) -> bool:
         """Whether some replica in service can take or is running a job."""
-        return any(r.state in ("ready", "busy") for r in list(self.replicas) if r.index not in self.retired)
+        return any(r.state in SERVING for r in list(self.replicas) if r.index not in self.retired)
 
     def _unavailable_for(self, now: float) -> float:
         """Seconds since no replica could serve (0 while one can)."""
@@ -447,7 +511,7 @@ class Service:
     # -- what the routes show ----------------------------------------------------------------------------------
     def health(self) -> dict:
         states = [r.state for r in self.replicas]
-        status = "ok" if any(s in ("ready", "busy") for s in states) else "unavailable"
+        status = "ok" if any(s in SERVING for s in states) else "unavailable"
         why = {} if status == "ok" else {"unavailable_s": round(self._unavailable_for(time.time()), 1),
                                          "reason": self._replicas_why()}
         return {"status": status, **why, "queue": self.queue.qsize(),
@@ -459,6 +523,7 @@ class Service:
     def metrics(self) -> str:
         """Prometheus text exposition of the queue, latencies, images, failures and restarts."""
         c = self.counts
+        live = [r for r in list(self.replicas) if r.index not in self.retired]
         lines = [
             "# HELP ditmesh_queue_length Requests waiting for a replica.", "# TYPE ditmesh_queue_length gauge",
             f"ditmesh_queue_length {self.queue.qsize()}",
@@ -468,10 +533,14 @@ class Service:
             "# TYPE ditmesh_down_replicas gauge", f"ditmesh_down_replicas {sum(r.state == 'down' for r in self.replicas)}",
             "# HELP ditmesh_images_total Pictures returned.", "# TYPE ditmesh_images_total counter",
             f"ditmesh_images_total {c['images']}",
-            "# HELP ditmesh_max_batch Most pictures one call runs (--max-batch as the start-up measurement decided).",
-            "# TYPE ditmesh_max_batch gauge", f"ditmesh_max_batch {self.max_batch}",
-            *(["# HELP ditmesh_batch_call_seconds A whole call's seconds at the default size by batch size, timed at "
-               "start-up (the first replica's rank 0).", "# TYPE ditmesh_batch_call_seconds gauge"]
+            "# HELP ditmesh_max_batch Most pictures one call runs now (--max-batch as each replica's measurement "
+            "decided; 1 on a replica that has not measured yet).",
+            "# TYPE ditmesh_max_batch gauge", f"ditmesh_max_batch {max((self._limit(r) for r in live), default=1)}",
+            "# HELP ditmesh_batching_measured_replicas Replicas whose batching measurement is done (--batching "
+            "auto measures while the service is idle).", "# TYPE ditmesh_batching_measured_replicas gauge",
+            f"ditmesh_batching_measured_replicas {sum(getattr(r, 'batching', None) is not None for r in live)}",
+            *(["# HELP ditmesh_batch_call_seconds A whole call's seconds at the default size by batch size (the "
+               "first measurement's rank 0).", "# TYPE ditmesh_batch_call_seconds gauge"]
               + [f'ditmesh_batch_call_seconds{{size="{size}"}} {seconds}'
                  for size, seconds in self.batching["seconds"].items()] if self.batching else []),
             "# HELP ditmesh_batched_requests_total Requests that shared a pipeline call with others.",

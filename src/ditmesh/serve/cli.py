@@ -62,10 +62,12 @@ def add_serve_parser(sub) -> None:
                        help="waiting requests that differ only in prompt and seed (one picture each) run as one "
                             "pipeline call of up to N pictures (default 1: one request per call)")
     group.add_argument("--batching", choices=("auto", "always"), default="auto",
-                       help="with --max-batch N > 1: every batch shape (1 to N pictures) is warmed up before the "
-                            "service is ready and timed; auto (default) batches only up to the size whose picture "
-                            "came out cheapest, and not at all where no batch beat one picture a call; always: up "
-                            "to N whatever the measurement (said in the start-up line and /metrics)")
+                       help="with --max-batch N > 1: auto (default): each replica, once the service is idle "
+                            "for 2 s, warms up and times the batch shapes (a request that comes meanwhile stops it "
+                            "and runs at once) and batches only up to the size whose picture came out cheapest, not "
+                            "at all where no batch beat one picture a call (one request a call until it has "
+                            "measured); always: every shape warmed up and timed before the service is ready, and "
+                            "up to N whatever the measurement (said in the start-up line, the log and /metrics)")
     group.add_argument("--vae-tune", type=_vae_tunes, default=(), metavar="WAYS",
                        help="ways to speed up the VAE decode, comma-separated: cudnn (cuDNN picks its fastest "
                             "convolution per shape, timed at the warm-up), channels-last (the decoder's weights and "

@@ -54,7 +54,7 @@ class RayService(Service):
         while not self.stopping.wait(SCALE_TICK_S):
             live = [r for r in list(self.replicas) if r.index not in self.retired and r.state != "down"]
             waiting = self.queue.qsize()
-            free = sum(r.state == "ready" for r in live)
+            free = sum(r.state in ("ready", "calibrating") for r in live)  # a measurement gives way to a job
             if waiting > free + self.starting and len(live) + self.starting < self.max_replicas:
                 with self.lock:
                     self.starting += 1

@@ -74,6 +74,7 @@ class Replica:
         self.warm_s: dict[str, float] = {}
         self.batching: dict | None = None
         self._in_request = False  # between sending a request and its answer
+        self._calibrating = False  # the request in flight is calibrate's
         self._requests = self._events = self._cancel = None  # the channels of the running group
         self.closing = False  # the server stops: no (re)start
         self._early = False  # prestarted: the ranks wait for their options
@@ -221,6 +222,31 @@ class Replica:
                 self.served += len(prompts) if isinstance(prompts, list) else 1
                 return payload, phases
 
+    def calibrate(self, job_id: str, waiting=lambda: False) -> dict | None:
+        """Measure batching on the idle group (``worker._calibrate``), as request ``job_id`` that :meth:`cancel`
+        stops between two of its calls: returns the measurement (also kept as ``batching``), or None when it was
+        cancelled. ``waiting()``, asked once it is sent: a job came meanwhile (its cancel may have come before this
+        measurement could take it). State ``calibrating`` meanwhile (it takes the next request as soon as it stops).
+        RankFault as :meth:`run`."""
+        self.state, self._calibrating = "calibrating", True
+        self._job, self._steps = job_id, 0
+        self._in_request = True
+        self._cancel.clear()
+        self._requests.put({"id": job_id, "calibrate": True})
+        if waiting():
+            self._cancel.set()
+        try:
+            while True:
+                event = self._next_event(None, None)
+                if event is not None and event[0] == "calibrated" and event[2] == job_id:
+                    if event[3] is not None:
+                        self.batching = event[3]
+                    return event[3]
+        finally:
+            self._in_request = self._calibrating = False
+            if self.state == "calibrating":
+                self.state = "ready"
+
     def cancel(self, job_id: str) -> bool:
         """Ask the ranks to stop ``job_id`` if it is the request in flight (they stop after the next step)."""
         if self._in_request and self._job == job_id:
@@ -289,6 +315,8 @@ class Replica:
     def _doing(self, rank: int) -> str:
         if not self._in_request:
             return "idle"
+        if self._calibrating:
+            return "measuring batching while the service was idle"
         step = self.ranks[rank].step
         if step >= self._steps:
             return f"decoding the pictures of request {self._job}"

@@ -23,7 +23,7 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
     from ..runtime.launch import LaunchError
     from ..shared import share_cpu_threads
     from ..timeline import timeline
-    from .app import Service, create_app
+    from .app import CALIBRATE_IDLE_S, Service, create_app, describe_batching
     from .replica import RankFault, Replica
 
     stop_on_signals()
@@ -67,7 +67,8 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
     max_batch, batching = batch_policy(args.max_batch, args.batching, [r.batching for r in replicas])
     service = service_class(replicas, limits, args, adapter, queue_size=args.queue_size,
                             restart_attempts=args.restart_attempts, max_batch=max_batch,
-                            unavailable_timeout_s=args.unavailable_timeout)
+                            unavailable_timeout_s=args.unavailable_timeout,
+                            measure_batching=args.batching == "auto")
     service.batching = batching
     service.start()
     from ..shared import freeze_heap
@@ -76,7 +77,10 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
     host, port = sock.getsockname()[:2]
     print(f"ditmesh: serving {model} on http://{host}:{port} ({args.replicas} replica(s) of {config.describe()} "
           f"on {world} process(es); ready {timeline().now():.1f} s after launch, {time.perf_counter() - t0:.1f} s of "
-          f"it after the checks)" + (f"; {describe_batching(max_batch, batching)}" if batching else ""),
+          f"it after the checks)" + (f"; {describe_batching(max_batch, batching)}" if batching else "")
+          + (f"; batching up to {max_batch} pictures a call where a measurement finds it pays, measured once the "
+             f"service is idle for {CALIBRATE_IDLE_S:g} s (one request a call until then)"
+             if service.measure_batching else ""),
           file=sys.stderr, flush=True)
     server = _Server(service, uvicorn.Config(create_app(service, args.token), log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=5))
@@ -91,24 +95,15 @@ def serve(args, world: int, config, model: str, limits, adapter, sock, early: li
 
 
 def batch_policy(max_batch: int, policy: str, measured: list) -> tuple[int, dict | None]:
-    """The batch size the service uses from ``--max-batch``, ``--batching`` and each replica's start-up
-    measurement (``worker._measure_batching``: seconds of a whole call by batch size, and the size it would use):
-    ``always``: ``max_batch``; ``auto``: the smallest size any replica would use (1: no batching). Returns it and
-    the measurement the start-up line and /metrics show (the first replica's, with ``policy``), None without one."""
+    """The most pictures a call may hold from ``--max-batch``, ``--batching`` and each replica's start-up
+    measurement (``worker._measure_batching``: seconds of a whole call by batch size; ``always`` alone measures at
+    start-up): ``always``: ``max_batch``; ``auto``: ``max_batch`` as the bound of what each replica's own measurement,
+    made while the service is idle (``app.Service._calibrate``), chooses. Returns it and the start-up measurement the
+    start-up line and /metrics show (the first replica's, with ``policy``), None without one."""
     measured = [m for m in measured if m]
-    if max_batch <= 1 or not measured:
+    if max_batch <= 1:
         return 1, None
-    use = max_batch if policy == "always" else min(m["use"] for m in measured)
-    return use, dict(measured[0], policy=policy)
-
-
-def describe_batching(used: int, batching: dict) -> str:
-    """The start-up line's word on batching: what is used and the measurement it comes from."""
-    per = ", ".join(f"{int(size)}: {seconds / int(size):.3g} s" for size, seconds in batching["seconds"].items())
-    what = f"batching up to {used} pictures a call" if used > 1 else "batching off"
-    why = "as asked (--batching always)" if batching["policy"] == "always" else (
-        "a batch makes the cheapest picture" if used > 1 else "no batch made a picture cheaper")
-    return f"{what}: {why} (a whole call, seconds a picture by batch size: {per})"
+    return max_batch, (dict(measured[0], policy=policy) if measured else None)
 
 
 def stop_on_signals() -> None:

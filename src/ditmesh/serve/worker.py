@@ -143,8 +143,12 @@ def _load(rank: int, world: int, options: dict, events) -> dict:
         sized = argparse.Namespace(**{**options, "height": height, "width": width})
         warmed[f"{width}x{height}"] = round(warm_up_call(pipe, _call_kwargs(pipe, sized, defaults), device,
                                                          decode=True), 3)
-    batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1),
-                                 every_size=options.get("batching") == "always")
+    # --batching always: every batch shape built (and timed) before the replica says it is ready; auto: measured
+    # later, while the service is idle (a "calibrate" request: _calibrate), so the first picture does not wait for it
+    batching = None
+    if options.get("batching") == "always":
+        batching = _measure_batching(pipe, args, defaults, device, options.get("max_batch", 1), every_size=True,
+                                     share=_sharer(world, device))
     freeze_heap()  # the pipeline and its compiled calls serve to the end: a request's full collections skip them
     events.put(("ready", rank, round(loaded.load_s, 3), warmed, batching))
     return {"pipe": pipe, "defaults": defaults, "options": options, "device": device, "timeline": timeline,
@@ -174,18 +178,21 @@ def tune_vae(pipe, ways) -> None:
         decoder.compile()
 
 
-def _measure_batching(pipe, args, defaults, device, max_batch: int, every_size: bool = False) -> dict | None:
+def _measure_batching(pipe, args, defaults, device, max_batch: int, every_size: bool = False,
+                      share=lambda rounds: rounds, stop=lambda: False) -> dict | None:
     """With ``--max-batch`` N > 1: the batch sizes 2, 3, ... N of the defaults' size (a seed a picture) are tried in
-    turn, each warmed up before the replica says it is ready (compiled and, with CUDA graphs, captured, the decode too,
-    a compiled VAE's included: nothing new is built inside a request; one picture's shape was warmed, decoded, with the
+    turn, each warmed up before the front end sends it (compiled and, with CUDA graphs, captured, the decode too, a
+    compiled VAE's included: nothing new is built inside a request; one picture's shape was warmed, decoded, with the
     defaults' size) and timed against one picture a call in :data:`BATCH_REPEATS` interleaved rounds as a whole call
     costs (:func:`_call_seconds`: the steps and the decode). A size whose picture is not at least :data:`BATCH_GAIN`
     cheaper than the same round's lone picture in every round ends the search: the larger sizes are neither warmed nor
-    timed (where one picture fills the GPU, two already cost twice one, and the warm-up of every larger shape would
-    only delay the first picture: 28 s of three shapes at 1024² on one H200), unless ``every_size`` (``--batching
-    always``: the front end sends every size up to N whatever the measurement). Returns the seconds per call by batch
-    size tried (each size's fastest) and ``use``: of the sizes that were cheaper, the one cheapest in its worst round,
-    else 1. Every rank runs the same calls (their collectives); rank 0's numbers count."""
+    timed (where one picture fills the GPU, two already cost twice one: 28 s of three shapes at 1024² on one H200),
+    unless ``every_size`` (``--batching always``: the front end sends every size up to N whatever the measurement).
+    Returns the seconds per call by batch size tried (each size's fastest) and ``use``: of the sizes that were cheaper,
+    the one cheapest in its worst round, else 1. Every rank runs the same calls (their collectives) and decides on rank
+    0's numbers (``share``: rank 0's rounds to every rank), so every rank stops the search at the same size. ``stop``
+    (asked before each call, alike on every rank): True raises :class:`_Cancelled` (a request came while the service
+    measured in the background; the shapes built so far stay built)."""
     if max_batch <= 1:
         return None
     import torch
@@ -199,16 +206,21 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int, every_size: 
             call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in range(size)]
         return call
 
+    def checked(fn, *a, **k):
+        if stop():
+            raise _Cancelled(0)
+        return fn(*a, **k)
+
     lone = call_of(1)
     steps = lone.get("num_inference_steps") or 1
     times, worst = {1: []}, {}
     for size in range(2, max_batch + 1):
         call = call_of(size)
-        warm_up_call(pipe, call, device)
-        warm_up_call(pipe, call, device, decode=True)  # a compiled VAE: its decode of the batch compiled too
+        checked(warm_up_call, pipe, call, device)
+        checked(warm_up_call, pipe, call, device, decode=True)  # a compiled VAE: its decode of the batch compiled too
         # interleaved with lone calls, so that a change of the machine's load falls on both sides of a round alike
-        rounds = [(_call_seconds(pipe, lone, device, steps), _call_seconds(pipe, call, device, steps))
-                  for _ in range(BATCH_REPEATS)]
+        rounds = share([(checked(_call_seconds, pipe, lone, device, steps),
+                         checked(_call_seconds, pipe, call, device, steps)) for _ in range(BATCH_REPEATS)])
         times[1] += [one for one, _ in rounds]
         times[size] = [batch for _, batch in rounds]
         # cheaper only if cheaper in every round (a noisy round cannot turn batching on)
@@ -218,6 +230,44 @@ def _measure_batching(pipe, args, defaults, device, max_batch: int, every_size: 
     good = [size for size, ratio in worst.items() if ratio <= 1 - BATCH_GAIN]
     use = min(good, key=lambda size: worst[size]) if good else 1
     return {"seconds": {str(k): round(min(v), 4) for k, v in times.items()}, "use": use}
+
+
+def _sharer(world: int, device):
+    """What :func:`_measure_batching` calls ``share``: rank 0's object on every rank of the group."""
+    if world == 1:
+        return lambda obj: obj
+    from ..comm import broadcast_tensors
+
+    return lambda obj: broadcast_tensors([obj], 0, None, device)[0]
+
+
+def _calibrate(rank: int, request: dict, state: dict, events) -> None:
+    """A "calibrate" request: the front end found the service idle and asks for the measurement of ``--batching
+    auto`` (:func:`_measure_batching`). A request that comes meanwhile cancels it between two of its calls (rank 0
+    reads the flag, every rank learns it): answered None, and asked again at the next idle moment. Rank 0 reports
+    ``("calibrated", rank, id, measurement or None)``; a failure that is not a collective's is reported as the
+    measurement's ``error`` (batching stays off)."""
+    from ..shared import one_line
+
+    options = state["options"]
+    args = argparse.Namespace(**options)
+    args.prompt = [args.prompt] if isinstance(args.prompt, str) else args.prompt
+    share = _sharer(state["world"], state["device"])
+
+    def stop() -> bool:
+        return bool(share(state["cancel"].is_set() if rank == 0 else None))
+
+    try:
+        measured = _measure_batching(state["pipe"], args, state["defaults"], state["device"],
+                                     options.get("max_batch", 1), share=share, stop=stop)
+    except _Cancelled:
+        measured = None
+    except Exception as exc:  # noqa: BLE001
+        if _collective_error(exc):
+            _broken(rank, request["id"], exc, events)
+        measured = {"seconds": {}, "use": 1, "error": one_line(exc)}
+    if rank == 0:
+        events.put(("calibrated", rank, request["id"], measured))
 
 
 def _call_seconds(pipe, call: dict, device, steps: int) -> float:
@@ -261,7 +311,7 @@ def _serve(rank: int, world: int, state: dict, requests, events, parent: int) ->
             except Exception as exc:  # noqa: BLE001  (a peer is gone: the group is broken)
                 _broken(rank, None, exc, events)
         if request is not None:
-            _run_request(rank, request, state, events)
+            (_calibrate if request.get("calibrate") else _run_request)(rank, request, state, events)
 
 
 def _run_request(rank: int, request: dict, state: dict, events) -> None:
