@@ -645,10 +645,11 @@ def _done(rows: list[dict]) -> tuple[dict, dict]:
 
 
 def _first_failure(text: str) -> str | None:
-    """The node id (or file, for a collection error) of the first ``FAILED``/``ERROR`` line of pytest's summary."""
+    """The node id (or file, for a collection error) of the first ``FAILED``/``ERROR`` line of pytest's summary
+    (``FAILED <node> - <message>``; a node id may hold spaces: ``test_x[{'ring': 2}]``)."""
     for line in text.splitlines():
         if line.startswith(("FAILED ", "ERROR ")):
-            return line.split(" ")[1]
+            return line.split(" ", 1)[1].split(" - ", 1)[0].strip()
     return None
 
 
