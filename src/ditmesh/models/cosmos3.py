@@ -280,7 +280,7 @@ COSMOS3 = register(
         # the same at every step; no streams named: they hold their tokens along dim 0, not the dim 1 PipeFusion sizes
         # its patches by
         blocks=(BlockList("layers", ("gen_seq", "und_seq"), ("und_seq", "gen_seq")),),
-        token_wise=("layers.*.mlp", "layers.*.mlp_moe_gen"),
+        # no token_wise: the chunked feed-forwards cut tokens along dim 1, and these MLPs take [tokens, width]
         example_inputs=cosmos3_example_inputs,
         layout=cosmos3_layout,
         text_tokens=256,
