@@ -126,3 +126,19 @@ def test_generate_runs_cosmos3_as_one_process_does(tmp_path, tiny_checkpoints):
     for file, frame in zip(written, frames):
         diff = np.abs(np.asarray(Image.open(file), dtype=int) - np.asarray(frame.convert("RGB"), dtype=int))
         assert diff.max() <= 1
+
+
+def test_bench_times_cosmos3_and_keeps_every_prediction():
+    # bench compares each method's last output with one process's: the per-item prediction lists as one tensor
+    from types import SimpleNamespace
+
+    from cases_cosmos3 import build, flat, inputs_of
+    from ditmesh.bench.worker import _timed
+
+    model = build("odd")
+    inputs = inputs_of(model, "odd")
+    row = {}
+    times, out = _timed(model, inputs, {"warmup": 0, "steps": 1}, SimpleNamespace(step_index=None),
+                        torch.device("cpu"), row)
+    with torch.no_grad():
+        assert len(times) == 1 and "error" not in row and torch.equal(out, flat(model(**inputs)[:1]))
