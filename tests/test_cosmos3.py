@@ -142,3 +142,11 @@ def test_bench_times_cosmos3_and_keeps_every_prediction():
                         torch.device("cpu"), row)
     with torch.no_grad():
         assert len(times) == 1 and "error" not in row and torch.equal(out, flat(model(**inputs)[:1]))
+
+
+def test_generate_refuses_cfg_and_pipefusion_before_any_rank_starts(tiny_checkpoints):
+    from cases_models import generate_refusal
+
+    path = tiny_checkpoints("cosmos3-omni-tiny")
+    assert "before the uncond call" in generate_refusal(path, "--cfg", "2", "--nproc", "2", "--guidance", "4")
+    assert "PipeFusion does not run cosmos3-omni" in generate_refusal(path, "--pp", "2", "--nproc", "2")
