@@ -735,6 +735,19 @@ MUTANTS: tuple[Mutant, ...] = (
            'return {"streams": ("image", "image")} if decoder else {}', "return {}",
            ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-decoder]",),
            "Motif-Video's decoder blocks attend as if their keys were the video and the text (the wrong sizes)"),
+    Mutant("cosmos3-text-causal-mask-dropped", "models/cosmos3.py",
+           'streams=("und",), mask=causal)', 'streams=("und",), mask=None)',
+           ("tests/test_cosmos3.py::test_cosmos3_transformer_matches_single_process[odd-odd-ring2]",),
+           "Cosmos 3's sequence-parallel text pathway attends both ways, not causally"),
+    Mutant("cosmos3-generation-rope-not-cut", "models/cosmos3.py",
+           "cos_gen.narrow(0, first_gen, gen), sin_gen.narrow(0, first_gen, gen)",
+           "cos_gen.narrow(0, 0, gen), sin_gen.narrow(0, 0, gen)",
+           ("tests/test_cosmos3.py::test_cosmos3_transformer_matches_single_process[odd-odd-ulysses3]",),
+           "Cosmos 3's generation tokens take the first rows of the RoPE table on every rank, not their own"),
+    Mutant("cosmos3-generation-reads-text-keys-unnormed", "models/cosmos3.py",
+           "torch.cat([k_und_for_gen, k_gen])[None]", "torch.cat([k_und, k_gen])[None]",
+           ("tests/test_cosmos3.py::test_cosmos3_transformer_matches_single_process[odd-odd-ring2]",),
+           "Cosmos 3's generation queries read the text keys without the generation pathway's own key norm"),
 )
 
 

@@ -196,7 +196,8 @@ def family_cached_calls(arch: str, config: dict, setting: str | None, inputs: li
         for step, call in enumerate(inputs):
             scheduler.step_index = step
             out = model(**call)
-            outs.append(out if isinstance(out, torch.Tensor) else output_sample(out))  # Kandinsky 5: the tensor
+            out = out if isinstance(out, torch.Tensor) else output_sample(out)  # Kandinsky 5: the tensor
+            outs.append(torch.cat([t.flatten() for t in out]) if isinstance(out, list) else out)  # Cosmos 3: per item
     history = [h["skip"] for h in runtime.caches["transformer"].history] if setting else []
     return outs, history, runs, dict(counts)
 

@@ -175,14 +175,22 @@ def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict |
     before its calls, e.g. SkyReels-V2's ``num_frame_per_block``); ``prepare``: a module-level function called on the
     model before it is parallelized (a test's hook). Returns (output sample, collectives of the call); with
     ``outputs`` > 1, the first ``outputs`` outputs as a tuple in place of the sample (LTX-2's video and audio)."""
-    from ditmesh import ParallelConfig, parallelize
-    from ditmesh.comm import count_collectives
     from ditmesh.synth import build_transformer
 
     model = build_transformer(arch, seed=0, dtype=torch.float32)
     model.register_to_config(**(model_config or {}))
     if prepare is not None:
         prepare(model)
+    out, counts = model_call(model, config, inputs)
+    return (out[0] if outputs == 1 else tuple(out[:outputs])), counts
+
+
+def model_call(model, config: dict, inputs: dict):
+    """``model`` parallelized by ``config`` on this rank (``{}``: left as it is), then called on ``inputs``. Returns
+    (its whole output, the collectives of the call)."""
+    from ditmesh import ParallelConfig, parallelize
+    from ditmesh.comm import count_collectives
+
     if config:
         class Pipe:  # parallelize() needs only `.transformer`
             transformer = model
@@ -190,7 +198,7 @@ def transformer_call(arch: str, config: dict, inputs: dict, model_config: dict |
         parallelize(Pipe, ParallelConfig(**config))
     with torch.no_grad(), count_collectives() as counts:
         out = model(**inputs)
-    return (out[0] if outputs == 1 else tuple(out[:outputs])), dict(counts)
+    return out, dict(counts)
 
 
 def masks_dropped(model: str, mask_input: str, prompt, steps: int, height: int, width: int, max_sequence_length: int,

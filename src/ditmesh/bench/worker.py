@@ -62,6 +62,8 @@ def _timed(model, inputs, spec: dict, steps, device, row: dict) -> tuple[list[fl
                 times.append(time.perf_counter() - t0)
             elif i == 0:  # the first call pays the compile and the CUDA graph capture (cold or warm caches)
                 row["first_call_s"] = round(time.perf_counter() - t0, 3)
+    if isinstance(out, (list, tuple)):  # a family returning one prediction per packed item: compared as one tensor
+        out = torch.cat([t.flatten() for t in out])
     return times, out
 
 

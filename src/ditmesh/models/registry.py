@@ -76,6 +76,7 @@ CLASSES: dict[str, str] = {
     'Kandinsky6SRTransformer3DModel': 'kandinsky6_sr',
     'BriaFibo2Transformer2DModel': 'bria_fibo2',
     'MotifVideoTransformer3DModel': 'motif_video',
+    'Cosmos3OmniTransformer': 'cosmos3',
 }
 
 #: synthetic architecture -> (the adapter module that defines it, its description), for ``ditmesh synth --list``
@@ -409,6 +410,11 @@ SYNTH: dict[str, tuple[str, str]] = {
                                    "diffusers' docs give it) at diffusers' default width (24 heads x 128, text width "
                                    '4096, 33 input channels), the Wan 2.1 VAE, a one-layer T5Gemma 2 encoder of that '
                                    'width'),
+    'cosmos3-omni': ('cosmos3', "Cosmos 3 Omni transformer as diffusers' defaults (36 layers, 32 query / 8 "
+                              'key-value heads x 128, FFN 12288, Qwen3\'s vocabulary), the Wan 2.2 VAE, a '
+                              'local byte-level tokenizer; no sound'),
+    'cosmos3-omni-tiny': ('cosmos3', 'Cosmos 3 Omni shrunk for CPU tests: 2 layers, 4 query / 2 key-value heads x '
+                                   '8, a 4-channel Wan 2.2 VAE, a byte-level tokenizer of ~800 tokens'),
 }
 
 #: synthetic architecture -> its transformer's attention heads (``num_attention_heads``, where its config has one),
@@ -534,6 +540,8 @@ HEADS: dict[str, int] = {
     'latte-1': 16,
     'motif-video-tiny': 2,
     'motif-video': 24,
+    'cosmos3-omni': 32,
+    'cosmos3-omni-tiny': 4,
 }
 
 #: VAE class -> the adapter module of the first adapter (in :data:`CLASSES` order) whose VAE plan names it
@@ -567,10 +575,6 @@ NOT_ADAPTED: dict[str, str] = {
     'SanaWMTransformer3DModel': 'Sana-WM, a camera-controlled video world model (3,117 lines): its layers mix '
                                 'bidirectional gated-delta-net recurrences, camera-conditioned attention and temporal '
                                 'short convolutions across frames, each of which needs an exact split of its own',
-    'Cosmos3OmniTransformer': 'Cosmos 3 Omni, a mixture of transformers over one packed, unbatched sequence: a causal '
-                              'text pathway and a generation pathway whose vision, sound and action tokens are '
-                              'scattered into the sequence by index; the packing and the causal prefix need a '
-                              'sequence plan of their own',
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
@@ -639,6 +643,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'Kandinsky6SRTransformer3DModel': ('kandinsky6-sr', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'BriaFibo2Transformer2DModel': ('bria-fibo2', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'MotifVideoTransformer3DModel': ('motif-video', 'guidance_scale', "the checkpoint's guider (guider/config.json guidance_scale > 1)", 4, 1),
+    'Cosmos3OmniTransformer': ('cosmos3-omni', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
 }
 
 

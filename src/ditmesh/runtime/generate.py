@@ -715,7 +715,9 @@ def run(args) -> int:
     warmup_costs = compile_breakdown(runtime) if getattr(args, "compile", False) or getattr(args, "cuda_graph", False) else None
 
     if rank == 0:
-        is_video = hasattr(result, "frames") and not hasattr(result, "images")
+        # a batch of videos (``frames``), or one video (``video``: a pipeline whose output holds its one sample)
+        videos = result.frames if hasattr(result, "frames") else [result.video] if hasattr(result, "video") else None
+        is_video = videos is not None and not hasattr(result, "images")
         is_audio = hasattr(result, "audios") and not hasattr(result, "images")  # Stable Audio's AudioPipelineOutput
         out = Path(args.out or ("out/video.mp4" if is_video else "out/audio.wav" if is_audio else "out/image.png"))
         images = [] if is_video or is_audio else result.images
@@ -732,8 +734,8 @@ def run(args) -> int:
 
             fps = adapter_for(next(iter(transformers_of(pipe).values()))).fps
             with phase("write videos"):
-                for i, video in enumerate(result.frames):
-                    target = out if len(result.frames) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
+                for i, video in enumerate(videos):
+                    target = out if len(videos) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
                     paths += write_video(target, video, fps=fps)
         encoded = []  # encode everything first: a format error must not leave some files written
         from .. import png
