@@ -19,11 +19,6 @@ from ditmesh.testing import rel_err
 TINY, ODD = "sana-wm-tiny", "sana-wm-tiny-3h"
 
 
-def seeded(model) -> None:
-    """Nothing: the synthetic weights are seeded everywhere (the short convolutions too, which diffusers starts at
-    zero: with zero weights the gated delta nets' keys vanish and their branch adds nothing)."""
-
-
 def inputs_of(shape: str) -> dict:
     from ditmesh.models.sana_wm import camera_conditions
 
@@ -90,12 +85,16 @@ def test_sana_wm_cases_could_fail():
             weight.copy_(kept)
 
 
+RING_REFUSAL = "does not run sana-wm: its gated delta nets run a recurrence over every frame per head"
+
+
 @pytest.mark.parametrize("config, line", [
-    ({"ring": 2}, "ring=2 does not run sana-wm: its gated delta nets run a recurrence over every frame per head"),
+    ({"ring": 2}, f"ring=2 {RING_REFUSAL}"),
+    ({"ring": 2, "ulysses": 2}, f"ring=2 {RING_REFUSAL}"),
     ({"tp": 2}, "SanaWMTransformer3DModel has no tensor-parallel plan; use tp=1 and sequence parallelism"),
-])
-def test_sana_wm_refuses_ring_and_tp_in_one_line(pools, config, line):
-    for got in pools(2).run(refused_call, TINY, config, inputs_of("diffusers")):
+], ids=["ring2", "ring2-ulysses2", "tp2"])
+def test_sana_wm_refuses_ring_usp_and_tp_in_one_line(pools, config, line):
+    for got in pools(math.prod(config.values())).run(refused_call, TINY, config, inputs_of("diffusers")):
         assert got.startswith(line) and "\n" not in got
 
 
@@ -135,3 +134,11 @@ def test_generate_runs_sana_wm_as_one_process_does(tmp_path, tiny_checkpoints):
                 output_type="latent").frames
     assert want.shape == (1, 4, 5, 8, 8)
     assert rel_err(load_file(str(tmp_path / "latents.st"))["latents"], want) <= 1e-5
+
+
+def test_generate_refuses_sana_wm_without_a_first_frame_in_one_line(tiny_checkpoints):
+    from cases_models import generate_refusal
+
+    path = tiny_checkpoints(TINY)
+    assert generate_refusal(path, "--steps", "2").endswith(
+        f"--model {path}: SanaWMPipeline generates from an image; give --image PATH")

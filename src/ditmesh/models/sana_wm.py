@@ -34,8 +34,8 @@ parallelism of everything that mixes tokens.
 Per call under ulysses: per gated-delta-net block 2 all-to-alls and 1 all-reduce, per softmax block 2 all-to-alls, per
 block 1 halo exchange, 1 all-gather. Ring attention and USP are refused (``ring_refusal``): the recurrences have no
 log-sum-exp to merge per K/V block. Tensor parallelism is refused (no tensor plan): the short convolutions' weights
-and the per-head gate parameters are not linears the tensor plans shard. PipeFusion and the step caches are refused.
-CFG: ``SanaWMPipeline`` runs ``[uncond, cond]`` in one call (batched), split by cfg / dp with its camera inputs.
+and the per-head gate parameters are not linears the tensor plans shard. PipeFusion is refused; the step caches skip
+whole blocks (``tests/test_cache_families.py``). CFG: ``SanaWMPipeline`` runs ``[uncond, cond]`` in one call (batched), split by cfg / dp with its camera inputs.
 
 diffusers has no ``_cp_plan`` or ``_tp_plan`` for this class; the plan below is ours. This file is everything ditmesh
 knows about Sana-WM.
@@ -432,7 +432,6 @@ SANA_WM = register(
                      "ring attention's K/V blocks by",
         pp_refusal="its gated delta nets need every frame's keys of the current step, not PipeFusion's stale K/V of "
                    "other patches",
-        cache_refusal="its camera-conditioned blocks have not been measured under the step caches yet",
         frame_step=SANA_WM_VAE_TEMPORAL,
         fps=16,
         pipelines=("SanaWMPipeline",),
