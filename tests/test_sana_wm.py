@@ -142,3 +142,18 @@ def test_generate_refuses_sana_wm_without_a_first_frame_in_one_line(tiny_checkpo
     path = tiny_checkpoints(TINY)
     assert generate_refusal(path, "--steps", "2").endswith(
         f"--model {path}: SanaWMPipeline generates from an image; give --image PATH")
+
+
+def test_remove_gives_back_the_sana_wm_pipeline(pools, tiny_checkpoints):
+    # the family's own hooks (every block's frame cut, every self-attention's head-parallel forward) come off too
+    import numpy as np
+    from PIL import Image
+
+    from cases_hooks import remove_restores_case
+
+    first = Image.fromarray((np.random.RandomState(0).rand(24, 40, 3) * 255).astype("uint8"))
+    extra = dict(image=first, action="w-9", intrinsics=[16.0, 16.0, 8.0, 8.0], height=16, width=16, num_frames=9,
+                 max_sequence_length=16, guidance_scale=4.0)
+    for diffs, parallel_err, after_remove in pools(2).run(remove_restores_case, tiny_checkpoints(TINY),
+                                                             {"ulysses": 2}, extra=extra):
+        assert diffs == [] and parallel_err <= 1e-5 and after_remove == 0.0
