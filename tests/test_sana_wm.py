@@ -85,7 +85,7 @@ def test_sana_wm_cases_could_fail():
             weight.copy_(kept)
 
 
-RING_REFUSAL = "does not run sana-wm: its gated delta nets run a recurrence over every frame per head"
+RING_REFUSAL = "does not run sana-wm: its gated delta nets scan every frame of a head in order"
 
 
 @pytest.mark.parametrize("config, line", [

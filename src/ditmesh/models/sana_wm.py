@@ -33,7 +33,8 @@ parallelism of everything that mixes tokens.
 
 Per call under ulysses: per gated-delta-net block 2 all-to-alls and 1 all-reduce, per softmax block 2 all-to-alls, per
 block 1 halo exchange, 1 all-gather. Ring attention and USP are refused (``ring_refusal``): the recurrences have no
-log-sum-exp to merge per K/V block. Tensor parallelism is refused (no tensor plan): the short convolutions' weights
+log-sum-exp to merge per K/V block, and diffusers runs the softmax blocks as one SDPA in bfloat16 even for float32
+weights, which a ring's float32 merge of per-block results does not reproduce (2e-3 apart, measured on random inputs). Tensor parallelism is refused (no tensor plan): the short convolutions' weights
 and the per-head gate parameters are not linears the tensor plans shard. PipeFusion is refused; the step caches skip
 whole blocks (``tests/test_cache_families.py``). CFG: ``SanaWMPipeline`` runs ``[uncond, cond]`` in one call (batched), split by cfg / dp with its camera inputs.
 
@@ -428,8 +429,9 @@ SANA_WM = register(
         cfg_mode="batched",  # SanaWMPipeline runs [uncond, cond] in one transformer call
         output_channel_dim=1,
         out_channels=lambda model: model.config.in_channels,
-        ring_refusal="its gated delta nets run a recurrence over every frame per head, with no log-sum-exp to merge "
-                     "ring attention's K/V blocks by",
+        ring_refusal="its gated delta nets scan every frame of a head in order (no log-sum-exp to merge K/V blocks "
+                     "by) and its softmax blocks round one whole SDPA to bfloat16 (a ring's merged blocks differ by "
+                     "2e-3)",
         pp_refusal="its gated delta nets need every frame's keys of the current step, not PipeFusion's stale K/V of "
                    "other patches",
         frame_step=SANA_WM_VAE_TEMPORAL,
