@@ -59,6 +59,7 @@ T_PP = "tests/test_pipefusion.py::"
 T_DISP = "tests/test_displaced.py::"
 T_PIXART = "tests/test_pixart.py::"
 T_SANA = "tests/test_sana.py::"
+T_SANA_WM = "tests/test_sana_wm.py::test_sana_wm_transformer_matches_single_process"
 T_HUNYUAN = "tests/test_hunyuan_dit.py::"
 T_HIDREAM = "tests/test_hidream.py::test_hidream_pipeline_matches_single_process"
 T_HIDREAM_NS = "tests/test_hidream.py::test_hidream_non_square_latents_with_their_key_mask_match_single_process"
@@ -748,6 +749,22 @@ MUTANTS: tuple[Mutant, ...] = (
            "torch.cat([k_und_for_gen, k_gen])[None]", "torch.cat([k_und, k_gen])[None]",
            ("tests/test_cosmos3.py::test_cosmos3_transformer_matches_single_process[odd-odd-ring2]",),
            "Cosmos 3's generation queries read the text keys without the generation pathway's own key norm"),
+    Mutant("sana-wm-qk-norm-sums-not-added-over-ranks", "models/sana_wm.py",
+           "variances = (sp.sum(squares) / full).unbind(-1)", "variances = (squares / full).unbind(-1)",
+           (f"{T_SANA_WM}[sana-wm-tiny-3h-ulysses2-odd]",),
+           "Sana-WM's gated delta nets normalize Q and K over the rank's heads only, not all of them"),
+    Mutant("sana-wm-decay-of-the-first-heads", "models/sana_wm.py",
+           "attn.dt_bias.float()[own_heads]", "attn.dt_bias.float()[: h]",
+           (f"{T_SANA_WM}[sana-wm-tiny-3h-ulysses2-odd]",),
+           "Sana-WM's decay on every rank takes the time-step biases of the first heads, not its own"),
+    Mutant("sana-wm-short-conv-of-the-first-channels", "models/sana_wm.py",
+           "weight = conv.weight[channels].to(x.dtype)", "weight = conv.weight[: x.shape[-1]].to(x.dtype)",
+           (f"{T_SANA_WM}[sana-wm-tiny-3h-ulysses2-odd]",),
+           "Sana-WM's temporal short convolutions on every rank take the filters of the first heads' channels"),
+    Mutant("sana-wm-frame-mask-left-behind", "models/sana_wm.py",
+           "token_valid = extra[-1][..., 0] if masked else None", "token_valid = None",
+           (f"{T_SANA_WM}[sana-wm-tiny-3h-ulysses2-masked]",),
+           "Sana-WM's recurrences and softmax attentions run as if no frame were padded"),
 )
 
 

@@ -19,7 +19,7 @@ def _call(pipe, **extra):
     kwargs = dict(height=48, width=48, num_inference_steps=2, max_sequence_length=32, output_type="latent",
                   generator=torch.Generator().manual_seed(42))
     kwargs.update(extra)
-    out = pipe("a red circle", **kwargs)
+    out = pipe(prompt="a red circle", **kwargs)  # by name: SanaWMPipeline takes its first frame first
     return out.images if hasattr(out, "images") else out.frames
 
 

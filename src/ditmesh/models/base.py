@@ -603,6 +603,11 @@ class ModelAdapter:
     #: of one class run over different streams that their inputs do not tell apart (Motif-Video's decoder blocks
     #: attend over the encoder's output video where the encoder's single blocks attend over the text); None: none
     processor_args: Callable | None = None
+    #: (model, the sequence-parallel runtime) -> undo callables: the family's own hooks on modules that mix tokens
+    #: without an attention processor to swap (Sana-WM's gated delta-net and softmax attentions, whose forwards call
+    #: parameter-free recurrence modules), put on after the plan's split points; None: every token-mixing layer is an
+    #: attention layer (``attention``) or a token grid's convolution
+    sequence_hooks: Callable | None = None
     notes: dict = field(default_factory=dict)
 
     def output_like(self, model: torch.nn.Module, hidden_states: torch.Tensor, kwargs: dict | None = None) -> torch.Tensor:

@@ -44,6 +44,7 @@ CLASSES: dict[str, str] = {
     'Kandinsky5Transformer3DModel': 'kandinsky5',
     'Kandinsky6Transformer3DModel': 'kandinsky6',
     'SanaVideoTransformer3DModel': 'sana_variants',
+    'SanaWMTransformer3DModel': 'sana_wm',
     'HunyuanVideoFramepackTransformer3DModel': 'hunyuan_variants',
     'CosmosTransformer3DModel': 'cosmos',
     'EasyAnimateTransformer3DModel': 'easyanimate',
@@ -240,6 +241,13 @@ SYNTH: dict[str, tuple[str, str]] = {
                                        'one-layer Gemma-2'),
     'sana-video-tiny': ('sana_variants', "Sana-Video shrunk for CPU tests: diffusers' test config (2 blocks, 2 heads "
                                          'x 12), tiny Wan VAE, a 16-wide Gemma-2'),
+    'sana-wm-1600m': ('sana_wm', 'Sana-WM 1600M bidirectional transformer (20 blocks of 2240: gated delta nets of 20 '
+                                 'heads x 112, softmax every 4th, UCPE camera branches, Plucker rays), LTX-2 VAE, '
+                                 'one-layer Gemma-2'),
+    'sana-wm-tiny': ('sana_wm', "Sana-WM shrunk for CPU tests: diffusers' test config (2 blocks of 32, gated delta net "
+                                "then softmax, 2 heads x 16), LTX-2's tiny VAE, a 16-wide Gemma-2"),
+    'sana-wm-tiny-3h': ('sana_wm', 'sana-wm-tiny with 3 heads x 16 in both attentions (48 wide) and short convolutions '
+                                   'on Q, K and V'),
     'hunyuan-video-framepack': ('hunyuan_variants', 'HunyuanVideo Framepack (FramePackI2V_HY) transformer '
                                                     "(HunyuanVideo's 20 dual + 40 single blocks, 24 heads x 128, "
                                                     'history patch embedders, SigLIP image projection), '
@@ -486,6 +494,9 @@ HEADS: dict[str, int] = {
     'ltx-2-tiny': 2,
     'sana-video-2b': 20,
     'sana-video-tiny': 2,
+    'sana-wm-1600m': 20,
+    'sana-wm-tiny': 2,
+    'sana-wm-tiny-3h': 3,
     'hunyuan-video-framepack': 24,
     'hunyuan-video-framepack-tiny': 2,
     'cosmos-1.0-7b': 32,
@@ -572,9 +583,6 @@ NOT_DITS: dict[str, str] = {
 #: blocks an exact split of it (one line each: the generality table and the refusal name it); an adapter written for
 #: one takes it off this table (tests/test_registry.py holds the tables apart)
 NOT_ADAPTED: dict[str, str] = {
-    'SanaWMTransformer3DModel': 'Sana-WM, a camera-controlled video world model (3,117 lines): its layers mix '
-                                'bidirectional gated-delta-net recurrences, camera-conditioned attention and temporal '
-                                'short convolutions across frames, each of which needs an exact split of its own',
     'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
                                     'BlockMask over compressed past frames and full current ones, with a K/V cache '
                                     'written and read across calls',
@@ -611,6 +619,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'Kandinsky5Transformer3DModel': ('kandinsky5', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'Kandinsky6Transformer3DModel': ('kandinsky6', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'SanaVideoTransformer3DModel': ('sana-video', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'SanaWMTransformer3DModel': ('sana-wm', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 8, 1),
     'HunyuanVideoFramepackTransformer3DModel': ('hunyuan-video-framepack', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'CosmosTransformer3DModel': ('cosmos', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 8, 1),
     'EasyAnimateTransformer3DModel': ('easyanimate', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),

@@ -515,5 +515,7 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter, ctx
         grid_points, grid_undo = _grid_hooks(model, sp)
         entry.points += grid_points
         undo += grid_undo
+    if adapter.sequence_hooks is not None:  # after the split points: a hook may read the call's chunk sizes
+        undo += adapter.sequence_hooks(model, sp)
     undo += [p.remove for p in entry.points]
     return undo + [adapter.set_processors(model, sp)]

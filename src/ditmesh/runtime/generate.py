@@ -733,6 +733,8 @@ def run(args) -> int:
             from ..models import adapter_for
 
             fps = adapter_for(next(iter(transformers_of(pipe).values()))).fps
+            # one video per sample; a pipeline that returns its one video unbatched (SanaWMPipeline: [T, H, W, C])
+            videos = [result.frames] if getattr(result.frames, "ndim", None) == 4 else result.frames
             with phase("write videos"):
                 for i, video in enumerate(videos):
                     target = out if len(videos) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
