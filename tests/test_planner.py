@@ -485,6 +485,19 @@ def test_ditmesh_plan_traces_every_family_at_its_default_size(arch, monkeypatch,
     assert main(["plan", "--model", arch, "--gpus", "2", "--json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert out["configs"] and out["recommendation"]["degrees"]
+    # nothing ranked that the family refuses before a weight is read (PipeFusion, ring, cfg/dp, tp without a plan);
+    # what it refuses is named, not ranked
+    from ditmesh import ParallelConfig
+    from ditmesh.models import adapter_for_class
+    from ditmesh.options import RunOptions
+
+    adapter = adapter_for_class(out["model"]["class"])
+    ranked = {c["config"] for c in out["configs"]}
+    for row in out["configs"]:
+        config = ParallelConfig(**row["degrees"])
+        assert config.tp == 1 or adapter.tensor_plan is not None, row["config"]
+        RunOptions(config=config, displaced=row["displaced"]).check_family(adapter)
+    assert all(not set(configs) & ranked for configs in out["refused"].values()), out["refused"]
 
 
 @pytest.mark.parametrize("arch", ["hunyuan-video-framepack-tiny", "lumina2-tiny", "mochi-tiny"])

@@ -482,7 +482,7 @@ class RunOptions:
         elif heads is not None:
             c.check_heads(heads, model_name)
         for adapter in adapters:  # a family's refusal first: it holds on every device
-            self._check_family(adapter)
+            self.check_family(adapter)
         if device is not None:
             self._check_device(device, flag, local_world)
         return self
@@ -638,7 +638,7 @@ class RunOptions:
                 raise ConfigError(f"{flag('transport')}symm needs each ulysses={self.config.ulysses} group on one "
                                   f"host, but a host runs {local_world} processes; use nccl across hosts")
 
-    def _check_family(self, adapter) -> None:
+    def check_family(self, adapter) -> None:
         """The refusals of a model family (its adapter), raised as NotImplementedError: what this build does not run
         for that family yet."""
         if self.cuda_graph and adapter.graph_refusal:

@@ -86,6 +86,9 @@ def format_table(result, top: int = 20) -> str:
                      f"{p.comm_bytes['total'] / 1e6:9.0f}  {p.fits}")
     if len(rows) < len(result.predictions):
         lines.append(f"     ... {len(result.predictions) - len(rows)} more (--top 0 shows all)")
+    for why, configs in result.refused.items():  # what the family does not run, not ranked
+        lines.append(f"     left out ({len(configs)}: {', '.join(configs[:3])}{', ...' if len(configs) > 3 else ''}): "
+                     f"{why}")
     lines += ["", f"recommended: {result.best.describe()}  "
               + " ".join(f"--{k} {v}" for k, v in result.best.config.as_dict().items() if v > 1)
               + (" --displaced" if result.best.displaced else "")

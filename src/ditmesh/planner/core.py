@@ -4,6 +4,7 @@ on first use (the package itself imports nothing heavy, so ``ditmesh plan``'s pa
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from ..config import AXIS_ORDER, ParallelConfig
@@ -32,6 +33,9 @@ class PlanResult:
     predictions: list[Prediction]  # ranked, best first
     baseline: Prediction  # one GPU, everything off
     vae: VaeDecode | None = None
+    #: what the model's family refuses (``options.RunOptions.check_family``, a missing tensor plan), each reason once,
+    #: with the configurations it left out of the ranking
+    refused: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def best(self) -> Prediction:
@@ -106,6 +110,7 @@ class PlanResult:
                                                   "vae_chunk": self.workload.vae_chunk},
             "baseline_step_ms": round(self.baseline.step_ms, 2),
             "configs": [p.as_dict() for p in self.predictions],
+            "refused": self.refused,
         }
 
 
@@ -191,6 +196,8 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
                         vae_parallel=vae_parallel, vae_chunk=vae_chunk, pp_patches=pp_patches)
     cal = calibration or Calibration()
     configs = enumerate_configs(gpus, stats, workload)
+    refused: dict[str, list[str]] = {}
+    configs = [c for c in configs if not _refused(spec.transformer_class, c, refused)]
     if supported is not None:
         configs = [c for c in configs if set(c.active_axes()) <= set(supported)]
     if cuda_graph:  # the batch hooks decide per call what runs, which a graph cannot replay; PipeFusion refuses graphs
@@ -203,13 +210,15 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
         raise PlannerError(f"no valid configuration of {gpus} GPUs for {model}"
                            + (f" using only {sorted(supported)}" if supported is not None else "")
                            + (" without dp/cfg (CUDA graphs)" if cuda_graph else "")
+                           + (f" that its family runs ({'; '.join(refused)})" if refused else "")
                            + "; try a GPU count that divides the attention heads")
     single_hw = Hardware(hw.device, hw.intra, None, 1, 1, hw.memory_gib)
     baseline = predict(ParallelConfig(), stats, single_hw, workload, cal, vae)
     predictions = [predict(c, stats, hw, workload, cal, vae) for c in configs]
     if displaced:
         predictions += [predict(c, stats, hw, workload, cal, vae, displaced=True) for c in configs
-                        if c.ulysses > 1 and c.ring == 1 and c.pp == 1]
+                        if c.ulysses > 1 and c.ring == 1 and c.pp == 1
+                        and not _refused(spec.transformer_class, c, refused, displaced=True)]
     if options is not None and options.quant != "off":  # the quantized rows beside the model's dtype
         eight = dataclasses.replace(workload, quant=options.quant, quant_modulation=options.quantized_modulation)
         for p in [predict(c, stats, hw, eight, cal, vae) for c in configs]:
@@ -224,7 +233,28 @@ def plan(model: str, height: int, width: int, gpus: int, *, frames: int = 1, bat
                 predictions.append(p)
     for p in predictions:
         p.speedup = baseline.effective_ms / p.effective_ms
-    return PlanResult(stats, hw, workload, rank(predictions), baseline, vae)
+    return PlanResult(stats, hw, workload, rank(predictions), baseline, vae, refused)
+
+
+def _refused(class_name: str, config: ParallelConfig, refused: dict[str, list[str]], displaced: bool = False) -> bool:
+    """Whether the family of ``class_name`` refuses ``config`` before any weight is read (as ``generate`` would:
+    ``RunOptions.check_family``, and tp without a tensor-parallel plan); the reason and the configuration are added
+    to ``refused``."""
+    from ..options import ConfigError, RunOptions
+    from .stats import adapter_of
+
+    adapter = adapter_of(class_name)
+    why = None
+    if config.tp > 1 and adapter.tensor_plan is None:
+        why = f"tp > 1: {class_name} has no tensor-parallel plan"
+    else:
+        try:
+            RunOptions(config=config, displaced=displaced).check_family(adapter)
+        except (ConfigError, NotImplementedError) as exc:
+            why = re.sub(r"^ring=\d+ ", "ring > 1 ", str(exc))  # one reason for every ring degree
+    if why:
+        refused.setdefault(why, []).append(config.describe() + (" displaced" if displaced else ""))
+    return why is not None
 
 
 def recommend(model: str, height: int, width: int, gpus: int, **kwargs) -> ParallelConfig:
