@@ -652,7 +652,7 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_parallel_vae.py::test_mochi_vae_split_along_height_matches_single_process[decode-5-3-2-2]",),
            "the rows Mochi's causal convolutions replicate in forward are taken for the neighbours' rows on inner ranks"),
     Mutant("tp-head-outputs-whole", "parallel/tensor.py",
-           "return out.narrow(dim, rank * heads, heads)", "return out.narrow(dim, 0, heads)",
+           "return value.narrow(dim, rank * heads, heads)", "return value.narrow(dim, 0, heads)",
            (f"{T_MOCHI_T}[tp2-ulysses2-even]", "tests/test_ltx.py::test_ltx_pipeline_matches_single_process[tp2-even]"),
            "every tensor-parallel rank rotates its heads with the first rank's RoPE frequencies (Mochi's head slices, "
            "LTX's per-channel tables)"),
@@ -733,6 +733,21 @@ MUTANTS: tuple[Mutant, ...] = (
            'return {"streams": ("image", "image")} if decoder else {}', "return {}",
            ("tests/test_motif_video.py::test_motif_video_transformer_matches_single_process[ulysses2-decoder]",),
            "Motif-Video's decoder blocks attend as if their keys were the video and the text (the wrong sizes)"),
+    Mutant("anyflow-far-cache-heads-at-zero", "models/anyflow.py",
+           "        first = offsets(split_sizes(attn.heads, self.sp.ulysses_degree))[self.sp.ulysses_rank]\n",
+           "        first = 0\n",
+           ("tests/test_anyflow_far.py::test_anyflow_far_rollout_matches_single_process[ulysses2-odd]",),
+           "AnyFlow-FAR's Ulysses ranks keep their heads' K/V cache in the first heads' slots, not their own"),
+    Mutant("anyflow-far-mask-dropped", "models/anyflow.py",
+           "        whole = dict(attention_mask=attention_mask, rotary_emb=rotary_emb, kv_cache_flag=kv_cache_flag)\n",
+           "        whole = dict(attention_mask=None, rotary_emb=rotary_emb, kv_cache_flag=kv_cache_flag)\n",
+           ("tests/test_anyflow_far.py::test_anyflow_far_rollout_matches_single_process[ulysses2-diffusers]",),
+           "AnyFlow-FAR's self-attention under Ulysses drops the frame-causal BlockMask of the cache-writing calls"),
+    Mutant("anyflow-far-tp-cache-whole", "models/anyflow.py",
+           '        tensor_plan=dataclasses.replace(ANYFLOW.tensor_plan, head_inputs={"blocks.*.attn1": {"kv_cache": 2}}),\n',
+           "        tensor_plan=ANYFLOW.tensor_plan,\n",
+           ("tests/test_anyflow_far.py::test_anyflow_far_rollout_matches_single_process[tp2-diffusers]",),
+           "AnyFlow-FAR's tp ranks get the pipeline's K/V cache of every head while they hold a part of them"),
 )
 
 
