@@ -23,11 +23,11 @@ def rollout_inputs(shape: str) -> dict:
                 timestep=torch.rand(batch, frames, generator=g) * 900 + 50, partition=partition)
 
 
-def rollout(arch: str, config: dict, inputs: dict, steps: int = 1, model_config: dict | None = None):
-    """AnyFlowFARPipeline's calls on this rank under ``config`` (``{}``: one process): per chunk ``steps`` denoising
-    calls reading the K/V cache (the chunk at its timesteps, ``r`` at 0.6 of them), then, but after the last chunk, the
-    call that writes every chunk so far into the cache under the ``cache`` mask; last, the training call over every
-    frame under the ``train`` mask (no cache). Returns (the denoising calls' outputs and the training call's, the final
+def rollout(arch, config: dict, inputs: dict, model_config: dict | None = None):
+    """AnyFlowFARPipeline's calls on this rank under ``config`` (``{}``: one process) by the synthetic ``arch`` (a name
+    or a ``SynthArch``) transformer: per chunk a denoising call reading the K/V cache (the chunk at its timesteps,
+    ``r`` at 0.6 of them), then, but after the last chunk, the call that writes every chunk so far into the cache under
+    the ``cache`` mask; last, the training call over every frame under the ``train`` mask (no cache). Returns (the denoising calls' outputs and the training call's, the final
     K/V cache of every block, the collectives of all calls)."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
@@ -49,12 +49,11 @@ def rollout(arch: str, config: dict, inputs: dict, steps: int = 1, model_config:
     with torch.no_grad(), count_collectives() as counts:
         for c in range(len(partition)):
             chunk = slice(sum(partition[:c]), sum(partition[:c + 1]))
-            for step in range(steps):
-                t = timestep[:, chunk] / (step + 1)
-                out, _ = model(hidden_states=latents[:, chunk], timestep=t, r_timestep=0.6 * t,
-                               encoder_hidden_states=text, chunk_partition=partition[:c + 1], kv_cache=cache,
-                               kv_cache_flag=copy.deepcopy(flag), return_dict=False)
-                outs.append(out)
+            t = timestep[:, chunk]
+            out, _ = model(hidden_states=latents[:, chunk], timestep=t, r_timestep=0.6 * t, encoder_hidden_states=text,
+                           chunk_partition=partition[:c + 1], kv_cache=cache, kv_cache_flag=copy.deepcopy(flag),
+                           return_dict=False)
+            outs.append(out)
             if c == len(partition) - 1:
                 break
             done = slice(0, chunk.stop)

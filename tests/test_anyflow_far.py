@@ -4,11 +4,13 @@ the call writing it under the frame-causal ``BlockMask``, and last the training 
 chunk reads an empty cache; later ones the full past chunks; the last the compressed ones (the boundary where they
 begin). At diffusers' test configuration (2 heads x 12, 4 one-frame chunks of 16 x 16 latents: 64 tokens a frame, 16
 compressed, the last 3 chunks full) and at ours (3 heads: 2 + 1 over two ranks; chunks of 2, 1 and 2 frames of 6 x 6
-latents: 9 tokens a frame, split 5 + 4, 1 compressed; the last 2 full; a batch of 2). Every denoising output, the
-training output and the K/V cache itself (each rank's heads in their slots) are compared; ring, USP, cfg and dp are
-refused in one line."""
+latents: 9 tokens a frame, split 5 + 4, 1 compressed; the last 2 full; a batch of 2); tp 2 x ulysses 2 on 4 heads.
+Every denoising output, the training output and the K/V cache itself (each rank's heads in their slots) are compared;
+ring, USP, cfg, dp, displaced attention and PipeFusion are refused in one line."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -43,16 +45,28 @@ def expected_counts(config: dict, chunks: int) -> dict:
     return {"all_to_all": 2 * LAYERS * calls, "all_gather": chunks + 1}
 
 
-CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers"), ({"ulysses": 2}, "odd")]
+def four_heads():
+    """anyflow-far-tiny with 4 heads of 12 (tp 2 x ulysses 2: one head a rank), at diffusers' inputs."""
+    import dataclasses
+
+    from ditmesh.synth import get_arch
+
+    arch = get_arch(ARCHS["diffusers"])
+    return dataclasses.replace(arch, transformer=dict(arch.transformer, num_attention_heads=4))
 
 
-@pytest.mark.parametrize("config, shape", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
-def test_anyflow_far_rollout_matches_single_process(pools, config, shape):
+CASES = [({"ulysses": 2}, "diffusers"), ({"tp": 2}, "diffusers"), ({"ulysses": 2}, "odd"),
+         ({"ulysses": 2, "tp": 2}, "four-heads")]
+
+
+@pytest.mark.parametrize("config, case", CASES, ids=lambda v: axis_id(v) if isinstance(v, dict) else v)
+def test_anyflow_far_rollout_matches_single_process(pools, config, case):
+    arch, shape = (four_heads(), "diffusers") if case == "four-heads" else (ARCHS[case], case)
     inputs = rollout_inputs(shape)
-    ref_outs, ref_cache, _ = rollout(ARCHS[shape], {}, inputs)
+    ref_outs, ref_cache, _ = rollout(arch, {}, inputs)
     heads = ref_cache[0]["full_cache"].shape[2]
     covered = torch.zeros(heads, dtype=torch.bool)
-    results = pools(2).run(rollout, ARCHS[shape], config, inputs)
+    results = pools(math.prod(config.values())).run(rollout, arch, config, inputs)
     for rank, (outs, cache, counts) in enumerate(results):
         assert len(outs) == len(ref_outs)
         for out, ref in zip(outs, ref_outs):
