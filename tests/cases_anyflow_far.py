@@ -27,8 +27,9 @@ def rollout(arch, config: dict, inputs: dict, model_config: dict | None = None):
     """AnyFlowFARPipeline's calls on this rank under ``config`` (``{}``: one process) by the synthetic ``arch`` (a name
     or a ``SynthArch``) transformer: per chunk a denoising call reading the K/V cache (the chunk at its timesteps,
     ``r`` at 0.6 of them), then, but after the last chunk, the call that writes every chunk so far into the cache under
-    the ``cache`` mask; last, the training call over every frame under the ``train`` mask (no cache). Returns (the denoising calls' outputs and the training call's, the final
-    K/V cache of every block, the collectives of all calls)."""
+    the ``cache`` mask; last, the training call over every frame under the ``train`` mask (no cache). Returns (the
+    denoising calls' outputs and the training call's, the final K/V cache of every block, the collectives of all
+    calls)."""
     from ditmesh import ParallelConfig, parallelize
     from ditmesh.comm import count_collectives
     from ditmesh.models.anyflow import far_kv_cache

@@ -24,10 +24,11 @@ flex-attention ``BlockMask`` and returns no sample. Keys are cached before the r
 current keys with one table. Under Ulysses a rank holds every token of its heads after the all-to-all, so the
 processor hands diffusers' own ``AnyFlowCausalAttnProcessor`` those heads (already projected and normed): it writes
 and reads their slots of the cache, rotates with the whole tables (the plan does not cut them), pads and runs flex
-attention under the whole mask, as in one process. Under tp ``TensorPlan.head_inputs`` gives each ``attn1`` views of
-its rank's heads of the cache. Ring and USP, cfg and dp, the step caches and PipeFusion are refused (the adapter's
-refusals say why). ``--frames`` other than the checkpoint's chunk partition makes are cut into chunks like it
-(:func:`far_partition`), which ``generate`` passes to the pipeline.
+attention under the whole mask, as in one process (its padding to a multiple of 128 included: in a cache-reading call,
+which has no mask, the padded zero keys enter the softmax). Under tp ``TensorPlan.head_inputs`` gives each ``attn1``
+views of its rank's heads of the cache. Ring and USP, cfg and dp, the step caches, PipeFusion and displaced attention
+are refused (the adapter's refusals say why). ``--frames`` other than the checkpoint's chunk partition makes are cut
+into chunks like it (:func:`far_partition`), which ``generate`` passes to the pipeline.
 """
 
 from __future__ import annotations
