@@ -328,9 +328,9 @@ def generate_refusal(path: str, *args: str) -> str:
     return err.getvalue().strip()
 
 
-def generate_beside_pipeline(folder, path: str, frames: int, size: int, **call) -> tuple:
-    """``generate`` of the synthetic video checkpoint ``path`` on 2 ranks under ulysses 2 (``frames`` frames of
-    ``size`` x ``size``, 2 steps, guidance 4: batched CFG; the step callback's latents saved in ``folder``), and its
+def generate_beside_pipeline(folder, path: str, frames: int, size: int, degrees: dict | None = None, **call) -> tuple:
+    """``generate`` of the synthetic video checkpoint ``path`` under ``degrees`` (default ulysses 2; ``frames`` frames
+    of ``size`` x ``size``, 2 steps, guidance 4: batched CFG; the step callback's latents saved in ``folder``), and its
     pipeline called in one process at the run's prompt and seed (``call``: more of its arguments). Returns (the saved
     latents, the pipeline's latents)."""
     import json
@@ -341,9 +341,11 @@ def generate_beside_pipeline(folder, path: str, frames: int, size: int, **call) 
     from ditmesh.synth import ARCHS
 
     out, saved = folder / "video.gif", folder / "latents.safetensors"
+    degrees = degrees or {"ulysses": 2}
     run_ranks(["generate", "--model", path, "--frames", str(frames), "--height", str(size), "--width", str(size),
-               "--steps", "2", "--guidance", "4", "--out", str(out), "--save-latents", str(saved), "--nproc", "2",
-               "--ulysses", "2"])
+               "--steps", "2", "--guidance", "4", "--out", str(out), "--save-latents", str(saved),
+               "--nproc", str(math.prod(degrees.values())),
+               *(arg for axis, degree in degrees.items() for arg in (f"--{axis}", str(degree)))])
     report = json.loads(out.with_name(out.name + ".json").read_text())
     arch = json.loads((Path(path) / "ditmesh_synth.json").read_text())["arch"]
     pipe = diffusers.DiffusionPipeline.from_pretrained(path, dtype=torch.float32)

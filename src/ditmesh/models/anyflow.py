@@ -26,8 +26,11 @@ processor hands diffusers' own ``AnyFlowCausalAttnProcessor`` those heads (alrea
 and reads their slots of the cache, rotates with the whole tables (the plan does not cut them), pads and runs flex
 attention under the whole mask, as in one process (its padding to a multiple of 128 included: in a cache-reading call,
 which has no mask, the padded zero keys enter the softmax). Under tp ``TensorPlan.head_inputs`` gives each ``attn1``
-views of its rank's heads of the cache. Ring and USP, cfg and dp, the step caches, PipeFusion and displaced attention
-are refused (the adapter's refusals say why). ``--frames`` other than the checkpoint's chunk partition makes are cut
+views of its rank's heads of the cache. cfg and dp (the pipeline's batched CFG) cut the cache in its batch dim (dim 1)
+into views of each batch rank's samples; a call that writes the cache returns no sample, so there is nothing to gather,
+and a batch too small to give every batch rank a sample is refused (``full_batches``: the pipeline takes the cache
+back from every call). Ring and USP, the step caches, PipeFusion and displaced attention are refused (the adapter's
+refusals say why). ``--frames`` other than the checkpoint's chunk partition makes are cut
 into chunks like it (:func:`far_partition`), which ``generate`` passes to the pipeline.
 """
 
@@ -357,8 +360,10 @@ ANYFLOW_FAR = register(
         ring_refusal="its K/V cache holds every past token of a head, read whole by each chunk's queries, and its "
                      "frame-causal mask is a flex-attention BlockMask over the whole sequence, which ring attention "
                      "(dense masks over rotating key blocks) does not take",
-        batch_refusal="its K/V cache (per block, the batch in dim 1) is filled in place by calls that return no "
-                      "sample",
+        # the K/V cache carries the batch in dim 1: each batch rank gets views of its samples', filled in place
+        batch_inputs=(*ANYFLOW.batch_inputs, "kv_cache"),
+        batch_dims={"kv_cache": 1},
+        full_batches=True,
         cache_refusal="after each chunk a call writes the K/V cache inside the blocks and returns no sample; a "
                       "skipped span would leave the cache unwritten",
         pp_refusal="its blocks write and read a K/V cache across calls; PipeFusion is not tested on it",

@@ -582,6 +582,9 @@ class ModelAdapter:
     #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
     #: the batch hook gathers the first output only)
     batch_refusal: str | None = None
+    #: every cfg/dp batch rank must hold a sample of each call, or the call is refused in one line: its calls return
+    #: more than the sample, which a rank that skips a call could not give (AnyFlow-FAR's K/V cache)
+    full_batches: bool = False
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None
