@@ -748,6 +748,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "        tensor_plan=ANYFLOW.tensor_plan,\n",
            ("tests/test_anyflow_far.py::test_anyflow_far_rollout_matches_single_process[tp2-diffusers]",),
            "AnyFlow-FAR's tp ranks get the pipeline's K/V cache of every head while they hold a part of them"),
+    Mutant("anyflow-far-cache-batch-dim-zero", "models/anyflow.py",
+           '        batch_dims={"kv_cache": 1},\n', "",
+           ("tests/test_anyflow_far.py::test_anyflow_far_rollout_matches_single_process[cfg2-odd]",),
+           "AnyFlow-FAR's K/V cache cut by cfg/dp in dim 0 (keys and values stacked) instead of its batch dim"),
 )
 
 
