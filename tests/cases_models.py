@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from pathlib import Path
 
 import torch
 
@@ -333,6 +334,34 @@ def generate_refusal(path: str, *args: str) -> str:
         code = main(["generate", "--model", path, *args])
     assert code == 2 and len(err.getvalue().strip().splitlines()) == 1, err.getvalue()[-2000:]
     return err.getvalue().strip()
+
+
+def generate_beside_pipeline(folder, path: str, frames: int, size: int, degrees: dict | None = None, **call) -> tuple:
+    """``generate`` of the synthetic video checkpoint ``path`` under ``degrees`` (default ulysses 2; ``frames`` frames
+    of ``size`` x ``size``, 2 steps, guidance 4: batched CFG; the step callback's latents saved in ``folder``), and its
+    pipeline called in one process at the run's prompt and seed (``call``: more of its arguments). Returns (the saved
+    latents, the pipeline's latents)."""
+    import json
+
+    import diffusers
+    from safetensors.torch import load_file
+
+    from ditmesh.synth import ARCHS
+
+    out, saved = folder / "video.gif", folder / "latents.safetensors"
+    degrees = degrees or {"ulysses": 2}
+    run_ranks(["generate", "--model", path, "--frames", str(frames), "--height", str(size), "--width", str(size),
+               "--steps", "2", "--guidance", "4", "--out", str(out), "--save-latents", str(saved),
+               "--nproc", str(math.prod(degrees.values())),
+               *(arg for axis, degree in degrees.items() for arg in (f"--{axis}", str(degree)))])
+    report = json.loads(out.with_name(out.name + ".json").read_text())
+    arch = json.loads((Path(path) / "ditmesh_synth.json").read_text())["arch"]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(prompt=report["prompt"][0], num_inference_steps=2, guidance_scale=4.0, height=size, width=size,
+                num_frames=frames, generator=torch.Generator("cpu").manual_seed(report["seed"]),
+                max_sequence_length=ARCHS[arch].max_sequence_length, output_type="latent", **call).frames
+    return load_file(str(saved))["latents"], want
 
 
 def run_ranks(argv: list[str]) -> None:

@@ -52,26 +52,9 @@ def test_anyflow_per_frame_timesteps_matter():
 def test_generate_runs_anyflow_as_one_process_does(tmp_path, tiny_checkpoints):
     # AnyFlowPipeline end to end on the synthetic checkpoint (UMT5, the Wan VAE of 4 channels), guidance on: its one
     # batched [uncond, cond] call a step, under ulysses 2; the latents equal the pipeline's own in one process
-    import json
+    from cases_models import generate_beside_pipeline
 
-    import diffusers
-    from safetensors.torch import load_file
-
-    from cases_models import run_ranks
-    from ditmesh.synth import get_arch
-
-    path, out = tiny_checkpoints(ARCH), tmp_path / "video.gif"
-    run_ranks(["generate", "--model", path, "--frames", "5", "--height", "48", "--width", "48", "--steps", "2",
-               "--guidance", "4", "--out", str(out), "--save-latents", str(tmp_path / "latents.safetensors"),
-               "--nproc", "2", "--ulysses", "2"])
-    report = json.loads(out.with_name(out.name + ".json").read_text())
-    pipe = diffusers.DiffusionPipeline.from_pretrained(path, dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(prompt=report["prompt"][0], num_inference_steps=2, guidance_scale=4.0, height=48, width=48,
-                num_frames=5, generator=torch.Generator("cpu").manual_seed(report["seed"]),
-                max_sequence_length=get_arch(ARCH).max_sequence_length,
-                output_type="latent").frames
+    got, want = generate_beside_pipeline(tmp_path, tiny_checkpoints(ARCH), frames=5, size=48)
     # the step callback's latents are frames-first, as the transformer takes them; the pipeline returns them
     # channels-first
-    got = load_file(str(tmp_path / "latents.safetensors"))["latents"]
     assert rel_err(got.permute(0, 2, 1, 3, 4), want) <= 1e-5

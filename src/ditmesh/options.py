@@ -651,8 +651,9 @@ class RunOptions:
             raise ConfigError(f"ring={self.config.ring} does not run {adapter.name}: {adapter.ring_refusal}; use "
                               "ring=1 (ulysses runs it)")
         if (self.config.cfg > 1 or self.config.dp > 1) and adapter.batch_refusal:
+            runs = "ulysses runs it" if adapter.ring_refusal else "ulysses and ring run it"
             raise ConfigError(f"cfg and dp do not run {adapter.name} yet: {adapter.batch_refusal}; use cfg=1 and dp=1 "
-                              "(ulysses and ring run it)")
+                              f"({runs})")
         if self.cache.on and adapter.cache_refusal:
             raise ConfigError(f"step caches do not run {adapter.name}: {adapter.cache_refusal}; run without a cache")
 
@@ -681,10 +682,15 @@ def pipefusion_refusal(adapter) -> None:
 
 def displaced_refusal(adapter) -> None:
     """Raise NotImplementedError for a family displaced attention cannot run: a token grid (Sana's convolutions read
-    neighbouring rows, its linear attention sums over ranks)."""
+    neighbouring rows, its linear attention sums over ranks), or an attention that needs the whole sequence of its
+    heads at once, which ring attention cannot run either (``ring_refusal``: Kandinsky 6 SR's NABLA mask, AnyFlow-FAR's
+    K/V cache and block mask); displaced attention hands the processor keys gathered in the tokens' layout instead."""
     if adapter.sequence_plan.grid is not None:
         raise NotImplementedError(f"displaced attention does not run {adapter.name}: its token grid's convolutions and "
                                   "linear attention exchange rows and sums every call; use plain ulysses")
+    if adapter.ring_refusal:
+        raise NotImplementedError(f"displaced attention does not run {adapter.name}: {adapter.ring_refusal}; use "
+                                  "plain ulysses")
 
 
 def family_allows(refusal, adapter) -> bool:

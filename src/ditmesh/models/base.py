@@ -151,6 +151,10 @@ class TensorPlan:
       head along the given dim (Mochi's RoPE table, cos and sin ``[N, H, D / 2]``; LTX's, one entry per channel of
       the whole inner dim in the last dim, applied to the column-parallel Q and K before the head split): each rank
       keeps the slice of its heads, as ``per_rank_attrs`` divides the head counts.
+    - ``head_inputs``: modules (patterns) with inputs, by name, that hold one slice per attention head along the given
+      dim, a tensor or a dict of them (AnyFlow-FAR's K/V cache ``{"full_cache": [2, B, H, L, D], ...}``, which its
+      pipeline allocates with every head and the attention writes in place): each rank gets a view of its heads'
+      slice, so what the layer writes lands in the caller's tensor.
 
     A pattern ending in ``?`` may match nothing (a module only some checkpoints of the family have).
     """
@@ -163,6 +167,7 @@ class TensorPlan:
     per_rank_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sharded_norms: tuple[str, ...] = ()
     head_outputs: dict[str, int] = field(default_factory=dict)
+    head_inputs: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def name_pattern(pattern: str) -> re.Pattern:
@@ -577,6 +582,9 @@ class ModelAdapter:
     #: why cfg and dp cannot split the family's calls (one line), or None (LTX-2 returns the audio beside the video, and
     #: the batch hook gathers the first output only)
     batch_refusal: str | None = None
+    #: every cfg/dp batch rank must hold a sample of each call, or the call is refused in one line: its calls return
+    #: more than the sample, which a rank that skips a call could not give (AnyFlow-FAR's K/V cache)
+    full_batches: bool = False
     #: (model) -> undo callable: makes a model whose forward has data-dependent shapes (HiDream's MoE routing)
     #: traceable on the meta device at the cost of an average call, for the planner's trace; None: it traces as is
     meta_trace: Callable | None = None

@@ -65,6 +65,7 @@ CLASSES: dict[str, str] = {
     'LuminaNextDiT2DModel': 'lumina_next',
     'AceStepTransformer1DModel': 'ace_step',
     'AnyFlowTransformer3DModel': 'anyflow',
+    'AnyFlowFARTransformer3DModel': 'anyflow',
     'JoyImageEditTransformer3DModel': 'joyimage',
     'JoyImageEditPlusTransformer3DModel': 'joyimage',
     'OmniGenTransformer2DModel': 'omnigen',
@@ -349,6 +350,14 @@ SYNTH: dict[str, tuple[str, str]] = {
                                '13824; flow-map timesteps), full Wan VAE, small UMT5'),
     'anyflow-tiny': ('anyflow', "AnyFlow at diffusers' test configuration (2 blocks, 2 heads x 12, text width 16), "
                                 'a tiny Wan VAE of 4 latent channels, a 16-wide UMT5'),
+    'anyflow-far-1.3b': ('anyflow', "AnyFlow-FAR 1.3B transformer (Wan2.1-T2V-1.3B's blocks: 30 blocks, 12 heads x "
+                                    '128, FFN 8960; chunks 1 + 3 x 6 + 2 latent frames, the last 3 full, older ones '
+                                    '4x4-patched), full Wan VAE, small UMT5'),
+    'anyflow-far-tiny': ('anyflow', "AnyFlow-FAR at diffusers' test configuration (2 blocks, 2 heads x 12, the last "
+                                    '3 chunks full) in 4 one-frame chunks, a tiny Wan VAE of 4 latent channels, a '
+                                    '16-wide UMT5'),
+    'anyflow-far-tiny3': ('anyflow', 'anyflow-far-tiny with 3 heads, the last 2 chunks full, chunks of 2, 1 and 2 '
+                                     'latent frames'),
     'joyimage-edit-tiny': ('joyimage', "JoyImage-Edit at diffusers' test configuration: 2 blocks, 2 heads x 16, text "
                                        'width 16; a Wan VAE 2 channels wide without residual blocks (the pipeline '
                                        'decodes 1024 x 1024) and a two-layer Qwen3-VL'),
@@ -535,6 +544,9 @@ HEADS: dict[str, int] = {
     'ace-step-1.5': 16,
     'anyflow-14b': 40,
     'anyflow-tiny': 2,
+    'anyflow-far-1.3b': 12,
+    'anyflow-far-tiny': 2,
+    'anyflow-far-tiny3': 3,
     'joyimage-edit-tiny': 2,
     'joyimage-edit': 24,
     'joyimage-edit-plus-tiny': 2,
@@ -583,9 +595,6 @@ NOT_DITS: dict[str, str] = {
 #: blocks an exact split of it (one line each: the generality table and the refusal name it); an adapter written for
 #: one takes it off this table (tests/test_registry.py holds the tables apart)
 NOT_ADAPTED: dict[str, str] = {
-    'AnyFlowFARTransformer3DModel': 'AnyFlow-FAR, chunk-wise autoregressive video: a frame-causal flex-attention '
-                                    'BlockMask over compressed past frames and full current ones, with a K/V cache '
-                                    'written and read across calls',
 }
 
 
@@ -640,6 +649,7 @@ FAMILIES: dict[str, tuple[str, str, str, int | None, int]] = {
     'LuminaNextDiT2DModel': ('lumina-next', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AceStepTransformer1DModel': ('ace-step', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'AnyFlowTransformer3DModel': ('anyflow', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
+    'AnyFlowFARTransformer3DModel': ('anyflow-far', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', 4, 1),
     'JoyImageEditTransformer3DModel': ('joyimage-edit', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'JoyImageEditPlusTransformer3DModel': ('joyimage-edit-plus', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),
     'OmniGenTransformer2DModel': ('omnigen', 'guidance_scale', '--guidance > 1 (e.g. --guidance 5)', None, 1),

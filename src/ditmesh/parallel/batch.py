@@ -114,10 +114,12 @@ class BatchParallel:
             samples = kwargs[self.adapter.sample_input]
             batch = len(samples) if self.adapter.sample_lists else samples.shape[0]
             self.batch_sizes = split_sizes(batch, self.batch_degree)
-            if 0 in self.batch_sizes and ctx.needs_full_batches:  # every rank computes the same sizes: all refuse
+            if 0 in self.batch_sizes and (ctx.needs_full_batches or self.adapter.full_batches):  # all ranks refuse
+                full = self.adapter.full_batches
+                need = (f"{self.adapter.name} needs (its calls return more than the sample)" if full else
+                        "step caching and the redundancy probe need (each rank must compute every call)")
                 raise ConfigError(f"a batch of {batch} cannot give each of the {self.batch_degree} dp/cfg batch ranks an "
-                                  "image, which step caching and the redundancy probe need (each rank must compute "
-                                  f"every call); give at least {self.batch_degree} images or use smaller dp")
+                                  f"image, which {need}; give at least {self.batch_degree} images or use smaller dp")
             start = sum(self.batch_sizes[: self.batch_rank])
             size = self.batch_sizes[self.batch_rank]
             kwargs = dict(kwargs)
@@ -135,6 +137,8 @@ class BatchParallel:
         """The call's full output on every rank: batch chunks gathered; under sequential CFG, the two branches
         exchanged after the uncond call."""
         sample = output_sample(output)
+        if sample is None:  # a call that returns no sample (AnyFlow-FAR's cache writes): nothing to gather
+            return output
         if self.adapter.sample_lists:  # one output tensor per sample (Z-Image): gathered as one stacked batch
             sample = torch.stack(sample) if isinstance(sample, list) else sample
         if self.batch_sizes is not None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..comm import all_gather_uneven, all_reduce_sum, broadcast_tensors
 from ..config import ConfigError, divisors
-from ..hooks import Hook, add_hook
+from ..hooks import Hook, add_hook, bind_kwargs
 from ..mesh import ParallelMesh
 from ..models.base import ModelAdapter, TensorPlan, adapter_for, name_pattern
 
@@ -426,6 +426,10 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
     head_hooks = [module.register_forward_hook(functools.partial(_local_heads, dim=dim, rank=rank, size=size))
                   for pattern, hits in _matching(model, plan.head_outputs).items() for _, module in hits
                   for dim in (plan.head_outputs[pattern],)]
+    head_hooks += [module.register_forward_pre_hook(_head_inputs_hook(module.forward, dims, rank, size),
+                                                    with_kwargs=True)
+                   for pattern, hits in _matching(model, plan.head_inputs).items() for _, module in hits
+                   for dims in (plan.head_inputs[pattern],)]
     _LAYERS[model] = shards
 
     def undo():
@@ -444,10 +448,32 @@ def apply(model: torch.nn.Module, mesh: ParallelMesh, adapter: ModelAdapter) -> 
 
 def _local_heads(module, args, out, dim: int, rank: int, size: int):
     """A ``head_outputs`` module's output (a tensor, or a tuple of them) cut to this rank's heads along ``dim``."""
-    if isinstance(out, tuple):
-        return tuple(_local_heads(module, args, t, dim, rank, size) for t in out)
-    heads = out.shape[dim] // size
-    return out.narrow(dim, rank * heads, heads)
+    return _heads_of(out, dim, rank, size)
+
+
+def _heads_of(value, dim: int, rank: int, size: int):
+    """``value`` (a tensor, or a tuple or dict of them; None as is) cut to this rank's heads along ``dim``: views, so a
+    write into them lands in ``value``."""
+    if isinstance(value, tuple):
+        return tuple(_heads_of(t, dim, rank, size) for t in value)
+    if isinstance(value, dict):
+        return {key: _heads_of(t, dim, rank, size) for key, t in value.items()}
+    if value is None:
+        return None
+    heads = value.shape[dim] // size
+    return value.narrow(dim, rank * heads, heads)
+
+
+def _head_inputs_hook(forward, dims: dict[str, int], rank: int, size: int):
+    """A forward pre-hook giving a ``head_inputs`` module its inputs named in ``dims`` cut to this rank's heads."""
+
+    def pre_hook(module, args, kwargs):
+        named = bind_kwargs(forward, args, kwargs)
+        if not any(named.get(name) is not None for name in dims):
+            return None
+        return (), {k: (_heads_of(v, dims[k], rank, size) if k in dims else v) for k, v in named.items()}
+
+    return pre_hook
 
 
 def install_all_reduces(model: torch.nn.Module, shards: dict[str, LinearShard], group):
