@@ -549,6 +549,16 @@ TABLES = [
          + [SERVE[3]] + SERVE[4:9],
          note="one CPU process, flux-tiny (synthetic checkpoint) at 64², 2 steps, 4 requests a client; the machine "
               "otherwise idle; run 2 started the layouts in the other order"),
+    dict(name="serve-batching-cpu-idle", doc="docs/serve.md",
+         files=["2026-12-02_cpu/serve/batching-idle.json", "2026-12-02_cpu/serve/batching-idle-2.json"],
+         rows=serve_rows, columns=[("run", lambda r: 2 if r["_file"].endswith("-2.json") else 1)] + SERVE[:4]
+         + [("batching measured s", lambda r: r["_layout"].get("batching_measured_s") if r["_first"] else None, ".1f"),
+            ("batch used", lambda r: (r["_layout"]["batching"][0]["use"] if r["_layout"].get("batching") else "")
+             if r["_first"] else "")] + SERVE[4:9],
+         note="one CPU process, flux-tiny (synthetic checkpoint) at 64², 2 steps, 4 requests a client, the machine "
+              "otherwise idle; `--batching auto` measuring once the service is idle after the first picture (the "
+              "bench waits for it before the load phases: `batching measured`, seconds after launch); run 2 started "
+              "the layouts in the other order"),
     dict(name="e2e-h200x1-i45", doc=TIMELINE, files=["2026-12-02_h200x1/service/e2e/e2e.json"],
          columns=E2E + [("bytecode tracing s", "compile_breakdown_s.bytecode_tracing", ".2f"),
                         ("backend s", "compile_breakdown_s.backend", ".2f"),
