@@ -481,10 +481,21 @@ def test_ditmesh_plan_traces_every_family_at_its_default_size(arch, monkeypatch,
     # tensor on the host), at the size generate makes of the architecture; bad input would be one line, exit code 2
     from ditmesh.cli import main
 
+    import sys
+
+    import diffusers
+
+    from ditmesh.models import registry
+
     monkeypatch.setenv("DITMESH_PLAN_CACHE", "off")
+    module = sys.modules[getattr(diffusers, registry.ARCHS[arch].transformer_class).__module__]
+    before = dict(vars(module))
     assert main(["plan", "--model", arch, "--gpus", "2", "--json"]) == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert out["configs"] and out["recommendation"]["degrees"]
+    # the family's trace is undone: diffusers' module as it was (Sana-WM's trace had left its camera geometry answering
+    # empty tensors, so every later Sana-WM model of the process read garbage)
+    assert {k: v for k, v in vars(module).items() if before.get(k) is not v} == {}
     # nothing ranked that the family refuses before a weight is read (PipeFusion, ring, cfg/dp, tp without a plan);
     # what it refuses is named, not ranked
     from ditmesh import ParallelConfig

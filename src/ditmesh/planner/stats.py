@@ -373,55 +373,61 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
         model = cls(**config).eval()
         # nn.Module._apply, not ModelMixin.to: same cast on meta tensors, without diffusers' fp32-module warning
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
-    if adapter.meta_trace is not None:
-        adapter.meta_trace(model)  # the traced model is the planner's own: nothing to undo
-    if chunk:
-        from ..attention.local import QueryChunks
-        from ..parallel import chunk as chunking
+    # undone after the trace: a family's trace may patch a function of diffusers' module, for every model of the
+    # process (Sana-WM's camera geometry answered with empty tensors: a later real model read garbage)
+    undo_trace = adapter.meta_trace(model) if adapter.meta_trace is not None else None
+    try:  # what runs before the trace: a failure there undoes it too
+        if chunk:
+            from ..attention.local import QueryChunks
+            from ..parallel import chunk as chunking
 
-        chunking.apply(model, adapter, chunk, torch.device("meta"), QueryChunks(tokens=chunk))
-    layout, inputs = family_inputs(spec, model, height, width, frames, batch, dtype)
-    heads, head_dim = _heads(model, config)
-    hidden = heads * head_dim
+            chunking.apply(model, adapter, chunk, torch.device("meta"), QueryChunks(tokens=chunk))
+        layout, inputs = family_inputs(spec, model, height, width, frames, batch, dtype)
+        heads, head_dim = _heads(model, config)
+        hidden = heads * head_dim
 
-    blocks = [(spec.path, model.get_submodule(spec.path)) for spec in adapter.blocks]
-    prefixes = tuple(name + "." for name, _ in blocks)
-    names = {m: n for n, m in model.named_modules()}
-    token_sizes = {layout.image_tokens, layout.text_tokens, layout.split_tokens, layout.image_tokens + layout.text_tokens}
-    token_sizes.discard(0)
+        blocks = [(spec.path, model.get_submodule(spec.path)) for spec in adapter.blocks]
+        prefixes = tuple(name + "." for name, _ in blocks)
+        names = {m: n for n, m in model.named_modules()}
+        token_sizes = {layout.image_tokens, layout.text_tokens, layout.split_tokens, layout.image_tokens + layout.text_tokens}
+        token_sizes.discard(0)
 
-    def tokenwise(shape) -> bool:
-        return any(s in token_sizes for s in shape[:-1]) if len(shape) > 1 else False
+        def tokenwise(shape) -> bool:
+            return any(s in token_sizes for s in shape[:-1]) if len(shape) > 1 else False
 
-    def classify(t: torch.Tensor) -> str:
-        if not tokenwise(t.shape):
-            return "fixed"
-        return "replicated" if t.shape[-1] == hidden or t.dim() < 3 else "sharded"
+        def classify(t: torch.Tensor) -> str:
+            if not tokenwise(t.shape):
+                return "fixed"
+            return "replicated" if t.shape[-1] == hidden or t.dim() < 3 else "sharded"
 
-    # which linears tensor parallelism shards, and which of them are row-parallel (an all-reduce each)
-    shards = resolve_plan(model, adapter.tensor_plan, 1) if adapter.tensor_plan is not None else {}
+        # which linears tensor parallelism shards, and which of them are row-parallel (an all-reduce each)
+        shards = resolve_plan(model, adapter.tensor_plan, 1) if adapter.tensor_plan is not None else {}
 
-    def is_sharded_linear(name: str) -> bool:
-        return name in shards and shards[name].kind != "norm"
+        def is_sharded_linear(name: str) -> bool:
+            return name in shards and shards[name].kind != "norm"
 
-    stack: list[str] = []
-    linear_shapes: dict[str, list] = {}
-    handles = []
-    traffic = _TrafficCounter(classify)
-    block_ops: dict[str, int] = {}  # ops traced inside each block (its forward, every call)
-    for path, block_list in blocks:
-        for i, block in enumerate(block_list):
-            key = f"{path}.{i}"
-            handles.append(block.register_forward_pre_hook(
-                lambda m, a, k=key: block_ops.__setitem__(k, block_ops.get(k, 0) - traffic.ops)))
-            handles.append(block.register_forward_hook(
-                lambda m, a, o, k=key: block_ops.__setitem__(k, block_ops[k] + traffic.ops)))
-    for module, name in names.items():
-        handles.append(module.register_forward_pre_hook(lambda m, a, n=name: stack.append(n) and None))
-        handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
-        if isinstance(module, torch.nn.Linear):
-            handles.append(module.register_forward_hook(
-                lambda m, a, o, n=name: linear_shapes.setdefault(n, []).append(tuple(a[0].shape)) and None))
+        stack: list[str] = []
+        linear_shapes: dict[str, list] = {}
+        handles = []
+        traffic = _TrafficCounter(classify)
+        block_ops: dict[str, int] = {}  # ops traced inside each block (its forward, every call)
+        for path, block_list in blocks:
+            for i, block in enumerate(block_list):
+                key = f"{path}.{i}"
+                handles.append(block.register_forward_pre_hook(
+                    lambda m, a, k=key: block_ops.__setitem__(k, block_ops.get(k, 0) - traffic.ops)))
+                handles.append(block.register_forward_hook(
+                    lambda m, a, o, k=key: block_ops.__setitem__(k, block_ops[k] + traffic.ops)))
+        for module, name in names.items():
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: stack.append(n) and None))
+            handles.append(module.register_forward_hook(lambda m, a, o: stack.pop() and None))
+            if isinstance(module, torch.nn.Linear):
+                handles.append(module.register_forward_hook(
+                    lambda m, a, o, n=name: linear_shapes.setdefault(n, []).append(tuple(a[0].shape)) and None))
+    except BaseException:
+        if callable(undo_trace):
+            undo_trace()
+        raise
     attention_calls: list = []
     flop_counter = FlopCounterMode(display=False)
     try:
@@ -430,6 +436,8 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
     finally:
         for h in handles:
             h.remove()
+        if callable(undo_trace):
+            undo_trace()
 
     root = type(model).__name__
     counts = flop_counter.get_flop_counts()

@@ -715,8 +715,11 @@ def run(args) -> int:
     warmup_costs = compile_breakdown(runtime) if getattr(args, "compile", False) or getattr(args, "cuda_graph", False) else None
 
     if rank == 0:
-        # a batch of videos (``frames``), or one video (``video``: a pipeline whose output holds its one sample)
+        # a batch of videos (``frames``), one video unbatched (SanaWMPipeline's ``frames``: [T, H, W, C]), or one
+        # video (``video``: a pipeline whose output holds its one sample, Cosmos 3 Omni's)
         videos = result.frames if hasattr(result, "frames") else [result.video] if hasattr(result, "video") else None
+        if getattr(videos, "ndim", None) == 4:
+            videos = [videos]
         is_video = videos is not None and not hasattr(result, "images")
         is_audio = hasattr(result, "audios") and not hasattr(result, "images")  # Stable Audio's AudioPipelineOutput
         out = Path(args.out or ("out/video.mp4" if is_video else "out/audio.wav" if is_audio else "out/image.png"))
@@ -733,8 +736,6 @@ def run(args) -> int:
             from ..models import adapter_for
 
             fps = adapter_for(next(iter(transformers_of(pipe).values()))).fps
-            # one video per sample; a pipeline that returns its one video unbatched (SanaWMPipeline: [T, H, W, C])
-            videos = [result.frames] if getattr(result.frames, "ndim", None) == 4 else result.frames
             with phase("write videos"):
                 for i, video in enumerate(videos):
                     target = out if len(videos) == 1 else out.with_name(f"{out.stem}_{i}{out.suffix}")
