@@ -31,9 +31,20 @@ install: $(BASE_STAMP)
 demo: $(BASE_STAMP)
 	$(VENV)/bin/ditmesh generate --nproc 2 --ulysses 2 --out out/demo.png --report out/demo.json
 
-# pytest's exit code is written to $(PYTEST_RC) when it is set (.ci/run reads it: make itself returns 2 on any failure)
+# what the whole suite runs alone after the rest (TESTS=tests): the Ray cluster's tests time rebuilds and scaling on
+# nodes pinned to one core each, which a second worker's load on the same two cores starved into timeouts (CI: a
+# rebuild tried twice; a scaled replica not rebuilt within 300 s)
+ALONE := tests/test_serve_ray.py
+
+# pytest's exit code is written to $(PYTEST_RC) when it is set (.ci/run reads it: make itself returns 2 on any failure;
+# with the Ray tests run apart, the first non-zero code of the two runs)
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(XDIST) --dist loadfile $(TESTS); rc=$$?; \
+	@if [ "$(TESTS)" = tests ]; then \
+	  $(PY) -m pytest -q -p no:cacheprovider -n $(XDIST) --dist loadfile --ignore=$(ALONE) tests; rc=$$?; \
+	  $(PY) -m pytest -q -p no:cacheprovider $(ALONE); rc2=$$?; [ $$rc = 0 ] && rc=$$rc2; \
+	else \
+	  $(PY) -m pytest -q -p no:cacheprovider -n $(XDIST) --dist loadfile $(TESTS); rc=$$?; \
+	fi; \
 	if [ -n "$(PYTEST_RC)" ]; then echo $$rc > "$(PYTEST_RC)"; fi; exit $$rc
 
 # Plants each hand-listed bug of the parallel core (scripts/mutants.py) in a temporary copy of src/ and runs the tests
