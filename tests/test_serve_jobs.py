@@ -84,8 +84,7 @@ class _ScriptedReplica:
         try:
             while not self.stopped.is_set():
                 with contextlib.suppress(queue.Empty):
-                    self.batching = self.measurements.get(timeout=0.01)
-                    return self.batching
+                    return self.measurements.get(timeout=0.01)
             return None
         finally:
             self.state, self.in_flight = "ready", None

@@ -57,6 +57,7 @@ from .base import (AttentionSelector, BlockList, Gather, ImagePipeline, Layout, 
                    SequenceProcessor, Split, SynthArch, TokenGrid, register, spatial_latent, temporal_latent)
 from .ltx2 import LTX2_TINY
 from .sana import _SANA_TINY
+from .sana_variants import sana_video_frame_width  # a frame a row of the token grid, as Sana-Video's
 
 
 class SanaWMCrossProcessor(SequenceProcessor):
@@ -300,12 +301,6 @@ def sana_wm_layout(config: dict, height: int, width: int, frames: int, text_toke
     return Layout(video, text_tokens, video, (config.get("in_channels", 128), latent_frames, lh, lw))
 
 
-def sana_wm_frame_width(model, inputs: dict) -> int:
-    """Tokens per frame (one row of Sana-WM's token grid): the latent's height times width over the patch."""
-    _, ph, pw = model.config.patch_size
-    return inputs["hidden_states"].shape[-2] // ph * (inputs["hidden_states"].shape[-1] // pw)
-
-
 def sana_wm_sequence_traffic(config: dict, layout: Layout, bpe: int, tp: int) -> list:
     """What Sana-WM's sequence parallelism exchanges beyond its softmax attentions' all-to-alls, per sample and call:
     per gated-delta-net block two all-to-alls (Q, K, V of both branches with three gate channels per head out; both
@@ -412,7 +407,7 @@ SANA_WM = register(
             inputs={"blocks.0": {"x": Split(dim=1, stream="video", ndim=3)},
                     "blocks.*": {"plucker_emb": Split(dim=1, stream="video", ndim=3)}},
             gathers={"blocks.-1": Gather(dim=1, stream="video")},
-            grid=TokenGrid("video", width=sana_wm_frame_width, convs=("blocks.*.mlp.t_conv",),
+            grid=TokenGrid("video", width=sana_video_frame_width, convs=("blocks.*.mlp.t_conv",),
                            enough="a video of at least {n} latent frames"),
         ),
         attention=AttentionSelector(class_names=("MultiHeadCrossAttention",)),

@@ -224,8 +224,8 @@ class Replica:
 
     def calibrate(self, job_id: str, waiting=lambda: False) -> dict | None:
         """Measure batching on the idle group (``worker._calibrate``), as request ``job_id`` that :meth:`cancel`
-        stops between two of its calls: returns the measurement (also kept as ``batching``), or None when it was
-        cancelled. ``waiting()``, asked once it is sent: a job came meanwhile (its cancel may have come before this
+        stops between two of its calls: returns the measurement (the front end keeps it as ``batching``), or None when
+        it was cancelled. ``waiting()``, asked once it is sent: a job came meanwhile (its cancel may have come before this
         measurement could take it). State ``calibrating`` meanwhile (it takes the next request as soon as it stops).
         RankFault as :meth:`run`."""
         self.state, self._calibrating = "calibrating", True
@@ -239,8 +239,6 @@ class Replica:
             while True:
                 event = self._next_event(None, None)
                 if event is not None and event[0] == "calibrated" and event[2] == job_id:
-                    if event[3] is not None:
-                        self.batching = event[3]
                     return event[3]
         finally:
             self._in_request = self._calibrating = False

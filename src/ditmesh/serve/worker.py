@@ -241,6 +241,12 @@ def _sharer(world: int, device):
     return lambda obj: broadcast_tensors([obj], 0, None, device)[0]
 
 
+def _cancel_asked(rank: int, state: dict, share) -> bool:
+    """Whether the front end asked to stop the request in flight: rank 0 reads its flag, every rank learns it
+    (``share``: :func:`_sharer`), so every rank stops at the same point."""
+    return bool(share(state["cancel"].is_set() if rank == 0 else None))
+
+
 def _calibrate(rank: int, request: dict, state: dict, events) -> None:
     """A "calibrate" request: the front end found the service idle and asks for the measurement of ``--batching
     auto`` (:func:`_measure_batching`). A request that comes meanwhile cancels it between two of its calls (rank 0
@@ -253,13 +259,10 @@ def _calibrate(rank: int, request: dict, state: dict, events) -> None:
     args = argparse.Namespace(**options)
     args.prompt = [args.prompt] if isinstance(args.prompt, str) else args.prompt
     share = _sharer(state["world"], state["device"])
-
-    def stop() -> bool:
-        return bool(share(state["cancel"].is_set() if rank == 0 else None))
-
     try:
         measured = _measure_batching(state["pipe"], args, state["defaults"], state["device"],
-                                     options.get("max_batch", 1), share=share, stop=stop)
+                                     options.get("max_batch", 1), share=share,
+                                     stop=lambda: _cancel_asked(rank, state, share))
     except _Cancelled:
         measured = None
     except Exception as exc:  # noqa: BLE001
@@ -315,7 +318,6 @@ def _serve(rank: int, world: int, state: dict, requests, events, parent: int) ->
 
 
 def _run_request(rank: int, request: dict, state: dict, events) -> None:
-    from ..comm import broadcast_tensors
     from ..runtime.generate import _call_kwargs, step_callback
     from ..shared import one_line
 
@@ -340,12 +342,11 @@ def _run_request(rank: int, request: dict, state: dict, events) -> None:
 
             call["generator"] = [torch.Generator("cpu").manual_seed(seed) for seed in seeds]
 
+        share = _sharer(state["world"], state["device"])
+
         def on_step_end(p, i, t, kw):
             events.put(("step", rank, job, i + 1, steps))
-            # cancelling: rank 0 reads the front end's flag and every rank learns it at the same step
-            stop = state["cancel"].is_set() if rank == 0 else None
-            if state["world"] > 1:
-                stop = broadcast_tensors([stop], 0, None, state["device"])[0]
+            stop = _cancel_asked(rank, state, share)  # every rank learns it at the same step
             timeline.step_end()
             if stop:
                 raise _Cancelled(i + 1)
