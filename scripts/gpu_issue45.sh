@@ -15,11 +15,13 @@
 #             2026-12-02 row of docs/timeline.md (serve-lone-h200x1: postprocess 18 ms, hand-off 15, PNG 34).
 #             The phases are on the GPU's clock (CUDA events, no synchronization inside the call); step_max: the
 #             slowest step, to tell where the steps' extra beyond 28 median steps goes
-#   serve512  one replica without and with --max-batch 4 (measured once the service is idle after the first picture;
-#             serve_bench waits for it: batching_measured_s) at 512², 4 and 16 clients of one request each:
-#             throughput, p99, the first picture after launch (item 1)
-#   batch1k   the same at 1024² (item 1: the measurement should leave batching off there, one picture already fills
-#             the GPU, and the first picture should come as early as without --max-batch)
+#   serve512  one replica without, with --max-batch 4 (measured once the service is idle after the first picture;
+#             serve_bench waits for it: batching_measured_s) and without again, at 512², 4 and 16 clients of one
+#             request each: throughput, p99, the first picture after launch (item 1); the first server compiles cold,
+#             the other two read its compile cache, so the first pictures of the last two are the ones compared
+#   batch1k   the same at 1024², with a lone client first (1,4,16; BATCH1K_CLIENTS) (item 1: the measurement should
+#             leave batching off there, one picture already fills the GPU, and the first picture should come as early
+#             as without --max-batch; the lone row re-checks item 2 on the default server)
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
@@ -82,6 +84,9 @@ for lay in layouts:
           f"error: {lay.get('error')}")
 PYEOF
 fi
-want serve512 100 && serve serve-512 "$SMALL" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
-want batch1k 150 && serve serve-batch-1024 "$BIG" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4"
+# three servers a size: unbatched (it compiles cold), batched, unbatched again: the first pictures of the last two are
+# compared (both read the compile cache the first filled)
+want serve512 100 && serve serve-512 "$SMALL" 4,16 1 "--nproc 1" "--nproc 1 --max-batch 4" "--nproc 1"
+want batch1k 150 && serve serve-batch-1024 "$BIG" ${BATCH1K_CLIENTS:-1,4,16} 1 "--nproc 1" "--nproc 1 --max-batch 4" \
+  "--nproc 1"
 echo "issue45: done at ${SECONDS}s"
