@@ -108,6 +108,11 @@ def parse_args(argv=None):
                         "the layouts left are reported skipped (default 570)")
     p.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting",
                    help="the requests' prompt (each gets ' #<client>.<request>' appended and its own seed)")
+    p.add_argument("--settle", type=float, default=0.0, metavar="S",
+                   help="before each server starts, wait up to S seconds for the host's CPUs to be quiet (under "
+                        "10%% busy over half a second: the previous server's processes gone), so that servers "
+                        "compared on their start-up start alike; the wait and the busy share are recorded (default "
+                        "0: no wait)")
     p.add_argument("--json", default=None, metavar="PATH", help="write everything measured here")
     p.add_argument("--logs", default=None, metavar="DIR", help="write each server's output to DIR/layout-<i>.log")
     args, serve_args = p.parse_known_args(argv)
@@ -429,6 +434,30 @@ def mean_phases(timelines: list[dict]) -> dict:
 
 
 # -- one layout ----------------------------------------------------------------------------------------------------
+def cpu_busy(period: float = 0.5) -> float:
+    """The share of the host's CPU time spent busy over ``period`` seconds (/proc/stat; 0.0 where it is missing)."""
+    def read():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # all, idle + iowait
+    try:
+        total0, idle0 = read()
+        time.sleep(period)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def settle(limit_s: float, below: float = 0.10) -> tuple[float, float]:
+    """Wait until the host is under ``below`` busy, at most ``limit_s`` seconds: (seconds waited, busy share then)."""
+    t0 = time.perf_counter()
+    busy = cpu_busy()
+    while busy >= below and time.perf_counter() - t0 < limit_s:
+        busy = cpu_busy()
+    return round(time.perf_counter() - t0, 2), round(busy, 3)
+
+
 def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
     clients, loras = args.layout_clients[index] or args.clients, args.layout_loras[index]
     command = [sys.executable, "-m", "ditmesh", "serve", "--model", args.model, "--port", "0", *layout,
@@ -436,6 +465,9 @@ def run_layout(index: int, layout: list[str], args, deadline: float) -> dict:
     result = {"layout": shlex.join(layout), "command": shlex.join(command), "rows": [], "error": None,
               "request_loras": list(loras)}
     log = os.path.join(args.logs, f"layout-{index}.log") if args.logs else None
+    if args.settle > 0:
+        result["settle_s"], result["busy_at_start"] = settle(min(args.settle, max(0.0, deadline - time.perf_counter())))
+        progress(f"  host settled in {result['settle_s']:.1f} s ({100 * result['busy_at_start']:.0f}% busy)")
     progress(f"layout {index + 1}/{len(args.layouts)} [{result['layout']}]: starting {result['command']}")
     server = Server(command, log)
     try:
