@@ -217,6 +217,15 @@ SERVE = [("layout", lambda r: f"`{r['_layout']['layout']}`" if r["_first"] else 
           ".1f")]
 
 
+S5_CALLS = {"serve-512-nosettle.json": 1, "serve-batch-1024.json": 2, "serve-512.json": 3, "serve-first-512.json": 4}
+
+
+def serve_size(r: dict) -> str:
+    """The picture size a ``serve_bench.py`` run served (its servers' ``--height``), e.g. ``512²``."""
+    args = r["_doc"]["serve_args"]
+    return f"{args[args.index('--height') + 1]}²"
+
+
 def lone_bound(r: dict) -> float:
     """Issue 45's bound on a lone request: 28 x the row's median step + 0.15 s."""
     return 28 * r["phases_s"]["step"] + 0.15
@@ -598,6 +607,35 @@ TABLES = [
               "measurement, a whole call's seconds a picture by batch size 1-4: 1.25, 1.15, 1.12, 1.10) and left "
               "batching off at 1024² (3.99, 4.01, 3.93, 3.91: no size 5% cheaper); 512² and 1024² ran in two calls on "
               "one machine"),
+    dict(name="serve-batching-h200x1-s5", doc="docs/serve.md",
+         files=["2026-12-02_h200x1/service-s5/serve-512-nosettle.json", "2026-12-02_h200x1/service-s5/serve-512.json",
+                "2026-12-02_h200x1/service-s5/serve-batch-1024.json"],
+         rows=serve_rows,
+         columns=[("call", lambda r: S5_CALLS[r["_file"].rsplit("/", 1)[-1]] if r["_first"] else ""),
+                  ("size", lambda r: serve_size(r) if r["_first"] else "")] + SERVE[:4]
+         + [("batch used", lambda r: r["_layout"]["batching"][0]["use"] if r["_first"] and r["_layout"].get("batching")
+             else "")] + SERVE[4:10],
+         note="one H200, FLUX.1-dev architecture (random weights built in the rank), 28 steps, compiled with CUDA "
+              "graphs, one request a client; `--max-batch 4` with `--batching auto`: measured once the service is "
+              "idle after the first picture (the bench waits for it before the load phases), `batch used` is what "
+              "the measurement chose (1: batching off); in each call the first server compiled cold and the others "
+              "read its compile cache; calls 2-4 started each server on a quiet host (`--settle 30`: under 1% "
+              "busy at every start)"),
+    dict(name="serve-first-h200x1-s5", doc="docs/serve.md",
+         files=["2026-12-02_h200x1/service-s5/serve-512-nosettle.json", "2026-12-02_h200x1/service-s5/serve-512.json",
+                "2026-12-02_h200x1/service-s5/serve-first-512.json",
+                "2026-12-02_h200x1/service-s5/serve-batch-1024.json"],
+         rows=lambda doc, rows: [dict(lay, _file=rows[0]["_file"], _doc=doc, _order=i)
+                                 for i, lay in enumerate(doc["layouts"]) if i > 0],
+         columns=[("call", lambda r: S5_CALLS[r["_file"].rsplit("/", 1)[-1]]), ("size", serve_size),
+                  ("server", lambda r: r["_order"] + 1), ("layout", lambda r: f"`{r['layout']}`"),
+                  ("ready s", "ready_s", ".1f"), ("first image s", "first_image_s", ".1f"),
+                  ("load s", lambda r: r["load_s"][0][0], ".1f"),
+                  ("warm-up s", lambda r: list(r["warm_s"][0].values())[0], ".1f")],
+         note="each call's servers after its first (which compiled cold), in the order they ran; `load` and "
+              "`warm-up`: the rank's loading and its warm-up call before it says it is ready; the rest of `ready` "
+              "is the front end's checks and the rank's start (imports), the same code with and without "
+              "`--max-batch` under `--batching auto`"),
     dict(name="e2e-h200x4", doc=TIMELINE, files=["2026-11-28_h200x4/e2e.json"], columns=E2E,
          note="old = the baseline tree 42e3be5, new = this tree; warm compile caches (the rows' warm-ups ran first, "
               "all at once); the row the call's deadline skipped: new:pp:warm (its warm-up took 116 s)"),

@@ -157,3 +157,14 @@ def test_a_server_that_refuses_its_layout_is_a_failed_layout_with_its_error_line
     assert layout["rows"] == [] and layout["exit_code"] == 2
     assert layout["error"].splitlines()[0].startswith("the server exited with code 2: ditmesh: error: the degrees "
                                                       "ulysses3 multiply to 3, but there are 2 processes")
+
+
+def test_settle_waits_for_a_quiet_host_and_no_longer_than_its_limit():
+    bench = load_script("serve_bench")
+    busy = bench.cpu_busy(0.2)
+    assert 0.0 <= busy <= 1.0
+    waited, seen = bench.settle(5.0, below=1.01)  # every host is under 101% busy: one sample, no wait past it
+    assert waited < 2.0 and seen <= 1.0
+    t0 = time.perf_counter()
+    waited, seen = bench.settle(1.0, below=-1.0)  # never quiet: it stops at its limit, and says how busy it was
+    assert 1.0 <= waited < 3.0 and time.perf_counter() - t0 >= 1.0 and 0.0 <= seen <= 1.0
