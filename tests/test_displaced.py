@@ -211,18 +211,8 @@ def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphe
 
 
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
-def test_pp_sweep_scores_displaced_settings_against_the_exact_images():
-    import math
-
-    from ditmesh.tiny.evaluate import eval_captions, parse_pp_setting, pp_sweep
-
-    settings = [parse_pp_setting("displaced=2,warmup=3"), parse_pp_setting("displaced=2")]
-    assert settings[1] == {"displaced": 2, "warmup": 1}
-    rows = pp_sweep(None, settings, eval_captions()[:1], steps=3, images_per_caption=2)
-    assert rows[1]["psnr"] == math.inf and rows[1]["lost"] == 0  # exact: the same images
-    assert math.isfinite(rows[2]["psnr"]) and rows[2]["ssim"] < 1  # stale: close, not equal
-
-
+# the sweep's displaced rows are scored with PipeFusion's, in one sweep:
+# test_pipefusion.py::test_pp_sweep_scores_pp_and_displaced_settings_against_the_exact_images
 @pytest.mark.parametrize("text", ["displaced=2,patches=2", "displaced=x"])
 def test_bad_displaced_sweep_settings_are_refused_in_one_line(text):
     from ditmesh.tiny.evaluate import parse_pp_setting
