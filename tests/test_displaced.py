@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cases_pipefusion import flux_stale_emulation, pipeline_run
-from test_pipefusion import STEPS, TRUE_CFG, family_case, reference
+from test_pipefusion import STEPS, TRUE_CFG, family_case, pool_run, reference
 from ditmesh.config import ConfigError, ParallelConfig
 from ditmesh.options import RunOptions
 from ditmesh.testing import rel_err
@@ -95,8 +95,7 @@ def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints,
 def test_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, ranks):
     emulated = flux_stale_emulation(flux_tiny, ranks, warmup=1, steps=STEPS, displaced=True)
     assert rel_err(emulated, reference(flux_tiny)) > 1e-3  # the stale steps do differ from the exact run
-    results = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True,
-                               displaced=True)
+    results = pool_run(pools, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True, displaced=True)
     for latents, _, per_step, _, _ in results:
         assert rel_err(latents, emulated) <= 1e-5  # at 3 ranks: 16 text and 16 image tokens as 6, 5, 5
         assert per_step == per_step_counts("flux", 1)
@@ -146,7 +145,8 @@ def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools
     from cases_displaced import compiled_run_graphs
 
     # 2 ranks: even chunks, the gather is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
-    eager = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
+    # the run of test_stale_schedule_matches_its_single_process_emulation[ranks]
+    eager = pool_run(pools, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True, displaced=True)
     compiled = pools(ranks).run(compiled_run_graphs, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
     for (latents, per_step, entries, failures, breaks), (ref, _, _, _, _) in zip(compiled, eager):
         assert rel_err(latents, ref) <= 1e-5

@@ -29,6 +29,16 @@ def reference_steps(path: str, steps: int) -> torch.Tensor:
     return _REF[key]
 
 
+def pool_run(pools, path: str, config: dict, **kwargs) -> list:
+    """``pipeline_run`` on every rank of the session's pool for ``config``, run once per process: the cases that need
+    the same run (a stale schedule checked against its emulation, and the eager reference of its compiled run) share
+    it."""
+    key = (path, repr(sorted(config.items())), repr(sorted(kwargs.items())))
+    if key not in _REF:
+        _REF[key] = pools(math.prod(config.values())).run(pipeline_run, path, config, **kwargs)
+    return _REF[key]
+
+
 def reference(path: str, **kwargs) -> torch.Tensor:
     key = (path, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
     if key not in _REF:
@@ -150,8 +160,7 @@ def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints,
 def test_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, patches):
     emulated = flux_stale_emulation(flux_tiny, patches, warmup=1, steps=STEPS)
     assert rel_err(emulated, reference(flux_tiny)) > 1e-3  # the stale steps do differ from the exact run
-    results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
-                           pp_patches=patches)
+    results = pool_run(pools, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1, pp_patches=patches)
     for rank, (latents, _, per_step, _, _) in enumerate(results):
         assert rel_err(latents, emulated) <= 1e-5
         kind = "pp_send" if rank == 0 else "pp_recv"
@@ -181,7 +190,8 @@ def test_messages_travel_in_pieces_of_at_most_the_chunk(pools, flux_tiny):
     chunk = 4096  # bytes: 1024 float32 values
     results = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1,
                            pp_chunk_bytes=chunk)
-    unchunked = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=1)[0][0]
+    # the default patches (pp = 2): the run of test_stale_schedule_matches_its_single_process_emulation[2]
+    unchunked = pool_run(pools, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1, pp_patches=2)[0][0]
     pieces = lambda values: math.ceil(values * 4 / chunk)  # noqa: E731
     whole = pieces((FLUX_IMAGE + FLUX_TEXT) * FLUX_WIDTH)  # the warm-up step: every token, text and image
     # patch 0 carries the text and half the image, patch 1 the other half
@@ -343,7 +353,7 @@ def test_pp2_with_compiled_blocks_matches_eager_and_traces_no_layer_or_patch(poo
     from cases_displaced import compiled_run_graphs
 
     patches = 3
-    eager = pools(2).run(pipeline_run, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=1, pp_patches=patches)
+    eager = pool_run(pools, flux_tiny, {"pp": 2}, steps=STEPS, per_step=True, pp_warmup=1, pp_patches=patches)
     compiled = pools(2).run(compiled_run_graphs, flux_tiny, {"pp": 2}, steps=STEPS, pp_warmup=1, pp_patches=patches)
     for rank, (latents, per_step, entries, failures, breaks) in enumerate(compiled):
         assert rel_err(latents, eager[rank][0]) <= 1e-5
