@@ -1,6 +1,6 @@
 """Compiled blocks kept between processes (``compile_artifacts``): a run that loads them traces nothing and gives
-the latents of the run that compiled them, on every parallel mode; a block class that cannot be compiled whole
-(a graph break) keeps the ordinary compile, named in the stats."""
+the latents of the run that compiled them, on the block graph of every parallel axis; a block class that cannot be
+compiled whole (a graph break) keeps the ordinary compile, named in the stats."""
 
 from __future__ import annotations
 
@@ -11,18 +11,20 @@ import torch
 
 from ditmesh.testing import rel_err
 
-TRUE_CFG = {"negative_prompt": "", "true_cfg_scale": 4.0}
-#: mode -> (degrees, options, call): the block classes run from artifacts on every axis, the step cache and
-#: PipeFusion through their hooks' compiled inner forward
+#: mode -> (degrees, options): one layout per distinct loading path or graph content (each one is a cold
+#: ``aot_compile`` of every block class on every rank). The blocks routed to their class's artifact (no hook of their
+#: own): one process; tp (all-reduces, sharded weights); the ring (its rounds are functional all-to-alls under
+#: compile); displaced attention (a ditmesh custom operator). Through the hooks' compiled inner forward: the step
+#: cache (under Ulysses: its all-to-alls) and PipeFusion (stage subsets, several artifacts of one input layout).
+#: Plain Ulysses and cfg are not layouts of their own: Ulysses' block graph is the cache layout's, loaded routed as the
+#: ring's all-to-alls are; cfg splits the batch outside the blocks, whose graph is the one process's
 MODES = {
-    "one-process": ({}, {}, {}),
-    "ulysses2": ({"ulysses": 2}, {}, {}),
-    "tp2": ({"tp": 2}, {}, {}),
-    "cfg2": ({"cfg": 2}, {}, TRUE_CFG),
-    "pp2": ({"pp": 2}, {"pp_warmup": 1}, {}),
-    "displaced": ({"ulysses": 2}, {"displaced": True}, {}),
-    "cache": ({"ulysses": 2}, {"cache": "static:skip=1"}, {}),
-    "ring2": ({"ring": 2}, {}, {}),
+    "one-process": ({}, {}),
+    "tp2": ({"tp": 2}, {}),
+    "pp2": ({"pp": 2}, {"pp_warmup": 1}),
+    "displaced": ({"ulysses": 2}, {"displaced": True}),
+    "cache": ({"ulysses": 2}, {"cache": "static:skip=1"}),
+    "ring2": ({"ring": 2}, {}),
 }
 BLOCKS = {"FluxSingleTransformerBlock", "FluxTransformerBlock"}
 
@@ -31,9 +33,9 @@ BLOCKS = {"FluxSingleTransformerBlock", "FluxTransformerBlock"}
 def test_loaded_blocks_trace_nothing_and_give_the_compiled_latents(pools, flux_tiny, tmp_path, mode):
     from cases_aot import aot_round_trip
 
-    config, options, call = MODES[mode]
+    config, options = MODES[mode]
     world = math.prod(config.values()) if config else 1
-    args = (flux_tiny, config, options, str(tmp_path), call)
+    args = (flux_tiny, config, options, str(tmp_path))
     results = [aot_round_trip(*args)] if world == 1 else pools(world).run(aot_round_trip, *args)
     for rank, r in enumerate(results):
         saved, loaded = set(r["save"]["saved"]), set(r["load"]["loaded"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cases_pipefusion import flux_stale_emulation, pipeline_run
-from test_pipefusion import STEPS, TRUE_CFG, family_case, reference
+from test_pipefusion import STEPS, TRUE_CFG, family_case, pool_run, reference
 from ditmesh.config import ConfigError, ParallelConfig
 from ditmesh.options import RunOptions
 from ditmesh.testing import rel_err
@@ -95,8 +95,7 @@ def test_warmup_over_every_step_matches_single_process(pools, model_checkpoints,
 def test_stale_schedule_matches_its_single_process_emulation(pools, flux_tiny, ranks):
     emulated = flux_stale_emulation(flux_tiny, ranks, warmup=1, steps=STEPS, displaced=True)
     assert rel_err(emulated, reference(flux_tiny)) > 1e-3  # the stale steps do differ from the exact run
-    results = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True,
-                               displaced=True)
+    results = pool_run(pools, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True, displaced=True)
     for latents, _, per_step, _, _ in results:
         assert rel_err(latents, emulated) <= 1e-5  # at 3 ranks: 16 text and 16 image tokens as 6, 5, 5
         assert per_step == per_step_counts("flux", 1)
@@ -146,7 +145,8 @@ def test_compiled_blocks_trace_once_for_every_layer_and_give_the_eager_run(pools
     from cases_displaced import compiled_run_graphs
 
     # 2 ranks: even chunks, the gather is the attention's K/V; 3: uneven (6, 5, 5 tokens), trimmed into a copy
-    eager = pools(ranks).run(pipeline_run, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
+    # the run of test_stale_schedule_matches_its_single_process_emulation[ranks]
+    eager = pool_run(pools, flux_tiny, {"ulysses": ranks}, steps=STEPS, per_step=True, displaced=True)
     compiled = pools(ranks).run(compiled_run_graphs, flux_tiny, {"ulysses": ranks}, steps=STEPS, displaced=True)
     for (latents, per_step, entries, failures, breaks), (ref, _, _, _, _) in zip(compiled, eager):
         assert rel_err(latents, ref) <= 1e-5
@@ -211,18 +211,8 @@ def test_graphed_steps_are_captured_once_per_plan_replayed_and_give_the_ungraphe
 
 
 # -- quality on the tiny trained pipeline (eval-tiny --pp-sweep) -------------------------------------------------
-def test_pp_sweep_scores_displaced_settings_against_the_exact_images():
-    import math
-
-    from ditmesh.tiny.evaluate import eval_captions, parse_pp_setting, pp_sweep
-
-    settings = [parse_pp_setting("displaced=2,warmup=3"), parse_pp_setting("displaced=2")]
-    assert settings[1] == {"displaced": 2, "warmup": 1}
-    rows = pp_sweep(None, settings, eval_captions()[:1], steps=3, images_per_caption=2)
-    assert rows[1]["psnr"] == math.inf and rows[1]["lost"] == 0  # exact: the same images
-    assert math.isfinite(rows[2]["psnr"]) and rows[2]["ssim"] < 1  # stale: close, not equal
-
-
+# the sweep's displaced rows are scored with PipeFusion's, in one sweep:
+# test_pipefusion.py::test_pp_sweep_scores_pp_and_displaced_settings_against_the_exact_images
 @pytest.mark.parametrize("text", ["displaced=2,patches=2", "displaced=x"])
 def test_bad_displaced_sweep_settings_are_refused_in_one_line(text):
     from ditmesh.tiny.evaluate import parse_pp_setting
