@@ -29,13 +29,18 @@ def bench(args: list[str], tmp_path: Path, cwd: Path | None = None, **env) -> su
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def bench_rows(args: list[str], tmp_path: Path, timeout: float = 300) -> list[dict]:
-    """Run ``bench ARGS --out tmp_path/b.json`` to its end (exit code 0) and return the rows it wrote."""
-    out = tmp_path / "b.json"
-    proc = bench([*args, "--out", str(out)], tmp_path)
-    _, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out.read_text())["rows"]
+def bench_here(args: list[str], tmp_path: Path, monkeypatch) -> int:
+    """Run ``bench ARGS`` in this process (a start-up less than :func:`bench`) with ``tmp_path/tmp`` as its and its
+    ranks' temporary directory; the variables it sets are given back after the test."""
+    import tempfile
+
+    from ditmesh.cli import main
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # the ranks' (and a baseline run's)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this process's
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # the bench sets it
+    return main(["bench", "--model", "flux-tiny", *args])
 
 
 def leftovers(tmp_path: Path) -> list[Path]:
@@ -43,24 +48,40 @@ def leftovers(tmp_path: Path) -> list[Path]:
     return [*(tmp_path / "tmp").glob("ditmesh-bench-*"), *(tmp_path / "tmp").glob("torchelastic_*")]
 
 
-def test_bench_smoke_flux_tiny_gloo(tmp_path):
-    """ditmesh's row beside the peers' on two gloo processes: diffusers' fails on CPU and xDiT's without xfuser (a
-    module that shadows any installed one), each row recording why; without --out the run goes to
-    $DITMESH_BENCH_DIR and nothing into the working folder."""
+#: the shared run's methods: ours and the two peers on two processes, the displaced row beside ours, and torchao's
+#: one-process peer (each row its own launch; the 1-process reference row is shared by all of them)
+SMOKE_METHODS = "ulysses,displaced,diffusers-ulysses,xdit-ulysses,torchao-fp8"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One ``bench --gpus 1,2`` run whose rows the tests below read (one start-up and one 1-process reference for
+    all of them): xfuser is a module that shadows any installed one, and without --out the run goes to
+    $DITMESH_BENCH_DIR from an empty working folder. Returns (its folder, its arguments, the written document)."""
+    tmp_path = tmp_path_factory.mktemp("smoke")
     hidden = tmp_path / "site" / "xfuser"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('xfuser hidden by the test')\n")
     paths = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)
     work = tmp_path / "work"
     work.mkdir()
-    args = ["--gpus", "1,2", "--methods", "ulysses,diffusers-ulysses,xdit-ulysses", "--steps", "1", "--warmup", "1"]
+    args = ["--gpus", "1,2", "--methods", SMOKE_METHODS, "--steps", "1", "--warmup", "1"]
     proc = bench(args, tmp_path, cwd=work, PYTHONPATH=paths, DITMESH_BENCH_DIR=str(tmp_path / "runs"),
                  OMP_NUM_THREADS=None)  # the bench's own thread policy
-    _, err = proc.communicate(timeout=600)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        kill_session(proc)
     assert proc.returncode == 0, err[-2000:]
     [out] = (tmp_path / "runs").glob("flux-tiny-64x64-*.json")
     assert list(work.iterdir()) == []
-    doc = json.loads(out.read_text())
+    return tmp_path, args, json.loads(out.read_text()), out
+
+
+def test_bench_smoke_flux_tiny_gloo(smoke):
+    """ditmesh's row beside the peers' on two gloo processes: diffusers' fails on CPU and xDiT's without xfuser,
+    each row recording why; without --out the run goes to $DITMESH_BENCH_DIR and nothing into the working folder."""
+    tmp_path, args, doc, out = smoke
     assert doc["schema"] == SCHEMA
     assert doc["command"] == ["ditmesh", "bench", "--model", "flux-tiny", *args]
     assert doc["card"].startswith("cpu") and doc["device_count"] == 2
@@ -84,6 +105,28 @@ def test_bench_smoke_flux_tiny_gloo(tmp_path):
     assert {r["cpu_threads"] for r in doc["rows"]} == {cpu_threads(2)} and rows[("single", 1)]["cpu_threads"]
     assert "| ulysses | 2 |" in out.with_suffix(".md").read_text()
     assert leftovers(tmp_path) == []  # the workers' temporary folder is gone
+
+
+def test_bench_measures_displaced_rows(smoke):
+    """``--methods displaced``: displaced attention over 2 ulysses ranks (``parallel.displaced``), its timed step
+    stale."""
+    rows = {(r["method"], r["gpus"]): r for r in smoke[2]["rows"]}
+    displaced = rows[("displaced", 2)]
+    assert "error" not in displaced and displaced["degrees"] == {"ulysses": 2} and not displaced["graph"]
+    # the timed step is stale, but every bench step has the same inputs (--warmup 1: the last step's K/V are this
+    # step's), so the stale attention gives the one-process output
+    assert displaced["rel_err_vs_1gpu"] <= 1e-5
+
+
+def test_torchao_fp8_peer_row_runs_once_on_one_process(smoke):
+    """``--methods torchao-fp8``: diffusers with torchao's fp8 linears (the flux-fast recipe without FA3), a one-GPU
+    peer row. On CPU torchao refuses fp8 (it needs compute capability 8.9+), so the row is there with that error:
+    the recipe was applied, not skipped."""
+    rows = smoke[2]["rows"]
+    peers = [r for r in rows if r["method"] == "torchao-fp8"]
+    assert [r["gpus"] for r in peers] == [1]  # a one-GPU peer, whatever --gpus lists
+    assert "compute capability" in peers[0]["error"]
+    assert any(r["method"] == "single" and "step_ms" in r for r in rows)  # diffusers' own row beside it
 
 
 def test_runs_go_to_a_user_folder_not_the_checkout(tmp_path, monkeypatch):
@@ -144,11 +187,13 @@ def test_a_stopped_run_writes_the_rows_it_measured(tmp_path):
 def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch):
     """Also --no-single: of --gpus 1,2 only the 2-process rows run (a 1-process row would be stopped too). Forked
     ranks (the default) are stopped at 1 s, while their zygote imports (no machine imports torch and diffusers that
-    fast): its stacks are printed; ranks that are their own interpreters (``DITMESH_LAUNCH=exec``) at 4 s: each
-    one's stacks, rank 1's copied from its log."""
+    fast): its stacks are printed, and the next row runs (and is stopped too); ranks that are their own interpreters
+    (``DITMESH_LAUNCH=exec``) at 4 s: each one's stacks, rank 1's copied from its log. The exec run has one row: what
+    comes after a stopped row is the bench's own loop, the same for either launch, and the fork run checks it."""
     out = tmp_path / "b.json"
     limit = {"fork": 1, "exec": 4}[launch]
-    proc = bench(["--gpus", "1,2", "--methods", "ulysses,ring", "--no-single", "--steps", "2000", "--warmup", "0",
+    methods = {"fork": "ulysses,ring", "exec": "ulysses"}[launch]
+    proc = bench(["--gpus", "1,2", "--methods", methods, "--no-single", "--steps", "2000", "--warmup", "0",
                   "--row-timeout", str(limit), "--out", str(out)], tmp_path, DITMESH_LAUNCH=launch)
     try:
         _, err = proc.communicate(timeout=300)
@@ -159,7 +204,7 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch)
     assert running == "", running
     assert proc.returncode == 0, err[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["method"], r["gpus"]) for r in rows] == [("ulysses", 2), ("ring", 2)], rows
+    assert [(r["method"], r["gpus"]) for r in rows] == [(m, 2) for m in methods.split(",")], rows
     assert not any("speedup_vs_1gpu" in r for r in rows)
     # where each process was: its Python stacks (faulthandler's format), and below Python its scheduler state and
     # kernel wait channel (py-spy's stacks where it is installed)
@@ -172,9 +217,9 @@ def test_a_row_past_its_timeout_is_stopped_and_the_run_goes_on(tmp_path, launch)
     else:
         assert all(r["error"] == "stopped after 4 s: the ranks had not finished (where each one was: the Python "
                    "stacks printed above)" for r in rows), rows
-        assert err.count("ditmesh: rank 1 at the time limit:") == 2, err[-3000:]
-        assert err.count("most recent call first") >= 4, err[-3000:]
-        assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 4, err[-3000:]
+        assert err.count("ditmesh: rank 1 at the time limit:") == 1, err[-3000:]
+        assert err.count("most recent call first") >= 2, err[-3000:]
+        assert len(re.findall(r"ditmesh: rank [01] \(pid \d+\): [RSD] \(\w+\); waiting in ", err)) == 2, err[-3000:]
     assert leftovers(tmp_path) == []
 
 
@@ -207,12 +252,11 @@ def test_bad_bench_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert leftovers(tmp_path) == []
 
 
-def test_baseline_src_runs_the_same_command_on_both_trees(tmp_path):
+def test_baseline_src_runs_the_same_command_on_both_trees(tmp_path, monkeypatch):
+    """The command runs in this process, its baseline run as its own process, as always."""
     out = tmp_path / "ab.json"
-    proc = bench(["--gpus", "1", "--steps", "1", "--warmup", "0", "--baseline-src", str(ROOT / "src"),
-                  "--out", str(out)], tmp_path)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-2000:]
+    assert bench_here(["--gpus", "1", "--steps", "1", "--warmup", "0", "--baseline-src", str(ROOT / "src"),
+                       "--out", str(out)], tmp_path, monkeypatch) == 0
     doc = json.loads(out.read_text())
     assert doc["settings"]["baseline_src"] == str(ROOT / "src")
     assert sorted((r["tree"], r["method"]) for r in doc["rows"]) == [("baseline", "single"), ("current", "single")]

@@ -25,16 +25,16 @@ def _run(flux_tiny, tmp_path, *args):
 
 
 def test_the_search_stops_at_the_first_size_that_does_not_complete(flux_tiny, tmp_path):
-    # 64 and 96 complete over 2 gloo ranks; 104 is not a multiple of 16 (generate's one-line error, exit 2); 128 is
-    # never tried
-    report, table = _run(flux_tiny, tmp_path, "--layout", "--nproc 2 --ulysses 2", "--sides", "128,64,104,96")
+    # tried smallest first: 64 completes over 2 gloo ranks; 104 is not a multiple of 16 (generate's one-line error,
+    # exit 2); 128 is never tried
+    report, table = _run(flux_tiny, tmp_path, "--layout", "--nproc 2 --ulysses 2", "--sides", "128,104,64")
     (result,) = report["results"]
-    assert [(t["size"], t["outcome"]) for t in result["tries"]] == [(64, "ok"), (96, "ok"), (104, "error")]
-    assert result["largest"] == 96 and result["first_failed"] == 104
+    assert [(t["size"], t["outcome"]) for t in result["tries"]] == [(64, "ok"), (104, "error")]
+    assert result["largest"] == 64 and result["first_failed"] == 104
     assert "104" in result["why"] and result["why"].startswith("error: ")
-    assert all(t["peak_gib_per_gpu"] >= 0 and t["seconds"] > 0 for t in result["tries"][:2])
+    assert result["tries"][0]["peak_gib_per_gpu"] >= 0 and result["tries"][0]["seconds"] > 0
     assert report["extra"] == ["--max-sequence-length", "16"]
-    assert "| `--nproc 2 --ulysses 2` | 96 |" in table
+    assert "| `--nproc 2 --ulysses 2` | 64 |" in table
 
 
 def test_a_try_past_its_timeout_is_stopped_with_its_ranks(flux_tiny, tmp_path):
@@ -48,8 +48,10 @@ def test_a_try_past_its_timeout_is_stopped_with_its_ranks(flux_tiny, tmp_path):
 
 
 def test_a_try_cut_by_the_runs_deadline_is_no_failure_of_its_size(flux_tiny, tmp_path):
-    report, table = _run(flux_tiny, tmp_path, "--layout", "--nproc 2 --ulysses 2", "--sides", "64,96", "--timeout", "100",
-                         "--deadline", "11", "--steps", "1000")
+    # the try runs until the deadline cuts it (a try starts only with 10 s left): one process (on the tests' one
+    # thread) keeps it to one core
+    report, table = _run(flux_tiny, tmp_path, "--layout", "--nproc 1", "--sides", "64,96", "--timeout", "100",
+                         "--deadline", "11", "--steps", "100000")
     (result,) = report["results"]
     assert [(t["size"], t["outcome"]) for t in result["tries"]] == [(64, "deadline")]
     assert result["largest"] is None and result["first_failed"] is None

@@ -194,6 +194,13 @@ def _settings(args) -> dict:
     from ..shared import DTYPES
     from ..synth import get_arch
 
+    # the paths first: checked before the model's architecture is looked up (which imports diffusers)
+    if args.out and (Path(args.out).suffix != ".json" or Path(args.out).is_dir()):
+        raise ConfigError(f"--out {args.out}: give a .json file path (the .md table and .png plot go next to it)")
+    if args.baseline_src and not (Path(args.baseline_src) / "ditmesh" / "__init__.py").is_file():
+        raise ConfigError(f"--baseline-src {args.baseline_src}: no ditmesh package there (expected "
+                          f"{Path(args.baseline_src) / 'ditmesh' / '__init__.py'}); give a source folder such as "
+                          "the src/ of another checkout")
     on_gpu = torch.cuda.is_available()
     model = args.model or ("flux-dev" if on_gpu else "flux-tiny")
     arch = get_arch(model)  # an unknown name raises a ValueError that lists the known ones
@@ -235,12 +242,6 @@ def _settings(args) -> dict:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if args.out and (Path(args.out).suffix != ".json" or Path(args.out).is_dir()):
-        raise ConfigError(f"--out {args.out}: give a .json file path (the .md table and .png plot go next to it)")
-    if args.baseline_src and not (Path(args.baseline_src) / "ditmesh" / "__init__.py").is_file():
-        raise ConfigError(f"--baseline-src {args.baseline_src}: no ditmesh package there (expected "
-                          f"{Path(args.baseline_src) / 'ditmesh' / '__init__.py'}); give a source folder such as "
-                          "the src/ of another checkout")
     cpu = None
     if not on_gpu:  # one thread policy: every row's ranks, the 1-process reference included, get the threads of the
         # widest row's ranks (else the reference runs on every core and the speed-ups count threads, not ranks)
