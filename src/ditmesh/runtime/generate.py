@@ -682,7 +682,7 @@ def run(args) -> int:
     def on_step_end(p, i, t, kw):
         _sync(device)
         marks.append(time.perf_counter())
-        phases.step_end()
+        phases.step_end(marks[-1])  # the same reading: the trace's steps are the report's
         # the last step's latents are the result; a run that starts part-way (--strength) has fewer steps than
         # --steps, so every step's are kept (a reference: each step makes a new tensor) and the last one is saved
         final["latents"] = kw["latents"]

@@ -10,6 +10,7 @@ the step callback ``generate`` already has.
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 
 from ..hooks import Hook, add_hook
@@ -82,9 +83,11 @@ class CallPhases:
         self.starts: list[float] = []
         self.step_ends: list[float] = []
         self._removers: list = []
+        self._perf_to_timeline = 0.0  # set on entering: a perf_counter() reading + this = the timeline's seconds
 
     def __enter__(self):
         tl = timeline()
+        self._perf_to_timeline = tl.now() - time.perf_counter()
         self._call = tl.phase("pipeline call")
         self._call.__enter__()
         if hasattr(self.pipe, "encode_prompt"):
@@ -96,9 +99,11 @@ class CallPhases:
             self._removers.append(add_hook(model, _FirstCallHook(self.starts)))
         return self
 
-    def step_end(self) -> None:
-        """Called by the step callback, after the device was synchronized: the current step ends now."""
-        self.step_ends.append(timeline().now())
+    def step_end(self, perf: float | None = None) -> None:
+        """Called by the step callback, after the device was synchronized: the current step ends now, or at
+        ``perf`` (a ``time.perf_counter()`` reading the caller also keeps: the trace's steps are then the caller's
+        own, not a second clock read that a thread switch can put milliseconds later)."""
+        self.step_ends.append(timeline().now() if perf is None else perf + self._perf_to_timeline)
 
     def __exit__(self, *exc):
         for remove in self._removers:
