@@ -376,7 +376,8 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
     # undone after the trace: a family's trace may patch a function of diffusers' module, for every model of the
     # process (Sana-WM's camera geometry answered with empty tensors: a later real model read garbage)
     undo_trace = adapter.meta_trace(model) if adapter.meta_trace is not None else None
-    try:  # what runs before the trace: a failure there undoes it too
+    handles = []
+    try:  # what runs before the trace too: a failure there undoes it
         if chunk:
             from ..attention.local import QueryChunks
             from ..parallel import chunk as chunking
@@ -408,7 +409,6 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
 
         stack: list[str] = []
         linear_shapes: dict[str, list] = {}
-        handles = []
         traffic = _TrafficCounter(classify)
         block_ops: dict[str, int] = {}  # ops traced inside each block (its forward, every call)
         for path, block_list in blocks:
@@ -424,13 +424,8 @@ def trace_stats(spec: ModelSpec, height: int, width: int, frames: int = 1, batch
             if isinstance(module, torch.nn.Linear):
                 handles.append(module.register_forward_hook(
                     lambda m, a, o, n=name: linear_shapes.setdefault(n, []).append(tuple(a[0].shape)) and None))
-    except BaseException:
-        if callable(undo_trace):
-            undo_trace()
-        raise
-    attention_calls: list = []
-    flop_counter = FlopCounterMode(display=False)
-    try:
+        attention_calls: list = []
+        flop_counter = FlopCounterMode(display=False)
         with torch.no_grad(), flop_counter, _AttentionCatcher(stack, attention_calls), traffic:
             model(**inputs, return_dict=False)
     finally:

@@ -99,11 +99,11 @@ class CallPhases:
             self._removers.append(add_hook(model, _FirstCallHook(self.starts)))
         return self
 
-    def step_end(self, perf: float | None = None) -> None:
-        """Called by the step callback, after the device was synchronized: the current step ends now, or at
-        ``perf`` (a ``time.perf_counter()`` reading the caller also keeps: the trace's steps are then the caller's
-        own, not a second clock read that a thread switch can put milliseconds later)."""
-        self.step_ends.append(timeline().now() if perf is None else perf + self._perf_to_timeline)
+    def step_end(self, perf: float) -> None:
+        """Called by the step callback, after the device was synchronized: the current step ended at ``perf``, the
+        ``time.perf_counter()`` reading the caller keeps for its own step times (one reading: a second clock read
+        after a thread switch could put a step milliseconds off the caller's)."""
+        self.step_ends.append(perf + self._perf_to_timeline)
 
     def __exit__(self, *exc):
         for remove in self._removers:
