@@ -25,7 +25,7 @@
 #             as without --max-batch; the lone row re-checks item 2 on the default server)
 #   first512  (not in the default PARTS) the first picture after launch alone at 512², five servers taking turns
 #             (unbatched, batched, unbatched, batched, unbatched; one client of one request): the servers' start-up
-#             varies by +-15% between identical servers, so item 1's first-picture bar is read over several pairs
+#             varies by up to a quarter between identical servers, so item 1's first-picture bar is read over several pairs
 # The model is the synthetic architecture by name (random weights built in each process: no checkpoint written).
 # The call:  bash scripts/gpu.sh bash scripts/gpu_issue45.sh      (writes into $OUT)
 # CPU dry run (flux-tiny, 64² and 32², 2 steps, no compile; no VAE compile):  DRY=1 bash scripts/gpu_issue45.sh
