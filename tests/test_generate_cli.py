@@ -189,9 +189,16 @@ def test_synth_cli_writes_loadable_pipeline(tmp_path):
     pipe = FluxPipeline.from_pretrained(str(out))
     assert pipe.transformer.config.num_attention_heads == 6
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary left behind
-    again = subprocess.run([sys.executable, "-m", "ditmesh", "synth", "--arch", "flux-tiny", "--out", str(out)],
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    # a folder that is not empty, an unknown name: refused in one line before torch is imported
+    code = ("import sys; from ditmesh.cli import main; rc = main(['synth', *sys.argv[1:]]); "
+            "print(rc, 'torch' in sys.modules, 'diffusers' in sys.modules)")
+    for argv, needle in ((["--arch", "flux-tiny", "--out", str(out)], f"output folder {out} exists and is not empty"),
+                         (["--arch", "flux-huge", "--out", str(tmp_path / "new")], "unknown architecture 'flux-huge'; "
+                                                                                   "known: ")):
+        again = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert again.stdout.strip().splitlines()[-1] == "2 False False", (argv, again.stdout, again.stderr)
+        assert len(again.stderr.strip().splitlines()) == 1 and needle in again.stderr, (argv, again.stderr)
+    assert not (tmp_path / "new").exists()
 
 
 def test_synth_is_seeded():

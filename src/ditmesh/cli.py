@@ -298,6 +298,14 @@ def _cmd_synth(args) -> int:
         except BrokenPipeError:  # the reader went away (`ditmesh synth --list | head`): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if args.lora is None and args.arch is not None and args.out is not None:
+        # what needs no model is checked before torch and diffusers are imported: a bad --arch or --out answers at once
+        from .models.registry import ARCHS as known
+        from .shared import empty_output
+
+        if args.arch not in known:
+            raise ConfigError(f"unknown architecture {args.arch!r}; known: {', '.join(sorted(known))}")
+        empty_output(args.out)
     from .synth import ARCHS, write_checkpoint, write_lora
 
     if args.lora is not None:

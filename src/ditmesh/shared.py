@@ -222,3 +222,11 @@ def add_quant_flags(parser) -> None:
     modulation.add_argument("--quant-modulation", dest="quant_modulation", action="store_const", const=True,
                             help="with --quant: quantize the AdaLN modulation linears too (the default of fp8 and "
                                  "int8-weight)")
+
+
+def empty_output(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a Path; FileExistsError if it holds anything (``synth`` asks before it imports torch)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
+    return out

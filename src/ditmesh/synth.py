@@ -28,7 +28,7 @@ import torch
 from .models import adapter_for_class, registry
 from .models.base import SynthArch as Arch
 from .models.base import adapter_for
-from .shared import DTYPES, current_umask, follow_umask
+from .shared import DTYPES, current_umask, empty_output, follow_umask
 
 #: Words the synthetic tokenizers know as whole tokens (anything else falls back to characters).
 WORDS = (
@@ -335,21 +335,13 @@ def write_lora(model_dir: str | os.PathLike, rank: int, out_dir: str | os.PathLi
         raise ConfigError(f"--model {model_dir}: no pipeline folder (no model_index.json); give the folder that "
                           "ditmesh synth --arch wrote")
     index = json.loads(index_file.read_text())
-    out = _empty_output(out_dir)
+    out = empty_output(out_dir)
     transformer = getattr(diffusers, index["transformer"][1]).from_pretrained(model_dir, subfolder="transformer")
     state = attention_lora(transformer, rank, seed=seed)
     del transformer
     _write_folder(out, lambda tmp: getattr(diffusers, index["_class_name"]).save_lora_weights(
         tmp, transformer_lora_layers=state, weight_name="lora.safetensors"))
     return out / "lora.safetensors", len(state) // 2
-
-
-def _empty_output(out_dir: str | os.PathLike) -> Path:
-    """``out_dir`` as a Path; FileExistsError if it holds anything."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output folder {out} exists and is not empty; choose a new --out or remove it")
-    return out
 
 
 def _write_folder(out: Path, write) -> None:
@@ -379,7 +371,7 @@ def write_checkpoint(arch_name: str, out_dir: str | os.PathLike, seed: int = 0, 
     nothing half-written under ``out_dir``.
     """
     arch = get_arch(arch_name)
-    out = _empty_output(out_dir)
+    out = empty_output(out_dir)
     from .config import ConfigError
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
