@@ -5,6 +5,7 @@ from __future__ import annotations
 import getpass
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -94,3 +95,35 @@ def tiny_checkpoints(tmp_path_factory):
         return written[name]
 
     return get
+
+
+# -- where the suite's time goes (docs/testing.md): DITMESH_TEST_TIMELINE=FILE writes one line a test --------------
+_TIMELINE = os.environ.get("DITMESH_TEST_TIMELINE")
+_STARTED: dict = {}
+
+
+def pytest_configure(config):
+    global _TIMELINE
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        _TIMELINE = None  # xdist's controller: its workers write the lines
+
+
+def _children_cpu() -> float:
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TIMELINE:
+        _STARTED[nodeid] = (time.time(), time.process_time(), _children_cpu())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """The test's worker, start and end (epoch seconds), its own CPU seconds and its reaped children's."""
+    if _TIMELINE and nodeid in _STARTED:
+        start, cpu, children = _STARTED.pop(nodeid)
+        with open(_TIMELINE, "a") as out:
+            out.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{start:.2f}\t{time.time():.2f}\t"
+                      f"{time.process_time() - cpu:.2f}\t{_children_cpu() - children:.2f}\t{nodeid}\n")
