@@ -300,11 +300,10 @@ def _cmd_synth(args) -> int:
         return 0
     if args.lora is None and args.arch is not None and args.out is not None:
         # what needs no model is checked before torch and diffusers are imported: a bad --arch or --out answers at once
-        from .models.registry import ARCHS as known
+        from .models.registry import check_arch
         from .shared import empty_output
 
-        if args.arch not in known:
-            raise ConfigError(f"unknown architecture {args.arch!r}; known: {', '.join(sorted(known))}")
+        check_arch(args.arch)
         empty_output(args.out)
     from .synth import ARCHS, write_checkpoint, write_lora
 

@@ -44,14 +44,9 @@ WORDS = (
 ARCHS: Mapping[str, Arch] = registry.ARCHS  # loads an architecture's family when it is looked up
 
 
-class UnknownArchError(ValueError):
-    """An architecture name ``ditmesh synth`` does not know."""
-
-
 def get_arch(name: str) -> Arch:
-    """The architecture called ``name``; the error lists the known ones."""
-    if name not in ARCHS:
-        raise UnknownArchError(f"unknown architecture {name!r}; known: {', '.join(sorted(ARCHS))}")
+    """The architecture called ``name``; the error (registry.UnknownArchError) lists the known ones."""
+    registry.check_arch(name)
     return ARCHS[name]
 
 

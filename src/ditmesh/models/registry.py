@@ -759,3 +759,13 @@ def family_adapters(family) -> list:
 
 #: every synthetic architecture by name, loaded on look-up
 ARCHS = Archs()
+
+
+class UnknownArchError(ValueError):
+    """An architecture name ``ditmesh synth`` does not know."""
+
+
+def check_arch(name: str) -> None:
+    """UnknownArchError, listing the known names, if ``name`` is no synthetic architecture (nothing is imported)."""
+    if name not in SYNTH:
+        raise UnknownArchError(f"unknown architecture {name!r}; known: {', '.join(sorted(SYNTH))}")
